@@ -1,0 +1,33 @@
+"""Exceptions kvtier raises. Each names what was wrong so the caller can act on it."""
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration file or dict is invalid; the message names the key, the value and what is allowed."""
+
+
+class StateError(KvtierError, RuntimeError):
+    """An operation does not fit a block's or a job's current state (commit without reserve, unpin below zero)."""
+
+
+class DoubleFreeError(StateError):
+    """A slot was freed that is already free."""
+
+
+class CapacityError(KvtierError, ValueError):
+    """A request can never fit: more blocks than the whole tier holds."""
+
+
+class FenceError(StateError):
+    """A slot was reused, freed or overwritten while a job still reads or writes it."""
+
+
+class ClosedError(KvtierError, RuntimeError):
+    """The stack, tier or backend was used after close()."""
+
+
+class TransferError(KvtierError, RuntimeError):
+    """A transfer could not be set up (incompatible storages, bad slot ids)."""

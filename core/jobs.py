@@ -1,0 +1,247 @@
+"""The job manager: the single place that knows which transfers are in flight.
+
+A job is one transfer of a list of blocks. It expects a number of completion reports (one per
+worker; with tensor parallelism every rank reports, also ranks that copied nothing) that may arrive
+over several steps. A block fails when any report says so. The job is DONE when every report arrived
+and no block failed, FAILED when some block failed, CANCELLED when it was cancelled before its
+reports were in (its bytes may still have moved, so its fences hold until then).
+
+Fences: each job names the slots it reads and writes, per tier. A slot written by a job in flight may
+not be read or written by another job, and a slot read by one may not be written; ``create`` refuses
+such a job, ``flush`` waits until a slot's jobs are over, and tiers ask ``is_fenced`` before freeing.
+
+Thread safety: all methods may be called from any thread; completion callbacks run exactly once,
+outside the manager's lock, on the thread that delivered the last report.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from kvtier.core.errors import FenceError, StateError
+
+log = logging.getLogger(__name__)
+
+
+class JobState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Job access to one slot of one tier (or of an engine's storage, named like a tier)."""
+
+    tier: str
+    slot: int
+    write: bool
+
+
+@dataclass
+class Job:
+    id: int
+    kind: str
+    num_blocks: int
+    expected_reports: int
+    fences: tuple[Fence, ...] = ()
+    state: JobState = JobState.PENDING
+    reports: int = 0
+    failed_blocks: set[int] = field(default_factory=set)
+    cancel_requested: bool = False
+    callback_errors: list[BaseException] = field(default_factory=list)
+    _callbacks: list[Callable[["Job"], None]] = field(default_factory=list, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def ok_blocks(self) -> list[int]:
+        """Indices of the blocks every report said landed (meaningful once the job is final)."""
+        return [i for i in range(self.num_blocks) if i not in self.failed_blocks]
+
+
+@dataclass
+class WorkerReport:
+    """What workers say about jobs: reports received and failed block indices per job id.
+
+    Reports of several ranks, or of several steps, merge with ``aggregate``: counts add up and
+    failures are united, so a job completes exactly when all its expected reports are in.
+    """
+
+    finished: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, frozenset[int]] = field(default_factory=dict)
+
+    def add(self, job_id: int, failed: Iterable[int] = ()) -> None:
+        self.finished[job_id] = self.finished.get(job_id, 0) + 1
+        failed = frozenset(failed)
+        if failed:
+            self.failed[job_id] = self.failed.get(job_id, frozenset()) | failed
+
+    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+        merged = WorkerReport(dict(self.finished), dict(self.failed))
+        for job_id, count in other.finished.items():
+            merged.finished[job_id] = merged.finished.get(job_id, 0) + count
+        for job_id, failed in other.failed.items():
+            merged.failed[job_id] = merged.failed.get(job_id, frozenset()) | failed
+        return merged
+
+
+class JobManager:
+    """Creates jobs with increasing ids, collects their reports, holds their fences."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._jobs: dict[int, Job] = {}
+        self._fences: dict[tuple[str, int], dict[int, bool]] = {}  # (tier, slot) -> {job id: writes}
+
+    def create(self, kind: str, num_blocks: int, expected_reports: int = 1, fences: Iterable[Fence] = (),
+               on_done: Callable[[Job], None] | None = None) -> Job:
+        """A new PENDING job. Raises FenceError (creating nothing) when a fence conflicts with a job in flight."""
+        if expected_reports < 1:
+            raise ValueError("a job expects at least one report")
+        fences = tuple(fences)
+        with self._lock:
+            for fence in fences:
+                holders = self._fences.get((fence.tier, fence.slot), {})
+                if any(fence.write or writes for writes in holders.values()):
+                    raise FenceError(f"slot {fence.slot} of {fence.tier!r} is in use by job(s) {sorted(holders)}")
+            job = Job(next(self._ids), kind, num_blocks, expected_reports, fences)
+            if on_done is not None:
+                job._callbacks.append(on_done)
+            self._jobs[job.id] = job
+            for fence in fences:
+                holders = self._fences.setdefault((fence.tier, fence.slot), {})
+                holders[job.id] = holders.get(job.id, False) or fence.write
+            return job
+
+    def get(self, job_id: int) -> Job:
+        with self._lock:
+            return self._job(job_id)
+
+    def start(self, job_id: int) -> None:
+        with self._lock:
+            job = self._job(job_id)
+            if job.state is JobState.PENDING:
+                job.state = JobState.RUNNING
+
+    def report(self, job_id: int, failed: Iterable[int] = (), count: int = 1) -> None:
+        """Record ``count`` completion reports for a job, with the block indices that failed."""
+        report = WorkerReport({job_id: count}, {job_id: frozenset(failed)})
+        self.apply(report)
+
+    def apply(self, report: WorkerReport) -> None:
+        """Record merged worker reports; jobs whose reports are all in become final and run their callbacks."""
+        finished: list[Job] = []
+        with self._lock:
+            for job_id, count in report.finished.items():  # validate everything before changing anything
+                job = self._job(job_id)
+                if job.state.final:
+                    raise StateError(f"job {job_id} got a report after it ended ({job.state.value})")
+                if job.reports + count > job.expected_reports:
+                    raise StateError(f"job {job_id} got {job.reports + count} reports, expected {job.expected_reports}")
+                if any(not 0 <= i < job.num_blocks for i in report.failed.get(job_id, ())):
+                    raise StateError(f"job {job_id} got a failure for a block index outside [0, {job.num_blocks})")
+            for job_id, count in report.finished.items():
+                job = self._jobs[job_id]
+                job.failed_blocks |= report.failed.get(job_id, frozenset())
+                job.reports += count
+                job.state = JobState.RUNNING
+                if job.reports == job.expected_reports:
+                    self._finish(job)
+                    finished.append(job)
+        for job in finished:
+            self._run_callbacks(job)
+
+    def cancel(self, job_id: int) -> None:
+        """Ask for a job's result to be discarded; it still waits for its reports before its fences drop."""
+        with self._lock:
+            job = self._job(job_id)
+            if not job.state.final:
+                job.cancel_requested = True
+
+    def add_done_callback(self, job: Job, callback: Callable[[Job], None]) -> None:
+        """Run ``callback(job)`` once the job is final (at once if it already is)."""
+        with self._lock:
+            if not job.state.final:
+                job._callbacks.append(callback)
+                return
+        callback(job)
+
+    def wait(self, job: Job, timeout: float | None = None) -> Job:
+        """Block until the job is final and its callbacks ran; TimeoutError if it does not end in time."""
+        if not job._done.wait(timeout):
+            raise TimeoutError(f"job {job.id} ({job.kind}) did not complete within {timeout} s: "
+                               f"{job.reports}/{job.expected_reports} reports")
+        return job
+
+    def is_fenced(self, tier: str, slot: int) -> bool:
+        with self._lock:
+            return bool(self._fences.get((tier, slot)))
+
+    def flush(self, tier: str, slots: Iterable[int], timeout: float | None = None) -> None:
+        """Wait until no job in flight reads or writes any of these slots."""
+        with self._lock:
+            ids = {job_id for slot in slots for job_id in self._fences.get((tier, slot), {})}
+            jobs = [self._jobs[i] for i in ids]
+        self._wait_all(jobs, timeout)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every job is final."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        self._wait_all(jobs, timeout)
+
+    def in_flight(self) -> list[Job]:
+        """Jobs not yet final (or whose callbacks are still running)."""
+        with self._lock:
+            return list(self._jobs.values())
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _job(self, job_id: int) -> Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise StateError(f"unknown job id {job_id}") from None
+
+    def _finish(self, job: Job) -> None:
+        if job.cancel_requested:
+            job.state = JobState.CANCELLED
+        else:
+            job.state = JobState.FAILED if job.failed_blocks else JobState.DONE
+        for fence in job.fences:
+            holders = self._fences.get((fence.tier, fence.slot))
+            if holders is not None:
+                holders.pop(job.id, None)
+                if not holders:
+                    del self._fences[(fence.tier, fence.slot)]
+
+    def _run_callbacks(self, job: Job) -> None:
+        callbacks, job._callbacks = job._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(job)
+            except BaseException as exc:  # a callback bug must not kill the thread that reported
+                log.exception("completion callback of job %d failed", job.id)
+                job.callback_errors.append(exc)
+        with self._lock:
+            del self._jobs[job.id]  # the table holds jobs in flight only; callers keep their Job objects
+        job._done.set()
+
+    def _wait_all(self, jobs: Iterable[Job], timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.wait(job, remaining)

@@ -1,0 +1,21 @@
+"""Counters a tier and a stack keep, so users can see where hits come from and how many bytes move."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TierStats:
+    """Per-tier counters; a tier updates them under its own lock."""
+
+    committed: int = 0     # blocks that became readable
+    aborted: int = 0       # reserved blocks released without being written (failed or cancelled writes)
+    evicted: int = 0       # blocks dropped to make room (after demotion when write-back)
+    demoted: int = 0       # blocks copied down to the next tier because they were pushed out of this one
+    hits: int = 0          # blocks served from this tier by load()
+    bytes_in: int = 0      # bytes written into this tier
+    bytes_out: int = 0     # bytes read out of this tier
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

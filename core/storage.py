@@ -1,0 +1,117 @@
+"""Where block bytes live, expressed as raw addresses.
+
+Every storage (a tier's slab, an engine's per-layer KV tensors, a caller's arrays) answers one
+question: the address of each fragment of each slot. A transfer between any two storages is then a
+list of (source address, destination address, byte count) triples, which the CPU backend runs with
+memmove and a CUDA backend hands to one batched driver copy. A storage keeps a reference to the
+memory it describes, so the addresses stay valid for as long as the storage lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvtier.core.errors import TransferError
+from kvtier.core.layout import BlockLayout
+
+
+class BlockStorage:
+    """Fragment addresses of ``num_slots`` blocks with one ``layout`` on one ``device`` ("cpu" or "cuda")."""
+
+    def __init__(self, layout: BlockLayout, num_slots: int, device: str, keepalive: Any = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.layout = layout
+        self.num_slots = int(num_slots)
+        self.device = device
+        self._keepalive = keepalive
+        self._on_close = on_close
+
+    def fragment_addresses(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Addresses as an int64 array of shape (len(slots), num_fragments); raises on a slot out of range."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+            raise TransferError(f"slot ids must lie in [0, {self.num_slots}), got {slots.min()}..{slots.max()}")
+        return self._addresses(slots)
+
+    def _addresses(self, slots: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop the reference to the memory (and release it when the storage owns it); do not use it afterwards."""
+        self._keepalive = None
+        self.num_slots = 0  # any later address request fails its range check
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+class StridedStorage(BlockStorage):
+    """Fragment f of slot s lies at ``bases[f] + s * strides[f]``.
+
+    This covers a contiguous slab (one base per fragment offset, every stride ``block_bytes``) and
+    per-layer tensors (one base per layer tensor, its block stride).
+    """
+
+    def __init__(self, layout: BlockLayout, num_slots: int, bases: Sequence[int], strides: Sequence[int],
+                 device: str = "cpu", keepalive: Any = None, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(layout, num_slots, device, keepalive, on_close)
+        self.bases = np.asarray(bases, dtype=np.int64)
+        self.strides = np.asarray(strides, dtype=np.int64)
+        if self.bases.shape != (layout.num_fragments,) or self.strides.shape != (layout.num_fragments,):
+            raise TransferError(f"need one base and one stride per fragment ({layout.num_fragments})")
+
+    def _addresses(self, slots: np.ndarray) -> np.ndarray:
+        return self.bases[None, :] + slots[:, None] * self.strides[None, :]
+
+
+class SlotListStorage(BlockStorage):
+    """Each slot is its own contiguous buffer at ``slot_bases[s]`` (a list of separate arrays)."""
+
+    def __init__(self, layout: BlockLayout, slot_bases: Sequence[int], device: str = "cpu",
+                 keepalive: Any = None) -> None:
+        self.slot_bases = np.asarray(slot_bases, dtype=np.int64)
+        super().__init__(layout, len(self.slot_bases), device, keepalive)
+
+    def _addresses(self, slots: np.ndarray) -> np.ndarray:
+        return self.slot_bases[slots][:, None] + self.layout.offsets[None, :]
+
+
+def contiguous_storage(base: int, num_slots: int, layout: BlockLayout, device: str = "cpu",
+                       keepalive: Any = None, on_close: Callable[[], None] | None = None) -> StridedStorage:
+    """A slab of ``num_slots`` back-to-back blocks starting at address ``base``."""
+    return StridedStorage(layout, num_slots, base + layout.offsets, [layout.block_bytes] * layout.num_fragments,
+                          device, keepalive, on_close)
+
+
+def buffer_info(array: Any, writable: bool) -> tuple[int, int, str]:
+    """(address, nbytes, device) of a C-contiguous numpy array or torch tensor; raises TransferError otherwise."""
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise TransferError("block buffers must be C-contiguous")
+        if writable and not array.flags.writeable:
+            raise TransferError("the destination array is read-only")
+        return array.ctypes.data, array.nbytes, "cpu"
+    if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # a torch tensor, without importing torch
+        if not array.is_contiguous():
+            raise TransferError("block tensors must be contiguous")
+        return array.data_ptr(), array.numel() * array.element_size(), array.device.type
+    raise TransferError(f"blocks must be numpy arrays or torch tensors, got {type(array).__name__}")
+
+
+def buffer_storage(blocks: Any, layout: BlockLayout, writable: bool = False) -> BlockStorage:
+    """Wrap a caller's blocks as a storage: one array of n blocks (leading dimension n), or a list of arrays."""
+    if isinstance(blocks, (list, tuple)):
+        infos = [buffer_info(b, writable) for b in blocks]
+        bad = [i for i, (_, n, _) in enumerate(infos) if n != layout.block_bytes]
+        if bad:
+            raise TransferError(f"block {bad[0]} has {infos[bad[0]][1]} bytes, the layout needs {layout.block_bytes}")
+        devices = {d for _, _, d in infos}
+        if len(devices) > 1:
+            raise TransferError(f"blocks live on several devices: {sorted(devices)}")
+        return SlotListStorage(layout, [a for a, _, _ in infos], devices.pop() if devices else "cpu", list(blocks))
+    address, nbytes, device = buffer_info(blocks, writable)
+    if nbytes % layout.block_bytes:
+        raise TransferError(f"a buffer of {nbytes} bytes is not a whole number of {layout.block_bytes}-byte blocks")
+    return contiguous_storage(address, nbytes // layout.block_bytes, layout, device, blocks)

@@ -1,0 +1,341 @@
+"""The block interface every tier shares: an index of keys to slots, a slot allocator, block states
+with explicit reference counts, and an eviction policy.
+
+Block life: ``FREE -> WRITING (reserve) -> READY (commit) -> pinned by readers -> evicted -> FREE``.
+Readers only ever see READY blocks. A pinned block (a reader, or a job copying it out) and a WRITING
+block (a job copying in) are never evicted. Misuse raises: a double free, an unpin below zero, a commit
+of a key that was not reserved.
+
+Thread safety: every public method takes the tier's lock, so a tier may be called from the engine's
+thread and from transfer-completion threads at once. The policy is only called under that lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
+from kvtier.core.metrics import TierStats
+from kvtier.core.storage import BlockStorage
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.watermark import Watermark
+
+
+class BlockState(enum.Enum):
+    FREE = "free"
+    WRITING = "writing"
+    READY = "ready"
+
+
+class SlotAllocator:
+    """The free slots of one tier. Refuses a double free and a slot out of range."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low slots first
+        self._is_free = [True] * capacity
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` slots, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        slots = [self._free.pop() for _ in range(n)]
+        for slot in slots:
+            self._is_free[slot] = False
+        return slots
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.capacity:
+            raise StateError(f"slot {slot} is outside [0, {self.capacity})")
+        if self._is_free[slot]:
+            raise DoubleFreeError(f"slot {slot} is already free")
+        self._is_free[slot] = True
+        self._free.append(slot)
+
+
+@dataclass
+class _Entry:
+    slot: int
+    state: BlockState
+    pins: int = 0
+    evicting: bool = False  # chosen as a victim, waiting for its demotion copy; still readable
+
+
+@dataclass(frozen=True)
+class Usage:
+    used: int
+    capacity: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+class Tier:
+    """One level of the stack: ``name`` and ``medium`` ("gpu", "host", ...) over a ``storage`` of slots."""
+
+    def __init__(self, name: str, medium: str, storage: BlockStorage, policy: EvictionPolicy,
+                 watermark: Watermark | None = None,
+                 is_fenced: Callable[[str, int], bool] | None = None, note: str = "") -> None:
+        self.name = name
+        self.medium = medium
+        self.storage = storage
+        self.policy = policy
+        self.watermark = watermark
+        self.note = note  # what the medium really is here, e.g. "pageable host memory (no CUDA)"
+        self.stats = TierStats()
+        self._is_fenced = is_fenced
+        self._allocator = SlotAllocator(storage.num_slots)
+        self._entries: dict[bytes, _Entry] = {}
+        self._pinned: set[bytes] = set()
+        self._lock = threading.RLock()
+
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def block_bytes(self) -> int:
+        return self.storage.layout.block_bytes
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        return (f"{type(self).__name__}(name={self.name!r}, medium={self.medium!r}, device={self.storage.device!r}, "
+                f"used={u.used}/{u.capacity} blocks of {self.block_bytes} B{', ' + self.note if self.note else ''})")
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are READY here. Touches nothing."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or entry.state is not BlockState.READY:
+                    return i
+            return len(keys)
+
+    def state(self, key: bytes) -> BlockState:
+        with self._lock:
+            entry = self._entries.get(key)
+            return BlockState.FREE if entry is None else entry.state
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """Protect READY blocks from eviction while they are read; returns their slots.
+
+        All or nothing: raises StateError (and pins none) when a key is not READY. Every pin must be
+        released with ``unpin``. Counts as a use for the eviction policy.
+        """
+        with self._lock:
+            entries = [self._ready_entry(key) for key in keys]
+            for key, entry in zip(keys, entries):
+                entry.pins += 1
+                self._pinned.add(key)
+                if not entry.evicting:
+                    self.policy.touch(key)
+            return [e.slot for e in entries]
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
+        with self._lock:
+            keys = list(keys)
+            entries = [self._entries.get(key) for key in keys]
+            counts: dict[bytes, int] = {}
+            for key, entry in zip(keys, entries):
+                counts[key] = counts.get(key, 0) + 1
+                if entry is None or entry.pins < counts[key]:
+                    raise StateError(f"unpin of block {key.hex()[:16]} which is not pinned")
+            for key, entry in zip(keys, entries):
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._pinned.discard(key)
+
+    def slots(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of keys that are present in any state; raises StateError on an absent key."""
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    raise StateError(f"block {key.hex()[:16]} is not in tier {self.name!r}")
+                out.append(entry.slot)
+            return out
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def reserve(self, keys: Sequence[bytes], allow_evict: bool = True) -> list[int] | None:
+        """Claim one slot per key to write; the blocks stay invisible to readers until ``commit``.
+
+        All or nothing. Keys must be distinct and absent from the tier (StateError otherwise). When
+        too few slots are free and ``allow_evict``, READY unpinned blocks are dropped through the
+        policy; pinned, writing and evicting blocks never are. Returns None (and claims nothing)
+        when the room cannot be made. Raises CapacityError when ``keys`` outnumber the whole tier.
+        """
+        if len(keys) > self.capacity:
+            raise CapacityError(f"{len(keys)} blocks can never fit in tier {self.name!r} of {self.capacity} blocks")
+        if len(set(keys)) != len(keys):
+            raise StateError("reserve got the same key twice")
+        with self._lock:
+            present = [k for k in keys if k in self._entries]
+            if present:
+                raise StateError(f"block {present[0].hex()[:16]} is already in tier {self.name!r}")
+            short = len(keys) - self._allocator.num_free
+            if short > 0:
+                if not allow_evict:
+                    return None
+                self.evict(short)
+            slots = self._allocator.allocate(len(keys))
+            if slots is None:
+                return None
+            for key, slot in zip(keys, slots):
+                self._entries[key] = _Entry(slot, BlockState.WRITING)
+            return slots
+
+    def commit(self, keys: Iterable[bytes], pin: bool = False) -> None:
+        """Publish written blocks: WRITING -> READY. Raises StateError (and commits none) for a key not reserved.
+
+        With ``pin`` the blocks are also pinned in the same step, so no eviction can slip in between
+        (a staging tier whose blocks are read again at once needs that).
+        """
+        with self._lock:
+            keys = list(keys)
+            for key in keys:
+                self._writing_entry(key, "commit")
+            for key in keys:
+                entry = self._entries[key]
+                entry.state = BlockState.READY
+                self.policy.insert(key)
+                if pin:
+                    entry.pins += 1
+                    self._pinned.add(key)
+            self.stats.committed += len(keys)
+            self.stats.bytes_in += len(keys) * self.block_bytes
+
+    def abort(self, keys: Iterable[bytes]) -> None:
+        """Release reserved slots whose write failed or was cancelled: WRITING -> FREE."""
+        with self._lock:
+            keys = list(keys)
+            for key in keys:
+                self._writing_entry(key, "abort")
+            for key in keys:
+                self._free_entry(key)
+            self.stats.aborted += len(keys)
+
+    # --- eviction ------------------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[bytes]:
+        """Drop up to ``n`` READY, unpinned blocks chosen by the policy; returns their keys."""
+        with self._lock:
+            victims = [key for key, _ in self.begin_evict(n)]
+            self.end_evict(victims)
+            return victims
+
+    def begin_evict(self, n: int) -> list[tuple[bytes, int]]:
+        """Choose up to ``n`` victims and pin them while their bytes are copied elsewhere; returns (key, slot).
+
+        The victims stay READY and readable until ``end_evict``; the policy no longer offers them.
+        """
+        with self._lock:
+            victims = self.policy.evict(n, self._pinned)
+            out = []
+            for key in victims:
+                entry = self._entries[key]
+                entry.evicting = True
+                entry.pins += 1
+                self._pinned.add(key)
+                out.append((key, entry.slot))
+            return out
+
+    def end_evict(self, keys: Iterable[bytes], drop: bool = True) -> int:
+        """Finish ``begin_evict``: drop each victim, or keep it (back in the policy) when ``drop`` is
+        False or a reader pinned it meanwhile. Returns the number dropped."""
+        with self._lock:
+            dropped = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.evicting:
+                    raise StateError(f"block {key.hex()[:16]} is not being evicted from tier {self.name!r}")
+                entry.evicting = False
+                self.unpin([key])
+                if drop and entry.pins == 0:
+                    self._free_entry(key)
+                    dropped += 1
+                else:
+                    self.policy.insert(key)
+            self.stats.evicted += dropped
+            return dropped
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def record(self, **counts: int) -> None:
+        """Add to the named ``stats`` counters (for the stack, which counts hits and demotions)."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def usage(self) -> Usage:
+        with self._lock:
+            return Usage(self.capacity - self._allocator.num_free, self.capacity)
+
+    def excess(self) -> int:
+        """Blocks to free now to honour the watermark (0 without one or below the high mark)."""
+        if self.watermark is None:
+            return 0
+        u = self.usage()
+        return self.watermark.excess(u.used, u.capacity)
+
+    def leaks(self) -> dict[str, int]:
+        """What would leak if the tier were closed now: pinned blocks and blocks still being written."""
+        with self._lock:
+            return {
+                "pinned": sum(1 for e in self._entries.values() if e.pins),
+                "writing": sum(1 for e in self._entries.values() if e.state is BlockState.WRITING),
+            }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the index, the allocator and the policy disagree (for tests and debugging)."""
+        with self._lock:
+            slots = [e.slot for e in self._entries.values()]
+            assert len(slots) == len(set(slots)), "a slot is owned twice"
+            assert len(slots) + self._allocator.num_free == self.capacity, "slots leaked or double counted"
+            assert all(not self._allocator._is_free[s] for s in slots), "an owned slot is on the free list"
+            assert all(e.pins >= 0 for e in self._entries.values()), "a negative pin count"
+            assert self._pinned == {k for k, e in self._entries.items() if e.pins}, "pinned set out of date"
+            tracked = {k for k, e in self._entries.items() if e.state is BlockState.READY and not e.evicting}
+            assert len(self.policy) == len(tracked) and all(k in self.policy for k in tracked), \
+                "the policy tracks other keys than the READY blocks"
+
+    def close(self) -> None:
+        """Release the storage. Raises StateError if blocks are still pinned or being written."""
+        leaks = self.leaks()
+        if any(leaks.values()):
+            raise StateError(f"tier {self.name!r} closed with blocks in use: {leaks}")
+        self.storage.close()
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _ready_entry(self, key: bytes) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.READY:
+            state = "absent" if entry is None else entry.state.value
+            raise StateError(f"block {key.hex()[:16]} is {state} in tier {self.name!r}, not ready")
+        return entry
+
+    def _writing_entry(self, key: bytes, what: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.WRITING:
+            raise StateError(f"{what} of block {key.hex()[:16]} which was not reserved in tier {self.name!r}")
+        return entry
+
+    def _free_entry(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        if self._is_fenced is not None and self._is_fenced(self.name, entry.slot):
+            self._entries[key] = entry
+            raise FenceError(f"slot {entry.slot} of tier {self.name!r} is still used by a job in flight")
+        self._allocator.free(entry.slot)

@@ -1,0 +1,1 @@
+"""kvtier: a tiered KV-cache block store for LLM inference."""

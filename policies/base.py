@@ -1,0 +1,42 @@
+"""The eviction strategy interface: which blocks leave a tier.
+
+A tier tells its policy about every readable block (``insert``), every read (``touch``) and every
+block that left for another reason (``remove``); when it needs room it asks ``evict(n, protected)``
+for victims. The tier owns the lock: a policy is only ever called under it and needs none itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Container
+
+
+class EvictionPolicy(ABC):
+    """Orders a tier's readable blocks for eviction. Keys are opaque ``bytes``."""
+
+    @abstractmethod
+    def insert(self, key: bytes) -> None:
+        """A block became readable in the tier. The key is not tracked yet."""
+
+    @abstractmethod
+    def touch(self, key: bytes) -> None:
+        """A tracked block was read."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """A tracked block left the tier without being chosen by ``evict``; forget it."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[bytes]) -> list[bytes]:
+        """Choose up to ``n`` tracked keys not in ``protected``, forget them, and return them in eviction order.
+
+        Returns fewer than ``n`` (possibly none) when fewer unprotected keys are tracked.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked keys."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is tracked."""

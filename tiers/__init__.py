@@ -1,0 +1,1 @@
+"""One module per storage medium: host memory, GPU memory (disk and remote later)."""

@@ -1,0 +1,47 @@
+"""The GPU tier: blocks in device tensors, one tensor per fragment (a layer-outer layout, as vLLM keeps).
+
+Under vLLM the tensors belong to the engine and only ``device_storage`` is used, to address them.
+Standalone, the tier allocates its own tensors. Without CUDA it runs on CPU tensors, so everything
+above it works and is tested on any machine, and it says so in its description.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvtier.core.errors import TransferError
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import StridedStorage
+from kvtier.core.tier import Tier
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.watermark import Watermark
+
+
+def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorage:
+    """Address engine tensors: tensor f holds fragment f of every block, blocks along dimension 0.
+
+    Geometry comes from each tensor's data pointer and block stride, not from its shape, so views
+    into one shared buffer (as vLLM 0.33 hands out) work as well as separate tensors.
+    """
+    if len(tensors) != layout.num_fragments:
+        raise TransferError(f"{len(tensors)} tensors for a layout of {layout.num_fragments} fragments")
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1:
+        raise TransferError(f"tensors live on several devices: {sorted(devices)}")
+    num_blocks = min(t.shape[0] for t in tensors)
+    for t, nbytes in zip(tensors, layout.fragment_bytes):
+        if t[0].numel() * t.element_size() != nbytes or not t[0].is_contiguous():
+            raise TransferError(f"a tensor's block is not one contiguous run of {nbytes} bytes")
+    return StridedStorage(layout, num_blocks, [t.data_ptr() for t in tensors],
+                          [t.stride(0) * t.element_size() for t in tensors], devices.pop(), list(tensors))
+
+
+def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+             watermark: Watermark | None = None, is_fenced=None) -> Tier:
+    """A tier over its own tensors: on the current CUDA device, or on the CPU when there is none."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) for nbytes in layout.fragment_bytes]
+    note = f"CUDA device {torch.cuda.current_device()}" if device == "cuda" else "CPU tensors standing in for a GPU (no CUDA)"
+    return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)

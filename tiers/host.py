@@ -1,0 +1,70 @@
+"""The host-memory tier: one page-aligned slab, registered with CUDA (pinned) when CUDA is present.
+
+Pinned memory is what lets a GPU copy engine read and write the slab asynchronously at full PCIe
+speed. Without CUDA the slab is ordinary pageable memory and the tier says so in its description.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import contiguous_storage
+from kvtier.core.tier import Tier
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.watermark import Watermark
+
+log = logging.getLogger(__name__)
+
+
+class HostSlab:
+    """``num_slots * block_bytes`` bytes of anonymous, page-aligned memory, pinned when CUDA allows."""
+
+    def __init__(self, num_slots: int, layout: BlockLayout) -> None:
+        self.nbytes = num_slots * layout.block_bytes
+        self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+        self.address = self.array.ctypes.data
+        self.pinned = _cuda_register(self.address, self.nbytes)
+        self.storage = contiguous_storage(self.address, num_slots, layout, "cpu", self, self.close)
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        if self.pinned:
+            _cuda_unregister(self.address)
+            self.pinned = False
+        del self.array
+        self._map.close()
+
+
+def _cuda_register(address: int, nbytes: int) -> bool:
+    """Page-lock the slab with CUDA when CuPy and a GPU are there; False (pageable) otherwise."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        if not cupy.cuda.is_available():
+            return False
+        cupy.cuda.runtime.hostRegister(address, nbytes, 0)
+        return True
+    except Exception as exc:  # a driver that refuses to pin leaves a slower but correct pageable slab
+        log.warning("could not pin %d bytes of host memory with CUDA, using pageable memory: %s", nbytes, exc)
+        return False
+
+
+def _cuda_unregister(address: int) -> None:
+    import cupy
+    cupy.cuda.runtime.hostUnregister(address)
+
+
+def host_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+              watermark: Watermark | None = None, is_fenced=None) -> Tier:
+    """A tier over a fresh host slab of ``num_slots`` blocks."""
+    slab = HostSlab(num_slots, layout)
+    note = "pinned host memory" if slab.pinned else "pageable host memory (no CUDA)"
+    return Tier(name, "host", slab.storage, policy, watermark, is_fenced, note)
