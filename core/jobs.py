@@ -190,11 +190,14 @@ class JobManager:
         with self._lock:
             return bool(self._fences.get((tier, slot)))
 
-    def flush(self, tier: str, slots: Iterable[int], timeout: float | None = None) -> None:
-        """Wait until no job in flight reads or writes any of these slots."""
+    def flush(self, tier: str, slots: Iterable[int] | None = None, timeout: float | None = None) -> None:
+        """Wait until no job in flight reads or writes any of these slots (any slot of the tier when None)."""
         with self._lock:
-            ids = {job_id for slot in slots for job_id in self._fences.get((tier, slot), {})}
-            jobs = [self._jobs[i] for i in ids]
+            if slots is None:
+                jobs = [j for j in self._jobs.values() if any(f.tier == tier for f in j.fences)]
+            else:
+                ids = {job_id for slot in slots for job_id in self._fences.get((tier, slot), {})}
+                jobs = [self._jobs[i] for i in ids]
         self._wait_all(jobs, timeout)
 
     def drain(self, timeout: float | None = None) -> None:

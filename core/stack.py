@@ -277,22 +277,26 @@ class TierStack:
     def _reserve(self, index: int, keys: list[bytes]) -> list[int]:
         """Slots for ``keys`` in tier ``index``, making room first; fewer (a prefix) when room runs out.
 
-        With write-back, victims that no lower tier holds are demoted before their slots are reused;
-        otherwise (and in the last tier) victims are simply dropped.
+        Victims that the next tier lacks are demoted before their slots are reused (with write-back
+        that is the only way down; with write-through it covers blocks whose eager copy is still
+        queued); victims of the last tier are dropped.
         """
         tier = self.tiers[index]
         keys = keys[:tier.capacity]
-        demote = self.placement == "write_back" and index + 1 < len(self.tiers)
-        short = len(keys) - (tier.capacity - tier.usage().used)
-        if short > 0 and demote:
-            for job in self._make_room(index, short):
-                self.jobs.wait(job)
-        while keys:
+        demote = index + 1 < len(self.tiers)
+        for attempt in range(2):
+            short = len(keys) - tier.usage().free
+            if short > 0 and demote:
+                for job in self._make_room(index, short):
+                    self.jobs.wait(job)
             slots = tier.reserve(keys, allow_evict=not demote)
             if slots is not None:
                 return slots
-            keys = keys[:tier.capacity - tier.usage().used]  # a full tier stores less
-        return []
+            if attempt == 0:
+                # Victims may be pinned only by copies in flight (an eager write-through copy, a
+                # load): once those land the blocks can go, so wait for them once before storing less.
+                self.jobs.flush(tier.name)
+        return tier.reserve(keys[:tier.usage().free], allow_evict=False) or []  # a full tier stores less
 
     def _make_room(self, index: int, n: int) -> list[Job]:
         """Start evicting ``n`` blocks from tier ``index``; returns the demotion jobs to wait for.
@@ -412,12 +416,12 @@ class TierStack:
 
     def _submit(self, transfer: Transfer, kind: str, fences: Sequence[Fence], on_done: Callable[[Job], None]) -> Job:
         job = self.jobs.create(kind, transfer.num_blocks, 1, fences, on_done)
+        self.jobs.start(job.id)
         try:
             self.backend.submit(transfer, lambda failed: self.jobs.report(job.id, failed))
         except Exception:
             self.jobs.report(job.id, range(transfer.num_blocks))  # the job ends failed and releases everything
             raise
-        self.jobs.start(job.id)
         return job
 
     # --- background ----------------------------------------------------------------------------

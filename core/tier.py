@@ -74,6 +74,10 @@ class Usage:
     capacity: int
 
     @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
     def fraction(self) -> float:
         return self.used / self.capacity if self.capacity else 0.0
 

@@ -85,7 +85,8 @@ def _merge_adjacent(src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: n
     """Merge each copy into the one before it when both its source and destination follow on directly.
 
     Copies of different blocks merge too (a run of consecutive slots on both sides becomes one copy);
-    the merged copy keeps the first block's index, and the CPU backend splits work only between runs.
+    the merged copy keeps its first block's index, so a failed copy fails every block up to the next
+    copy's first block.
     """
     if src.size <= 1:
         return CopyList(src, dst, size, block)
@@ -134,18 +135,17 @@ class CPUBackend(TransferBackend):
         if not self.can_copy(transfer.src.device, transfer.dst.device):
             raise TransferError(f"the CPU backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
         copies = transfer.copies()
-        parts = self._split(copies, transfer.num_blocks)
+        parts = self._split(copies)
         pending = [len(parts)]
         failed: set[int] = set()
         lock = threading.Lock()
 
-        def run(lo: int, hi: int, blocks: range) -> None:
-            try:
-                self._copy(copies, lo, hi)
-            except Exception:
-                with lock:
-                    failed.update(blocks)
+        def run(lo: int, hi: int, keep: Transfer) -> None:
+            # ``keep`` holds the transfer, and so both storages' memory, until the copy is over:
+            # the caller may drop its own references as soon as submit returns.
+            lost = self._run_part(copies, lo, hi, keep.num_blocks)
             with lock:
+                failed.update(lost)
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
@@ -154,26 +154,36 @@ class CPUBackend(TransferBackend):
         with self._lock:
             if self._closed:
                 raise ClosedError("the transfer backend is closed")
-            for part in parts:
-                self._pool.submit(run, *part)
+            for lo, hi in parts:
+                self._pool.submit(run, lo, hi, transfer)
 
-    def _split(self, copies: CopyList, num_blocks: int) -> list[tuple[int, int, range]]:
-        """Cut the copy list into up to ``threads`` parts of similar byte counts, at copy boundaries.
-
-        Each part also names the blocks it covers, so a failure fails exactly those blocks.
-        """
+    def _split(self, copies: CopyList) -> list[tuple[int, int]]:
+        """Cut the copy list into up to ``threads`` parts of similar byte counts, at copy boundaries."""
         count = len(copies.size)
         if count == 0:
-            return [(0, 0, range(0))]
+            return [(0, 0)]
         cumulative = np.cumsum(copies.size)
         targets = cumulative[-1] * np.arange(1, self.threads) / self.threads
-        cuts = sorted(set([0, *np.searchsorted(cumulative, targets, side="right").tolist(), count]))
-        parts = []
-        for lo, hi in zip(cuts, cuts[1:]):
-            first = int(copies.block[lo])
-            last = int(copies.block[hi]) if hi < count else num_blocks
-            parts.append((lo, hi, range(first, max(last, first + 1))))
-        return parts
+        cuts = sorted({0, *np.searchsorted(cumulative, targets, side="right").tolist(), count})
+        return list(zip(cuts, cuts[1:]))
+
+    def _run_part(self, copies: CopyList, lo: int, hi: int, num_blocks: int) -> set[int]:
+        """Run copies ``lo:hi``; returns the blocks that failed. After an error each copy is retried
+        alone, so exactly the blocks whose bytes could not be moved are reported."""
+        try:
+            self._copy(copies, lo, hi)
+            return set()
+        except Exception:
+            pass
+        failed: set[int] = set()
+        for j in range(lo, hi):
+            try:
+                self._copy(copies, j, j + 1)
+            except Exception:
+                first = int(copies.block[j])
+                end = int(copies.block[j + 1]) if j + 1 < len(copies.block) else num_blocks
+                failed.update(range(first, max(end, first + 1)))
+        return failed
 
     def _copy(self, copies: CopyList, lo: int, hi: int) -> None:
         """The copy loop; a subclass may override it to inject faults in tests."""

@@ -1,0 +1,115 @@
+"""The plain Python API for engines other than vLLM: store, look up and load KV blocks by token ids or keys.
+
+    with KVTier.open("kvtier.yaml") as kv:
+        kv.store(token_ids, blocks).result()       # blocks: one array of n blocks, or a list of n arrays
+        n = kv.lookup(token_ids)                   # leading blocks present in some tier
+        kv.load(token_ids, out).result()           # fills out[:n], bit-exact
+
+Token ids are hashed into chained block keys (only full blocks get one); callers that already have
+keys pass a list of ``bytes`` instead. Every data call returns a ``concurrent.futures.Future``; the
+``a``-prefixed methods are the asyncio flavour of the same calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvtier.core.builder import build_stack, config_layout
+from kvtier.core.config import StackConfig, default_config_path, load_config
+from kvtier.core.keys import chain_hashes
+from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
+from kvtier.core.storage import buffer_storage
+
+Blocks = Any  # a numpy array or torch tensor of n blocks, or a list of n such arrays
+TokensOrKeys = Sequence[int] | Sequence[bytes]
+
+
+class KVTier:
+    """A tier stack opened from a configuration, addressed by token ids or block keys."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.layout = config_layout(config)
+        self.stack: TierStack = build_stack(config, self.layout)
+
+    @classmethod
+    def open(cls, config: str | Path | dict | StackConfig | None = None) -> "KVTier":
+        """Open a stack from a YAML path, a dict, a parsed config, or (None) the embedded default."""
+        if not isinstance(config, StackConfig):
+            config = load_config(default_config_path() if config is None else config)
+        return cls(config)
+
+    # --- keys ----------------------------------------------------------------------------------
+
+    def keys(self, tokens_or_keys: TokensOrKeys) -> list[bytes]:
+        """Block keys: given keys as they are, token ids hashed per full block with this stack's namespace."""
+        if len(tokens_or_keys) and isinstance(tokens_or_keys[0], (bytes, bytearray)):
+            return [bytes(k) for k in tokens_or_keys]
+        return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace)
+
+    # --- blocking calls returning futures ------------------------------------------------------
+
+    def lookup(self, tokens_or_keys: TokensOrKeys) -> int:
+        """Number of leading blocks present in some tier (loadable now)."""
+        return self.stack.lookup(self.keys(tokens_or_keys)).hits
+
+    def locate(self, tokens_or_keys: TokensOrKeys) -> StackLookup:
+        """Like ``lookup``, also naming the tier that holds each block."""
+        return self.stack.lookup(self.keys(tokens_or_keys))
+
+    def store(self, tokens_or_keys: TokensOrKeys, blocks: Blocks):
+        """Copy the caller's blocks into the stack; one block per key, in order.
+
+        The future resolves to a StoreResult once ``blocks`` may be reused.
+        """
+        keys = self.keys(tokens_or_keys)
+        storage = buffer_storage(blocks, self.layout)
+        if storage.num_slots < len(keys):
+            raise ValueError(f"{len(keys)} keys but only {storage.num_slots} blocks given")
+        return self.stack.store(keys, storage, range(len(keys)))
+
+    def load(self, tokens_or_keys: TokensOrKeys, out: Blocks):
+        """Copy the longest present prefix of blocks into ``out`` (block i into out's block i).
+
+        The future resolves to a LoadResult: ``hits`` blocks were found, ``failed`` lists those that
+        could not be read (treat them, and everything after the first of them, as a miss).
+        """
+        keys = self.keys(tokens_or_keys)
+        storage = buffer_storage(out, self.layout, writable=True)
+        if storage.num_slots < len(keys):
+            raise ValueError(f"{len(keys)} keys but room for only {storage.num_slots} blocks in out")
+        return self.stack.load(keys, storage, range(len(keys)))
+
+    # --- asyncio -------------------------------------------------------------------------------
+
+    async def astore(self, tokens_or_keys: TokensOrKeys, blocks: Blocks) -> StoreResult:
+        return await asyncio.wrap_future(self.store(tokens_or_keys, blocks))
+
+    async def aload(self, tokens_or_keys: TokensOrKeys, out: Blocks) -> LoadResult:
+        return await asyncio.wrap_future(self.load(tokens_or_keys, out))
+
+    async def alookup(self, tokens_or_keys: TokensOrKeys) -> int:
+        return self.lookup(tokens_or_keys)  # metadata only: cheap, no thread hop needed
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return self.stack.describe()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self.stack.stats()
+
+    def wait_idle(self, timeout: float | None = 60.0) -> None:
+        self.stack.wait_idle(timeout)
+
+    def close(self) -> None:
+        """Wait for every transfer in flight, then release all tiers."""
+        self.stack.close()
+
+    def __enter__(self) -> "KVTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,49 @@
+"""Build a tier stack from a validated configuration: one place that turns YAML into tiers."""
+
+from __future__ import annotations
+
+from kvtier.core.config import StackConfig, capacity_in_blocks
+from kvtier.core.errors import ConfigError
+from kvtier.core.jobs import JobManager
+from kvtier.core.layout import BlockLayout
+from kvtier.core.stack import TierStack
+from kvtier.core.tier import Tier
+from kvtier.core.transfer import CPUBackend, TransferBackend
+from kvtier.policies import Watermark, eviction_policy_class
+from kvtier.tiers.gpu import gpu_tier
+from kvtier.tiers.host import host_tier
+
+TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier}
+
+
+def config_layout(config: StackConfig) -> BlockLayout:
+    """The block layout a standalone stack uses: ``block_bytes`` cut into ``fragments`` equal parts."""
+    if config.block_bytes is None:
+        raise ConfigError("block_bytes: missing; a standalone stack needs the size of one block, e.g. 256KiB")
+    return BlockLayout((config.block_bytes // config.fragments,) * config.fragments)
+
+
+def build_stack(config: StackConfig, layout: BlockLayout | None = None,
+                backend: TransferBackend | None = None) -> TierStack:
+    """Tiers, policies, job manager and backend as the configuration says; nothing is left open on error."""
+    layout = layout or config_layout(config)
+    jobs = JobManager()
+    tiers: list[Tier] = []
+    try:
+        for i, tier_cfg in enumerate(config.tiers):
+            name = config.tier_name(i)
+            blocks = capacity_in_blocks(tier_cfg, layout.block_bytes)
+            if blocks is None:
+                raise ConfigError(f"tiers[{i}] ({name}): give capacity or capacity_blocks for a standalone "
+                                  f"stack (under vLLM the engine owns GPU memory)")
+            if blocks < 1:
+                raise ConfigError(f"tiers[{i}] ({name}): capacity holds no block of {layout.block_bytes} bytes")
+            wm = tier_cfg.watermark
+            watermark = Watermark(wm.high, wm.low) if wm is not None else None
+            policy = eviction_policy_class(tier_cfg.eviction)()
+            tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced))
+        return TierStack(tiers, backend or CPUBackend(config.transfer.threads), jobs, config.placement)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise

@@ -1,0 +1,286 @@
+"""Tier stack behaviour: what is stored comes back bit-exact from whichever tier holds it; lookup
+reports the longest present prefix and the tier of each block; write-back demotes instead of losing
+blocks, write-through copies every block down; watermarks bring usage back to the low mark; a full
+or failing tier stores less or reports exactly which blocks failed; misuse raises; nothing leaks."""
+
+import threading
+
+import numpy as np
+import pytest
+from stack_helpers import (LAYOUT, assert_loaded_exact, assert_no_leaks, blocks_for, content, key, load,
+                           make_stack, store)
+
+from kvtier.core.errors import CapacityError, ClosedError, TransferError
+from kvtier.core.routes import plan_route
+from kvtier.core.storage import buffer_storage
+from kvtier.core.tier import BlockState
+from kvtier.core.transfer import CPUBackend
+from kvtier.policies import Watermark
+
+
+class FailingBackend(CPUBackend):
+    """A real CPU backend whose copies touching chosen source or destination addresses raise."""
+
+    def __init__(self, bad_addresses: set[int]):
+        super().__init__(threads=1)
+        self.bad = bad_addresses
+
+    def _copy(self, copies, lo, hi):
+        if any(a in self.bad for a in copies.src[lo:hi].tolist() + copies.dst[lo:hi].tolist()):
+            raise OSError("injected copy failure")
+        super()._copy(copies, lo, hi)
+
+
+def test_store_then_load_is_bit_exact_and_lookup_names_the_tier():
+    stack = make_stack()
+    keys = [key(i) for i in range(5)]
+    result = store(stack, keys)
+    assert (result.stored, result.present, result.dropped, result.failed) == (5, 0, 0, [])
+    found = stack.lookup(keys + [key(99)])
+    assert found.hits == 5 and found.tiers == ("gpu",) * 5
+    loaded, out = load(stack, keys)
+    assert (loaded.hits, loaded.loaded, loaded.failed, loaded.per_tier) == (5, 5, [], {"gpu": 5})
+    assert_loaded_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_storing_present_keys_skips_them():
+    stack = make_stack()
+    keys = [key(i) for i in range(4)]
+    store(stack, keys[:2])
+    result = store(stack, keys)
+    assert (result.stored, result.present) == (2, 2)
+    assert stack.tiers[0].stats.committed == 4
+    stack.close()
+
+
+def test_lookup_and_load_stop_at_the_first_missing_block():
+    stack = make_stack()
+    keys = [key(i) for i in range(6)]
+    store(stack, keys[:2] + keys[3:])
+    assert stack.lookup(keys).hits == 2
+    loaded, out = load(stack, keys)
+    assert (loaded.hits, loaded.loaded) == (2, 2)
+    assert_loaded_exact(keys, loaded, out)
+    assert not out[2:].any(), "nothing beyond the prefix may be written"
+    stack.close()
+
+
+def test_write_back_demotes_instead_of_losing_blocks():
+    stack = make_stack(gpu=8, host=32)
+    keys = [key(i) for i in range(30)]
+    for i in range(0, 30, 5):
+        store(stack, keys[i:i + 5])
+    stack.wait_idle()
+    gpu, host = stack.tiers
+    assert gpu.usage().used == 8 and host.usage().used == 22
+    assert gpu.stats.demoted == 22 and host.stats.committed == 22
+    found = stack.lookup(keys)
+    assert found.hits == 30
+    assert found.tiers == ("host",) * 22 + ("gpu",) * 8  # LRU: the oldest went down
+    loaded, out = load(stack, keys)
+    assert loaded.loaded == 30 and loaded.per_tier == {"host": 22, "gpu": 8}
+    assert_loaded_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_write_through_copies_every_block_down_and_evicts_without_demotion():
+    stack = make_stack(gpu=4, host=32, placement="write_through")
+    keys = [key(i) for i in range(12)]
+    for i in range(0, 12, 4):
+        store(stack, keys[i:i + 4])
+        stack.wait_idle()  # the eager copies land before the next store evicts
+    gpu, host = stack.tiers
+    assert host.lookup(keys) == 12
+    assert gpu.stats.demoted == 0 and gpu.stats.evicted == 8
+    loaded, out = load(stack, keys)
+    assert loaded.per_tier == {"host": 8, "gpu": 4}
+    assert_loaded_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_write_through_loses_nothing_when_eviction_overtakes_the_eager_copy():
+    stack = make_stack(gpu=4, host=32, placement="write_through")
+    keys = [key(i) for i in range(16)]
+    for i in range(0, 16, 4):
+        store(stack, keys[i:i + 4])  # no waiting: a victim may not have been copied down yet
+    stack.wait_idle()
+    assert stack.tiers[1].lookup(keys) == 16
+    loaded, out = load(stack, keys)
+    assert loaded.loaded == 16
+    assert_loaded_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_watermark_brings_usage_down_to_the_low_mark_in_the_background():
+    stack = make_stack(gpu=10, host=40, gpu_watermark=Watermark(high=0.8, low=0.5))
+    keys = [key(i) for i in range(9)]
+    store(stack, keys)
+    stack.wait_idle()
+    gpu, host = stack.tiers
+    assert gpu.usage().used == 5, "9 > 0.8 * 10, so down to 0.5 * 10"
+    assert gpu.stats.demoted == 4 and host.usage().used == 4
+    loaded, out = load(stack, keys)
+    assert loaded.loaded == 9
+    assert_loaded_exact(keys, loaded, out)
+    stack.close()
+
+
+def test_last_tier_drops_when_full():
+    stack = make_stack(gpu=2, host=4)
+    keys = [key(i) for i in range(10)]
+    for k in keys:
+        store(stack, [k])
+    stack.wait_idle()
+    assert stack.tiers[1].stats.evicted == 4
+    found = stack.lookup(keys[::-1])  # the newest six are still there
+    assert found.hits == 6
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_store_larger_than_the_first_tier_raises_and_changes_nothing():
+    stack = make_stack(gpu=4)
+    with pytest.raises(CapacityError, match="can never fit"):
+        store(stack, [key(i) for i in range(5)])
+    assert stack.tiers[0].usage().used == 0
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_full_tier_of_pinned_blocks_stores_less_and_does_not_crash():
+    stack = make_stack(gpu=4, host=4)
+    pinned = [key(i) for i in range(4)]
+    store(stack, pinned)
+    stack.tiers[0].pin(pinned)
+    result = store(stack, [key(10), key(11)])
+    assert (result.stored, result.dropped) == (0, 2)
+    stack.tiers[0].unpin(pinned)
+    result = store(stack, [key(10), key(11)])
+    assert result.stored == 2
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_failed_store_copies_commit_only_what_landed():
+    stack = make_stack(gpu=8)
+    keys = [key(i) for i in range(4)]
+    src = blocks_for(keys)
+    bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
+    stack.backend.close()
+    stack.backend = FailingBackend(bad)
+    result = stack.store(keys, buffer_storage(src, LAYOUT), range(4)).result(timeout=10)
+    assert result.stored == 3 and result.failed == [keys[2]]
+    gpu = stack.tiers[0]
+    assert gpu.state(keys[2]) is BlockState.FREE and gpu.stats.aborted == 1
+    assert stack.lookup(keys).hits == 2
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_failed_load_reports_exactly_the_failed_blocks_and_releases_pins():
+    stack = make_stack(gpu=8)
+    keys = [key(i) for i in range(4)]
+    store(stack, keys)
+    gpu = stack.tiers[0]
+    bad_slot = gpu.slots([keys[1]])[0]
+    stack.backend.close()
+    stack.backend = FailingBackend({int(a) for a in gpu.storage.fragment_addresses([bad_slot])[0]})
+    loaded, out = load(stack, keys)
+    assert loaded.failed == [1] and loaded.loaded == 3
+    assert_loaded_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_load_staged_through_another_tier_caches_it_there():
+    """Force host -> caller through the GPU tier, the shape a disk -> host -> GPU load takes."""
+
+    def route_via_gpu(src, dst, caps):
+        return ("host", "gpu", "host") if src == "host" else plan_route(src, dst, caps)
+
+    stack = make_stack(gpu=4, host=16, route=route_via_gpu)
+    keys = [key(i) for i in range(8)]
+    store(stack, keys[:4])
+    store(stack, keys[4:])  # pushes the first four down to the host tier
+    stack.wait_idle()
+    assert stack.lookup(keys).tiers == ("host",) * 4 + ("gpu",) * 4
+    loaded, out = load(stack, keys[:4])
+    assert loaded.loaded == 4 and loaded.failed == []
+    assert_loaded_exact(keys[:4], loaded, out)
+    assert stack.tiers[0].lookup(keys[:4]) == 4, "the staged blocks are cached in the GPU tier"
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_concurrent_stores_and_loads_stay_bit_exact():
+    stack = make_stack(gpu=16, host=64, gpu_watermark=Watermark(0.9, 0.6))
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                start = int(rng.integers(0, 60))
+                keys = [key(i) for i in range(start, start + int(rng.integers(1, 8)))]
+                if rng.random() < 0.5:
+                    store(stack, keys)
+                else:
+                    loaded, out = load(stack, keys)
+                    assert_loaded_exact(keys, loaded, out)
+        except Exception as exc:  # reported to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_closed_stack_refuses_everything():
+    stack = make_stack()
+    store(stack, [key(0)])
+    stack.close()
+    stack.close()  # idempotent
+    with pytest.raises(ClosedError):
+        stack.lookup([key(0)])
+    with pytest.raises(ClosedError):
+        store(stack, [key(1)])
+    with pytest.raises(ClosedError):
+        load(stack, [key(0)])
+
+
+def test_a_backend_that_cannot_reach_a_tier_is_refused_at_build():
+    class HostOnly(CPUBackend):
+        def can_copy(self, src_device, dst_device):
+            return False
+
+    with pytest.raises(TransferError, match="cannot copy between tier 'gpu'"):
+        make_stack(backend=HostOnly())
+
+
+def test_mismatched_key_and_slot_counts_raise():
+    stack = make_stack()
+    with pytest.raises(ValueError, match="2 keys but 1 source slots"):
+        stack.store([key(0), key(1)], buffer_storage(blocks_for([key(0)]), LAYOUT), [0])
+    stack.close()
+
+
+def test_stats_count_bytes_and_hits():
+    stack = make_stack(gpu=8)
+    keys = [key(i) for i in range(3)]
+    store(stack, keys)
+    load(stack, keys)
+    s = stack.stats()["gpu"]
+    assert s["bytes_in"] == 3 * LAYOUT.block_bytes and s["bytes_out"] == 3 * LAYOUT.block_bytes
+    assert s["hits"] == 3 and s["used"] == 3 and s["capacity"] == 8
+    assert content(keys[0]).nbytes == LAYOUT.block_bytes
+    stack.close()
