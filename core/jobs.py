@@ -147,6 +147,8 @@ class JobManager:
         with self._lock:
             for job_id, count in report.finished.items():  # validate everything before changing anything
                 job = self._job(job_id)
+                if count < 1:
+                    raise StateError(f"job {job_id} got a report count of {count}; counts are at least 1")
                 if job.state.final:
                     raise StateError(f"job {job_id} got a report after it ended ({job.state.value})")
                 if job.reports + count > job.expected_reports:

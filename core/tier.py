@@ -209,6 +209,7 @@ class Tier:
         """
         with self._lock:
             keys = list(keys)
+            self._check_distinct(keys, "commit")
             for key in keys:
                 self._writing_entry(key, "commit")
             for key in keys:
@@ -222,11 +223,15 @@ class Tier:
             self.stats.bytes_in += len(keys) * self.block_bytes
 
     def abort(self, keys: Iterable[bytes]) -> None:
-        """Release reserved slots whose write failed or was cancelled: WRITING -> FREE."""
+        """Release reserved slots whose write failed or was cancelled: WRITING -> FREE.
+
+        All or nothing: raises StateError for a key not reserved, FenceError when a job still uses a slot.
+        """
         with self._lock:
             keys = list(keys)
+            self._check_distinct(keys, "abort")
             for key in keys:
-                self._writing_entry(key, "abort")
+                self._check_unfenced(self._writing_entry(key, "abort"))
             for key in keys:
                 self._free_entry(key)
             self.stats.aborted += len(keys)
@@ -258,16 +263,21 @@ class Tier:
 
     def end_evict(self, keys: Iterable[bytes], drop: bool = True) -> int:
         """Finish ``begin_evict``: drop each victim, or keep it (back in the policy) when ``drop`` is
-        False or a reader pinned it meanwhile. Returns the number dropped."""
+        False, a reader pinned it meanwhile, or a job in flight still uses its slot (a fence).
+        Returns the number dropped. Raises StateError (and finishes none) for a key not being evicted."""
         with self._lock:
-            dropped = 0
+            keys = list(keys)
+            self._check_distinct(keys, "end_evict")
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None or not entry.evicting:
                     raise StateError(f"block {key.hex()[:16]} is not being evicted from tier {self.name!r}")
+            dropped = 0
+            for key in keys:
+                entry = self._entries[key]
                 entry.evicting = False
                 self.unpin([key])
-                if drop and entry.pins == 0:
+                if drop and entry.pins == 0 and not self._fenced(entry):
                     self._free_entry(key)
                     dropped += 1
                 else:
@@ -337,9 +347,18 @@ class Tier:
             raise StateError(f"{what} of block {key.hex()[:16]} which was not reserved in tier {self.name!r}")
         return entry
 
-    def _free_entry(self, key: bytes) -> None:
-        entry = self._entries.pop(key)
-        if self._is_fenced is not None and self._is_fenced(self.name, entry.slot):
-            self._entries[key] = entry
+    def _check_distinct(self, keys: list[bytes], what: str) -> None:
+        if len(set(keys)) != len(keys):
+            raise StateError(f"{what} got the same key twice")
+
+    def _fenced(self, entry: _Entry) -> bool:
+        return self._is_fenced is not None and self._is_fenced(self.name, entry.slot)
+
+    def _check_unfenced(self, entry: _Entry) -> None:
+        if self._fenced(entry):
             raise FenceError(f"slot {entry.slot} of tier {self.name!r} is still used by a job in flight")
+
+    def _free_entry(self, key: bytes) -> None:
+        self._check_unfenced(self._entries[key])
+        entry = self._entries.pop(key)
         self._allocator.free(entry.slot)

@@ -85,8 +85,8 @@ def _merge_adjacent(src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: n
     """Merge each copy into the one before it when both its source and destination follow on directly.
 
     Copies of different blocks merge too (a run of consecutive slots on both sides becomes one copy);
-    the merged copy keeps its first block's index, so a failed copy fails every block up to the next
-    copy's first block.
+    the merged copy keeps its first block's index; a failed copy fails every block its byte range
+    touches (see ``CPUBackend._run_part``).
     """
     if src.size <= 1:
         return CopyList(src, dst, size, block)
@@ -175,14 +175,17 @@ class CPUBackend(TransferBackend):
             return set()
         except Exception:
             pass
+        # Copies run in block order and every block has the same byte count, so a copy's byte range in
+        # that order names exactly the blocks it touches (a merged copy may start or end mid-block).
+        ends = np.cumsum(copies.size)
+        block_bytes = int(ends[-1]) // num_blocks
         failed: set[int] = set()
         for j in range(lo, hi):
             try:
                 self._copy(copies, j, j + 1)
             except Exception:
-                first = int(copies.block[j])
-                end = int(copies.block[j + 1]) if j + 1 < len(copies.block) else num_blocks
-                failed.update(range(first, max(end, first + 1)))
+                start, end = int(ends[j] - copies.size[j]), int(ends[j])
+                failed.update(range(start // block_bytes, (end - 1) // block_bytes + 1))
         return failed
 
     def _copy(self, copies: CopyList, lo: int, hi: int) -> None:

@@ -1,0 +1,443 @@
+"""The YAML schema of a tier stack, validated when loaded so that every mistake names its key and the fix.
+
+    cfg = load_config("kvtier.yaml")        # or a dict; raises ConfigError with one message
+    cfg.tiers[0].medium, cfg.tier_name(0), capacity_in_blocks(cfg.tiers[1], cfg.block_bytes)
+
+The schema is strict: unknown keys, wrong types and out-of-range values are errors rather than being
+ignored or coerced, because a silently ignored typo in a cache config shows up later as a cache that
+does not do what its author thinks.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+import typing
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+
+from kvtier.core.errors import ConfigError
+
+# --- sizes ------------------------------------------------------------------------------------
+
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+    "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
+}
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def _not_a_size(value: Any) -> ConfigError:
+    return ConfigError(f"{_show(value)} is not a size: use a number with a unit, e.g. 512MiB or 8GiB "
+                       f"(units: {_UNIT_NAMES})")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string with a unit ("512MiB", "1.5 GiB", "8gb"); units are case-insensitive.
+
+    KB/MB/GB/TB are powers of 1000 and KiB/MiB/GiB/TiB powers of 1024, as on disk labels and in
+    ``free -h`` respectively; a bare number string means bytes. The result must be a positive
+    whole number of bytes, since a tier cannot hold a fraction of a byte.
+    """
+    if isinstance(value, bool):
+        raise _not_a_size(value)
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{value!r} is not a positive size in bytes; use e.g. 512MiB or 8GiB")
+        return value
+    if not isinstance(value, str):
+        raise _not_a_size(value)
+    match = _SIZE_RE.match(value)
+    if match is None or match.group(2).lower() not in _UNITS | {"": 1}:
+        raise _not_a_size(value)
+    number, unit = match.groups()
+    try:
+        exact = Decimal(number) * _UNITS.get(unit.lower(), 1)
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
+        raise _not_a_size(value) from None
+    if exact <= 0:
+        raise ConfigError(f"{_show(value)} is not a positive size; use e.g. 512MiB or 8GiB")
+    if exact != exact.to_integral_value():
+        raise ConfigError(f"{_show(value)} is not a whole number of bytes ({exact} bytes)")
+    return int(exact)
+
+
+def format_size(n: int) -> str:
+    """The shortest exact binary-unit spelling of a byte count, for messages (262144 -> '256KiB')."""
+    for unit, factor in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A value as the user would recognise it in a message: its repr, shortened if long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Problems(ValueError):
+    """Errors found by a cross-field check, each at its own key path below the validated model."""
+
+    def __init__(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+        super().__init__("; ".join(msg for _, msg in problems))
+        self.problems = problems
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    """Strict and closed: unknown keys and type coercions are errors, so typos never pass silently."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class WatermarkConfig(_Model):
+    """High and low marks as fractions of a tier's capacity (see kvtier.policies.watermark)."""
+
+    high: float = 0.95
+    low: float = 0.85
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "WatermarkConfig":
+        if not 0.0 < self.low < self.high <= 1.0:
+            raise ValueError(f"needs 0 < low < high <= 1, got high={self.high!r} low={self.low!r}")
+        return self
+
+
+class TransferConfig(_Model):
+    """The transfer backend's knobs; ``threads`` is the CPU backend's copy pool size."""
+
+    threads: int = Field(2, ge=1)
+
+
+class _TierConfig(_Model):
+    """Fields every tier shares; the subclasses fix ``medium`` and the capacity rule."""
+
+    medium: str
+    name: str | None = Field(None, min_length=1)
+    capacity: Size | None = None
+    capacity_blocks: int | None = Field(None, gt=0)
+    eviction: str = "lru"
+    watermark: WatermarkConfig | None = None
+
+    @field_validator("eviction")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        # Imported here: kvtier.policies imports kvtier.core.errors, and a dotted path may import user code.
+        from kvtier.policies import eviction_policy_class
+
+        try:
+            eviction_policy_class(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        except Exception as exc:  # a user's module that fails on import is still a config mistake
+            raise ValueError(f"eviction policy {value!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        return value
+
+    def _both_capacities(self) -> None:
+        if self.capacity is not None and self.capacity_blocks is not None:
+            raise ValueError(f"give capacity or capacity_blocks, not both (capacity={format_size(self.capacity)}, "
+                             f"capacity_blocks={self.capacity_blocks})")
+
+
+class GpuTierConfig(_TierConfig):
+    """GPU memory. Capacity may be left out where the engine owns GPU memory (under vLLM)."""
+
+    medium: Literal["gpu"]
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "GpuTierConfig":
+        self._both_capacities()
+        return self
+
+
+class HostTierConfig(_TierConfig):
+    """Pinned host memory; kvtier allocates it, so its size must be given (bytes or blocks)."""
+
+    medium: Literal["host"]
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "HostTierConfig":
+        self._both_capacities()
+        if self.capacity is None and self.capacity_blocks is None:
+            raise ValueError("missing key 'capacity' or 'capacity_blocks'")
+        return self
+
+
+TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig}
+TierConfig = Annotated[Union[GpuTierConfig, HostTierConfig], Field(discriminator="medium")]
+
+
+class StackConfig(_Model):
+    """One tier stack: block geometry, the ordered tiers (fastest first), placement and transfers."""
+
+    block_tokens: int = Field(16, gt=0)
+    block_bytes: Size | None = None
+    fragments: int = Field(1, ge=1)
+    namespace: str = ""
+    tiers: list[TierConfig] = Field(min_length=1)
+    placement: Literal["write_through", "write_back"] = "write_back"
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+
+    def tier_name(self, i: int) -> str:
+        """Tier ``i``'s name: its ``name`` key, or its medium where none is given."""
+        tier = self.tiers[i]
+        return tier.name or tier.medium
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "StackConfig":
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.block_bytes is not None and self.block_bytes % self.fragments:
+            problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
+                                              f"bytes) cannot be cut into {self.fragments} equal fragments; "
+                                              f"block_bytes must be divisible by fragments"))
+        first_of_medium: dict[str, int] = {}
+        first_of_name: dict[str, int] = {}
+        for i, tier in enumerate(self.tiers):
+            if tier.medium == "gpu" and i != 0:
+                problems.append((("tiers", i, "medium"), "a gpu tier may only be the first tier (tiers[0]), "
+                                                         "since the engine reads KV from GPU memory"))
+            if tier.medium in first_of_medium:
+                problems.append((("tiers", i, "medium"), f"a second {tier.medium!r} tier (tiers["
+                                                         f"{first_of_medium[tier.medium]}] is one); "
+                                                         f"at most one tier per medium"))
+            else:
+                first_of_medium[tier.medium] = i
+                name = self.tier_name(i)  # same-medium duplicates are reported once, above
+                if name in first_of_name:
+                    problems.append((("tiers", i, "name"), f"{name!r} is already the name of tiers["
+                                                           f"{first_of_name[name]}]; tier names must be unique"))
+                else:
+                    first_of_name[name] = i
+            if self.block_bytes is not None and tier.capacity is not None and tier.capacity < self.block_bytes:
+                problems.append((("tiers", i, "capacity"),
+                                 f"{format_size(tier.capacity)} ({tier.capacity} bytes) holds no block of "
+                                 f"block_bytes {format_size(self.block_bytes)}; give at least "
+                                 f"{format_size(self.block_bytes)}"))
+        if problems:
+            raise _Problems(problems)
+        return self
+
+
+def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None) -> int | None:
+    """How many blocks a tier holds: ``capacity_blocks``, else ``capacity // block_bytes``; None if unsized."""
+    if tier_cfg.capacity_blocks is not None:
+        return tier_cfg.capacity_blocks
+    if tier_cfg.capacity is None:
+        return None
+    if not block_bytes or block_bytes <= 0:
+        raise ConfigError(f"tier {tier_cfg.name or tier_cfg.medium!r}: capacity is given in bytes, so block_bytes "
+                          f"is needed to count its blocks; got block_bytes={block_bytes!r}")
+    return tier_cfg.capacity // block_bytes
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def default_config_path() -> Path:
+    """The embedded demo configuration (``kvtier/default.yaml``, shipped as package data)."""
+    return Path(str(importlib.resources.files("kvtier").joinpath("default.yaml")))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys, which plain YAML loading would silently let the last one win."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key; the base class reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, source: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, not a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        detail = exc.problem or exc.context or "invalid YAML"
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        raise ConfigError(f"{source}: {where}YAML syntax error: {detail}{context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: YAML error: {exc}") from None
+
+
+def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
+    """A validated StackConfig from a YAML file's path or a dict; any mistake raises one ConfigError.
+
+    The message names the source, the key path (``tiers[1].capacity``), the offending value and what
+    is allowed, one line per mistake. YAML text is not accepted, so that a mistyped path is never
+    parsed as a (valid, one-word) YAML document.
+    """
+    if isinstance(source, StackConfig):
+        return source
+    if isinstance(source, dict):
+        name, data = "config", source
+    elif isinstance(source, (str, Path)):
+        name = str(source)
+        if isinstance(source, str) and "\n" in source:
+            raise ConfigError("load_config takes a path to a YAML file or a dict, not YAML text; "
+                              "parse it first with yaml.safe_load(text)")
+        data = _read_yaml(Path(source).expanduser(), name)
+        if data is None:
+            raise ConfigError(f"{name}: the file is empty; it needs at least a 'tiers' list")
+    else:
+        raise ConfigError(f"load_config takes a path to a YAML file or a dict, got {type(source).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: the top level must be a mapping of keys ({', '.join(StackConfig.model_fields)}), "
+                          f"got {type(data).__name__} {_show(data)}")
+    try:
+        return StackConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{name}: {path}: {msg}" if path else f"{name}: {msg}" for path, msg in _explain(exc)]
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
+
+
+# --- error messages ---------------------------------------------------------------------------
+
+
+def _key_path(loc: tuple[str | int, ...]) -> str:
+    """``('tiers', 1, 'host', 'capacity')`` -> ``tiers[1].capacity``: indices in brackets, union tags dropped."""
+    out = ""
+    prev: str | int | None = None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(prev, int) and part in TIER_CONFIGS:
+            pass  # pydantic's discriminator tag, not a key the user wrote
+        else:
+            out += f".{part}" if out else str(part)
+        prev = part
+    return out
+
+
+def _only_model(annotation: Any) -> type[BaseModel] | None:
+    """The one model class inside a field's type (``X | None``, ``list[X]``), or None if zero or several."""
+    found: list[type[BaseModel]] = []
+
+    def walk(tp: Any) -> None:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            found.append(tp)
+        for arg in typing.get_args(tp):
+            walk(arg)
+
+    walk(annotation)
+    return found[0] if len(found) == 1 else None
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The model that validated the mapping at ``loc`` (with pydantic's tags), for listing its keys."""
+    model: type[BaseModel] | None = StackConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if model is None and part in TIER_CONFIGS:
+            model = TIER_CONFIGS[part]
+        elif model is not None and part in model.model_fields:
+            model = _only_model(model.model_fields[part].annotation)
+        else:
+            return None
+    return model
+
+
+def _literal_values(loc: tuple[str | int, ...]) -> list[Any] | None:
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(loc[-1]) if model is not None and isinstance(loc[-1], str) else None
+    if field is None:
+        return None
+    for tp in [field.annotation, *typing.get_args(field.annotation)]:
+        if typing.get_origin(tp) is Literal:
+            return list(typing.get_args(tp))
+    return None
+
+
+_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
+               "bool_type": "true or false", "list_type": "a list", "int_from_float": "an integer"}
+_BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "at least"),
+           "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
+
+
+def _explain(exc: ValidationError) -> list[tuple[str, str]]:
+    """Each pydantic error as (key path, message naming the value and what is allowed)."""
+    out: list[tuple[str, str]] = []
+    media = ", ".join(TIER_CONFIGS)
+    for err in exc.errors(include_url=False):
+        kind, loc, value, ctx = err["type"], tuple(err["loc"]), err.get("input"), err.get("ctx") or {}
+        path = _key_path(loc)
+        if kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = f"; allowed: {', '.join(model.model_fields)}" if model is not None else ""
+            out.append((path, f"unknown key {str(loc[-1])!r}{allowed}"))
+        elif kind == "missing":
+            out.append((_key_path(loc[:-1]), f"missing key {str(loc[-1])!r}"))
+        elif kind == "union_tag_invalid":
+            shown = _show(value["medium"]) if isinstance(value, dict) and "medium" in value else _show(ctx.get("tag"))
+            out.append((_key_path(loc + ("medium",)), f"{shown} is not a medium; allowed: {media}"))
+        elif kind == "union_tag_not_found":
+            out.append((path, f"missing key 'medium'; allowed media: {media}"))
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            model = _model_at(loc)
+            keys = f" with keys {', '.join(model.model_fields)}" if model is not None else \
+                f" such as {{medium: host, capacity: 8GiB}} (media: {media})"
+            out.append((path, f"expected a mapping{keys}, got {_show(value)}"))
+        elif kind == "literal_error":
+            allowed = _literal_values(loc)
+            shown = ", ".join(map(str, allowed)) if allowed else ctx.get("expected", "?")
+            out.append((path, f"{_show(value)} is not allowed; allowed: {shown}"))
+        elif kind in ("value_error", "assertion_error"):
+            error = ctx.get("error")
+            if isinstance(error, _Problems):
+                out.extend((_key_path(loc + sub), msg) for sub, msg in error.problems)
+            else:
+                out.append((path, str(error) if error is not None else err["msg"]))
+        elif kind in _TYPE_NAMES:
+            out.append((path, f"expected {_TYPE_NAMES[kind]}, got {_show(value)}"))
+        elif kind in _BOUNDS:
+            key, words = _BOUNDS[kind]
+            out.append((path, f"{_show(value)} is too {'small' if key[0] == 'g' else 'large'}; "
+                              f"must be {words} {ctx.get(key)}"))
+        elif kind == "too_short" and isinstance(value, list) and not value:
+            out.append((path, f"needs at least {ctx.get('min_length', 1)} entry, got an empty list"))
+        elif kind == "string_too_short":
+            out.append((path, f"{_show(value)} is empty; give a non-empty string"))
+        else:
+            out.append((path, f"{err['msg']} (got {_show(value)})"))
+    return out
+
+
+__all__ = [
+    "GpuTierConfig", "HostTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig", "TransferConfig",
+    "WatermarkConfig", "capacity_in_blocks", "default_config_path", "format_size", "load_config", "parse_size",
+]

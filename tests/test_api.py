@@ -1,0 +1,149 @@
+"""The plain Python API as another engine uses it: open from YAML, a dict or the default; store,
+look up and load by token ids or by keys; the asyncio flavour; bad buffers and a closed stack raise
+clear errors; blocks come back bit-exact and the caller may drop its buffers right after store()."""
+
+import asyncio
+import gc
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier import ClosedError, ConfigError, KVTier, TransferError, chain_hashes
+
+CONFIG = {
+    "block_tokens": 4,
+    "block_bytes": "4KiB",
+    "fragments": 2,
+    "namespace": "test-model",
+    "tiers": [
+        {"medium": "gpu", "capacity_blocks": 4, "eviction": "lru"},
+        {"medium": "host", "capacity": "64KiB", "eviction": "lru", "watermark": {"high": 0.9, "low": 0.5}},
+    ],
+}
+
+
+def blocks(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, 4096), dtype=np.uint8)
+
+
+def test_store_lookup_load_by_token_ids():
+    tokens = list(range(10))  # two full blocks of 4 tokens; the last two tokens get no key
+    data = blocks(2)
+    with KVTier.open(CONFIG) as kv:
+        assert kv.lookup(tokens) == 0
+        result = kv.store(tokens, data).result(10)
+        assert result.stored == 2
+        assert kv.lookup(tokens) == 2
+        assert kv.lookup(tokens[:4] + [99, 98, 97, 96]) == 1, "only the shared prefix block matches"
+        out = np.zeros_like(data)
+        loaded = kv.load(tokens, out).result(10)
+        assert (loaded.hits, loaded.loaded, loaded.failed) == (2, 2, [])
+        assert np.array_equal(out, data)
+
+
+def test_keys_use_the_configured_block_size_and_namespace():
+    with KVTier.open(CONFIG) as kv:
+        assert kv.keys(list(range(8))) == chain_hashes(list(range(8)), 4, "test-model")
+        given = [b"k" * 16, b"j" * 16]
+        assert kv.keys(given) == given
+
+
+def test_caller_may_drop_its_buffer_right_after_store():
+    data = blocks(3, seed=1)
+    expected = data.copy()
+    with KVTier.open(CONFIG) as kv:
+        future = kv.store(list(range(12)), data.copy())  # the only reference is inside kvtier
+        gc.collect()
+        future.result(10)
+        out = np.zeros_like(expected)
+        kv.load(list(range(12)), out).result(10)
+        assert np.array_equal(out, expected)
+
+
+def test_torch_tensors_and_lists_of_arrays_work_as_blocks():
+    data = blocks(2, seed=2)
+    with KVTier.open(CONFIG) as kv:
+        kv.store(list(range(8)), [torch.from_numpy(data[0].copy()), data[1].copy()]).result(10)
+        out = torch.zeros((2, 4096), dtype=torch.uint8)
+        kv.load(list(range(8)), out).result(10)
+        assert np.array_equal(out.numpy(), data)
+
+
+def test_eviction_and_demotion_through_the_api():
+    with KVTier.open(CONFIG) as kv:
+        seqs = [[1000 * s + t for t in range(8)] for s in range(6)]  # 12 blocks > 4 GPU slots
+        for s, tokens in enumerate(seqs):
+            kv.store(tokens, blocks(2, seed=10 + s)).result(10)
+        kv.wait_idle()
+        stats = kv.stats()
+        assert stats["gpu"]["demoted"] > 0 and stats["gpu"]["used"] <= 4
+        for s, tokens in enumerate(seqs):
+            out = np.zeros((2, 4096), np.uint8)
+            loaded = kv.load(tokens, out).result(10)
+            assert loaded.loaded == 2 and np.array_equal(out, blocks(2, seed=10 + s))
+
+
+def test_asyncio_flavour():
+    async def main(kv):
+        data = blocks(1, seed=3)
+        await kv.astore(list(range(4)), data)
+        assert await kv.alookup(list(range(4))) == 1
+        out = np.zeros_like(data)
+        loaded = await kv.aload(list(range(4)), out)
+        return loaded, out, data
+
+    with KVTier.open(CONFIG) as kv:
+        loaded, out, data = asyncio.run(main(kv))
+    assert loaded.loaded == 1 and np.array_equal(out, data)
+
+
+def test_bad_buffers_raise_clear_errors():
+    with KVTier.open(CONFIG) as kv:
+        with pytest.raises(TransferError, match="not a whole number of 4096-byte blocks"):
+            kv.store(list(range(4)), np.zeros(100, np.uint8))
+        with pytest.raises(ValueError, match="2 keys but only 1 blocks given"):
+            kv.store(list(range(8)), blocks(1))
+        read_only = blocks(1)
+        read_only.flags.writeable = False
+        kv.store(list(range(4)), blocks(1)).result(10)
+        with pytest.raises(TransferError, match="read-only"):
+            kv.load(list(range(4)), read_only)
+        with pytest.raises(TransferError, match="C-contiguous"):
+            kv.load(list(range(4)), np.zeros((4096, 2), np.uint8)[:, 0])
+
+
+def test_closed_stack_raises():
+    kv = KVTier.open(CONFIG)
+    kv.close()
+    with pytest.raises(ClosedError):
+        kv.store(list(range(4)), blocks(1))
+    with pytest.raises(ClosedError):
+        kv.lookup(list(range(4)))
+
+
+def test_default_config_opens_and_describes_its_tiers():
+    with KVTier.open() as kv:
+        text = kv.describe()
+    assert "CPU tensors standing in for a GPU (no CUDA)" in text
+    assert "pageable host memory (no CUDA)" in text
+
+
+def test_standalone_stack_needs_gpu_capacity():
+    config = dict(CONFIG, tiers=[{"medium": "gpu"}, CONFIG["tiers"][1]])
+    with pytest.raises(ConfigError, match="give capacity or capacity_blocks"):
+        KVTier.open(config)
+
+
+def test_installed_package_exposes_kvtier_only(tmp_path):
+    """From outside the repository, kvtier's modules import and no generic top-level name does."""
+    script = (
+        "import importlib.util, kvtier.core.tier, kvtier.tiers.host, kvtier.policies.lru, kvtier.connectors.api\n"
+        "print([n for n in ('core', 'tiers', 'policies', 'connectors') if importlib.util.find_spec(n)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert kvtier.KVTier is KVTier
