@@ -289,7 +289,8 @@ def _read_yaml(path: Path, source: str) -> Any:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         detail = exc.problem or exc.context or "invalid YAML"
         context = f" ({exc.context})" if exc.context and exc.problem else ""
-        raise ConfigError(f"{source}: {where}YAML syntax error: {detail}{context}") from None
+        kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise ConfigError(f"{source}: {where}{kind}: {detail}{context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: YAML error: {exc}") from None
 
