@@ -1,13 +1,15 @@
 """The GPU tier: blocks in device tensors, one tensor per fragment (a layer-outer layout, as vLLM keeps).
 
 Under vLLM the tensors belong to the engine and only ``device_storage`` is used, to address them.
-Standalone, the tier allocates its own tensors. Without CUDA it runs on CPU tensors, so everything
+Standalone, the tier allocates its own tensors. Without CUDA it runs on CPU memory, so everything
 above it works and is tested on any machine, and it says so in its description.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import numpy as np
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
@@ -38,9 +40,15 @@ def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorag
 
 def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
              watermark: Watermark | None = None, is_fenced=None) -> Tier:
-    """A tier over its own tensors: on the current CUDA device, or on the CPU when there is none."""
-    import torch
-
+    """A tier over its own memory: torch tensors on the current CUDA device, or CPU stand-ins without
+    CUDA (torch tensors, or numpy arrays where torch is not installed)."""
+    try:
+        import torch
+    except ImportError:
+        arrays = [np.empty((num_slots, nbytes), dtype=np.uint8) for nbytes in layout.fragment_bytes]
+        storage = StridedStorage(layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
+                                 "cpu", arrays)
+        return Tier(name, "gpu", storage, policy, watermark, is_fenced, "numpy arrays standing in for a GPU (no torch)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) for nbytes in layout.fragment_bytes]
     note = f"CUDA device {torch.cuda.current_device()}" if device == "cuda" else "CPU tensors standing in for a GPU (no CUDA)"
