@@ -11,9 +11,11 @@ from kvtier.core.tier import Tier
 from kvtier.core.transfer import CPUBackend, TransferBackend
 from kvtier.policies import Watermark, eviction_policy_class
 from kvtier.tiers.gpu import gpu_tier
+from kvtier.tiers.disk import disk_tier
+from kvtier.tiers.disk_io import DiskBackend
 from kvtier.tiers.host import host_tier
 
-TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier}
+TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
 
 
 def config_layout(config: StackConfig) -> BlockLayout:
@@ -24,7 +26,7 @@ def config_layout(config: StackConfig) -> BlockLayout:
 
 
 def build_stack(config: StackConfig, layout: BlockLayout | None = None,
-                backend: TransferBackend | None = None) -> TierStack:
+                backends: list[TransferBackend] | None = None) -> TierStack:
     """Tiers, policies, job manager and backend as the configuration says; nothing is left open on error."""
     layout = layout or config_layout(config)
     jobs = JobManager()
@@ -41,8 +43,15 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
             wm = tier_cfg.watermark
             watermark = Watermark(wm.high, wm.low) if wm is not None else None
             policy = eviction_policy_class(tier_cfg.eviction)()
-            tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced))
-        return TierStack(tiers, backend or CPUBackend(config.transfer.threads), jobs, config.placement)
+            medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct}
+                              if tier_cfg.medium == "disk" else {})
+            tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
+                                                         **medium_options))
+        if backends is None:
+            backends = [CPUBackend(config.transfer.threads)]
+            if any(t.medium == "disk" for t in tiers):
+                backends.append(DiskBackend(config.transfer.io_threads))
+        return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for tier in tiers:
             tier.close()

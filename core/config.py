@@ -120,6 +120,7 @@ class TransferConfig(_Model):
     """The transfer backend's knobs; ``threads`` is the CPU backend's copy pool size."""
 
     threads: int = Field(2, ge=1)
+    io_threads: int = Field(4, ge=1)  # positioned reads and writes in flight at once, for disk tiers
 
 
 class _TierConfig(_Model):
@@ -163,21 +164,33 @@ class GpuTierConfig(_TierConfig):
         return self
 
 
-class HostTierConfig(_TierConfig):
-    """Pinned host memory; kvtier allocates it, so its size must be given (bytes or blocks)."""
-
-    medium: Literal["host"]
+class _SizedTierConfig(_TierConfig):
+    """A tier kvtier allocates itself, so its size must be given (bytes or blocks)."""
 
     @model_validator(mode="after")
-    def _capacity(self) -> "HostTierConfig":
+    def _capacity(self) -> "_SizedTierConfig":
         self._both_capacities()
         if self.capacity is None and self.capacity_blocks is None:
             raise ValueError("missing key 'capacity' or 'capacity_blocks'")
         return self
 
 
-TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig}
-TierConfig = Annotated[Union[GpuTierConfig, HostTierConfig], Field(discriminator="medium")]
+class HostTierConfig(_SizedTierConfig):
+    """Pinned host memory."""
+
+    medium: Literal["host"]
+
+
+class DiskTierConfig(_SizedTierConfig):
+    """A local directory holding a preallocated slab file that survives restarts."""
+
+    medium: Literal["disk"]
+    path: str = Field(min_length=1)
+    o_direct: Literal["auto", "on", "off"] = "auto"
+
+
+TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig}
+TierConfig = Annotated[Union[GpuTierConfig, HostTierConfig, DiskTierConfig], Field(discriminator="medium")]
 
 
 class StackConfig(_Model):

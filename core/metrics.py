@@ -16,6 +16,8 @@ class TierStats:
     hits: int = 0          # blocks served from this tier by load()
     bytes_in: int = 0      # bytes written into this tier
     bytes_out: int = 0     # bytes read out of this tier
+    read_errors: int = 0   # blocks dropped because they could not be read back intact
+    damaged: int = 0       # records found damaged when the tier reopened its storage (disk)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -67,9 +67,9 @@ class LoadResult:
 
 
 class TierStack:
-    """Tiers ordered fastest first, one transfer backend, one job manager."""
+    """Tiers ordered fastest first, the transfer backends that move bytes between them, one job manager."""
 
-    def __init__(self, tiers: Sequence[Tier], backend: TransferBackend, jobs: JobManager | None = None,
+    def __init__(self, tiers: Sequence[Tier], backends: Sequence[TransferBackend], jobs: JobManager | None = None,
                  placement: str = "write_back", capabilities: Capabilities = Capabilities(),
                  route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route) -> None:
         if not tiers:
@@ -82,12 +82,12 @@ class TierStack:
         block_bytes = {t.block_bytes for t in tiers}
         if len(block_bytes) != 1:
             raise ValueError(f"tiers disagree on the block size: {sorted(block_bytes)}")
+        self.backends = list(backends)
         for upper, lower in zip(tiers, tiers[1:]):
-            if not backend.can_copy(upper.storage.device, lower.storage.device):
-                raise TransferError(f"the {backend.name} backend cannot copy between tier {upper.name!r} "
-                                    f"({upper.storage.device}) and tier {lower.name!r} ({lower.storage.device})")
+            for src, dst in ((upper, lower), (lower, upper)):
+                self._backend_for(src.storage.device, dst.storage.device,
+                                  f"between tier {upper.name!r} and tier {lower.name!r}")
         self.tiers = list(tiers)
-        self.backend = backend
         self.jobs = jobs or JobManager()
         self.placement = placement
         self.capabilities = capabilities
@@ -155,19 +155,19 @@ class TierStack:
         future: Future[LoadResult] = Future()
         with self._lock:
             self._check_open()
-            hits, where = self._locate(keys)
-            result = LoadResult(len(keys), hits)
-            by_tier: dict[str, list[int]] = {}
-            for i, name in enumerate(where):
-                by_tier.setdefault(name, []).append(i)
-            routes = {name: self._route(self._tier(name).medium, dst_medium, self.capabilities) for name in by_tier}
+            routes = {t.name: self._route(t.medium, dst_medium, self.capabilities) for t in self.tiers}
             for name, route in routes.items():  # refuse before pinning anything
-                last_hop_src = self._tier_for_medium(route[-2]) if len(route) > 2 else self._tier(name)
                 if len(route) > 3:
                     raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
-                if not self.backend.can_copy(last_hop_src.storage.device, dst.device):
-                    raise TransferError(f"the {self.backend.name} backend cannot copy "
-                                        f"{last_hop_src.storage.device} -> {dst.device}")
+                last_hop_src = self._tier_for_medium(route[-2]) if len(route) > 2 else self._tier(name)
+                self._backend_for(last_hop_src.storage.device, dst.device, f"from tier {last_hop_src.name!r}")
+            by_tier: dict[str, list[int]] = {}
+            for i, key in enumerate(keys):  # find and pin in one step per block: completions may evict meanwhile
+                tier = next((t for t in self.tiers if t.try_pin(key)), None)
+                if tier is None:
+                    break
+                by_tier.setdefault(tier.name, []).append(i)
+            result = LoadResult(len(keys), sum(len(v) for v in by_tier.values()))
             if not by_tier:
                 future.set_result(result)
                 return future
@@ -186,7 +186,6 @@ class TierStack:
 
             for name, indices in by_tier.items():
                 tier = self._tier(name)
-                tier.pin([keys[i] for i in indices])
                 tier.record(hits=len(indices), bytes_out=len(indices) * tier.block_bytes)
                 result.per_tier[name] = len(indices)
                 part = ([keys[i] for i in indices], dst, [dst_slots[i] for i in indices],
@@ -211,7 +210,8 @@ class TierStack:
         self.wait_idle(timeout)
         self._work.put(None)
         self._worker.join(timeout)
-        self.backend.close()
+        for backend in self.backends:
+            backend.close()
         leaks = {t.name: t.leaks() for t in self.tiers if any(t.leaks().values())}
         if leaks:
             raise StateError(f"blocks still in use at close: {leaks}")
@@ -232,7 +232,7 @@ class TierStack:
 
     def describe(self) -> str:
         lines = [f"kvtier stack: {len(self.tiers)} tier(s), placement {self.placement}, "
-                 f"{self.backend.name} transfer backend"]
+                 f"transfer backends: {', '.join(b.name for b in self.backends)}"]
         lines += [f"  {i}. {tier!r}" for i, tier in enumerate(self.tiers)]
         return "\n".join(lines)
 
@@ -255,6 +255,13 @@ class TierStack:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the tier stack is closed")
+
+    def _backend_for(self, src_device: str, dst_device: str, what: str) -> TransferBackend:
+        for backend in self.backends:
+            if backend.can_copy(src_device, dst_device):
+                return backend
+        raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) can copy "
+                            f"{src_device} -> {dst_device} {what}".rstrip())
 
     def _tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
@@ -365,7 +372,7 @@ class TierStack:
             landed(ok, failed)
 
         fences = [*read_fences, *(Fence(dst.name, s, True) for s in dst_slots)]
-        transfer = Transfer(src, src_slots, dst.storage, dst_slots)
+        transfer = Transfer(src, src_slots, dst.storage, dst_slots, keys)
         return self._submit(transfer, "store", fences, on_done)
 
     def _load_direct(self, tier: Tier, keys: list[bytes], dst: BlockStorage, dst_slots: list[int],
@@ -375,9 +382,10 @@ class TierStack:
 
         def finish(job: Job) -> None:
             tier.unpin(keys)
+            tier.discard([keys[i] for i in job.failed_blocks])  # unreadable: a miss now and later
             done(sorted(job.failed_blocks))
 
-        self._submit(Transfer(tier.storage, src_slots, dst, dst_slots), "load",
+        self._submit(Transfer(tier.storage, src_slots, dst, dst_slots, keys), "load",
                      [Fence(tier.name, s, False) for s in src_slots], finish)
 
     def _load_staged(self, tier: Tier, stage: Tier, keys: list[bytes], dst: BlockStorage, dst_slots: list[int],
@@ -400,6 +408,7 @@ class TierStack:
 
         def staged(job: Job) -> None:
             tier.unpin(staged_keys)
+            tier.discard([staged_keys[i] for i in job.failed_blocks])
             ok = [i for i in range(len(picked)) if i not in job.failed_blocks]
             stage.abort([staged_keys[i] for i in sorted(job.failed_blocks)])
             stage.commit([staged_keys[i] for i in ok], pin=True)
@@ -412,13 +421,14 @@ class TierStack:
                               lambda failed: done(sorted(lost + [picked[ok[j]] for j in failed])))
 
         fences = [*(Fence(tier.name, s, False) for s in src_slots), *(Fence(stage.name, s, True) for s in slots)]
-        self._submit(Transfer(tier.storage, src_slots, stage.storage, slots), "stage", fences, staged)
+        self._submit(Transfer(tier.storage, src_slots, stage.storage, slots, staged_keys), "stage", fences, staged)
 
     def _submit(self, transfer: Transfer, kind: str, fences: Sequence[Fence], on_done: Callable[[Job], None]) -> Job:
         job = self.jobs.create(kind, transfer.num_blocks, 1, fences, on_done)
         self.jobs.start(job.id)
         try:
-            self.backend.submit(transfer, lambda failed: self.jobs.report(job.id, failed))
+            backend = self._backend_for(transfer.src.device, transfer.dst.device, "")
+            backend.submit(transfer, lambda failed: self.jobs.report(job.id, failed))
         except Exception:
             self.jobs.report(job.id, range(transfer.num_blocks))  # the job ends failed and releases everything
             raise

@@ -51,6 +51,13 @@ class SlotAllocator:
             self._is_free[slot] = False
         return slots
 
+    def claim(self, slot: int) -> None:
+        """Take one particular free slot (a tier reopening its storage puts recovered blocks back)."""
+        if not 0 <= slot < self.capacity or not self._is_free[slot]:
+            raise StateError(f"slot {slot} is not a free slot of [0, {self.capacity})")
+        self._free.remove(slot)
+        self._is_free[slot] = False
+
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.capacity:
             raise StateError(f"slot {slot} is outside [0, {self.capacity})")
@@ -145,6 +152,16 @@ class Tier:
                     self.policy.touch(key)
             return [e.slot for e in entries]
 
+    def try_pin(self, key: bytes) -> bool:
+        """Pin one block if it is READY now; False (nothing pinned) otherwise. Lookup and pin in one
+        step, so a block cannot vanish between finding it and protecting it."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.state is not BlockState.READY:
+                return False
+            self.pin([key])
+            return True
+
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
         with self._lock:
@@ -236,14 +253,43 @@ class Tier:
                 self._free_entry(key)
             self.stats.aborted += len(keys)
 
+    def restore(self, blocks: Sequence[tuple[bytes, int]]) -> None:
+        """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first."""
+        with self._lock:
+            for key, slot in blocks:
+                if key in self._entries:
+                    raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
+                self._allocator.claim(slot)
+                self._entries[key] = _Entry(slot, BlockState.READY)
+                self.policy.insert(key)
+
+    def discard(self, keys: Iterable[bytes]) -> int:
+        """Drop READY blocks that proved unreadable (a failed checksum, an I/O error) so no reader
+        tries them again; blocks pinned by other readers stay until those readers are done. Returns
+        the number dropped."""
+        with self._lock:
+            dropped = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is not BlockState.READY or entry.pins or entry.evicting:
+                    continue
+                if self._fenced(entry):
+                    continue
+                self.policy.remove(key)
+                self._free_entry(key)
+                dropped += 1
+            self.stats.read_errors += dropped
+            return dropped
+
     # --- eviction ------------------------------------------------------------------------------
 
     def evict(self, n: int) -> list[bytes]:
-        """Drop up to ``n`` READY, unpinned blocks chosen by the policy; returns their keys."""
+        """Drop up to ``n`` READY, unpinned blocks chosen by the policy; returns the keys dropped
+        (a victim whose slot a job in flight still uses is kept, see ``end_evict``)."""
         with self._lock:
             victims = [key for key, _ in self.begin_evict(n)]
             self.end_evict(victims)
-            return victims
+            return [key for key in victims if key not in self._entries]
 
     def begin_evict(self, n: int) -> list[tuple[bytes, int]]:
         """Choose up to ``n`` victims and pin them while their bytes are copied elsewhere; returns (key, slot).

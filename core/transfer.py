@@ -47,10 +47,13 @@ class Transfer:
     src_slots: Sequence[int]
     dst: BlockStorage
     dst_slots: Sequence[int]
+    keys: Sequence[bytes] | None = None  # the blocks' keys, for backends that record or verify them (disk)
 
     def __post_init__(self) -> None:
         if len(self.src_slots) != len(self.dst_slots):
             raise TransferError(f"{len(self.src_slots)} source slots but {len(self.dst_slots)} destination slots")
+        if self.keys is not None and len(self.keys) != len(self.src_slots):
+            raise TransferError(f"{len(self.keys)} keys for {len(self.src_slots)} blocks")
         if self.src.layout.block_bytes != self.dst.layout.block_bytes:
             raise TransferError(f"block sizes differ: {self.src.layout.block_bytes} B -> {self.dst.layout.block_bytes} B")
 

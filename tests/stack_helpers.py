@@ -37,7 +37,7 @@ def make_stack(gpu: int = 8, host: int = 32, placement: str = "write_back", back
     jobs = JobManager()
     tiers = [gpu_tier("gpu", gpu, LAYOUT, LRUPolicy(), gpu_watermark, jobs.is_fenced),
              host_tier("host", host, LAYOUT, LRUPolicy(), host_watermark, jobs.is_fenced)]
-    return TierStack(tiers, backend or CPUBackend(2), jobs, placement, **kwargs)
+    return TierStack(tiers, [backend or CPUBackend(2)], jobs, placement, **kwargs)
 
 
 def store(stack: TierStack, keys: list[bytes]):

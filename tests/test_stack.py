@@ -171,8 +171,8 @@ def test_failed_store_copies_commit_only_what_landed():
     keys = [key(i) for i in range(4)]
     src = blocks_for(keys)
     bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
-    stack.backend.close()
-    stack.backend = FailingBackend(bad)
+    stack.backends[0].close()
+    stack.backends[0] = FailingBackend(bad)
     result = stack.store(keys, buffer_storage(src, LAYOUT), range(4)).result(timeout=10)
     assert result.stored == 3 and result.failed == [keys[2]]
     gpu = stack.tiers[0]
@@ -188,8 +188,8 @@ def test_failed_load_reports_exactly_the_failed_blocks_and_releases_pins():
     store(stack, keys)
     gpu = stack.tiers[0]
     bad_slot = gpu.slots([keys[1]])[0]
-    stack.backend.close()
-    stack.backend = FailingBackend({int(a) for a in gpu.storage.fragment_addresses([bad_slot])[0]})
+    stack.backends[0].close()
+    stack.backends[0] = FailingBackend({int(a) for a in gpu.storage.fragment_addresses([bad_slot])[0]})
     loaded, out = load(stack, keys)
     assert loaded.failed == [1] and loaded.loaded == 3
     assert_loaded_exact(keys, loaded, out)
@@ -263,7 +263,7 @@ def test_a_backend_that_cannot_reach_a_tier_is_refused_at_build():
         def can_copy(self, src_device, dst_device):
             return False
 
-    with pytest.raises(TransferError, match="cannot copy between tier 'gpu'"):
+    with pytest.raises(TransferError, match="can copy cpu -> cpu between tier 'gpu' and tier 'host'"):
         make_stack(backend=HostOnly())
 
 

@@ -1,0 +1,264 @@
+"""The local disk tier: one preallocated slab file of fixed-size slots that survives restarts.
+
+File layout: a 4 KiB file header (magic, geometry), then ``num_slots`` slots of ``slot_stride`` bytes.
+Each slot is a 4 KiB slot header followed by the block's bytes, so the data stays 4 KiB-aligned for
+O_DIRECT. The slot header names the block (key, namespace digest, lengths, data checksum) and carries
+its own checksum.
+
+Why it is crash-safe without a separate index: a slot header is written only after the block's bytes
+are durable (written, then fdatasync), and a slot about to be reused has its old header zeroed and
+made durable before new bytes land in it. So after any crash a valid header always describes complete
+bytes, and reopening the directory rebuilds the index by scanning slot headers. Every read checks the
+header and the data checksum; a mismatch is a miss, never wrong data.
+
+A lock file keeps a second process from opening the same directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvtier.core.errors import ConfigError, KvtierError
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import BlockStorage
+from kvtier.core.tier import Tier
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.watermark import Watermark
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+SLAB_NAME = "slab.kvt"
+LOCK_NAME = "kvtier.lock"
+FILE_MAGIC = b"KVTSLAB1"
+SLOT_MAGIC = b"KVTBLK01"
+# file header: magic, version, block_bytes, slot_stride, num_slots, checksum of the preceding fields
+_FILE_HEADER = struct.Struct("<8sIQQQ")
+# slot header: magic, namespace digest, key length, key (up to 32 bytes), payload bytes, data checksum, sequence
+_SLOT_HEADER = struct.Struct("<8s16sH32sQQQ")
+_CHECKSUM = struct.Struct("<Q")
+VERSION = 1
+
+
+class DiskTierError(KvtierError, OSError):
+    """The disk tier's directory cannot be used (locked by another process, no space, bad path)."""
+
+
+def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
+    """16 bytes naming whose blocks a slot holds: the stack's namespace (model, dtype, rank) and the
+    block's fragment geometry. A block written under another digest is never read."""
+    return xxhash.xxh3_128_digest(f"{namespace}\0{layout.fragment_bytes}".encode())
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    key: bytes
+    namespace: bytes
+    length: int
+    checksum: int
+    sequence: int
+
+    def pack(self) -> bytes:
+        body = _SLOT_HEADER.pack(SLOT_MAGIC, self.namespace, len(self.key), self.key.ljust(32, b"\0"),
+                                 self.length, self.checksum, self.sequence)
+        return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(PAGE, b"\0")
+
+    @classmethod
+    def unpack(cls, page: bytes) -> "SlotHeader | None":
+        """The header in a slot's first page, or None when the page is empty, torn or garbage."""
+        body = page[:_SLOT_HEADER.size]
+        (stored,) = _CHECKSUM.unpack_from(page, _SLOT_HEADER.size)
+        if xxhash.xxh3_64_intdigest(body) != stored:
+            return None
+        magic, namespace, key_len, key, length, checksum, sequence = _SLOT_HEADER.unpack(body)
+        if magic != SLOT_MAGIC or key_len > 32:
+            return None
+        return cls(key[:key_len], namespace, length, checksum, sequence)
+
+
+def _is_blank(page: bytes) -> bool:
+    return not any(page)
+
+
+class DiskSlab:
+    """The slab file and its directory: geometry, file descriptors, lock, and which slots have headers.
+
+    Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
+    only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job).
+    """
+
+    def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
+                 o_direct: str = "auto") -> None:
+        self.dir = Path(path)
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes = layout.block_bytes
+        self.slot_stride = PAGE + -(-block_bytes // PAGE) * PAGE
+        self.namespace = namespace_digest(namespace, layout)
+        self.file_bytes = PAGE + num_slots * self.slot_stride
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"disk tier directory {str(self.dir)!r} cannot be created: {exc.strerror}") from exc
+        self._lock_fd = self._take_lock()
+        try:
+            self.path = self.dir / SLAB_NAME
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._prepare_file()
+            self.direct_fd = self._open_direct(o_direct)
+        except BaseException:
+            self.close()
+            raise
+        self.valid_header = bytearray(num_slots)
+        self.sequence = 0
+
+    @property
+    def o_direct(self) -> bool:
+        return self.direct_fd is not None
+
+    def slot_offset(self, slot: int) -> int:
+        return PAGE + slot * self.slot_stride
+
+    # --- opening -------------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise DiskTierError(f"disk tier directory {str(self.dir)!r} is in use by {holder}; "
+                                f"two kvtier processes cannot share one directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"kvtier pid {os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _prepare_file(self) -> None:
+        """Keep a file of the same geometry; start a fresh one otherwise. Preallocate the whole size."""
+        header = _FILE_HEADER.pack(FILE_MAGIC, VERSION, self.block_bytes, self.slot_stride, self.num_slots)
+        header += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+        existing = os.pread(self.fd, len(header), 0)
+        if existing != header:
+            if any(existing):
+                log.warning("disk tier %s: geometry or version changed, discarding the old cache", self.path)
+            os.ftruncate(self.fd, 0)
+        try:
+            os.posix_fallocate(self.fd, 0, self.file_bytes)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.dir).free
+                raise DiskTierError(f"disk tier {str(self.dir)!r} needs {self.file_bytes} bytes and the "
+                                    f"filesystem has {free} free; lower its capacity") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self.fd, max(self.file_bytes, os.fstat(self.fd).st_size))  # sparse, where unsupported
+        if existing != header:
+            os.pwrite(self.fd, header.ljust(PAGE, b"\0"), 0)
+            os.fdatasync(self.fd)
+
+    def _open_direct(self, mode: str) -> int | None:
+        """An O_DIRECT descriptor when the filesystem takes aligned direct I/O; None (buffered) otherwise."""
+        if mode == "off" or not hasattr(os, "O_DIRECT"):
+            return None
+        probe = mmap.mmap(-1, PAGE)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        except OSError as exc:
+            return self._no_direct(mode, exc)
+        try:
+            os.preadv(fd, [probe], 0)  # the file header page: aligned buffer, offset and length
+            return fd
+        except OSError as exc:
+            os.close(fd)
+            return self._no_direct(mode, exc)
+        finally:
+            probe.close()
+
+    def _no_direct(self, mode: str, exc: OSError) -> None:
+        if mode == "on":
+            raise DiskTierError(f"O_DIRECT was asked for but {str(self.dir)!r} refuses it: {exc.strerror}") from exc
+        log.info("disk tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O", self.dir, exc.strerror)
+        return None
+
+    # --- recovery ------------------------------------------------------------------------------
+
+    def scan(self) -> tuple[list[tuple[int, bytes, int]], int]:
+        """Read every slot header: ([(sequence, key, slot)] of valid blocks of this namespace, damaged count).
+
+        A slot holding the same key as a newer slot is left out (an older copy). Damaged headers
+        (not blank, failing their checksum or geometry) are counted; their slots are free.
+        """
+        found: dict[bytes, tuple[int, bytes, int]] = {}
+        damaged = 0
+        for slot in range(self.num_slots):
+            page = os.pread(self.fd, PAGE, self.slot_offset(slot))
+            header = SlotHeader.unpack(page) if len(page) == PAGE else None
+            if header is None:
+                damaged += not _is_blank(page)
+                continue
+            self.valid_header[slot] = 1  # any valid header, foreign or not, is zeroed before reuse
+            if header.namespace != self.namespace:
+                continue
+            if header.length != self.block_bytes:
+                damaged += 1
+                continue
+            self.sequence = max(self.sequence, header.sequence)
+            older = found.get(header.key)
+            if older is None or older[0] < header.sequence:
+                found[header.key] = (header.sequence, header.key, slot)
+        return sorted(found.values()), damaged
+
+    def close(self) -> None:
+        """Flush, close the descriptors and release the directory lock."""
+        for name in ("direct_fd", "fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                if name == "fd":
+                    os.fsync(fd)
+                os.close(fd)
+                setattr(self, name, None)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+
+class FileStorage(BlockStorage):
+    """A slab file as block storage: "addresses" are file offsets of each slot's data (after its header)."""
+
+    def __init__(self, slab: DiskSlab, layout: BlockLayout) -> None:
+        super().__init__(BlockLayout.contiguous(layout.block_bytes), slab.num_slots, "file", slab, slab.close)
+        self.slab = slab
+
+    def _addresses(self, slots):
+        return (PAGE + slots * self.slab.slot_stride + PAGE)[:, None]
+
+
+def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+              watermark: Watermark | None = None, is_fenced=None, *, path: str | os.PathLike,
+              namespace: str = "", o_direct: str = "auto") -> Tier:
+    """A tier over the slab in ``path``, holding again every block a previous process committed there
+    under the same namespace and block size."""
+    if o_direct not in ("auto", "on", "off"):
+        raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
+    slab = DiskSlab(path, num_slots, layout, namespace, o_direct)
+    try:
+        recovered, damaged = slab.scan()
+        io = "O_DIRECT" if slab.o_direct else "buffered I/O"
+        tier = Tier(name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced,
+                    f"{slab.path}, {io}, {len(recovered)} blocks recovered")
+        tier.restore([(key, slot) for _, key, slot in recovered])
+        tier.record(damaged=damaged)
+        return tier
+    except BaseException:
+        slab.close()
+        raise
