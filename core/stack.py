@@ -199,15 +199,21 @@ class TierStack:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Refuse new work, wait for every job in flight, stop the background thread, release the tiers.
-
-        Raises StateError if a tier still has pinned or writing blocks afterwards (a leak).
+        """Refuse new work, wait for every job in flight, copy blocks that only memory tiers hold down
+        into a disk tier below them (so a restart finds them), stop the background thread, release
+        the tiers. Raises StateError if a tier still has pinned or writing blocks afterwards (a leak).
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.wait_idle(timeout)
+        for index in range(len(self.tiers) - 1):
+            if not any(t.medium == "disk" for t in self.tiers[index + 1:]):
+                break
+            with self._lock:
+                self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
+            self.wait_idle(timeout)
         self._work.put(None)
         self._worker.join(timeout)
         for backend in self.backends:
@@ -333,10 +339,11 @@ class TierStack:
                          read_fences=[Fence(tier.name, s, False) for s in tier.slots(dirty)])
         return [job]
 
-    def _copy_down(self, index: int, keys: list[bytes]) -> None:
-        """Write-through: copy READY blocks of tier ``index`` that the next tier lacks into it."""
+    def _copy_down(self, index: int, keys: list[bytes], closing: bool = False) -> None:
+        """Copy READY blocks of tier ``index`` that the next tier lacks into it (write-through, and
+        the flush at close)."""
         with self._lock:
-            if self._closed:
+            if self._closed and not closing:
                 return
             tier, lower = self.tiers[index], self.tiers[index + 1]
             keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]

@@ -177,6 +177,11 @@ class Tier:
                 if entry.pins == 0:
                     self._pinned.discard(key)
 
+    def ready_keys(self) -> list[bytes]:
+        """Keys of every READY block, in the order they became readable."""
+        with self._lock:
+            return [key for key, entry in self._entries.items() if entry.state is BlockState.READY]
+
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of keys that are present in any state; raises StateError on an absent key."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""The ``kvtier`` command.
+"""The ``kvtier`` command: ``demo`` (the main job) and ``inspect`` (what a disk tier directory holds).
 
 ``kvtier demo`` runs a small chat workload (shared system prompts, multi-turn conversations) through a
 real tier stack: every prompt's cached prefix is loaded back and checked bit-exact, the rest is
@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.connectors.api import KVTier
+from kvtier.tiers.disk import DiskTierError, inspect_slab
 
 
 def block_content(key: bytes, nbytes: int) -> np.ndarray:
@@ -79,6 +80,25 @@ def print_report(kv: KVTier, totals: dict, seconds: float, console: Console) -> 
                   f"{totals['stored_blocks']} blocks stored; {seconds:.1f} s")
 
 
+def print_inspection(info: dict, console: Console) -> None:
+    table = Table(title=f"disk tier {info['path']}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("blocks", f"{info['blocks']} of {info['slots']} slots ({info['free_slots']} free)"),
+        ("block size", f"{info['block_bytes']} B (slot stride {info['slot_stride']} B)"),
+        ("bytes held", f"{info['block_bytes_used'] / 2**20:.1f} MiB"),
+        ("damaged slot headers", str(info["damaged_headers"])),
+        ("file size", f"{info['file_bytes'] / 2**20:.1f} MiB"),
+        ("filesystem free", f"{info['filesystem_free_bytes'] / 2**30:.1f} GiB"),
+        ("in use by", info["lock_holder"] or "nobody"),
+    ]
+    rows += [(f"namespace {digest[:16]}", f"{count} blocks") for digest, count in info["namespaces"].items()]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier", description="A tiered KV-cache block store for LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -88,9 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--turns", type=int, default=6)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the totals as one JSON object on the last line")
+    inspect = commands.add_parser("inspect", help="show what a disk tier directory holds")
+    inspect.add_argument("path", help="the disk tier's directory (its `path` in the YAML)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
 
     console = Console()
+    if args.command == "inspect":
+        try:
+            info = inspect_slab(args.path)
+        except DiskTierError as exc:
+            console.print(f"kvtier inspect: {exc}")
+            return 1
+        if args.json:
+            print(json.dumps(info))
+        else:
+            print_inspection(info, console)
+        return 0
     started = time.perf_counter()
     with KVTier.open(args.config) as kv:
         totals = run_demo(kv, args.conversations, args.turns, args.seed)

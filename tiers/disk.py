@@ -90,6 +90,69 @@ def _is_blank(page: bytes) -> bool:
     return not any(page)
 
 
+def read_slot_headers(fd: int, num_slots: int, slot_stride: int):
+    """Yield (slot, header or None, blank) for every slot of a slab file; a short page counts as damaged."""
+    for slot in range(num_slots):
+        page = os.pread(fd, PAGE, PAGE + slot * slot_stride)
+        header = SlotHeader.unpack(page) if len(page) == PAGE else None
+        yield slot, header, len(page) == PAGE and _is_blank(page)
+
+
+def inspect_slab(path: str | os.PathLike) -> dict:
+    """What a disk tier directory holds, read without taking its lock (a running process may own it).
+
+    Returns the geometry, blocks per namespace digest, damaged slot headers, free slots and bytes,
+    the lock holder, and the filesystem's free space. Raises DiskTierError when there is no slab.
+    """
+    directory = Path(path)
+    slab_path = directory / SLAB_NAME
+    try:
+        fd = os.open(slab_path, os.O_RDONLY)
+    except OSError as exc:
+        raise DiskTierError(f"no kvtier disk tier in {str(directory)!r}: {exc.strerror}") from exc
+    try:
+        raw = os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0)
+        if len(raw) < _FILE_HEADER.size + _CHECKSUM.size or \
+                xxhash.xxh3_64_intdigest(raw[:_FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
+            raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
+        magic, version, block_bytes, slot_stride, num_slots = _FILE_HEADER.unpack_from(raw)
+        namespaces: dict[str, int] = {}
+        damaged = 0
+        for _, header, blank in read_slot_headers(fd, num_slots, slot_stride):
+            if header is None:
+                damaged += not blank
+            else:
+                digest = header.namespace.hex()
+                namespaces[digest] = namespaces.get(digest, 0) + 1
+        blocks = sum(namespaces.values())
+        lock = directory / LOCK_NAME
+        return {
+            "path": str(slab_path), "version": version, "block_bytes": block_bytes, "slot_stride": slot_stride,
+            "slots": num_slots, "blocks": blocks, "block_bytes_used": blocks * block_bytes,
+            "free_slots": num_slots - blocks, "damaged_headers": damaged, "namespaces": namespaces,
+            "file_bytes": os.fstat(fd).st_size, "filesystem_free_bytes": shutil.disk_usage(directory).free,
+            "lock_holder": _lock_holder(lock),
+        }
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(lock: Path) -> str | None:
+    """Who holds the directory lock now, or None when nobody does."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)
+
+
 class DiskSlab:
     """The slab file and its directory: geometry, file descriptors, lock, and which slots have headers.
 
@@ -200,11 +263,9 @@ class DiskSlab:
         """
         found: dict[bytes, tuple[int, bytes, int]] = {}
         damaged = 0
-        for slot in range(self.num_slots):
-            page = os.pread(self.fd, PAGE, self.slot_offset(slot))
-            header = SlotHeader.unpack(page) if len(page) == PAGE else None
+        for slot, header, blank in read_slot_headers(self.fd, self.num_slots, self.slot_stride):
             if header is None:
-                damaged += not _is_blank(page)
+                damaged += not blank
                 continue
             self.valid_header[slot] = 1  # any valid header, foreign or not, is zeroed before reuse
             if header.namespace != self.namespace:
