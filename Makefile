@@ -21,6 +21,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
+	$(PY) bench/disk.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
