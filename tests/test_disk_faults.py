@@ -1,0 +1,441 @@
+"""Disk I/O errors fail exactly the blocks they hit, never return wrong bytes, and never break the stack.
+
+Faults are injected at the system calls: ``FaultyDiskBackend`` is the real disk backend with its
+``_pwritev``, ``_preadv`` and ``_fdatasync`` overridden to raise ENOSPC or EIO, or to move fewer
+bytes than asked, for chosen slots and phases. A real small filesystem (a tmpfs mounted under the
+test's directory, where root may mount) checks that a disk tier larger than its filesystem is refused
+with a message about space, and that a preallocated slab keeps working once the filesystem is full.
+
+Invariants checked:
+- a store whose data, header, header-zeroing write or fdatasync fails commits nothing for those
+  blocks: they are reported failed, the disk tier holds them as FREE, ``aborted`` counts them, and a
+  reopen never finds them (nor a block whose bytes were overwritten by a failed write);
+- a demotion or write-through copy that fails keeps the block in the host tier, where it stays
+  readable, and a later close copies it down;
+- a failed or short read reports exactly the failed block indices in ``LoadResult.failed``, counts
+  them in ``read_errors`` and drops them, so the next lookup misses them; other blocks load bit-exact;
+- after every fault the stack keeps working: later stores and loads succeed, invariants hold, nothing leaks.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+from stack_helpers import assert_no_leaks, content, key
+
+from kvtier.core.builder import build_stack
+from kvtier.core.config import load_config
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import buffer_storage
+from kvtier.core.tier import BlockState
+from kvtier.core.transfer import CPUBackend
+from kvtier.tiers.disk import PAGE, DiskTierError
+from kvtier.tiers.disk_io import DiskBackend
+
+BLOCK = 16 * 1024
+LAYOUT = BlockLayout((BLOCK // 4,) * 4)
+KEYS = [key(i) for i in range(64)]
+
+
+class FaultyDiskBackend(DiskBackend):
+    """The real disk backend; chosen system calls fail.
+
+    ``write_faults`` maps (phase, slot) to an errno raised instead of writing, or to "short" for a
+    write that really lands only its first half and reports that. Phases: "zero" (clearing an old
+    header), "data", "header". ``read_faults`` maps a slot to an errno or "short" likewise.
+    ``sync_faults`` is a list of errnos: each fdatasync pops one and raises it (None lets it pass).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(io_threads=2)
+        self.stride = 0  # set once the stack is built
+        self.write_faults: dict[tuple[str, int], int | str] = {}
+        self.read_faults: dict[int, int | str] = {}
+        self.sync_faults: list[int | None] = []
+        self.hits: list[tuple[str, int]] = []
+        self._faults_lock = threading.Lock()
+
+    def _where(self, offset: int, buffers) -> tuple[list[int], bool]:
+        """The slots a call touches (a run of consecutive slots is one call), and whether it starts at a header."""
+        length = sum(len(memoryview(b)) for b in buffers)
+        first, within = divmod(offset - PAGE, self.stride)
+        last = (offset - PAGE + length - 1) // self.stride
+        return list(range(first, last + 1)), within == 0
+
+    def _fault(self, faults: dict, keys: list) -> tuple[object, object]:
+        return next(((k, faults[k]) for k in keys if k in faults), (None, None))
+
+    def _pwritev(self, fd, buffers, offset):
+        slots, is_header_page = self._where(offset, buffers)
+        phase = "data"
+        if is_header_page:
+            phase = "zero" if not any(bytes(buffers[0])) else "header"
+        hit, fault = self._fault(self.write_faults, [(phase, slot) for slot in slots])
+        if fault is None:
+            return super()._pwritev(fd, buffers, offset)
+        with self._faults_lock:
+            self.hits.append(hit)
+        if fault == "short":
+            first = memoryview(buffers[0])
+            return os.pwritev(fd, [first[:len(first) // 2]], offset)
+        raise OSError(fault, os.strerror(fault))
+
+    def _preadv(self, fd, buffers, offset):
+        slots, _ = self._where(offset, buffers)
+        hit, fault = self._fault(self.read_faults, slots)
+        if fault is None:
+            return super()._preadv(fd, buffers, offset)
+        with self._faults_lock:
+            self.hits.append(("read", hit))
+        if fault == "short":
+            return os.preadv(fd, [memoryview(buffers[0])[:PAGE]], offset)  # the header page only
+        raise OSError(fault, os.strerror(fault))
+
+    def _fdatasync(self, fd):
+        with self._faults_lock:
+            fault = self.sync_faults.pop(0) if self.sync_faults else None
+        if fault is not None:
+            raise OSError(fault, os.strerror(fault))
+        super()._fdatasync(fd)
+
+
+def open_stack(path, *, host=4, disk=16, placement="write_back", gpu=None, backend=None):
+    tiers = ([{"medium": "gpu", "capacity_blocks": gpu}] if gpu else []) + \
+            ([{"medium": "host", "capacity_blocks": host}] if host else []) + \
+            [{"medium": "disk", "path": str(path), "capacity_blocks": disk}]
+    config = load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "faults",
+                          "placement": placement, "tiers": tiers})
+    backend = backend or FaultyDiskBackend()
+    stack = build_stack(config, backends=[CPUBackend(2), backend])
+    backend.stride = stack.tiers[-1].storage.slab.slot_stride
+    return stack, backend
+
+
+def put(stack, keys, batch=None):
+    batch = batch or stack.tiers[0].capacity
+    results = []
+    for i in range(0, len(keys), batch):
+        chunk = keys[i:i + batch]
+        blocks = np.stack([content(k, BLOCK) for k in chunk])
+        results.append(stack.store(chunk, buffer_storage(blocks, LAYOUT), range(len(chunk))).result(timeout=30))
+    return results
+
+
+def get(stack, keys, dst_medium=None, aligned=None):
+    """Load into a zeroed buffer: page-aligned (read in place under O_DIRECT), one byte off the page
+    (read through the backend's bounce buffer), or wherever numpy puts it (None)."""
+    n = len(keys) * BLOCK
+    if aligned is None:
+        out = np.zeros((len(keys), BLOCK), np.uint8)
+    elif aligned:
+        out = np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n].reshape(len(keys), BLOCK)
+    else:
+        out = np.zeros(n + 1, np.uint8)[1:].reshape(len(keys), BLOCK)
+    result = stack.load(keys, buffer_storage(out, LAYOUT, writable=True), range(len(keys)),
+                        dst_medium=dst_medium).result(timeout=30)
+    return result, out
+
+
+def assert_exact(keys, result, out):
+    for i in range(result.hits):
+        if i not in result.failed:
+            assert np.array_equal(out[i], content(keys[i], BLOCK)), f"block {i} came back wrong"
+
+
+def ready(tier, keys):
+    return [k for k in keys if tier.state(k) is BlockState.READY]
+
+
+def assert_reopen_is_exact(path, expected, **kwargs):
+    """Reopen ``path`` with a healthy backend: exactly ``expected`` of KEYS are found, all bit-exact."""
+    stack, _ = open_stack(path, **kwargs)
+    disk = stack.tiers[-1]
+    found = ready(disk, KEYS)
+    assert found == expected
+    assert disk.usage().used == len(found)
+    disk.check_invariants()
+    loaded, out = get(stack, found)
+    assert loaded.loaded == len(found) and not loaded.failed
+    assert_exact(found, loaded, out)
+    stack.close()
+
+
+# --- writes -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["data", "header"])
+@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO, "short"])
+def test_a_failed_write_commits_nothing_for_that_block(tmp_path, phase, fault):
+    stack, backend = open_stack(tmp_path, host=0, disk=8)  # stores go straight to disk
+    (disk,) = stack.tiers
+    keys = KEYS[:4]
+    backend.write_faults[(phase, 2)] = fault  # slots are handed out lowest first: keys[2] gets slot 2
+    (result,) = put(stack, keys)
+    assert backend.hits == [(phase, 2)]
+    assert result.failed == [keys[2]] and result.stored == 3
+    assert disk.state(keys[2]) is BlockState.FREE
+    assert disk.stats.aborted == 1 and disk.stats.committed == 3
+    assert disk.usage().used == 3
+    loaded, out = get(stack, keys)
+    assert loaded.hits == 2, "the lookup stops at the block that never landed"
+    assert_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+    # A header write that came back short has still landed the header's first half, which holds all
+    # of it: the block behind it is complete (its bytes were durable first), so finding it is right.
+    landed = phase == "header" and fault == "short"
+    assert_reopen_is_exact(tmp_path, keys if landed else [keys[0], keys[1], keys[3]], host=0, disk=8)
+
+    stack, backend = open_stack(tmp_path, host=0, disk=8)  # healthy again: the block stores fine
+    put(stack, keys)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, keys, host=0, disk=8)
+
+
+def test_a_header_write_that_fails_after_landing_is_never_trusted_later(tmp_path):
+    """A header page that was written but reported short may still be a valid header on disk; when its
+    slot is reused and a crash (here: a failed header write) leaves the new bytes without a new header,
+    the old header must not describe them."""
+    stack, backend = open_stack(tmp_path, host=0, disk=4)
+    (disk,) = stack.tiers
+    a, b = KEYS[:2]
+    backend.write_faults[("header", 0)] = "short"  # lands a's whole header (it is < 2 KiB), reports EIO
+    (result,) = put(stack, [a])
+    assert result.failed == [a] and disk.state(a) is BlockState.FREE
+    backend.write_faults[("header", 0)] = errno.EIO  # b reuses slot 0: its bytes land, its header does not
+    (result,) = put(stack, [b])
+    assert result.failed == [b] and disk.usage().used == 0
+    stack.close()
+    stack, _ = open_stack(tmp_path, host=0, disk=4)
+    (disk,) = stack.tiers
+    found = ready(disk, [a, b])
+    loaded, out = get(stack, found)
+    assert not loaded.failed, "a block found at reopen must be complete"
+    assert_exact(found, loaded, out)
+    assert disk.stats.read_errors == 0
+    stack.close()
+
+
+@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO])
+def test_a_failed_header_zeroing_fails_the_block_that_reuses_the_slot(tmp_path, fault):
+    stack, backend = open_stack(tmp_path, host=0, disk=4)
+    (disk,) = stack.tiers
+    put(stack, KEYS[:4])
+    backend.write_faults[("zero", 1)] = fault
+    (result,) = put(stack, KEYS[4:8])  # a full tier: every slot is reused, its old header cleared first
+    assert backend.hits == [("zero", 1)]
+    assert len(result.failed) == 1 and result.stored == 3
+    (lost,) = result.failed
+    assert disk.state(lost) is BlockState.FREE and disk.stats.aborted == 1
+    stored = [k for k in KEYS[4:8] if k != lost]
+    assert ready(disk, KEYS[:8]) == stored
+    assert_no_leaks(stack)
+    stack.close()
+    # slot 1 still holds the old, complete block KEYS[1]: finding it again is correct, and bit-exact
+    assert_reopen_is_exact(tmp_path, [KEYS[1], *stored], host=0, disk=4)
+
+
+@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO])
+def test_a_failed_fdatasync_of_the_data_fails_the_whole_job(tmp_path, fault):
+    stack, backend = open_stack(tmp_path, host=0, disk=8)
+    (disk,) = stack.tiers
+    backend.sync_faults = [fault]  # the first sync of the job: after the data, before any header
+    (result,) = put(stack, KEYS[:4])
+    assert result.stored == 0 and result.failed == KEYS[:4]
+    assert disk.usage().used == 0 and disk.stats.aborted == 4
+    (result,) = put(stack, KEYS[:4])  # the next try works
+    assert result.stored == 4 and not result.failed
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, KEYS[:4], host=0, disk=8)
+
+
+def test_a_failed_fdatasync_of_cleared_headers_fails_the_reused_slots(tmp_path):
+    stack, backend = open_stack(tmp_path, host=0, disk=4)
+    (disk,) = stack.tiers
+    put(stack, KEYS[:4])
+    backend.sync_faults = [errno.EIO]  # the first sync: after clearing the old headers
+    (result,) = put(stack, KEYS[4:8])
+    assert result.stored == 0 and result.failed == KEYS[4:8]
+    assert disk.usage().used == 0 and disk.stats.aborted == 4 and disk.stats.evicted == 4
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, [], host=0, disk=4)
+
+
+def test_a_failed_demotion_keeps_the_block_in_host_memory(tmp_path):
+    stack, backend = open_stack(tmp_path, host=4, disk=16)
+    host, disk = stack.tiers
+    put(stack, KEYS[:4])
+    backend.write_faults[("data", 1)] = errno.ENOSPC  # the second block demoted to disk
+    results = put(stack, KEYS[4:8])
+    stack.wait_idle()
+    # every attempt to demote it failed (the stack retries once before storing less)
+    assert disk.state(KEYS[1]) is BlockState.FREE and disk.stats.aborted >= 1
+    assert set(backend.hits) == {("data", 1)}, "only the faulty slot's writes failed"
+    assert host.state(KEYS[1]) is BlockState.READY, "a failed demotion keeps the block where it was"
+    assert ready(disk, KEYS[:8]) == [KEYS[0], KEYS[2], KEYS[3]]
+    assert sum(r.stored for r in results) + sum(r.dropped for r in results) == 4
+    present = [k for k in KEYS[:8] if stack.lookup([k]).hits]
+    loaded, out = get(stack, present)
+    assert loaded.loaded == len(present) and not loaded.failed
+    assert_exact(present, loaded, out)
+    backend.write_faults.clear()
+    assert_no_leaks(stack)
+    stack.close()  # the close copies what only host memory holds down to disk
+    assert_reopen_is_exact(tmp_path, present, host=4, disk=16)
+
+
+def test_a_failed_write_through_copy_leaves_the_block_in_host_until_close(tmp_path):
+    stack, backend = open_stack(tmp_path, host=8, disk=16, placement="write_through")
+    host, disk = stack.tiers
+    backend.write_faults[("data", 2)] = errno.EIO
+    put(stack, KEYS[:4])
+    stack.wait_idle()
+    assert ready(disk, KEYS[:4]) == [KEYS[0], KEYS[1], KEYS[3]] and disk.stats.aborted == 1
+    assert ready(host, KEYS[:4]) == KEYS[:4]
+    assert stack.background_errors == []
+    backend.write_faults.clear()
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, KEYS[:4], host=8, disk=16)
+
+
+# --- reads ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("fault", [errno.EIO, errno.ENOSPC, "short"])
+def test_a_failed_read_reports_exactly_the_failed_blocks_and_drops_them(tmp_path, fault, aligned):
+    stack, backend = open_stack(tmp_path, host=0, disk=8)
+    (disk,) = stack.tiers
+    keys = KEYS[:6]
+    put(stack, keys)
+    bad = [1, 4]
+    for i in bad:
+        backend.read_faults[disk.slots([keys[i]])[0]] = fault
+    loaded, out = get(stack, keys, aligned=aligned)
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (6, 4, bad)
+    assert_exact(keys, loaded, out)
+    assert disk.stats.read_errors == 2
+    assert [disk.state(keys[i]) for i in bad] == [BlockState.FREE] * 2
+    assert stack.lookup(keys).hits == 1
+    backend.read_faults.clear()
+    again, out = get(stack, keys)  # the dropped blocks are misses now, not failures
+    assert (again.hits, again.failed) == (1, [])
+    put(stack, [keys[i] for i in bad])  # and store again cleanly into reused slots
+    loaded, out = get(stack, keys)
+    assert loaded.loaded == 6 and not loaded.failed
+    assert_exact(keys, loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, keys, host=0, disk=8)
+
+
+def test_a_failed_read_staged_through_host_fails_only_that_block(tmp_path):
+    stack, backend = open_stack(tmp_path, gpu=4, host=4, disk=16)
+    gpu, host, disk = stack.tiers
+    keys = KEYS[:12]
+    put(stack, keys)
+    stack.wait_idle()
+    assert ready(disk, keys) == keys[:4]
+    backend.read_faults[disk.slots([keys[2]])[0]] = errno.EIO
+    loaded, out = get(stack, keys[:4], dst_medium="gpu")  # disk -> host -> destination
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (4, 3, [2])
+    assert_exact(keys, loaded, out)
+    assert host.state(keys[2]) is BlockState.FREE and disk.state(keys[2]) is BlockState.FREE
+    assert ready(host, keys[:4]) == [keys[0], keys[1], keys[3]]
+    assert host.stats.aborted == 1 and disk.stats.read_errors == 1
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_every_io_failing_still_leaves_a_working_stack(tmp_path):
+    stack, backend = open_stack(tmp_path, host=4, disk=8)
+    host, disk = stack.tiers
+    for slot in range(8):
+        for phase in ("zero", "data", "header"):
+            backend.write_faults[(phase, slot)] = errno.EIO
+        backend.read_faults[slot] = errno.EIO
+    put(stack, KEYS[:16])
+    stack.wait_idle()
+    assert disk.usage().used == 0 and disk.stats.committed == 0
+    present = [k for k in KEYS[:16] if stack.lookup([k]).hits]
+    assert present == ready(host, KEYS[:16]) and len(present) == 4
+    loaded, out = get(stack, present)
+    assert loaded.loaded == 4
+    assert_exact(present, loaded, out)
+    backend.write_faults.clear()
+    backend.read_faults.clear()
+    put(stack, KEYS[16:24])  # pushes the four kept in host, then four more, down to disk
+    stack.wait_idle()
+    assert ready(disk, KEYS[:24]) == present + KEYS[16:20] and ready(host, KEYS[:24]) == KEYS[20:24]
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, KEYS[16:24], host=4, disk=8)
+
+
+# --- a real small filesystem --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs mounted under tmp_path; skips where mounting is not permitted."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_disk_tier_larger_than_its_filesystem_is_refused(small_fs):
+    path = small_fs / "cache"
+    with pytest.raises(DiskTierError) as err:
+        open_stack(path, host=4, disk=64)  # 64 blocks of 16 KiB plus headers > 1 MiB
+    message = str(err.value)
+    assert str(path) in message and "free" in message and "lower its capacity" in message
+    stack, _ = open_stack(path, host=4, disk=16)  # refused without leaving the directory locked
+    put(stack, KEYS[:8])
+    loaded, out = get(stack, KEYS[:8])
+    assert loaded.loaded == 8
+    assert_exact(KEYS[:8], loaded, out)
+    stack.close()
+
+
+def test_a_preallocated_slab_keeps_working_on_a_full_filesystem(small_fs):
+    path = small_fs / "cache"
+    stack, _ = open_stack(path, host=4, disk=16)
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:  # take every byte left on the filesystem
+        try:
+            while True:
+                f.write(b"\xff" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    assert os.statvfs(small_fs).f_bavail == 0
+    put(stack, KEYS[:24])
+    stack.wait_idle()
+    disk = stack.tiers[1]
+    assert disk.stats.aborted == 0 and disk.usage().used == 16
+    present = [k for k in KEYS[:24] if stack.lookup([k]).hits]
+    loaded, out = get(stack, present)
+    assert loaded.loaded == len(present) == 20 and not loaded.failed
+    assert_exact(present, loaded, out)
+    stack.close()
+    filler.unlink()
