@@ -110,7 +110,7 @@ class TierStack:
     def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> "Future[StoreResult]":
         """Copy blocks ``src_slots`` of ``src`` into the first tier under ``keys``.
 
-        Keys already present are skipped. The future resolves once ``src`` is no longer read and the
+        Keys already present in any tier (or being written to one) are skipped. The future resolves once ``src`` is no longer read and the
         blocks are readable in the first tier; write-through copies further down continue afterwards.
         Raises CapacityError when the new blocks outnumber the first tier.
         """
@@ -121,7 +121,8 @@ class TierStack:
             self._check_open()
             top = self.tiers[0]
             result = StoreResult(len(keys))
-            new = [(k, s) for k, s in dict(zip(keys, src_slots)).items() if top.state(k) is BlockState.FREE]
+            new = [(k, s) for k, s in dict(zip(keys, src_slots)).items()
+                   if all(t.state(k) is BlockState.FREE for t in self.tiers)]
             result.present = len(keys) - len(new)
             if len(new) > top.capacity:
                 raise CapacityError(f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks")

@@ -284,3 +284,16 @@ def test_stats_count_bytes_and_hits():
     assert s["hits"] == 3 and s["used"] == 3 and s["capacity"] == 8
     assert content(keys[0]).nbytes == LAYOUT.block_bytes
     stack.close()
+
+
+def test_storing_keys_a_lower_tier_holds_copies_nothing():
+    stack = make_stack(gpu=4, host=16)
+    keys = [key(i) for i in range(8)]
+    store(stack, keys[:4])
+    store(stack, keys[4:])  # the first four are demoted to host memory
+    stack.wait_idle()
+    committed = stack.tiers[0].stats.committed
+    result = store(stack, keys)
+    assert (result.stored, result.present) == (0, 8)
+    assert stack.tiers[0].stats.committed == committed
+    stack.close()

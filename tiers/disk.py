@@ -194,7 +194,10 @@ class DiskSlab:
     # --- opening -------------------------------------------------------------------------------
 
     def _take_lock(self) -> int:
-        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskTierError(f"disk tier lock {str(self.dir / LOCK_NAME)!r} cannot be opened: {exc.strerror}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -281,16 +284,20 @@ class DiskSlab:
 
     def close(self) -> None:
         """Flush, close the descriptors and release the directory lock."""
-        for name in ("direct_fd", "fd"):
-            fd = getattr(self, name, None)
-            if fd is not None:
-                if name == "fd":
-                    os.fsync(fd)
-                os.close(fd)
-                setattr(self, name, None)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing drops the flock
-            self._lock_fd = None
+        try:
+            for name in ("direct_fd", "fd"):
+                fd = getattr(self, name, None)
+                if fd is not None:
+                    setattr(self, name, None)
+                    try:
+                        if name == "fd":
+                            os.fsync(fd)
+                    finally:
+                        os.close(fd)
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # closing drops the flock, also when the fsync above failed
+                self._lock_fd = None
 
 
 class FileStorage(BlockStorage):
