@@ -105,7 +105,13 @@ class TierStack:
         """The longest prefix of ``keys`` readable in some tier, and which tier (the fastest) holds each."""
         with self._lock:
             self._check_open()
-            return StackLookup(*self._locate(keys))
+            where = []
+            for key in keys:
+                tier = next((t for t in self.tiers if t.state(key) is BlockState.READY), None)
+                if tier is None:
+                    break
+                where.append(tier.name)
+            return StackLookup(len(where), tuple(where))
 
     def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> "Future[StoreResult]":
         """Copy blocks ``src_slots`` of ``src`` into the first tier under ``keys``.
@@ -279,15 +285,6 @@ class TierStack:
                 return tier
         raise TransferError(f"the route needs a {medium} tier to stage through, and the stack has none")
 
-    def _locate(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]:
-        where = []
-        for key in keys:
-            tier = next((t for t in self.tiers if t.state(key) is BlockState.READY), None)
-            if tier is None:
-                break
-            where.append(tier.name)
-        return len(where), tuple(where)
-
     def _reserve(self, index: int, keys: list[bytes]) -> list[int]:
         """Slots for ``keys`` in tier ``index``, making room first; fewer (a prefix) when room runs out.
 
@@ -321,7 +318,8 @@ class TierStack:
         victims = [key for key, _ in tier.begin_evict(n)]
         lower = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
         dirty = [k for k in victims if lower is not None and lower.state(k) is BlockState.FREE]
-        tier.end_evict([k for k in victims if k not in set(dirty)])
+        clean = set(victims) - set(dirty)
+        tier.end_evict([k for k in victims if k in clean])
         if not dirty:
             return []
         slots = self._reserve(index + 1, dirty)
