@@ -31,6 +31,8 @@ def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorag
     if len(devices) != 1:
         raise TransferError(f"tensors live on several devices: {sorted(devices)}")
     num_blocks = min(t.shape[0] for t in tensors)
+    if num_blocks < 1:
+        raise TransferError("device tensors hold no block")
     for t, nbytes in zip(tensors, layout.fragment_bytes):
         if t[0].numel() * t.element_size() != nbytes or not t[0].is_contiguous():
             raise TransferError(f"a tensor's block is not one contiguous run of {nbytes} bytes")
