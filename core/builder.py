@@ -39,11 +39,13 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
                 raise ConfigError(f"tiers[{i}] ({name}): give capacity or capacity_blocks for a standalone "
                                   f"stack (under vLLM the engine owns GPU memory)")
             if blocks < 1:
-                raise ConfigError(f"tiers[{i}] ({name}): capacity holds no block of {layout.block_bytes} bytes")
+                raise ConfigError(f"tiers[{i}] ({name}): capacity holds no block of {layout.block_bytes} bytes"
+                                  f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
             wm = tier_cfg.watermark
             watermark = Watermark(wm.high, wm.low) if wm is not None else None
             policy = eviction_policy_class(tier_cfg.eviction)()
-            medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct}
+            medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
+                               "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes}
                               if tier_cfg.medium == "disk" else {})
             tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
                                                          **medium_options))

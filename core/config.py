@@ -182,11 +182,25 @@ class HostTierConfig(_SizedTierConfig):
 
 
 class DiskTierConfig(_SizedTierConfig):
-    """A local directory holding a preallocated slab file that survives restarts."""
+    """A local directory holding a preallocated slab file that survives restarts.
+
+    ``compression`` trades CPU for capacity: each block gets ``slot_bytes`` of room on disk instead of
+    ``block_bytes`` (see kvtier.tiers.disk.slot_room for the default), so a byte ``capacity`` holds
+    more blocks; blocks that do not compress into that room are not stored.
+    """
 
     medium: Literal["disk"]
     path: str = Field(min_length=1)
     o_direct: Literal["auto", "on", "off"] = "auto"
+    compression: Literal["none", "lz4", "zstd"] = "none"
+    slot_bytes: Size | None = None
+
+    @field_validator("slot_bytes")
+    @classmethod
+    def _at_least_a_page(cls, value: int | None) -> int | None:
+        if value is not None and value < 4096:
+            raise ValueError(f"{format_size(value)} ({value} bytes) is less than 4KiB, the smallest slot")
+        return value
 
 
 TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig}
@@ -234,18 +248,38 @@ class StackConfig(_Model):
                                                            f"{first_of_name[name]}]; tier names must be unique"))
                 else:
                     first_of_name[name] = i
-            if self.block_bytes is not None and tier.capacity is not None and tier.capacity < self.block_bytes:
-                problems.append((("tiers", i, "capacity"),
-                                 f"{format_size(tier.capacity)} ({tier.capacity} bytes) holds no block of "
-                                 f"block_bytes {format_size(self.block_bytes)}; give at least "
-                                 f"{format_size(self.block_bytes)}"))
+            if self.block_bytes is not None and isinstance(tier, DiskTierConfig):
+                from kvtier.tiers.disk import slot_problem  # here: the disk format owns the slot rules
+
+                problem = slot_problem(self.block_bytes, tier.compression, tier.slot_bytes)
+                if problem is not None:
+                    problems.append((("tiers", i, "slot_bytes"), problem))
+                    continue
+            if self.block_bytes is not None and tier.capacity is not None:
+                need = block_footprint(tier, self.block_bytes)
+                if tier.capacity < need:
+                    problems.append((("tiers", i, "capacity"),
+                                     f"{format_size(tier.capacity)} ({tier.capacity} bytes) holds no block of "
+                                     f"block_bytes {format_size(self.block_bytes)}; give at least "
+                                     f"{format_size(need)}"))
         if problems:
             raise _Problems(problems)
         return self
 
 
+def block_footprint(tier_cfg: _TierConfig, block_bytes: int) -> int:
+    """Bytes of a tier's ``capacity`` one block takes: ``block_bytes`` in memory; on disk its slot
+    (a 4 KiB header and ``slot_bytes`` of room, which compression makes smaller than the block)."""
+    if isinstance(tier_cfg, DiskTierConfig):
+        from kvtier.tiers.disk import slot_stride
+
+        return slot_stride(block_bytes, tier_cfg.compression, tier_cfg.slot_bytes)
+    return block_bytes
+
+
 def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None) -> int | None:
-    """How many blocks a tier holds: ``capacity_blocks``, else ``capacity // block_bytes``; None if unsized."""
+    """How many blocks a tier holds: ``capacity_blocks``, else ``capacity`` divided by what one block
+    takes there (``block_footprint``); None if unsized."""
     if tier_cfg.capacity_blocks is not None:
         return tier_cfg.capacity_blocks
     if tier_cfg.capacity is None:
@@ -253,7 +287,7 @@ def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None) -> int | 
     if not block_bytes or block_bytes <= 0:
         raise ConfigError(f"tier {tier_cfg.name or tier_cfg.medium!r}: capacity is given in bytes, so block_bytes "
                           f"is needed to count its blocks; got block_bytes={block_bytes!r}")
-    return tier_cfg.capacity // block_bytes
+    return tier_cfg.capacity // block_footprint(tier_cfg, block_bytes)
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -452,6 +486,7 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "GpuTierConfig", "HostTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig", "TransferConfig",
-    "WatermarkConfig", "capacity_in_blocks", "default_config_path", "format_size", "load_config", "parse_size",
+    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig",
+    "TransferConfig", "WatermarkConfig", "block_footprint", "capacity_in_blocks", "default_config_path",
+    "format_size", "load_config", "parse_size",
 ]

@@ -18,6 +18,7 @@ class TierStats:
     bytes_out: int = 0     # bytes read out of this tier
     read_errors: int = 0   # blocks dropped because they could not be read back intact
     damaged: int = 0       # records found damaged when the tier reopened its storage (disk)
+    incompressible: int = 0  # blocks a compressing disk tier did not store: their payload outgrew the slot
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

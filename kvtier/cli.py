@@ -87,7 +87,8 @@ def print_inspection(info: dict, console: Console) -> None:
     rows = [
         ("blocks", f"{info['blocks']} of {info['slots']} slots ({info['free_slots']} free)"),
         ("block size", f"{info['block_bytes']} B (slot stride {info['slot_stride']} B)"),
-        ("bytes held", f"{info['block_bytes_used'] / 2**20:.1f} MiB"),
+        ("compression", f"{info['compression']}, {info['slot_bytes']} B of room per block"),
+        ("bytes held", f"{info['block_bytes_used'] / 2**20:.1f} MiB ({info['stored_bytes'] / 2**20:.1f} MiB on disk)"),
         ("damaged slot headers", str(info["damaged_headers"])),
         ("file size", f"{info['file_bytes'] / 2**20:.1f} MiB"),
         ("filesystem free", f"{info['filesystem_free_bytes'] / 2**30:.1f} GiB"),

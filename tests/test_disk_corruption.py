@@ -44,8 +44,8 @@ LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 KEYS = [key(i) for i in range(32)]
 N = 6          # blocks written before the damage, into slots 0..N-1
 CAPACITY = 8
-HEADER_BYTES = 90  # the checksummed part of a slot header: fields (82 bytes) and their checksum (8)
-FILE_HEADER_BYTES = 44  # the compared part of the file header: fields (36 bytes) and their checksum (8)
+HEADER_BYTES = 99  # the checksummed part of a slot header: fields (91 bytes) and their checksum (8)
+FILE_HEADER_BYTES = 45  # the compared part of the file header: fields (37 bytes) and their checksum (8)
 
 
 def open_stack(path, host=0, disk=CAPACITY):
@@ -281,7 +281,7 @@ def test_a_valid_header_with_the_wrong_length_is_damaged(slab):
 # --- the file header --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offset", [0, 7, 8, 12, 20, 28, 36, 43])  # magic, version, sizes, count, checksum
+@pytest.mark.parametrize("offset", [0, 7, 8, 12, 20, 28, 36, 37, 44])  # magic, version, sizes, count, codec, checksum
 def test_a_damaged_file_header_discards_the_cache(slab, offset, caplog):
     flip(slab.file, offset)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):

@@ -1,9 +1,13 @@
 """The local disk tier: one preallocated slab file of fixed-size slots that survives restarts.
 
-File layout: a 4 KiB file header (magic, geometry), then ``num_slots`` slots of ``slot_stride`` bytes.
-Each slot is a 4 KiB slot header followed by the block's bytes, so the data stays 4 KiB-aligned for
-O_DIRECT. The slot header names the block (key, namespace digest, lengths, data checksum) and carries
-its own checksum.
+File layout: a 4 KiB file header (magic, geometry, codec), then ``num_slots`` slots of ``slot_stride``
+bytes. Each slot is a 4 KiB slot header followed by room for the block's bytes, so the data stays
+4 KiB-aligned for O_DIRECT. The slot header names the block (key, namespace digest, raw and stored
+lengths, codec, checksum of the raw bytes) and carries its own checksum.
+
+Compression (``compression: lz4 | zstd``) buys capacity, not speed (the codecs run slower than a
+local SSD): each slot gets only ``slot_bytes`` of room, so the same file holds more slots, and a block
+whose compressed payload does not fit that room is not stored (counted in ``incompressible``).
 
 Why it is crash-safe without a separate index: a slot header is written only after the block's bytes
 are durable (written, then fdatasync), and a slot about to be reused has its old header zeroed and
@@ -19,6 +23,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -34,6 +39,7 @@ from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
+from kvtier.tiers.compression import CODEC_IDS, CODEC_NAMES, codec
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +48,52 @@ SLAB_NAME = "slab.kvt"
 LOCK_NAME = "kvtier.lock"
 FILE_MAGIC = b"KVTSLAB1"
 SLOT_MAGIC = b"KVTBLK01"
-# file header: magic, version, block_bytes, slot_stride, num_slots, checksum of the preceding fields
-_FILE_HEADER = struct.Struct("<8sIQQQ")
-# slot header: magic, namespace digest, key length, key (up to 32 bytes), payload bytes, data checksum, sequence
-_SLOT_HEADER = struct.Struct("<8s16sH32sQQQ")
+# file header: magic, version, block_bytes, slot_stride, num_slots, codec id, checksum of the preceding fields
+_FILE_HEADER = struct.Struct("<8sIQQQB")
+# slot header: magic, namespace digest, key length, key (up to 32 bytes), raw block bytes, checksum of the
+# raw bytes, sequence, stored payload bytes, codec id
+_SLOT_HEADER = struct.Struct("<8s16sH32sQQQQB")
 _CHECKSUM = struct.Struct("<Q")
-VERSION = 1
+VERSION = 2
+# Room per block when compression is on and slot_bytes is not given, as a fraction of block_bytes:
+# what bf16 KV blocks compress to with some margin (zstd-1 0.69, lz4 0.85 of 256 KiB blocks, bench/disk.py).
+DEFAULT_SLOT_FRACTION = {"zstd": 0.75, "lz4": 0.875}
 
 
 class DiskTierError(KvtierError, OSError):
     """The disk tier's directory cannot be used (locked by another process, no space, bad path)."""
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def slot_problem(block_bytes: int, compression: str, slot_bytes: int | None) -> str | None:
+    """Why ``slot_bytes`` cannot work for this block size and codec, or None when it can."""
+    if slot_bytes is None:
+        return None
+    if slot_bytes > block_bytes:
+        return f"slot_bytes {slot_bytes} is larger than block_bytes {block_bytes}; at most block_bytes"
+    if slot_bytes < PAGE:
+        return f"slot_bytes {slot_bytes} is less than {PAGE} (4KiB), the smallest slot"
+    if compression == "none" and slot_bytes != block_bytes:
+        return (f"slot_bytes {slot_bytes} is smaller than block_bytes {block_bytes}, which only fits with "
+                f"compression: lz4 or zstd")
+    return None
+
+
+def slot_room(block_bytes: int, compression: str = "none", slot_bytes: int | None = None) -> int:
+    """Bytes of block data one slot holds on disk: ``slot_bytes`` (by default all of ``block_bytes``
+    uncompressed, a codec-dependent fraction compressed) rounded up to 4 KiB for O_DIRECT."""
+    if slot_bytes is None:
+        fraction = DEFAULT_SLOT_FRACTION.get(compression, 1.0)
+        slot_bytes = min(block_bytes, math.ceil(block_bytes * fraction))
+    return _round_up(slot_bytes)
+
+
+def slot_stride(block_bytes: int, compression: str = "none", slot_bytes: int | None = None) -> int:
+    """Bytes of file per block (slot header and room): what a disk ``capacity`` in bytes is divided by."""
+    return PAGE + slot_room(block_bytes, compression, slot_bytes)
 
 
 def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
@@ -64,13 +106,15 @@ def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
 class SlotHeader:
     key: bytes
     namespace: bytes
-    length: int
-    checksum: int
+    length: int    # the block's raw bytes
+    checksum: int  # of the raw bytes: what a reader gets back, whatever the codec
     sequence: int
+    payload: int   # bytes stored after the header: ``length`` uncompressed, the compressed size otherwise
+    codec: int     # CODEC_IDS
 
     def pack(self) -> bytes:
         body = _SLOT_HEADER.pack(SLOT_MAGIC, self.namespace, len(self.key), self.key.ljust(32, b"\0"),
-                                 self.length, self.checksum, self.sequence)
+                                 self.length, self.checksum, self.sequence, self.payload, self.codec)
         return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(PAGE, b"\0")
 
     @classmethod
@@ -80,10 +124,10 @@ class SlotHeader:
         (stored,) = _CHECKSUM.unpack_from(page, _SLOT_HEADER.size)
         if xxhash.xxh3_64_intdigest(body) != stored:
             return None
-        magic, namespace, key_len, key, length, checksum, sequence = _SLOT_HEADER.unpack(body)
+        magic, namespace, key_len, key, length, checksum, sequence, payload, codec_id = _SLOT_HEADER.unpack(body)
         if magic != SLOT_MAGIC or key_len > 32:
             return None
-        return cls(key[:key_len], namespace, length, checksum, sequence)
+        return cls(key[:key_len], namespace, length, checksum, sequence, payload, codec_id)
 
 
 def _is_blank(page: bytes) -> bool:
@@ -115,20 +159,22 @@ def inspect_slab(path: str | os.PathLike) -> dict:
         if len(raw) < _FILE_HEADER.size + _CHECKSUM.size or \
                 xxhash.xxh3_64_intdigest(raw[:_FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
             raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
-        magic, version, block_bytes, slot_stride, num_slots = _FILE_HEADER.unpack_from(raw)
+        magic, version, block_bytes, slot_stride, num_slots, codec_id = _FILE_HEADER.unpack_from(raw)
         namespaces: dict[str, int] = {}
-        damaged = 0
+        damaged = stored = 0
         for _, header, blank in read_slot_headers(fd, num_slots, slot_stride):
             if header is None:
                 damaged += not blank
             else:
                 digest = header.namespace.hex()
                 namespaces[digest] = namespaces.get(digest, 0) + 1
+                stored += header.payload
         blocks = sum(namespaces.values())
         lock = directory / LOCK_NAME
         return {
             "path": str(slab_path), "version": version, "block_bytes": block_bytes, "slot_stride": slot_stride,
-            "slots": num_slots, "blocks": blocks, "block_bytes_used": blocks * block_bytes,
+            "slot_bytes": slot_stride - PAGE, "compression": CODEC_NAMES.get(codec_id, f"unknown ({codec_id})"),
+            "slots": num_slots, "blocks": blocks, "block_bytes_used": blocks * block_bytes, "stored_bytes": stored,
             "free_slots": num_slots - blocks, "damaged_headers": damaged, "namespaces": namespaces,
             "file_bytes": os.fstat(fd).st_size, "filesystem_free_bytes": shutil.disk_usage(directory).free,
             "lock_holder": _lock_holder(lock),
@@ -158,15 +204,23 @@ class DiskSlab:
 
     Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
     only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job).
+    ``record`` (the tier's counters, set by ``disk_tier``) takes its own lock.
     """
 
     def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
-                 o_direct: str = "auto") -> None:
+                 o_direct: str = "auto", compression: str = "none", slot_bytes: int | None = None) -> None:
+        self.codec = codec(compression)  # first: a missing package must not leave a file behind
+        self.codec_id = CODEC_IDS[compression]
         self.dir = Path(path)
         self.num_slots = num_slots
         self.block_bytes = block_bytes = layout.block_bytes
-        self.slot_stride = PAGE + -(-block_bytes // PAGE) * PAGE
+        problem = slot_problem(block_bytes, compression, slot_bytes)
+        if problem is not None:
+            raise ConfigError(f"disk tier {str(self.dir)!r}: {problem}")
+        self.room = slot_room(block_bytes, compression, slot_bytes)  # bytes of payload a slot can hold
+        self.slot_stride = PAGE + self.room
         self.namespace = namespace_digest(namespace, layout)
+        self.record = lambda **counts: None  # where the backend counts incompressible blocks
         self.file_bytes = PAGE + num_slots * self.slot_stride
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -211,7 +265,8 @@ class DiskSlab:
 
     def _prepare_file(self) -> None:
         """Keep a file of the same geometry; start a fresh one otherwise. Preallocate the whole size."""
-        header = _FILE_HEADER.pack(FILE_MAGIC, VERSION, self.block_bytes, self.slot_stride, self.num_slots)
+        header = _FILE_HEADER.pack(FILE_MAGIC, VERSION, self.block_bytes, self.slot_stride, self.num_slots,
+                                   self.codec_id)
         header += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
         existing = os.pread(self.fd, len(header), 0)
         if existing != header:
@@ -273,7 +328,7 @@ class DiskSlab:
             self.valid_header[slot] = 1  # any valid header, foreign or not, is zeroed before reuse
             if header.namespace != self.namespace:
                 continue
-            if header.length != self.block_bytes:
+            if not self.fits(header):
                 damaged += 1
                 continue
             self.sequence = max(self.sequence, header.sequence)
@@ -281,6 +336,15 @@ class DiskSlab:
             if older is None or older[0] < header.sequence:
                 found[header.key] = (header.sequence, header.key, slot)
         return sorted(found.values()), damaged
+
+    def fits(self, header: SlotHeader) -> bool:
+        """Whether a header describes a block this slab can hold: its size, its codec, a payload that
+        fits the slot (exactly the block when uncompressed)."""
+        if header.length != self.block_bytes or header.codec != self.codec_id:
+            return False
+        if self.codec is None:
+            return header.payload == self.block_bytes
+        return 0 < header.payload <= self.room
 
     def close(self) -> None:
         """Flush, close the descriptors and release the directory lock."""
@@ -313,19 +377,27 @@ class FileStorage(BlockStorage):
 
 def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
               watermark: Watermark | None = None, is_fenced=None, *, path: str | os.PathLike,
-              namespace: str = "", o_direct: str = "auto") -> Tier:
+              namespace: str = "", o_direct: str = "auto", compression: str = "none",
+              slot_bytes: int | None = None) -> Tier:
     """A tier over the slab in ``path``, holding again every block a previous process committed there
-    under the same namespace and block size."""
+    under the same namespace, block size and slot geometry (codec and slot size).
+
+    ``compression`` ("none", "lz4", "zstd") and ``slot_bytes`` (room per block on disk, see
+    ``slot_room``) set the geometry; ``num_slots`` is the block count (``slot_stride`` turns a byte
+    budget into one). Raises ConfigError for a bad combination or a codec whose package is missing.
+    """
     if o_direct not in ("auto", "on", "off"):
         raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
-    slab = DiskSlab(path, num_slots, layout, namespace, o_direct)
+    slab = DiskSlab(path, num_slots, layout, namespace, o_direct, compression, slot_bytes)
     try:
         recovered, damaged = slab.scan()
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
+        packing = "" if slab.codec is None else f", {compression} into {slab.room} B slots"
         tier = Tier(name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced,
-                    f"{slab.path}, {io}, {len(recovered)} blocks recovered")
+                    f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered")
         tier.restore([(key, slot) for _, key, slot in recovered])
         tier.record(damaged=damaged)
+        slab.record = tier.record
         return tier
     except BaseException:
         slab.close()

@@ -10,6 +10,12 @@ I/O goes straight between the caller's memory and the file: with O_DIRECT when t
 4 KiB-aligned (the host tier's slots are), through an aligned bounce buffer when they are not, and
 with plain buffered I/O where the filesystem refuses O_DIRECT. Errors (ENOSPC, EIO, short transfers)
 fail exactly the blocks they hit.
+
+A compressing slab (``slab.codec``) moves each block on its own through an aligned bounce buffer:
+a store gathers, compresses and writes the payload padded to 4 KiB (a payload larger than the slot
+fails the block and counts it ``incompressible``); a load reads the whole slot, checks the header,
+decompresses and verifies the checksum of the raw bytes before anything reaches the caller's memory.
+The three store phases are the same.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
+from kvtier.tiers.compression import CorruptPayload
 from kvtier.tiers.disk import PAGE, DiskSlab, FileStorage, SlotHeader
 
 _ZERO_PAGE = bytes(PAGE)
@@ -50,6 +58,17 @@ class _BlockIO:
 
     def aligned(self) -> bool:
         return all(addr % PAGE == 0 and size % PAGE == 0 for addr, size in self.pieces)
+
+    def gather(self) -> np.ndarray:
+        """The block's bytes as one array (the caller's memory itself when it is one piece)."""
+        arrays = [np.frombuffer(view, np.uint8) for view in self.views()]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def scatter(self, raw: np.ndarray) -> None:
+        at = 0
+        for view in self.views():
+            view[:] = raw[at:at + len(view)].data
+            at += len(view)
 
 
 def _checksum(views: list[memoryview]) -> int:
@@ -137,6 +156,7 @@ class DiskBackend(TransferBackend):
                     slab.valid_header[b.slot] = 0
         todo = [b for b in blocks if b.index not in failed]
         checksums: dict[int, int] = {}
+        payloads: dict[int, int] = {}  # stored bytes of compressed blocks
 
         def write_run(run: list[_BlockIO]) -> set[int]:
             checksums.update((b.index, _checksum(b.views())) for b in run)
@@ -154,14 +174,32 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed
 
-        futures = [self._io.submit(write_run, run) for run in _runs(slab, todo)]
+        def write_packed(b: _BlockIO) -> set[int]:
+            raw = b.gather()
+            checksums[b.index] = xxhash.xxh3_64_intdigest(raw)
+            payload = slab.codec.compress(raw)
+            if len(payload) > slab.room:  # would not fit its slot: not stored, a miss later
+                slab.record(incompressible=1)
+                return {b.index}
+            payloads[b.index] = len(payload)
+            try:
+                self._write_packed(slab, b, payload)
+                return set()
+            except OSError:
+                return {b.index}
+
+        if slab.codec is None:
+            futures = [self._io.submit(write_run, run) for run in _runs(slab, todo)]
+        else:
+            futures = [self._io.submit(write_packed, b) for b in todo]
         failed |= set().union(*(f.result() for f in futures))
         todo = [b for b in todo if b.index not in failed]
         failed |= self._sync(slab, todo)
         todo = [b for b in todo if b.index not in failed]
 
         def write_header(b: _BlockIO) -> None:
-            header = SlotHeader(b.key, slab.namespace, b.nbytes, checksums[b.index], self._next_sequence(slab))
+            header = SlotHeader(b.key, slab.namespace, b.nbytes, checksums[b.index], self._next_sequence(slab),
+                                payloads.get(b.index, b.nbytes), slab.codec_id)
             # Marked before the write: a write that fails (or comes back short) may still have left a
             # valid header on disk, and the slot's next use must clear it before new bytes land.
             slab.valid_header[b.slot] = 1
@@ -190,6 +228,14 @@ class DiskBackend(TransferBackend):
                 at += len(view)
             views = [memoryview(bounce)[:padded]]
         self._write(slab, views, b.file_offset)
+
+    def _write_packed(self, slab: DiskSlab, b: _BlockIO, payload: bytes) -> None:
+        """A compressed payload, zero-padded to whole pages, through this thread's aligned buffer."""
+        padded = _round_up(len(payload))
+        bounce = self._scratch("packed", slab.room)
+        bounce[:len(payload)] = payload
+        bounce[len(payload):padded] = bytes(padded - len(payload))
+        self._write(slab, [memoryview(bounce)[:padded]], b.file_offset)
 
     def _write_header(self, slab: DiskSlab, page: bytes, offset: int) -> None:
         """Slot headers go through the page cache: one small O_DIRECT write each costs far more, and
@@ -221,7 +267,16 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed
 
-        futures = [self._io.submit(read_run, run) for run in _runs(slab, blocks)]
+        def read_packed(b: _BlockIO) -> set[int]:
+            try:
+                return set() if self._read_packed(slab, b) else {b.index}
+            except OSError:
+                return {b.index}
+
+        if slab.codec is None:
+            futures = [self._io.submit(read_run, run) for run in _runs(slab, blocks)]
+        else:
+            futures = [self._io.submit(read_packed, b) for b in blocks]
         return set().union(*(f.result() for f in futures))
 
     def _read_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
@@ -257,11 +312,34 @@ class DiskBackend(TransferBackend):
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + b.nbytes} bytes")
         return self._verify(slab, b, page, views)
 
+    def _read_packed(self, slab: DiskSlab, b: _BlockIO) -> bool:
+        """Read a whole slot, check its header, decompress and verify the raw bytes; only then copy
+        them into the block's memory. False when the block fails any check."""
+        bounce = self._scratch("slot", slab.slot_stride)
+        got = self._preadv(_data_fd(slab), [bounce], b.file_offset - PAGE)
+        header = SlotHeader.unpack(bytes(bounce[:PAGE])) if got >= PAGE else None
+        if not self._header_matches(slab, b, header):
+            return False
+        if got < PAGE + header.payload:
+            raise OSError(errno.EIO, f"short read: {got} of {PAGE + header.payload} bytes")
+        try:
+            raw = slab.codec.decompress(memoryview(bounce)[PAGE:PAGE + header.payload], b.nbytes)
+        except CorruptPayload:
+            return False
+        if xxhash.xxh3_64_intdigest(raw) != header.checksum:
+            return False
+        b.scatter(raw)
+        return True
+
     @staticmethod
-    def _verify(slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> bool:
-        header = SlotHeader.unpack(page)
+    def _header_matches(slab: DiskSlab, b: _BlockIO, header: SlotHeader | None) -> bool:
         return (header is not None and header.key == b.key and header.namespace == slab.namespace
-                and header.length == b.nbytes and header.checksum == _checksum(views))
+                and header.length == b.nbytes and slab.fits(header))
+
+    @classmethod
+    def _verify(cls, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> bool:
+        header = SlotHeader.unpack(page)
+        return cls._header_matches(slab, b, header) and header.checksum == _checksum(views)
 
     # --- helpers -------------------------------------------------------------------------------
 
