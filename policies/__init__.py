@@ -5,11 +5,21 @@ from __future__ import annotations
 import importlib
 
 from kvtier.core.errors import ConfigError
+from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
+from kvtier.policies.s3fifo_prefix import PrefixS3FIFOPolicy
 from kvtier.policies.watermark import Watermark
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+# Short names usable in YAML. Every class here builds with no arguments (ARC and S3-FIFO then learn
+# the tier's size from the number of blocks they track, see their modules).
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "s3fifo_prefix": PrefixS3FIFOPolicy,
+}
 
 
 def eviction_policy_class(name: str) -> type[EvictionPolicy]:
@@ -29,4 +39,5 @@ def eviction_policy_class(name: str) -> type[EvictionPolicy]:
     return cls
 
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "Watermark", "eviction_policy_class"]
+__all__ = ["ARCPolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PrefixS3FIFOPolicy", "S3FIFOPolicy",
+           "Watermark", "eviction_policy_class"]
