@@ -29,13 +29,20 @@ def _namespace_bytes(namespace: bytes | str) -> bytes:
 
 
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int,
-                 namespace: bytes | str = b"") -> list[bytes]:
+                 namespace: bytes | str = b"", parent: bytes | None = None) -> list[bytes]:
     """One 16-byte key per full block of ``block_size`` tokens; a trailing partial block gets none.
 
     ``key_i = xxh3_128(key_{i-1} + tokens of block i as little-endian int64)`` and
     ``key_{-1} = xxh3_128(b"kvtier\\0" + namespace)``. Partial blocks are skipped because their KV
     is still being written by the engine and would change once the block fills.
+
+    ``parent`` continues an existing chain: the key of the block just before ``token_ids`` (the
+    namespace is then already folded in). An engine whose sequences grow block by block hashes only
+    the new blocks: ``keys + chain_hashes(new_tokens, block_size, parent=keys[-1])`` equals the keys
+    of the whole sequence.
     """
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+        raise ValueError(f"parent must be a {KEY_BYTES}-byte key, got {parent!r:.40}")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer (tokens per block), got {block_size!r}")
     block_size = int(block_size)
@@ -49,7 +56,7 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int,
     data = tokens[: n_blocks * block_size].astype("<i8", copy=False).tobytes()
     stride = block_size * 8
     digest = xxhash.xxh3_128_digest
-    prev = digest(_SEED_PREFIX + _namespace_bytes(namespace))
+    prev = digest(_SEED_PREFIX + _namespace_bytes(namespace)) if parent is None else parent
     keys: list[bytes] = []
     for i in range(n_blocks):
         prev = digest(prev + data[i * stride:(i + 1) * stride])

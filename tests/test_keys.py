@@ -11,6 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.core.keys import Namespace, chain_hashes
 
@@ -113,3 +115,19 @@ def test_namespace_feeds_chain_hashes():
     a = chain_hashes(tokens(8), BS, Namespace("m", "bf16", tp_rank=0).encode())
     b = chain_hashes(tokens(8), BS, Namespace("m", "bf16", tp_rank=1).encode())
     assert not set(a) & set(b)
+
+
+@given(st.lists(st.integers(0, 2**31), max_size=80), st.integers(1, 8), st.integers(0, 10))
+def test_parent_continues_the_chain(tokens, block_size, cut_blocks):
+    """Hashing a sequence in two pieces, the second continuing from the first's last key, gives the
+    keys of the whole sequence (what an engine does as a request grows block by block)."""
+    whole = chain_hashes(tokens, block_size, b"ns")
+    cut = min(cut_blocks, len(whole)) * block_size
+    head = chain_hashes(tokens[:cut], block_size, b"ns")
+    tail = chain_hashes(tokens[cut:], block_size, parent=head[-1]) if head else chain_hashes(tokens, block_size, b"ns")
+    assert head + tail == whole
+
+
+def test_parent_must_be_a_key():
+    with pytest.raises(ValueError, match="16-byte key"):
+        chain_hashes([1, 2], 2, parent=b"short")
