@@ -44,7 +44,7 @@ import heapq
 import json
 from dataclasses import dataclass
 from os import PathLike
-from typing import Container, Iterable, Sequence
+from typing import Callable, Container, Iterable, Sequence
 
 from kvtier.core.errors import StateError
 from kvtier.policies.base import EvictionPolicy
@@ -87,8 +87,8 @@ def load_trace(path: str | PathLike[str]) -> list[Request]:
             try:
                 obj = json.loads(line)
                 ids = obj["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-                    raise TypeError("hash_ids must be a list of integers")
+                if not isinstance(ids, list) or not all(isinstance(h, int) and 0 <= h < 2**64 for h in ids):
+                    raise TypeError("hash_ids must be a list of integers in [0, 2**64)")
                 if len(set(ids)) != len(ids):
                     raise ValueError("hash_ids repeats an id")
                 requests.append(Request(obj.get("timestamp", 0), int(obj.get("input_length", 0)),
@@ -96,6 +96,14 @@ def load_trace(path: str | PathLike[str]) -> list[Request]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a Mooncake trace line ({exc!s})") from exc
     return requests
+
+
+def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
+    """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
 def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
@@ -112,9 +120,12 @@ def _prefix_hits(ids: Sequence[int], resident: Container) -> int:
     return n
 
 
-def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy) -> ReplayResult:
+def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy,
+           on_request: Callable[[Request, int, int], None] | None = None) -> ReplayResult:
     """Run ``requests`` through a cache of ``capacity`` blocks ordered by ``policy`` (a fresh instance).
 
+    ``on_request(request, hits, resident)`` is called after each request with its prefix hits and
+    the number of cached blocks (for progress, saved tokens and occupancy over time).
     Raises StateError if the policy breaks its contract (returns a protected or untracked key).
     """
     if capacity < 0:
@@ -124,7 +135,8 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy) -
     for request in requests:
         ids = request.hash_ids
         references += len(ids)
-        hits += _prefix_hits(ids, resident)
+        request_hits = _prefix_hits(ids, resident)
+        hits += request_hits
         missing = []
         for h in ids:
             if h in resident:
@@ -146,6 +158,8 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy) -
         for h in missing:
             resident.add(h)
             policy.insert(h)
+        if on_request is not None:
+            on_request(request, request_hits, len(resident))
     return ReplayResult(hits, references, evictions)
 
 

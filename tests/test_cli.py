@@ -1,36 +1,32 @@
-"""The main job: `kvtier demo` drives a chat workload through a real stack, checks every reloaded
-block bit-exact (it raises otherwise), and reports per-tier figures that add up."""
+"""The main job from the command line: `kvtier replay` (alias `kvtier demo`) drives the generated chat
+workload through the embedded real stack, checks every reloaded block bit-exact (exit 1 otherwise),
+and reports per-tier figures that add up; `inspect` is covered in the disk tests."""
 
 import json
 
-from kvtier.cli import chat_workload, main
+from kvtier.cli import main
 
 
-def test_demo_reports_hits_demotions_and_consistent_counts(capsys):
-    assert main(["demo", "--conversations", "8", "--turns", "4", "--json"]) == 0
-    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert totals["requests"] == 32
-    assert 0 < totals["hit_blocks"] < totals["blocks"]
-    assert totals["hit_ratio"] == totals["hit_blocks"] / totals["blocks"]
-    assert sum(totals["hits_per_tier"].values()) == totals["hit_blocks"]
-    gpu, host = totals["tiers"]["gpu"], totals["tiers"]["host"]
-    assert gpu["committed"] == totals["stored_blocks"]
-    assert gpu["demoted"] == host["committed"] > 0, "the GPU tier's watermark demotes into host memory"
-    assert gpu["hits"] == totals["hits_per_tier"]["gpu"]
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_demo_runs_on_a_given_config(tmp_path, capsys):
-    config = tmp_path / "stack.yaml"
-    config.write_text("block_bytes: 8KiB\ntiers:\n  - medium: host\n    capacity_blocks: 16\n")
-    assert main(["demo", "--config", str(config), "--conversations", "4", "--turns", "3", "--json"]) == 0
-    totals = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert totals["tiers"]["host"]["evicted"] > 0 and totals["tiers"]["host"]["used"] <= 16
+def test_demo_is_the_replay_on_the_embedded_stack(capsys):
+    assert main(["demo", "--conversations", "20", "--json"]) == 0
+    s = last_json(capsys)
+    assert s["mode"] == "stack" and s["workload"].startswith("generated chat workload (20 conversations")
+    assert 0 < s["hits"] < s["references"]
+    assert s["hit_ratio"] == s["hits"] / s["references"]
+    assert s["verified_blocks"] == s["hits"] and s["corrupt_blocks"] == 0
+    tiers = s["tiers"]
+    assert list(tiers) == ["gpu", "host", "disk"]
+    assert sum(t["hits"] for t in tiers.values()) == s["hits"]
+    assert tiers["gpu"]["stored"] == s["stored_blocks"]
+    assert tiers["gpu"]["demoted"] > 0, "the GPU tier's watermark demotes into host memory"
+    assert tiers["gpu"]["bytes_in"] >= s["stored_blocks"] * s["block_bytes"]
 
 
-def test_workload_prompts_grow_by_whole_blocks_and_share_system_prompts():
-    prompts = list(chat_workload(seed=1, conversations=3, turns=2, block_tokens=16))
-    assert len(prompts) == 6
-    assert all(len(p) % 16 == 0 for p in prompts)
-    first_turn, second_turn = prompts[:3], prompts[3:]
-    for before, after in zip(first_turn, second_turn):
-        assert after[:len(before)] == before, "each turn repeats the whole history"
+def test_the_table_is_printed_without_json(capsys):
+    assert main(["replay", "--conversations", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "per tier (real stack)" in out and "all bit-exact" in out and "prefill tokens saved" in out

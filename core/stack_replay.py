@@ -1,0 +1,169 @@
+"""Replay a request trace through a real tier stack: bytes are stored, evicted, demoted and loaded back.
+
+Why this exists
+    ``kvtier.core.replay`` answers "which policy keeps the right blocks" on the index alone. A user
+    deciding whether kvtier pays off also asks where the hits land (GPU, host or disk), how many
+    bytes move, and whether the bytes that come back are the bytes that went in. This module drives
+    a ``TierStack`` with the same requests and the same hit rule, through the real tiers, the real
+    policies and the real transfer backends, and reads every figure from the stack's own counters.
+
+What one request does (serially, in trace order)
+    1. ``stack.load`` the longest present prefix of its block keys into a caller buffer (the
+       engine's memory; ``dst_medium`` "gpu" when the stack has a GPU tier, so a block found on
+       disk is staged through host memory as it would be on its way to a GPU). Those blocks are
+       the hits; each is compared with the bytes it was stored with (a pure function of its id),
+       and a block that comes back different is counted in ``corrupt``, never as a hit. A block the
+       stack reports failed ends the prefix there.
+    2. Every other block of the request is referenced: a block some tier still holds (after a
+       missing one, so not a hit) is pinned in the fastest tier holding it, which counts as a use
+       for that tier's policy and keeps it while the request runs; a missing one is "computed"
+       (filled from its id) and stored. Stores never exceed the first tier's capacity: the leading
+       blocks that fit are stored, as in the metadata replay.
+    3. The pins are released and the stack is left idle (background demotions finished), so a
+       replay is deterministic and the next request sees a settled stack.
+
+So with one tier, no watermark and LRU, hits equal ``kvtier.core.replay.replay`` exactly (the prefix
+is touched by the load, the rest by the pin, the same order). Other policies can differ slightly:
+the hit prefix is unpinned once loaded, so the request's own store may evict it where the metadata
+replay protects it, and a block referenced twice (loaded, then its tier is read again for staging)
+is touched twice.
+
+Block ids become 8-byte keys; ``block_content`` fills a block from its id, so any block read back
+can be checked without remembering what was written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.core.layout import BlockLayout
+from kvtier.core.replay import Request
+from kvtier.core.stack import TierStack
+from kvtier.core.storage import buffer_storage
+from kvtier.core.tier import Tier
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: distinct ids give distinct fills
+
+
+def block_key(block_id: int) -> bytes:
+    """The stack key of a trace block id (ids are 64-bit; load_trace checks the range)."""
+    return block_id.to_bytes(8, "little", signed=False)
+
+
+def block_content(block_id: int, nbytes: int) -> np.ndarray:
+    """The bytes stored for block ``block_id``: 64-bit words ``i + id * K`` (mod 2**64), cut to ``nbytes``.
+
+    Every word of every block differs from the same word of any other block, so a block served
+    from the wrong slot, a stale slot or a torn copy never compares equal.
+    """
+    words = np.arange(-(-nbytes // 8), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        words += np.uint64(block_id) * _MIX
+    return words.view(np.uint8)[:nbytes]
+
+
+def prefill_tokens_saved(request: Request, hits: int, block_tokens: int) -> int:
+    """Prompt tokens not recomputed thanks to ``hits`` leading blocks (at most the prompt's length when known)."""
+    saved = hits * block_tokens
+    return min(saved, request.input_length) if request.input_length > 0 else saved
+
+
+@dataclass
+class StackReplayResult:
+    """What a replay through a stack counted; ``tiers`` is ``TierStack.stats()`` at the end."""
+
+    requests: int = 0
+    references: int = 0
+    hits: int = 0
+    prefill_tokens: int = 0
+    prefill_tokens_saved: int = 0
+    verified_blocks: int = 0     # hit blocks compared bit-exact with what was stored
+    corrupt_blocks: int = 0      # hit blocks that came back different (each ends its request's prefix)
+    failed_blocks: int = 0       # blocks the stack found but reported failed on load
+    stored_blocks: int = 0
+    seconds: float = 0.0
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    occupancy: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request index, used per tier)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.references if self.references else 0.0
+
+
+def replay_through_stack(requests: Sequence[Request], stack: TierStack, block_tokens: int = 512,
+                         on_request: Callable[[int], None] | None = None, samples: int = 400,
+                         timeout: float = 120.0) -> StackReplayResult:
+    """Run ``requests`` through ``stack`` (which must be empty); ``on_request(i)`` after each one.
+
+    Raises ValueError when a tier already holds blocks (hits would come from an earlier run).
+    """
+    busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
+    if busy:
+        raise ValueError(f"the replay needs an empty stack, but tiers hold blocks already: {busy} "
+                         f"(a disk tier keeps its blocks across runs: give it an empty directory)")
+    layout: BlockLayout = stack.tiers[0].storage.layout
+    bb = layout.block_bytes
+    longest = max((len(r.hash_ids) for r in requests), default=0)
+    loaded_buf = np.empty((max(longest, 1), bb), dtype=np.uint8)
+    computed_buf = np.empty((max(longest, 1), bb), dtype=np.uint8)
+    loaded_into = buffer_storage(loaded_buf, layout, writable=True)
+    computed_from = buffer_storage(computed_buf, layout)
+    dst_medium = "gpu" if any(t.medium == "gpu" for t in stack.tiers) else "host"
+    top_capacity = stack.tiers[0].capacity
+    every = max(1, -(-len(requests) // max(samples, 1)))
+    result = StackReplayResult()
+    started = time.perf_counter()
+    for index, request in enumerate(requests):
+        ids = request.hash_ids
+        keys = [block_key(h) for h in ids]
+        loaded = stack.load(keys, loaded_into, range(len(keys)), dst_medium).result(timeout)
+        good = loaded.failed[0] if loaded.failed else loaded.hits
+        result.failed_blocks += len(loaded.failed)
+        for i in range(good):
+            if not np.array_equal(loaded_buf[i], block_content(ids[i], bb)):
+                result.corrupt_blocks += 1
+                good = i
+                break
+        result.verified_blocks += good
+        result.hits += good
+        result.references += len(ids)
+        result.requests += 1
+        result.prefill_tokens += request.input_length or len(ids) * block_tokens
+        result.prefill_tokens_saved += prefill_tokens_saved(request, good, block_tokens)
+        pinned, missing = _reference_rest(stack.tiers, keys[good:], ids[good:])
+        try:
+            missing = missing[:top_capacity]
+            if missing:
+                for row, (_, block_id) in enumerate(missing):
+                    computed_buf[row] = block_content(block_id, bb)
+                stored = stack.store([k for k, _ in missing], computed_from, range(len(missing))).result(timeout)
+                result.stored_blocks += stored.stored
+        finally:
+            for tier, key in pinned:
+                tier.unpin([key])
+        stack.wait_idle(timeout)
+        if index % every == 0 or index == len(requests) - 1:
+            result.occupancy.append((index, {t.name: t.usage().used for t in stack.tiers}))
+        if on_request is not None:
+            on_request(index)
+    result.seconds = time.perf_counter() - started
+    result.tiers = stack.stats()
+    return result
+
+
+def _reference_rest(tiers: Sequence[Tier], keys: Sequence[bytes], ids: Sequence[int]
+                    ) -> tuple[list[tuple[Tier, bytes]], list[tuple[bytes, int]]]:
+    """Pin each key some tier holds (the fastest; a use for its policy); return those pins and the
+    (key, id) pairs no tier holds, in request order."""
+    pinned, missing = [], []
+    for key, block_id in zip(keys, ids):
+        tier = next((t for t in tiers if t.try_pin(key)), None)
+        if tier is None:
+            missing.append((key, block_id))
+        else:
+            pinned.append((tier, key))
+    return pinned, missing

@@ -1,0 +1,100 @@
+"""A seeded chat workload in the Mooncake trace shape, so a replay needs no trace file.
+
+Why this exists
+    ``kvtier replay`` must answer "what would kvtier save on traffic like mine" on any machine,
+    also without a trace at hand. This generator produces the kind of traffic prefix caching is
+    for: multi-turn conversations whose every turn repeats the whole history, opened by one of a
+    few shared system prompts (some far more popular than others), some turns carrying a long
+    document, conversations arriving over time and interleaving. The records are
+    ``kvtier.core.replay.Request`` objects, exactly what ``load_trace`` reads from a Mooncake file
+    (``write_trace`` writes them as one), so every replay path treats both the same.
+
+How block ids are assigned (the Mooncake convention)
+    One id per ``block_tokens`` tokens of the prompt, the last partial block included. Ids are
+    chained: two prompts share an id exactly when everything up to the end of that block is the
+    same. Here that means: the full blocks of a system prompt are shared by every conversation
+    opened with it; the full blocks of a conversation's prompt are shared by all its later turns
+    (each turn is history + answer + new user message); a block that was partial (the prompt's
+    tail) gets more tokens in the next turn, so it gets a new id. Nothing else is shared.
+
+Same seed, same parameters, same requests: the generator uses only its own ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+from kvtier.core.replay import Request
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Knobs of the generated traffic. Lengths are in tokens, times in milliseconds."""
+
+    conversations: int = 400
+    system_prompts: int = 6
+    mean_turns: float = 4.0            # turns per conversation: 1 + geometric, this mean
+    block_tokens: int = 512            # tokens per hash id, as in Mooncake traces
+    system_prompt_tokens: tuple[int, int] = (1024, 6144)   # uniform range of a system prompt's length
+    user_tokens: tuple[int, int] = (64, 1536)              # range of one user message
+    output_tokens: tuple[int, int] = (32, 768)             # range of one answer
+    document_chance: float = 0.25      # chance that a turn carries a document
+    document_tokens: tuple[int, int] = (2048, 12288)
+    mean_arrival_ms: float = 400.0     # mean gap between new conversations (Poisson arrivals)
+    mean_think_ms: float = 20_000.0    # mean gap between a conversation's turns
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.conversations < 0 or self.system_prompts < 1 or self.block_tokens < 1:
+            raise ValueError("conversations >= 0, system_prompts >= 1 and block_tokens >= 1 are required")
+        if self.mean_turns < 1:
+            raise ValueError(f"mean_turns must be >= 1, not {self.mean_turns}")
+        for name in ("system_prompt_tokens", "user_tokens", "output_tokens", "document_tokens"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi:
+                raise ValueError(f"{name} must be a range 0 < low <= high, not {(lo, hi)}")
+        if not 0.0 <= self.document_chance <= 1.0:
+            raise ValueError(f"document_chance must be in [0, 1], not {self.document_chance}")
+
+
+def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
+    """The workload's requests, ordered by arrival time (ties in generation order)."""
+    rng = random.Random(spec.seed)
+    ids = itertools.count()
+    bt = spec.block_tokens
+    # System prompts: a length each, their full blocks' ids, and a Zipf-like popularity (1, 1/2, 1/3, ...).
+    prompts = []
+    for _ in range(spec.system_prompts):
+        length = rng.randint(*spec.system_prompt_tokens)
+        prompts.append((length, [next(ids) for _ in range(length // bt)]))
+    weights = [1.0 / (i + 1) for i in range(spec.system_prompts)]
+    # A turn ends a conversation with probability 1 / mean_turns, so turns are 1 + geometric.
+    p_end = 1.0 / spec.mean_turns
+
+    events: list[tuple[float, int, Request]] = []
+    order = itertools.count()
+    start = 0.0
+    for _ in range(spec.conversations):
+        start += rng.expovariate(1.0 / spec.mean_arrival_ms)
+        history, full_ids = prompts[rng.choices(range(spec.system_prompts), weights)[0]]
+        full_ids = list(full_ids)
+        now = start
+        while True:
+            added = rng.randint(*spec.user_tokens)
+            if rng.random() < spec.document_chance:
+                added += rng.randint(*spec.document_tokens)
+            prompt = history + added
+            # Blocks up to the last full block of the history keep their ids; the rest is new.
+            hash_ids = full_ids + [next(ids) for _ in range(math.ceil(prompt / bt) - len(full_ids))]
+            output = rng.randint(*spec.output_tokens)
+            heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, tuple(hash_ids))))
+            if rng.random() < p_end:
+                break
+            full_ids = hash_ids[:prompt // bt]
+            history = prompt + output
+            now += rng.expovariate(1.0 / spec.mean_think_ms)
+    return [heapq.heappop(events)[2] for _ in range(len(events))]

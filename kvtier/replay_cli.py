@@ -1,0 +1,290 @@
+"""``kvtier replay [TRACE.jsonl]``: the main job. Replays requests through a tier stack and reports the savings.
+
+Why: a user deciding whether kvtier pays off asks how many prefill tokens it saves on their traffic,
+in which tier the hits land, how many bytes move, and which eviction policy is best. This command
+answers that from a Mooncake trace, or from the seeded chat workload (``kvtier.core.workload``) when
+no trace is given, on any machine.
+
+* Default: a real stack (``--config FILE.yaml``, or the embedded ``kvtier/replay.yaml``) built by
+  ``kvtier.core.builder.build_stack``; blocks move through the real tiers and transfer backends, and
+  every hit is checked bit-exact (``kvtier.core.stack_replay``). A corrupt block makes it exit 1.
+* ``--metadata-only``: the same policies on an index alone (``kvtier.core.replay``), one cache.
+* ``--policy`` and ``--capacity`` set the eviction policy and size (in blocks) of one tier, the last
+  one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
+* ``--belady`` adds the offline optimum for the same number of blocks (with a stack: all its tiers'
+  blocks together); ``--sweep`` repeats the run at several capacities for every policy given (all
+  registered policies by default); ``--plot`` draws the sweep and the tier occupancy over time.
+
+Output: a rich progress bar, the stack, a table per tier, the totals; with ``--json`` the last line
+is one JSON object with the same figures. Hit rule (see ``kvtier.core.replay``): the longest present
+prefix of a request's blocks is its hit, then every block of the request is referenced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kvtier.core.builder import build_stack
+from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, parse_size
+from kvtier.core.errors import ConfigError
+from kvtier.core.replay import Request, belady, load_trace, replay, write_trace
+from kvtier.core.stack_replay import prefill_tokens_saved, replay_through_stack
+from kvtier.core.workload import ChatWorkload, generate
+from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
+
+EMBEDDED_CONFIG = Path(__file__).resolve().parent / "replay.yaml"
+MiB = 2 ** 20
+
+
+def add_replay_parser(commands) -> None:
+    """Register ``replay`` (alias ``demo``) on the ``kvtier`` subcommand parser."""
+    p = commands.add_parser("replay", aliases=["demo"], help="replay a request trace (or a generated chat "
+                            "workload) through a tier stack: hits per tier, bytes moved, prefill tokens saved",
+                            description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (default: a generated chat workload)")
+    p.add_argument("--config", type=Path, help="stack YAML (default: the embedded kvtier/replay.yaml)")
+    p.add_argument("--policy", help="eviction policy (a short name or dotted path) of the governed tier; "
+                                    "with --sweep a comma-separated list (default there: every registered policy)")
+    p.add_argument("--capacity", type=int, help="capacity in blocks of the governed tier (or the one cache)")
+    p.add_argument("--tier", help="the tier --policy and --capacity govern (default: the last tier)")
+    p.add_argument("--metadata-only", action="store_true", help="replay the index alone (one cache, no bytes): fast")
+    p.add_argument("--belady", action="store_true", help="also compute the offline optimum (Belady)")
+    p.add_argument("--sweep", help="comma-separated capacities in blocks, e.g. 1000,4000,16000")
+    p.add_argument("--block-bytes", help="bytes stored per block in a real replay, e.g. 16KiB (default: the config's)")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id, for saved tokens (default 512)")
+    p.add_argument("--plot", type=Path, help="write a PNG: hit ratio vs capacity (with --sweep), occupancy over time")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.add_argument("--conversations", type=int, default=ChatWorkload.conversations,
+                   help="generated workload: number of conversations")
+    p.add_argument("--seed", type=int, default=0, help="generated workload: random seed")
+    p.add_argument("--save-trace", type=Path, help="also write the replayed requests as a Mooncake JSONL trace")
+
+
+class ReplayError(Exception):
+    """A problem with the command's input, reported as one line and exit status 2."""
+
+
+def run_replay(args: argparse.Namespace, console: Console) -> int:
+    try:
+        with ExitStack() as cleanup:
+            summary, occupancy = _run(args, console, cleanup)
+    except (ReplayError, ConfigError, ValueError, OSError) as exc:
+        console.print(f"kvtier replay: {exc}", highlight=False, markup=False)
+        return 2
+    if not args.json:
+        from kvtier.report import print_summary
+
+        print_summary(summary, console)
+    if args.plot:
+        from kvtier.plot import plot_replay
+
+        plot_replay(args.plot, summary, occupancy)
+        if not args.json:
+            console.print(f"plot written to {args.plot}", highlight=False)
+    if args.json:
+        summary.pop("stack_description", None)
+        print(json.dumps(summary))
+    return 1 if summary.get("corrupt_blocks") else 0
+
+
+# --- the runs ------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace, console: Console, cleanup: ExitStack) -> tuple[dict, list]:
+    requests, workload = _requests(args)
+    if args.save_trace:
+        write_trace(requests, args.save_trace)
+    config = _config(args, cleanup)
+    governed = args.tier or config.tier_name(len(config.tiers) - 1)
+    names = [config.tier_name(i) for i in range(len(config.tiers))]
+    if governed not in names:
+        raise ReplayError(f"--tier {governed!r}: the stack has tiers {', '.join(names)}")
+    policies = _policies(args, config, names.index(governed))
+    capacities = _capacities(args.sweep) if args.sweep else []
+    if args.capacity is not None and args.capacity < (0 if args.metadata_only else 1):
+        raise ReplayError(f"--capacity must be at least {0 if args.metadata_only else 1} block(s), not {args.capacity}")
+    block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                        TimeRemainingColumn(), console=console, transient=True, disable=args.json)
+
+    def one_run(policy: str, capacity: int | None, label: str) -> tuple[dict, list]:
+        task = progress.add_task(label, total=len(requests))
+        advance = lambda: progress.advance(task)  # noqa: E731
+        try:
+            if args.metadata_only:
+                total = capacity if capacity is not None else sum(_blocks(config, i) for i in range(len(names)))
+                return _metadata_run(requests, total, policy, args.block_tokens, advance)
+            cfg = _override(config, names.index(governed), policy, capacity, block_bytes)
+            return _stack_run(requests, cfg, args.block_tokens, advance)
+        finally:
+            progress.remove_task(task)
+
+    with progress:
+        summary, occupancy = one_run(policies[0], args.capacity, f"replay ({policies[0]})")
+        summary.update(workload=workload, policy=policies[0],
+                       governed_tier="one cache" if args.metadata_only else governed)
+        if not args.metadata_only:
+            summary["capacity"] = summary["tiers"][governed]["capacity"]
+        if args.belady:
+            summary["belady_capacity"] = _belady_capacity(summary)
+            summary["belady_hit_ratio"] = belady(requests, summary["belady_capacity"]).hit_ratio
+        if capacities:
+            sweep: dict[str, dict[str, float]] = {}
+            belady_sweep: dict[str, float] = {}
+            for policy in policies:
+                sweep[policy] = {}
+                for c in capacities:
+                    run, _ = one_run(policy, c, f"sweep {policy} @ {c:,}")
+                    sweep[policy][str(c)] = run["hit_ratio"]
+                    if args.belady and str(c) not in belady_sweep:
+                        belady_sweep[str(c)] = belady(requests, _belady_capacity(run)).hit_ratio
+            summary["sweep"] = sweep
+            if belady_sweep:
+                summary["belady_sweep"] = belady_sweep
+    return summary, occupancy
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[Request], str]:
+    if args.trace is not None:
+        if not args.trace.is_file():
+            raise ReplayError(f"{args.trace}: no such trace file")
+        requests = load_trace(args.trace)
+        return requests, f"trace {args.trace.name}"
+    if args.conversations < 1:
+        raise ReplayError(f"--conversations must be at least 1, not {args.conversations}")
+    spec = ChatWorkload(conversations=args.conversations, seed=args.seed)
+    return generate(spec), f"generated chat workload ({spec.conversations} conversations, seed {spec.seed})"
+
+
+def _config(args: argparse.Namespace, cleanup: ExitStack) -> StackConfig:
+    """The stack configuration; the embedded one gets its disk tiers in a fresh temporary directory."""
+    if args.config is not None:
+        return load_config(args.config)
+    config = load_config(EMBEDDED_CONFIG)
+    if args.metadata_only:
+        return config
+    scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-")))
+    data = config.model_dump(exclude_none=True)
+    for tier in data["tiers"]:
+        if tier["medium"] == "disk":
+            tier["path"] = str(scratch / tier["path"])
+    return load_config(data)
+
+
+def _policies(args: argparse.Namespace, config: StackConfig, governed_index: int) -> list[str]:
+    if args.policy is None:
+        default = config.tiers[governed_index].eviction
+        return [default, *(p for p in EVICTION_POLICIES if p != default)] if args.sweep else [default]
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if len(policies) > 1 and not args.sweep:
+        raise ReplayError("--policy takes one name without --sweep")
+    for p in policies:
+        eviction_policy_class(p)  # ConfigError naming the known policies
+    return policies
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        capacities = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ReplayError(f"--sweep {text!r}: give capacities in blocks separated by commas, e.g. 1000,4000") from None
+    if not capacities or min(capacities) < 1:
+        raise ReplayError(f"--sweep {text!r}: give at least one capacity, each at least 1 block")
+    return capacities
+
+
+def _blocks(config: StackConfig, index: int) -> int:
+    blocks = capacity_in_blocks(config.tiers[index], config.block_bytes)
+    if blocks is None:
+        raise ReplayError(f"tier {config.tier_name(index)!r} has no capacity; a replay needs every tier sized")
+    return blocks
+
+
+def _override(config: StackConfig, index: int, policy: str, capacity: int | None,
+              block_bytes: int | None) -> StackConfig:
+    """The configuration with the governed tier's policy and size, and the block size, replaced."""
+    data = config.model_dump(exclude_none=True)
+    tier = data["tiers"][index]
+    tier["eviction"] = policy
+    if capacity is not None:
+        tier.pop("capacity", None)
+        tier["capacity_blocks"] = capacity
+    if block_bytes is not None:
+        data["block_bytes"] = block_bytes
+    return load_config(data)
+
+
+def _belady_capacity(run: dict) -> int:
+    """Blocks the run could hold at once: the one cache, or every tier of the stack together."""
+    return sum(t["capacity"] for t in run["tiers"].values())
+
+
+def _metadata_run(requests: Sequence[Request], capacity: int, policy: str, block_tokens: int,
+                  advance: Callable[[], None]) -> tuple[dict, list]:
+    saved = [0]
+    occupancy: list[tuple[int, dict[str, int]]] = []
+    every = max(1, -(-len(requests) // 400))
+    index = [0]
+
+    def observe(request: Request, hits: int, resident: int) -> None:
+        saved[0] += prefill_tokens_saved(request, hits, block_tokens)
+        if index[0] % every == 0 or index[0] == len(requests) - 1:
+            occupancy.append((index[0], {"cache": resident}))
+        index[0] += 1
+        advance()
+
+    started = time.perf_counter()
+    result = replay(requests, capacity, eviction_policy_class(policy)(), observe)
+    seconds = time.perf_counter() - started
+    prefill = sum(r.input_length or len(r.hash_ids) * block_tokens for r in requests)
+    used = occupancy[-1][1]["cache"] if occupancy else 0
+    summary = {
+        "mode": "metadata", "requests": len(requests), "references": result.references, "hits": result.hits,
+        "hit_ratio": result.hit_ratio, "capacity": capacity, "prefill_tokens": prefill,
+        "prefill_tokens_saved": saved[0], "prefill_saved_ratio": saved[0] / prefill if prefill else 0.0,
+        "seconds": seconds,
+        "tiers": {"cache": {"medium": "index", "capacity": capacity, "used": used, "hits": result.hits,
+                            "hit_ratio": result.hit_ratio, "evicted": result.evictions}},
+    }
+    return summary, occupancy
+
+
+def _stack_run(requests: Sequence[Request], config: StackConfig, block_tokens: int,
+               advance: Callable[[], None]) -> tuple[dict, list]:
+    stack = build_stack(config)
+    try:
+        description = stack.describe()
+        media = {t.name: t.medium for t in stack.tiers}
+        result = replay_through_stack(requests, stack, block_tokens, on_request=lambda _: advance())
+    finally:
+        stack.close()
+    seconds = max(result.seconds, 1e-9)
+    tiers = {}
+    for name, s in result.tiers.items():
+        tiers[name] = {
+            "medium": media[name], "capacity": s["capacity"], "used": s["used"], "hits": s["hits"],
+            "hit_ratio": s["hits"] / result.references if result.references else 0.0,
+            "bytes_in": s["bytes_in"], "bytes_out": s["bytes_out"], "stored": s["committed"],
+            "demoted": s["demoted"], "evicted": s["evicted"], "read_errors": s["read_errors"],
+            "mib_per_s": (s["bytes_in"] + s["bytes_out"]) / MiB / seconds,
+        }
+    summary = {
+        "mode": "stack", "requests": result.requests, "references": result.references, "hits": result.hits,
+        "hit_ratio": result.hit_ratio, "prefill_tokens": result.prefill_tokens,
+        "prefill_tokens_saved": result.prefill_tokens_saved,
+        "prefill_saved_ratio": result.prefill_tokens_saved / result.prefill_tokens if result.prefill_tokens else 0.0,
+        "verified_blocks": result.verified_blocks, "corrupt_blocks": result.corrupt_blocks,
+        "failed_blocks": result.failed_blocks, "stored_blocks": result.stored_blocks,
+        "block_bytes": config.block_bytes, "placement": config.placement, "seconds": result.seconds,
+        "tiers": tiers, "stack_description": description,
+    }
+    return summary, result.occupancy
