@@ -19,6 +19,7 @@ class TierStats:
     read_errors: int = 0   # blocks dropped because they could not be read back intact
     damaged: int = 0       # records found damaged when the tier reopened its storage (disk)
     incompressible: int = 0  # blocks a compressing disk tier did not store: their payload outgrew the slot
+    demotion_refused: int = 0  # victims dropped (not kept) because the tier below can never hold them
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

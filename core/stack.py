@@ -140,7 +140,7 @@ class TierStack:
                 return future
             new_keys = [k for k, _ in new]
 
-            def landed(ok: list[bytes], failed: list[bytes]) -> None:
+            def landed(ok: list[bytes], failed: list[bytes], _refused: list[bytes]) -> None:
                 result.stored, result.failed = len(ok), failed
                 future.set_result(result)
                 self._after_write(0, ok)
@@ -328,10 +328,13 @@ class TierStack:
         if not dirty:
             return []
 
-        def landed(ok: list[bytes], failed: list[bytes]) -> None:
+        def landed(ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> None:
             tier.end_evict(ok)
-            tier.end_evict(failed, drop=False)  # a failed demotion keeps the block where it was
-            tier.record(demoted=len(ok), bytes_out=len(ok) * tier.block_bytes)
+            # A failed demotion keeps the block where it was; one the tier below refused for good is
+            # dropped (kept, it would be offered again and refused again, and fill this tier for good).
+            tier.end_evict([k for k in failed if k not in refused], drop=False)
+            dropped = tier.end_evict(refused)
+            tier.record(demoted=len(ok), demotion_refused=dropped, bytes_out=len(ok) * tier.block_bytes)
             self._after_write(index + 1, ok)
 
         job = self._copy(tier.storage, tier.slots(dirty), lower, dirty, slots, landed,
@@ -355,7 +358,7 @@ class TierStack:
             if not keys:
                 return
 
-            def landed(ok: list[bytes], failed: list[bytes]) -> None:
+            def landed(ok: list[bytes], failed: list[bytes], _refused: list[bytes]) -> None:
                 tier.unpin(keys)
                 tier.record(bytes_out=len(ok) * tier.block_bytes)
                 self._after_write(index + 1, ok)
@@ -364,18 +367,18 @@ class TierStack:
                        read_fences=[Fence(tier.name, s, False) for s in src_slots])
 
     def _copy(self, src: BlockStorage, src_slots: Sequence[int], dst: Tier, keys: list[bytes],
-              dst_slots: list[int], landed: Callable[[list[bytes], list[bytes]], None],
+              dst_slots: list[int], landed: Callable[[list[bytes], list[bytes], list[bytes]], None],
               read_fences: Sequence[Fence]) -> Job:
         """Copy into reserved slots of tier ``dst``; on completion commit what landed, abort the rest,
-        then call ``landed(ok_keys, failed_keys)``."""
+        then call ``landed(ok_keys, failed_keys, refused_keys)`` (refused: failed keys ``dst`` can
+        never hold, see ``Tier.refuse``)."""
 
         def on_done(job: Job) -> None:
             failed_idx = set(range(len(keys))) if job.state is JobState.CANCELLED else job.failed_blocks
             ok = [k for i, k in enumerate(keys) if i not in failed_idx]
             failed = [k for i, k in enumerate(keys) if i in failed_idx]
             dst.commit(ok)
-            dst.abort(failed)
-            landed(ok, failed)
+            landed(ok, failed, dst.abort(failed))
 
         fences = [*read_fences, *(Fence(dst.name, s, True) for s in dst_slots)]
         transfer = Transfer(src, src_slots, dst.storage, dst_slots, keys)

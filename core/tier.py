@@ -73,6 +73,7 @@ class _Entry:
     state: BlockState
     pins: int = 0
     evicting: bool = False  # chosen as a victim, waiting for its demotion copy; still readable
+    refused: bool = False   # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
 
 
 @dataclass(frozen=True)
@@ -244,19 +245,34 @@ class Tier:
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
 
-    def abort(self, keys: Iterable[bytes]) -> None:
+    def abort(self, keys: Iterable[bytes]) -> list[bytes]:
         """Release reserved slots whose write failed or was cancelled: WRITING -> FREE.
 
-        All or nothing: raises StateError for a key not reserved, FenceError when a job still uses a slot.
+        Returns the keys among them that the storage refused for good (``refuse``): writing them
+        again would fail again. All or nothing: raises StateError for a key not reserved,
+        FenceError when a job still uses a slot.
         """
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "abort")
             for key in keys:
                 self._check_unfenced(self._writing_entry(key, "abort"))
+            refused = [key for key in keys if self._entries[key].refused]
             for key in keys:
                 self._free_entry(key)
             self.stats.aborted += len(keys)
+            return refused
+
+    def refuse(self, keys: Iterable[bytes]) -> None:
+        """Mark reserved blocks that this tier's storage can never hold (a compressing disk tier whose
+        slot is too small for their payload), as opposed to a write that failed for a passing reason
+        (an I/O error, a full disk). The writer still aborts them; ``abort`` names them, so the tier
+        above drops its copy instead of trying to demote it again and again. Raises StateError (and
+        marks none) for a key not reserved."""
+        with self._lock:
+            entries = [self._writing_entry(key, "refuse") for key in keys]
+            for entry in entries:
+                entry.refused = True
 
     def restore(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first."""

@@ -12,6 +12,9 @@ Invariants checked:
   and ``slot_bytes`` rounded up to 4 KiB per slot), and all those blocks really are stored and read back;
 - a block that does not compress into its slot (random bytes) is not stored: the store reports it
   failed, ``incompressible`` and ``aborted`` count it, it is a miss, and the stack keeps working;
+- with write-back, a host victim the disk refuses that way is dropped from host (``demotion_refused``),
+  so such blocks never clog host memory, while a victim whose demotion fails for a passing reason
+  (an I/O error) stays in host and lands on disk when the stack tries again;
 - damage to a compressed payload (its frames or its length prefix) or to its slot header is a failed
   load or a damaged header, then a miss; never wrong bytes;
 - reopening the directory with another codec or another slot size finds nothing;
@@ -22,6 +25,7 @@ Invariants checked:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import sys
 
@@ -32,11 +36,13 @@ from stack_helpers import assert_no_leaks, key
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import block_footprint, capacity_in_blocks, load_config
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
 from kvtier.core.tier import BlockState
+from kvtier.core.transfer import CPUBackend
 from kvtier.tiers.disk import PAGE, SLAB_NAME, SlotHeader, inspect_slab
+from kvtier.tiers.disk_io import DiskBackend
 
 BLOCK = 256 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)
@@ -264,6 +270,85 @@ def test_an_incompressible_block_stays_readable_in_the_host_tier_above(tmp_path)
     assert_no_leaks(stack)
     stack.close()  # the flush at close tries again, and fails again: still no wrong data on disk
     assert inspect_slab(tmp_path)["blocks"] == 0
+
+
+def test_incompressible_victims_are_dropped_from_host_instead_of_filling_it(tmp_path):
+    """Write-back: a host victim whose demotion the disk refuses for good (random bytes under zstd)
+    leaves host memory, counted; kept, such blocks would pile up until host stored nothing new."""
+    stack = open_stack(tmp_path, "zstd", host=4, disk=16)
+    host, disk = stack.tiers
+    noisy, kv = KEYS[:12], KEYS[12:28]
+    mixed = [k for pair in zip(zip(noisy[::2], noisy[1::2]), zip(kv[:12:2], kv[1:12:2])) for k in sum(pair, ())]
+    make = lambda k, n=BLOCK: noise(k, n) if k in noisy else bf16(k, n)  # noqa: E731
+    results = put(stack, mixed + kv[12:], make=make)  # batches of 4: two noise, two bf16; then four bf16
+    stack.wait_idle()
+    assert [(r.stored, r.dropped, r.failed) for r in results] == [(4, 0, [])] * 7, "host never clogged"
+    assert (host.stats.demotion_refused, host.stats.demoted, host.stats.evicted) == (12, 12, 24)
+    assert (disk.stats.incompressible, disk.stats.aborted, disk.stats.committed) == (12, 12, 12)
+    assert ready(host, KEYS[:28]) == kv[12:] and ready(disk, KEYS[:28]) == kv[:12]
+    assert all(stack.lookup([k]).hits == 0 for k in noisy), "dropped blocks are misses"
+    loaded, out = get(stack, kv)
+    assert loaded.loaded == 16 and loaded.per_tier == {"disk": 12, "host": 4}
+    assert_exact(kv, loaded, out, make=make)
+    assert_no_leaks(stack)
+    stack.close()
+    stack = open_stack(tmp_path, "zstd", host=4, disk=16)
+    assert ready(stack.tiers[1], KEYS[:28]) == kv  # the close copied host's four down; no noise block
+    loaded, out = get(stack, kv)
+    assert loaded.loaded == 16 and not loaded.failed
+    assert_exact(kv, loaded, out, make=make)
+    stack.close()
+
+
+class FlakySyncBackend(DiskBackend):
+    """The real disk backend; the next ``failures`` fdatasync calls raise EIO (a fault that passes)."""
+
+    def __init__(self) -> None:
+        super().__init__(io_threads=2)
+        self.failures = 0
+
+    def _fdatasync(self, fd: int) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super()._fdatasync(fd)
+
+
+def test_a_demotion_that_fails_for_a_passing_reason_keeps_the_block_and_retries(tmp_path):
+    """Only a refusal for good drops a victim: compressible victims whose demotion hits an I/O error
+    stay in host memory, and the stack's retry then lands them on disk bit-exact."""
+    backend = FlakySyncBackend()
+    stack = build_stack(load_config(config(tmp_path, "zstd", host=4, disk=16)), backends=[CPUBackend(2), backend])
+    host, disk = stack.tiers
+    put(stack, KEYS[:4])
+    backend.failures = 1  # the data fdatasync of the first demotion job
+    (result,) = put(stack, KEYS[4:8])
+    stack.wait_idle()
+    assert (result.stored, result.dropped, result.failed) == (4, 0, [])
+    assert (disk.stats.aborted, disk.stats.committed, disk.stats.incompressible) == (4, 4, 0)
+    assert (host.stats.demoted, host.stats.demotion_refused) == (4, 0)
+    assert ready(disk, KEYS[:8]) == KEYS[:4] and ready(host, KEYS[:8]) == KEYS[4:8]
+    loaded, out = get(stack, KEYS[:8])
+    assert loaded.loaded == 8 and loaded.per_tier == {"disk": 4, "host": 4}
+    assert_exact(KEYS[:8], loaded, out)
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_only_reserved_blocks_can_be_refused(tmp_path):
+    stack = open_stack(tmp_path, "zstd", host=0, disk=4)
+    (disk,) = stack.tiers
+    put(stack, KEYS[:1])
+    with pytest.raises(StateError, match="not reserved"):
+        disk.refuse([KEYS[0]])  # READY, not being written
+    with pytest.raises(StateError, match="not reserved"):
+        disk.refuse([KEYS[1]])  # absent
+    disk.reserve([KEYS[2], KEYS[3]])
+    disk.refuse([KEYS[2]])
+    assert disk.abort([KEYS[2], KEYS[3]]) == [KEYS[2]]
+    assert disk.usage().used == 1
+    assert_no_leaks(stack)
+    stack.close()
 
 
 # --- damage -------------------------------------------------------------------------------------------

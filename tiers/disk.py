@@ -7,7 +7,8 @@ lengths, codec, checksum of the raw bytes) and carries its own checksum.
 
 Compression (``compression: lz4 | zstd``) buys capacity, not speed (the codecs run slower than a
 local SSD): each slot gets only ``slot_bytes`` of room, so the same file holds more slots, and a block
-whose compressed payload does not fit that room is not stored (counted in ``incompressible``).
+whose compressed payload does not fit that room is not stored (counted in ``incompressible``) and is
+refused for good (``Tier.refuse``): the tier above drops it rather than offering it again and again.
 
 Why it is crash-safe without a separate index: a slot header is written only after the block's bytes
 are durable (written, then fdatasync), and a slot about to be reused has its old header zeroed and
@@ -204,7 +205,7 @@ class DiskSlab:
 
     Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
     only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job).
-    ``record`` (the tier's counters, set by ``disk_tier``) takes its own lock.
+    ``record`` and ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
     """
 
     def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
@@ -221,6 +222,7 @@ class DiskSlab:
         self.slot_stride = PAGE + self.room
         self.namespace = namespace_digest(namespace, layout)
         self.record = lambda **counts: None  # where the backend counts incompressible blocks
+        self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
         self.file_bytes = PAGE + num_slots * self.slot_stride
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -397,7 +399,7 @@ def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPo
                     f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered")
         tier.restore([(key, slot) for _, key, slot in recovered])
         tier.record(damaged=damaged)
-        slab.record = tier.record
+        slab.record, slab.refuse = tier.record, tier.refuse
         return tier
     except BaseException:
         slab.close()

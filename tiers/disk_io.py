@@ -13,7 +13,8 @@ fail exactly the blocks they hit.
 
 A compressing slab (``slab.codec``) moves each block on its own through an aligned bounce buffer:
 a store gathers, compresses and writes the payload padded to 4 KiB (a payload larger than the slot
-fails the block and counts it ``incompressible``); a load reads the whole slot, checks the header,
+fails the block, counts it ``incompressible`` and tells the tier it is refused for good, so the
+tier above drops it rather than offering it again); a load reads the whole slot, checks the header,
 decompresses and verifies the checksum of the raw bytes before anything reaches the caller's memory.
 The three store phases are the same.
 """
@@ -178,8 +179,9 @@ class DiskBackend(TransferBackend):
             raw = b.gather()
             checksums[b.index] = xxhash.xxh3_64_intdigest(raw)
             payload = slab.codec.compress(raw)
-            if len(payload) > slab.room:  # would not fit its slot: not stored, a miss later
+            if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
                 slab.record(incompressible=1)
+                slab.refuse([b.key])
                 return {b.index}
             payloads[b.index] = len(payload)
             try:
