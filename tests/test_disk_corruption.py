@@ -7,7 +7,8 @@ reopen, and load everything the tier finds.
 
 Invariants checked:
 - a flipped byte anywhere in a block's data: the block is reported in ``LoadResult.failed`` (never
-  returned), counted in ``read_errors``, dropped, and the next lookup misses it;
+  returned), counted in ``read_errors``, dropped, and the next lookup misses it; its slot header is
+  zeroed, so a restart does not find it again;
 - a flipped byte in the checksummed part of a slot header: the block is a miss at reopen, its slot is
   free, and ``tier.stats.damaged`` (and ``inspect_slab``) count exactly one damaged header; bytes of
   the header page past the checksummed part do not matter;
@@ -164,6 +165,25 @@ def still_works(path, stack, damaged_left=0):
 # --- block data -------------------------------------------------------------------------------------
 
 
+def test_a_block_dropped_after_a_failed_load_is_not_found_again_after_a_restart(slab):
+    victim = KEYS[2]
+    flip(slab.file, slab.data_at(victim) + 7)
+    stack = open_stack(slab.path)
+    loaded, _ = get(stack, KEYS[:N])
+    assert loaded.failed == [2]
+    assert_no_leaks(stack)
+    stack.close()  # nothing stored since: the victim's slot was not reused
+    assert read_at(slab.file, slab.header_at(victim), PAGE) == bytes(PAGE), "its slot header is zeroed"
+    info = inspect_slab(slab.path)
+    assert (info["blocks"], info["damaged_headers"]) == (N - 1, 0)
+    stack = open_stack(slab.path)
+    assert ready(stack.tiers[0], KEYS) == [k for k in KEYS[:N] if k != victim]
+    assert stack.tiers[0].stats.damaged == 0
+    found, bad = load_everything(stack)
+    assert bad == []
+    stack.close()
+
+
 @pytest.mark.parametrize("where", [0, 1, BLOCK // 2, BLOCK - 1])
 def test_a_flipped_data_byte_is_a_failed_load_then_a_miss(slab, where):
     victim = KEYS[2]
@@ -242,7 +262,9 @@ def test_a_header_damaged_while_the_tier_is_open_fails_the_load(slab):
     assert stack.tiers[0].state(KEYS[4]) is BlockState.FREE
     stack.close()
     stack = open_stack(slab.path)
-    assert stack.tiers[0].stats.damaged == 1 and stack.tiers[0].state(KEYS[4]) is BlockState.FREE
+    # the failed load zeroed the damaged header: a blank slot now, not a damaged one
+    assert stack.tiers[0].stats.damaged == 0 and stack.tiers[0].state(KEYS[4]) is BlockState.FREE
+    assert read_at(slab.file, slab.header_at(KEYS[4]), PAGE) == bytes(PAGE)
     still_works(slab.path, stack)
 
 
@@ -263,7 +285,12 @@ def test_a_header_copied_onto_another_slot_never_returns_that_slots_bytes(slab, 
     assert bad == ([a] if newer else [])
     stack.close()
     inspect = inspect_slab(slab.path)
-    assert inspect["damaged_headers"] == 0 and inspect["blocks"] == N
+    # the forged header that failed its load was zeroed; a's own (older) header remains
+    assert inspect["damaged_headers"] == 0 and inspect["blocks"] == N - newer
+    stack = open_stack(slab.path)
+    assert stack.tiers[0].slots([a]) == [slab.slot_of[a]] and stack.tiers[0].state(b) is BlockState.FREE
+    assert load_everything(stack, KEYS[:N])[1] == []
+    stack.close()
 
 
 def test_a_valid_header_with_the_wrong_length_is_damaged(slab):

@@ -13,7 +13,8 @@ Invariants checked:
 - a demotion or write-through copy that fails keeps the block in the host tier, where it stays
   readable, and a later close copies it down;
 - a failed or short read reports exactly the failed block indices in ``LoadResult.failed``, counts
-  them in ``read_errors`` and drops them, so the next lookup misses them; other blocks load bit-exact;
+  them in ``read_errors`` and drops them, so the next lookup misses them, also after a restart (their
+  slot headers are zeroed); other blocks load bit-exact;
 - after every fault the stack keeps working: later stores and loads succeed, invariants hold, nothing leaks.
 """
 
@@ -336,6 +337,41 @@ def test_a_failed_read_reports_exactly_the_failed_blocks_and_drops_them(tmp_path
     assert_no_leaks(stack)
     stack.close()
     assert_reopen_is_exact(tmp_path, keys, host=0, disk=8)
+
+
+@pytest.mark.parametrize("fault", [errno.EIO, "short"])
+def test_blocks_dropped_after_a_failed_read_are_not_found_again_after_a_restart(tmp_path, fault):
+    stack, backend = open_stack(tmp_path, host=0, disk=8)
+    (disk,) = stack.tiers
+    keys = KEYS[:6]
+    put(stack, keys)
+    for i in (1, 4):
+        backend.read_faults[disk.slots([keys[i]])[0]] = fault
+    loaded, out = get(stack, keys)
+    assert loaded.failed == [1, 4]
+    backend.read_faults.clear()  # the bytes on disk are intact: only the dropped headers keep them away
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, [keys[i] for i in (0, 2, 3, 5)], host=0, disk=8)
+
+
+def test_a_header_that_cannot_be_zeroed_after_a_failed_read_is_cleared_before_its_slot_is_reused(tmp_path):
+    stack, backend = open_stack(tmp_path, host=0, disk=4)
+    (disk,) = stack.tiers
+    put(stack, KEYS[:4])
+    slot = disk.slots([KEYS[1]])[0]
+    backend.read_faults[slot] = errno.EIO
+    backend.write_faults[("zero", slot)] = errno.EIO
+    loaded, _ = get(stack, KEYS[:4])
+    assert loaded.failed == [1] and ("zero", slot) in backend.hits
+    assert disk.storage.slab.valid_header[slot] == 1, "still valid on disk: the next store must clear it"
+    backend.read_faults.clear()
+    backend.write_faults.clear()
+    put(stack, KEYS[8:9])  # reuses the slot: its old header is zeroed before the new bytes land
+    assert disk.slots([KEYS[8]]) == [slot]
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, [KEYS[0], KEYS[2], KEYS[3], KEYS[8]], host=0, disk=4)
 
 
 def test_a_failed_read_staged_through_host_fails_only_that_block(tmp_path):

@@ -204,7 +204,8 @@ class DiskSlab:
     """The slab file and its directory: geometry, file descriptors, lock, and which slots have headers.
 
     Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
-    only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job).
+    only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job),
+    and cleared for a READY slot whose load failed (its loads may race, all clearing it).
     ``record`` and ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
     """
 

@@ -4,7 +4,8 @@ A store job runs in three ordered phases so that a crash at any instant leaves o
 behind valid headers: (1) zero the old headers of reused slots and fdatasync; (2) write the blocks'
 bytes and fdatasync; (3) write the new headers. A load reads header and bytes in one ``preadv`` and
 checks the header (key, namespace, length) and the data checksum; a block that fails is reported
-failed, and the stack drops it from the tier.
+failed, and the stack drops it from the tier; its slot header is zeroed, so a restart does not find
+it again.
 
 I/O goes straight between the caller's memory and the file: with O_DIRECT when the buffers are
 4 KiB-aligned (the host tier's slots are), through an aligned bounce buffer when they are not, and
@@ -279,7 +280,22 @@ class DiskBackend(TransferBackend):
             futures = [self._io.submit(read_run, run) for run in _runs(slab, blocks)]
         else:
             futures = [self._io.submit(read_packed, b) for b in blocks]
-        return set().union(*(f.result() for f in futures))
+        failed = set().union(*(f.result() for f in futures))
+        self._forget(slab, [b for b in blocks if b.index in failed])
+        return failed
+
+    def _forget(self, slab: DiskSlab, blocks: list[_BlockIO]) -> None:
+        """Zero the slot headers of blocks that failed to load: the stack drops them from the tier, and
+        a restart must not find them again. Best effort, through the page cache like every header
+        write (``close`` makes it durable; a crash before that may bring back a header, whose block
+        then fails its checks again). A header that cannot be zeroed stays marked valid, so the
+        slot's next store clears it first."""
+        for b in blocks:
+            try:
+                self._write_header(slab, _ZERO_PAGE, b.file_offset - PAGE)
+                slab.valid_header[b.slot] = 0
+            except OSError:
+                pass
 
     def _read_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
         """Blocks in consecutive slots in one preadv (headers into scratch pages, bytes into place);
