@@ -22,11 +22,11 @@ What one request does (serially, in trace order)
     3. The pins are released and the stack is left idle (background demotions finished), so a
        replay is deterministic and the next request sees a settled stack.
 
-So with one tier, no watermark and LRU, hits equal ``kvtier.core.replay.replay`` exactly (the prefix
-is touched by the load, the rest by the pin, the same order). Other policies can differ slightly:
-the hit prefix is unpinned once loaded, so the request's own store may evict it where the metadata
-replay protects it, and a block referenced twice (loaded, then its tier is read again for staging)
-is touched twice.
+The one difference from ``kvtier.core.replay.replay``: a load unpins the hit prefix once it has
+arrived, so the request's own store may evict those blocks, where the metadata replay protects
+every block of the request. With LRU that happens only to a request longer than the tier, so with
+one tier, no watermark and LRU both count the same hits and evictions on such traces (tested);
+other policies may also, rarely, pick a just-read block.
 
 Block ids become 8-byte keys; ``block_content`` fills a block from its id, so any block read back
 can be checked without remembering what was written.

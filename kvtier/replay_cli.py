@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -78,7 +79,7 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
         with ExitStack() as cleanup:
             summary, occupancy = _run(args, console, cleanup)
     except (ReplayError, ConfigError, ValueError, OSError) as exc:
-        console.print(f"kvtier replay: {exc}", highlight=False, markup=False)
+        print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
     if not args.json:
         from kvtier.report import print_summary
@@ -89,7 +90,7 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
 
         plot_replay(args.plot, summary, occupancy)
         if not args.json:
-            console.print(f"plot written to {args.plot}", highlight=False)
+            console.print(f"plot written to {args.plot}", highlight=False, soft_wrap=True)
     if args.json:
         summary.pop("stack_description", None)
         print(json.dumps(summary))

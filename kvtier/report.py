@@ -78,9 +78,9 @@ def sweep_table(summary: dict) -> Table:
 
 def print_summary(summary: dict, console: Console) -> None:
     if summary.get("stack_description"):
-        console.print(summary["stack_description"], highlight=False)
+        console.print(summary["stack_description"], highlight=False, soft_wrap=True)
     console.print(tier_table(summary))
     if "sweep" in summary:
         console.print(sweep_table(summary))
     for line in totals_lines(summary):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
