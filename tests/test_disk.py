@@ -9,6 +9,9 @@ Invariants checked:
   eviction; a duplicate older copy of a key is ignored;
 - another namespace or another fragment geometry finds none of them and never returns their bytes;
   another block size or capacity never returns foreign bytes either;
+- a larger capacity at reopen keeps every block, a smaller one the blocks in the slots that remain (the
+  file is cut, a warning counts what was dropped); another block size, codec or slot size discards the
+  cache with a warning that names the change;
 - the directory lock: a second open, in this process or another, fails with a DiskTierError naming the
   directory, and the first holder keeps working;
 - counters (committed, demoted, evicted, hits, bytes, read_errors, damaged) count what happened;
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -394,6 +398,79 @@ def test_another_block_size_or_capacity_never_returns_foreign_bytes(tmp_path, ch
     loaded, out = get(stack, KEYS[20:24], layout=layout)
     assert loaded.loaded == 4
     assert_exact(KEYS[20:24], loaded, out, nbytes=layout.block_bytes)
+    stack.close()
+
+
+def test_a_larger_capacity_at_reopen_keeps_every_block(tmp_path, caplog):
+    stack = open_stack(tmp_path, host=0, disk=8)
+    put(stack, KEYS[:8])
+    stack.close()
+    with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"):
+        stack = open_stack(tmp_path, host=0, disk=24)
+    assert "capacity grew from 8 to 24 slots; keeping every block" in caplog.text
+    (disk,) = stack.tiers
+    assert ready(disk, KEYS) == KEYS[:8] and disk.stats.damaged == 0
+    put(stack, KEYS[8:24])  # the new slots take sixteen more without evicting
+    assert disk.usage().used == 24 and disk.stats.evicted == 0
+    assert_no_leaks(stack)
+    stack.close()
+    assert inspect_slab(tmp_path)["slots"] == 24
+    stack = open_stack(tmp_path, host=0, disk=24)
+    assert ready(stack.tiers[0], KEYS) == KEYS[:24]
+    loaded, out = get(stack, KEYS[:24])
+    assert loaded.loaded == 24 and not loaded.failed
+    assert_exact(KEYS[:24], loaded, out)
+    stack.close()
+
+
+def test_a_smaller_capacity_at_reopen_keeps_the_blocks_in_the_remaining_slots(tmp_path, caplog):
+    stack = open_stack(tmp_path, host=0, disk=8)
+    put(stack, KEYS[:8])
+    slot_of = dict(zip(KEYS[:8], stack.tiers[0].slots(KEYS[:8])))
+    stride = stack.tiers[0].storage.slab.slot_stride
+    stack.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        stack = open_stack(tmp_path, host=0, disk=5)
+    assert "capacity shrank from 8 to 5 slots; dropping the 3 block(s) stored past the new end" in caplog.text
+    (disk,) = stack.tiers
+    kept = [k for k in KEYS[:8] if slot_of[k] < 5]
+    assert len(kept) == 5 and ready(disk, KEYS) == kept and disk.stats.damaged == 0
+    assert os.path.getsize(tmp_path / SLAB_NAME) == PAGE + 5 * stride
+    loaded, out = get(stack, kept)
+    assert loaded.loaded == 5 and not loaded.failed
+    assert_exact(kept, loaded, out)
+    put(stack, KEYS[10:12])  # a full tier of five: evicts two
+    assert disk.usage().used == 5 and disk.stats.evicted == 2
+    assert_no_leaks(stack)
+    survivors = ready(disk, KEYS)
+    stack.close()
+    stack = open_stack(tmp_path, host=0, disk=5)
+    assert ready(stack.tiers[0], KEYS) == survivors
+    loaded, out = get(stack, survivors)
+    assert loaded.loaded == 5 and not loaded.failed
+    assert_exact(survivors, loaded, out)
+    stack.close()
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"block_bytes": BLOCK // 2}, f"the block size changed from {BLOCK} to {BLOCK // 2} bytes"),
+    ({"compression": "zstd"}, "compression changed from none to zstd"),
+    ({"compression": "zstd", "slot_bytes": 8192}, "slot size changed from 12288 to 8192 bytes (slot_bytes)"),
+])
+def test_a_geometry_change_at_reopen_discards_the_cache_and_says_why(tmp_path, caplog, change, reason):
+    def config(block_bytes=BLOCK, **disk):
+        cfg = config_dict(tmp_path, host=0, disk=8, block_bytes=block_bytes)
+        cfg["tiers"][-1].update(disk)
+        return load_config(cfg)
+
+    before = {"compression": "zstd"} if "slot_bytes" in change else {}  # zstd's default slot, then 8 KiB
+    stack = build_stack(config(**before))
+    put(stack, KEYS[:4])
+    stack.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        stack = build_stack(config(**change))
+    assert f"{reason}; discarding the old cache" in caplog.text
+    assert ready(stack.tiers[0], KEYS) == [] and stack.tiers[0].stats.damaged == 0
     stack.close()
 
 

@@ -232,6 +232,24 @@ def test_the_same_disk_budget_holds_more_blocks_compressed(tmp_path):
     assert counts == {("none", None): 12, ("lz4", None): 13, ("zstd", None): 15, ("zstd", "200KiB"): 15}
 
 
+@pytest.mark.parametrize("fragments", [1, 4])
+def test_slots_exactly_as_long_as_a_block_keep_blocks_apart(tmp_path, fragments):
+    """16 KiB blocks with zstd get 12 KiB of room: slot header plus room is exactly one block long, so
+    one block's raw bytes would run straight into the next slot's; each block still goes its own way."""
+    layout = BlockLayout((16384 // fragments,) * fragments)
+    stack = open_stack(tmp_path, "zstd", host=0, disk=8, block_bytes=16384, fragments=fragments)
+    (disk,) = stack.tiers
+    assert disk.storage.slab.slot_stride == 16384
+    keys = KEYS[:6]
+    assert [r.stored for r in put(stack, keys, layout=layout)] == [6]
+    stack.close()
+    stack = open_stack(tmp_path, "zstd", host=0, disk=8, block_bytes=16384, fragments=fragments)
+    loaded, out = get(stack, keys, layout=layout)
+    assert loaded.loaded == 6 and not loaded.failed
+    assert_exact(keys, loaded, out)
+    stack.close()
+
+
 # --- incompressible blocks ----------------------------------------------------------------------------
 
 

@@ -131,13 +131,47 @@ class SlotHeader:
         return cls(key[:key_len], namespace, length, checksum, sequence, payload, codec_id)
 
 
+def _pack_file_header(block_bytes: int, slot_stride: int, num_slots: int, codec_id: int) -> bytes:
+    fields = _FILE_HEADER.pack(FILE_MAGIC, VERSION, block_bytes, slot_stride, num_slots, codec_id)
+    return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def _unpack_file_header(raw: bytes) -> tuple | None:
+    """(magic, version, block_bytes, slot_stride, num_slots, codec id), or None when ``raw`` is short or
+    fails its checksum."""
+    if len(raw) < _FILE_HEADER.size + _CHECKSUM.size:
+        return None
+    if xxhash.xxh3_64_intdigest(raw[:_FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
+        return None
+    return _FILE_HEADER.unpack_from(raw)
+
+
+def _geometry_change(old: tuple | None, block_bytes: int, slot_stride: int, codec_id: int) -> str | None:
+    """Why a slab with file header ``old`` cannot serve this geometry, or None when it can (the slot
+    count may differ)."""
+    if old is None or old[0] != FILE_MAGIC:
+        return "the file header is damaged or not a kvtier slab's"
+    _, version, old_block, old_stride, _, old_codec = old
+    if version != VERSION:
+        return f"the file has format version {version}, this kvtier writes version {VERSION}"
+    if old_block != block_bytes:
+        return f"the block size changed from {old_block} to {block_bytes} bytes"
+    if old_codec != codec_id:
+        return (f"compression changed from {CODEC_NAMES.get(old_codec, old_codec)} "
+                f"to {CODEC_NAMES[codec_id]}")
+    if old_stride != slot_stride:
+        return f"the slot size changed from {old_stride - PAGE} to {slot_stride - PAGE} bytes (slot_bytes)"
+    return None
+
+
 def _is_blank(page: bytes) -> bool:
     return not any(page)
 
 
-def read_slot_headers(fd: int, num_slots: int, slot_stride: int):
-    """Yield (slot, header or None, blank) for every slot of a slab file; a short page counts as damaged."""
-    for slot in range(num_slots):
+def read_slot_headers(fd: int, num_slots: int, slot_stride: int, start: int = 0):
+    """Yield (slot, header or None, blank) for slots ``start`` .. ``num_slots - 1`` of a slab file; a short
+    page counts as damaged."""
+    for slot in range(start, num_slots):
         page = os.pread(fd, PAGE, PAGE + slot * slot_stride)
         header = SlotHeader.unpack(page) if len(page) == PAGE else None
         yield slot, header, len(page) == PAGE and _is_blank(page)
@@ -156,11 +190,10 @@ def inspect_slab(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise DiskTierError(f"no kvtier disk tier in {str(directory)!r}: {exc.strerror}") from exc
     try:
-        raw = os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0)
-        if len(raw) < _FILE_HEADER.size + _CHECKSUM.size or \
-                xxhash.xxh3_64_intdigest(raw[:_FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
+        fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
+        if fields is None:
             raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
-        magic, version, block_bytes, slot_stride, num_slots, codec_id = _FILE_HEADER.unpack_from(raw)
+        magic, version, block_bytes, slot_stride, num_slots, codec_id = fields
         namespaces: dict[str, int] = {}
         damaged = stored = 0
         for _, header, blank in read_slot_headers(fd, num_slots, slot_stride):
@@ -267,15 +300,23 @@ class DiskSlab:
         return fd
 
     def _prepare_file(self) -> None:
-        """Keep a file of the same geometry; start a fresh one otherwise. Preallocate the whole size."""
-        header = _FILE_HEADER.pack(FILE_MAGIC, VERSION, self.block_bytes, self.slot_stride, self.num_slots,
-                                   self.codec_id)
-        header += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(header))
+        """Keep a file of the same geometry, also at another capacity; start a fresh one, saying why,
+        otherwise. Preallocate the whole size.
+
+        Slot offsets do not depend on the slot count, so a larger capacity keeps every block and a
+        smaller one keeps those in the slots that remain (the file is cut first, then the header
+        rewritten: a crash in between leaves a header whose geometry still describes the file)."""
+        header = _pack_file_header(self.block_bytes, self.slot_stride, self.num_slots, self.codec_id)
         existing = os.pread(self.fd, len(header), 0)
         if existing != header:
-            if any(existing):
-                log.warning("disk tier %s: geometry or version changed, discarding the old cache", self.path)
-            os.ftruncate(self.fd, 0)
+            old = _unpack_file_header(existing)
+            change = _geometry_change(old, self.block_bytes, self.slot_stride, self.codec_id)
+            if change is None:
+                self._resize(old[4])
+            else:
+                if any(existing):
+                    log.warning("disk tier %s: %s; discarding the old cache", self.path, change)
+                os.ftruncate(self.fd, 0)
         try:
             os.posix_fallocate(self.fd, 0, self.file_bytes)
         except OSError as exc:
@@ -289,6 +330,19 @@ class DiskSlab:
         if existing != header:
             os.pwrite(self.fd, header.ljust(PAGE, b"\0"), 0)
             os.fdatasync(self.fd)
+
+    def _resize(self, old_slots: int) -> None:
+        """Keep the blocks of a slab written with ``old_slots`` slots: cut the slots past the new end."""
+        if old_slots > self.num_slots:
+            in_file = (os.fstat(self.fd).st_size - PAGE) // self.slot_stride  # a crash may have cut it already
+            cut = [slot for slot, header, _ in read_slot_headers(self.fd, min(old_slots, in_file), self.slot_stride,
+                                                                 start=self.num_slots) if header is not None]
+            log.warning("disk tier %s: capacity shrank from %d to %d slots; dropping the %d block(s) stored "
+                        "past the new end, keeping the rest", self.path, old_slots, self.num_slots, len(cut))
+            os.ftruncate(self.fd, self.file_bytes)
+        else:
+            log.info("disk tier %s: capacity grew from %d to %d slots; keeping every block",
+                     self.path, old_slots, self.num_slots)
 
     def _open_direct(self, mode: str) -> int | None:
         """An O_DIRECT descriptor when the filesystem takes aligned direct I/O; None (buffered) otherwise."""

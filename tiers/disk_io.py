@@ -123,18 +123,24 @@ class DiskBackend(TransferBackend):
 
     @staticmethod
     def _blocks(transfer: Transfer, writing: bool) -> list[_BlockIO]:
-        copies = transfer.copies()
-        memory = copies.src if writing else copies.dst
-        files = copies.dst if writing else copies.src
-        file_slots = transfer.dst_slots if writing else transfer.src_slots
-        pieces: dict[int, list[tuple[int, int, int]]] = {}
-        for mem, off, size, block in zip(memory.tolist(), files.tolist(), copies.size.tolist(), copies.block.tolist()):
-            pieces.setdefault(block, []).append((off, mem, size))
+        """Each block's memory pieces, in the order they fill its slot (fragments that follow on in
+        memory merged), and the file offset of its bytes. Planned block by block, never merged across
+        blocks: a compressed slot may be exactly as long as a block, and then the next slot's bytes
+        start where this block's raw bytes would end (``_runs`` groups whole slots instead)."""
+        memory, memory_slots = (transfer.src, transfer.src_slots) if writing else (transfer.dst, transfer.dst_slots)
+        file, file_slots = (transfer.dst, transfer.dst_slots) if writing else (transfer.src, transfer.src_slots)
+        addresses = memory.fragment_addresses(memory_slots).tolist()
+        offsets = file.fragment_addresses(file_slots)[:, 0].tolist()
+        sizes = memory.layout.fragment_bytes
         out = []
-        for i in range(transfer.num_blocks):
-            parts = sorted(pieces[i])
-            out.append(_BlockIO(i, int(file_slots[i]), transfer.keys[i], parts[0][0],
-                                tuple((mem, size) for _, mem, size in parts)))
+        for i, (row, offset) in enumerate(zip(addresses, offsets)):
+            pieces: list[tuple[int, int]] = []
+            for address, size in zip(row, sizes):
+                if pieces and sum(pieces[-1]) == address:
+                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
+                else:
+                    pieces.append((address, size))
+            out.append(_BlockIO(i, int(file_slots[i]), transfer.keys[i], offset, tuple(pieces)))
         return out
 
     def _finish(self, run, slab: DiskSlab, blocks: list[_BlockIO], on_complete: OnComplete, keep: Transfer) -> None:
