@@ -1,0 +1,182 @@
+"""``KVTierConnector``: kvtier as a vLLM 0.33 KV connector, loaded by module path.
+
+vLLM builds one instance with the scheduler role (engine-core process) and one with the worker role
+per GPU worker. The scheduler-side instance delegates to ``SchedulerSide`` (index, policies, jobs),
+the worker-side one to ``WorkerSide`` (tier memory and copies). Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {"config": "/path/kvtier.yaml"}}'
+
+Loads are asynchronous: a request with a hit waits (vLLM's WAITING_FOR_REMOTE_KVS) until every
+rank has copied its blocks, so the forward pass never reads a block still being loaded. Stores start
+after the forward pass that computed their blocks. A load that fails reports exactly the GPU blocks
+that did not arrive, and vLLM recomputes them. kvtier is a best-effort cache: ``request_finished``
+hands the blocks back at once, and a store still reading them is flushed before they are reused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connectors.vllm.geometry import block_layout
+from kvtier.connectors.vllm.metadata import KVTierMetadata
+from kvtier.connectors.vllm.scheduler import SchedulerSide
+from kvtier.connectors.vllm.stats import KVTierConnectorStats
+from kvtier.connectors.vllm.worker import WorkerSide
+from kvtier.core.config import StackConfig, load_config
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def connector_config(vllm_config: "VllmConfig") -> StackConfig:
+    """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if "config" not in extra:
+        raise ConfigError('kv_connector_extra_config needs "config": the path of a kvtier YAML file or an inline '
+                          'dict, e.g. {"config": "/etc/kvtier.yaml"}')
+    config = load_config(extra["config"])
+    block_size = vllm_config.cache_config.block_size
+    if "block_tokens" in config.model_fields_set and config.block_tokens != block_size:
+        raise ConfigError(f"block_tokens: {config.block_tokens} differs from vLLM's block size {block_size}; "
+                          f"leave it out under vLLM or set it to {block_size}")
+    return config
+
+
+def namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: StackConfig) -> bytes:
+    """What makes one rank's block bytes differ besides the tokens: model, dtypes, layout, TP size."""
+    model = vllm_config.model_config
+    dtype = f"{model.dtype}/{vllm_config.cache_config.cache_dtype}"
+    layout = f"{kv_cache_config.kv_cache_layout}/tp{vllm_config.parallel_config.tensor_parallel_size}"
+    ns = Namespace(model.model, str(dtype), layout, vllm_config.cache_config.block_size)
+    return ns.encode() + b"\0" + config.namespace.encode()
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """Tiered KV cache (host memory, local disk) below vLLM's GPU prefix cache."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = connector_config(vllm_config)
+        ns = namespace(vllm_config, kv_cache_config, config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config), vllm_config.cache_config.block_size,
+                                                vllm_config.parallel_config.world_size, ns)
+        else:
+            self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is a later cache miss, never lost output
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("a scheduler-side hook was called on kvtier's worker-side connector")
+        return self.scheduler_side
+
+    @property
+    def _work(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("a worker-side hook was called on kvtier's scheduler-side connector")
+        return self.worker_side
+
+    # --- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._work.flush(_meta(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work.start(_meta(self._get_connector_metadata()).loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request whose blocks load is not scheduled until they all arrived."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: stores copy whole blocks once the step's forward pass is over."""
+
+    def wait_for_save(self) -> None:
+        self._work.start(_meta(self._get_connector_metadata()).stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._work.take_finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work.take_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker_side.take_report() if self.worker_side is not None else None
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        side = self.worker_side or self.scheduler_side
+        return side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    # --- scheduler side ------------------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        state = self._sched._requests.get(request.request_id)
+        sources = state.load_sources if state is not None else {}
+        tokens = {CacheHitSource.HOST: sources.get("host", 0) * self._sched.block_tokens,
+                  CacheHitSource.DISK: sources.get("disk", 0) * self._sched.block_tokens}
+        tokens[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(tokens.values())
+        return {source: n for source, n in tokens.items() if n > 0}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        return self._sched.take_events()
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool:
+        return self._sched.reset_cache()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+
+def _meta(metadata: KVConnectorMetadata) -> KVTierMetadata:
+    if not isinstance(metadata, KVTierMetadata):
+        raise TypeError(f"kvtier got connector metadata of type {type(metadata).__name__}")
+    return metadata

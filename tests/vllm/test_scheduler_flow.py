@@ -1,0 +1,144 @@
+"""The connector under vLLM's real scheduler: a later request sharing a prefix gets it from kvtier's
+host tier, then from the disk tier once the host tier is full, with exact token counts and bit-exact
+KV; preemption, aborts mid-load and mid-store, and a cache reset leave no pins, slots or jobs behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.core.keys import chain_hashes
+
+BLOCK = 16  # the test engine's block size (conftest.BLOCK)
+
+HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
+
+
+def prompt(prefix_blocks: int, tail: int, seed: int, prefix: int = 0) -> list[int]:
+    """``prefix_blocks`` blocks shared by every prompt of the same ``prefix``, then ``tail`` tokens of this seed."""
+    return [100_000 * prefix + 7 + i for i in range(prefix_blocks * BLOCK)] + [10_000 * seed + i for i in range(tail)]
+
+
+def forget_gpu(engine) -> None:
+    """Empty vLLM's own prefix cache and scribble over the KV memory, so only kvtier can supply a hit."""
+    assert engine.scheduler.reset_prefix_cache()
+    for worker in engine.workers:
+        worker.buffer[:] = 0xEE
+
+
+def scheduled_load(engine, request_id):
+    """Steps until the request's load is planned; returns the planned job as the workers received it."""
+    for _ in range(5):
+        out, _ = engine.step()
+        for job in out.kv_connector_metadata.loads:
+            if job.req_id == request_id:
+                return job
+    raise AssertionError("no load was planned")
+
+
+def step_until_scheduled(engine, request, max_steps: int = 10):
+    """Steps until vLLM schedules the request (after its load arrived); returns that step's output."""
+    for _ in range(max_steps):
+        out, _ = engine.step()
+        if request.request_id in out.num_scheduled_tokens:
+            return out
+    raise AssertionError(f"{request.request_id} was never scheduled")
+
+
+def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
+    engine = make_engine(HOST_ONLY)
+    first = engine.add(prompt(4, 5, seed=1), max_tokens=3)
+    engine.run([first])
+    assert engine.kvtier.host.usage().used == 4  # 4 full prompt blocks; the 5-token tail has no key
+    forget_gpu(engine)
+
+    second = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    n, is_async = engine.connector.get_num_new_matched_tokens(second, 0)
+    assert (n, is_async) == (4 * BLOCK, True)
+    job = scheduled_load(engine, second.request_id)
+    assert job.num_blocks == 4 and job.missing == ()
+    out = step_until_scheduled(engine, second)
+    assert out.num_scheduled_tokens[second.request_id] == 9  # the tail only: 4 blocks came from kvtier
+    assert engine.blocks_match(second, range(4))
+    engine.run([second])
+    hits = sum(s["hit_blocks_host"] for s in engine.stats)
+    assert hits == 4
+    engine.assert_no_leaks()
+
+
+def test_lookup_counts_whole_blocks_and_leaves_the_last_token(make_engine):
+    engine = make_engine(HOST_ONLY)
+    first = engine.add(prompt(4, 3, seed=1), max_tokens=2)
+    engine.run([first])
+    lookup = engine.connector.get_num_new_matched_tokens
+    # 2 shared blocks then a different third block: 2 blocks
+    diverging = engine.add(prompt(2, 40, seed=3), max_tokens=1)
+    assert lookup(diverging, 0) == (2 * BLOCK, True)
+    # exactly the 4 stored blocks and nothing else: the last token is computed, so 3 blocks load
+    exact = engine.add(prompt(4, 0, seed=4), max_tokens=1)
+    assert lookup(exact, 0) == (3 * BLOCK, True)
+    # past vLLM's own hit of 1 block: the 3 blocks after it
+    assert lookup(engine.add(prompt(4, 3, seed=5), max_tokens=1), BLOCK) == (3 * BLOCK, True)
+    # another prefix: a miss, and no state was changed by asking (asking twice gives the same)
+    other = engine.add(prompt(4, 3, seed=6, prefix=9), max_tokens=1)
+    assert lookup(other, 0) == lookup(other, 0) == (0, False)
+    assert engine.kvtier.host.leaks() == {"pinned": 0, "writing": 0}
+
+
+@pytest.mark.parametrize("placement", ["write_through", "write_back"])
+def test_prefix_from_disk_once_host_is_full(make_engine, tmp_path, placement):
+    config = {"placement": placement, "tiers": [
+        {"medium": "host", "capacity_blocks": 4},
+        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    engine = make_engine(config)
+    first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
+    engine.run([first])
+    for p in (2, 3):  # two more prefixes push the first out of the 4-block host tier
+        engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
+    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["disk"] * 4
+    forget_gpu(engine)
+
+    again = engine.add(prompt(4, 11, seed=4, prefix=1), max_tokens=2)
+    job = scheduled_load(engine, again.request_id)
+    assert job.num_blocks == 4 and [c.src for stage in job.stages for c in stage] == ["disk", "host"]
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == 11
+    assert engine.blocks_match(again, range(4))
+    engine.run([again])
+    assert sum(s["hit_blocks_disk"] for s in engine.stats) == 4
+    assert sum(s["hit_blocks_host"] for s in engine.stats) == 0
+    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["host"] * 4  # staged blocks stay cached
+    engine.assert_no_leaks()
+
+
+def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
+    """A block whose bytes on disk are damaged fails its checksum: vLLM is told exactly which GPU
+    blocks did not arrive, recomputes from there, and the output KV is still right."""
+    disk = tmp_path / "disk"
+    config = {"placement": "write_through", "tiers": [
+        {"medium": "host", "capacity_blocks": 4},
+        {"medium": "disk", "capacity_blocks": 16, "path": str(disk), "o_direct": "off"}]}
+    engine = make_engine(config)
+    first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
+    engine.run([first])
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
+    damaged_slot = engine.kvtier.disk.slots([keys[2]])[0]
+    slab = engine.workers[0].connector.worker_side.storages["disk"].slab
+    with open(slab.path, "r+b") as f:  # flip bytes inside block 2's data on disk
+        f.seek(slab.slot_offset(damaged_slot) + 4096 + 100)
+        f.write(b"\x00\xff" * 8)
+    engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2) for p in (2,)])  # evicts host
+    forget_gpu(engine)
+
+    again = engine.add(prompt(4, 7, seed=3, prefix=1), max_tokens=2)
+    job = scheduled_load(engine, again.request_id)
+    assert job.num_blocks == 4
+    out = step_until_scheduled(engine, again)
+    (block_ids,) = engine.scheduler.kv_cache_manager.get_block_ids(again.request_id)
+    assert block_ids[2] in engine.load_errors
+    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 7  # recomputed from block 2 on
+    assert engine.blocks_match(again, range(4))
+    engine.run([again])
+    assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
+    assert engine.kvtier.disk.stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
+    engine.assert_no_leaks()
