@@ -11,11 +11,15 @@ Reference, measured in the same run
     block used again farthest in the future. No policy that only sees the past can beat it, so
     policy / Belady says how much of the achievable hit ratio a policy gets.
 
-Context (not a policy, not in ``ratio``)
-    ``lru+oracle-admission``: LRU that only caches blocks the trace will reference again, i.e. an
+Context (not policies, not in ``ratio``; both read the future)
+    ``lru+oracle-adm.``: LRU that only caches blocks the trace will reference again, i.e. an
     admission filter that never errs. It shows how much of the gap to Belady is "caching blocks that
     are never reused" (which an admission policy can learn to avoid) and how much is "not knowing
     when a reused block comes back" (which no online policy can know).
+    ``future-count``: evict the block with the fewest references left in the trace (ties: least
+    recently used), i.e. perfect frequency knowledge without timing. Whatever a frequency- or
+    admission-based policy learns, it cannot know more than this; where this stays below a target
+    share of Belady, no such policy reaches it.
 
 Why
     Which policy a tier should default to is a question about traffic, not about code. These
@@ -25,20 +29,23 @@ Why
 The last line printed is one JSON object: ``ratio`` is the best policy's hit ratio / Belady's,
 taking the minimum over sizes, plus every figure.
 
-Run: ``.venv/bin/python bench/policies.py [--trace PATH] [--capacities 1000,4000,16000]``
+Run: ``.venv/bin/python bench/policies.py [--trace PATH|generated] [--capacities 1000,4000,16000]``
+(``generated``: the seeded chat workload of ``kvtier replay`` without a trace).
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Sequence
 
 from kvtier.core.replay import ReplayResult, Request, belady, load_trace, replay
+from kvtier.core.workload import generate
 from kvtier.policies import EVICTION_POLICIES
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -75,18 +82,63 @@ def lru_oracle_admission(requests: Sequence[Request], capacity: int) -> ReplayRe
     return ReplayResult(hits, references, evictions)
 
 
+def future_count(requests: Sequence[Request], capacity: int) -> ReplayResult:
+    """Evict the block with the fewest references left (ties: least recently used); the request's own
+    blocks are protected and every missing block is cached, as in ``replay``."""
+    remaining = Counter(h for r in requests for h in r.hash_ids)
+    resident: dict[int, tuple[int, int]] = {}  # id -> its heap priority (references left, last use)
+    heap: list[tuple[tuple[int, int], int]] = []
+    hits = references = evictions = clock = 0
+    for r in requests:
+        ids = r.hash_ids
+        references += len(ids)
+        for h in ids:
+            if h not in resident:
+                break
+            hits += 1
+        missing = [h for h in ids if h not in resident]
+        need = len(resident) + len(missing) - capacity
+        parked = []
+        while need > 0 and heap:
+            priority, victim = heapq.heappop(heap)
+            if resident.get(victim) != priority:
+                continue  # stale
+            if victim in ids:
+                parked.append((priority, victim))
+                continue
+            del resident[victim]
+            evictions += 1
+            need -= 1
+        for item in parked:
+            heapq.heappush(heap, item)
+        if need > 0:
+            missing = missing[:len(missing) - need]
+        admitted = set(missing)
+        for h in ids:
+            remaining[h] -= 1
+            clock += 1
+            if h in resident or h in admitted:
+                resident[h] = (remaining[h], clock)
+                heapq.heappush(heap, (resident[h], h))
+    return ReplayResult(hits, references, evictions)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE),
+                        help="Mooncake JSONL trace, or 'generated' for the seeded chat workload")
     parser.add_argument("--capacities", default="1000,4000,16000", help="cache sizes in blocks, comma separated")
     args = parser.parse_args(argv)
-    if not args.trace.is_file():
+    capacities = [int(c) for c in args.capacities.split(",")]
+    if args.trace == "generated":
+        requests, name = generate(), "generated chat workload (seed 0)"
+    elif Path(args.trace).is_file():
+        requests, name = load_trace(args.trace), f"trace {Path(args.trace).name}"
+    else:
         print(f"trace not found: {args.trace} (pass --trace)", file=sys.stderr)
         return 2
-    capacities = [int(c) for c in args.capacities.split(",")]
-    requests = load_trace(args.trace)
     references = sum(len(r.hash_ids) for r in requests)
-    print(f"trace {args.trace.name}: {len(requests)} requests, {references} block references, "
+    print(f"{name}: {len(requests)} requests, {references} block references, "
           f"{len({h for r in requests for h in r.hash_ids})} distinct blocks")
 
     figures: dict[str, dict[str, float]] = {}
@@ -109,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<15}" + "".join(
             f"{figures[name][str(c)]:>14.3f} ({figures[name][str(c)] / optimum[c]:.3f})" for c in capacities))
     context = {c: lru_oracle_admission(requests, c).hit_ratio for c in capacities}
-    print(f"{'lru+oracle-adm.':<15}" + "".join(
-        f"{context[c]:>14.3f} ({context[c] / optimum[c]:.3f})" for c in capacities))
-    print("(hit ratio, and in brackets the ratio to Belady at the same size; lru+oracle-adm. is context,"
-          " not an online policy)")
+    counted = {c: future_count(requests, c).hit_ratio for c in capacities}
+    for label, figures_of in (("lru+oracle-adm.", context), ("future-count", counted)):
+        print(f"{label:<15}" + "".join(
+            f"{figures_of[c]:>14.3f} ({figures_of[c] / optimum[c]:.3f})" for c in capacities))
+    print("(hit ratio, and in brackets the ratio to Belady at the same size; the last two read the future:"
+          " context, not online policies)")
 
     best_per_size = {}
     for c in capacities:
@@ -133,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_to_belady": {n: {str(c): figures[n][str(c)] / optimum[c] if optimum[c] else 1.0
                                 for c in capacities} for n in figures},
         "context_lru_oracle_admission": {str(c): context[c] for c in capacities},
+        "context_future_count": {str(c): counted[c] for c in capacities},
         "trace": str(args.trace), "requests": len(requests), "references": references,
     }))
     return 0
