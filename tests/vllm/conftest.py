@@ -166,7 +166,8 @@ if HAVE_VLLM:
             self.tokens: dict[str, list[int]] = {}
             self.loaded: dict[str, list[int]] = {}
             self.load_errors: set[int] = set()
-            self.events = []
+            self.events = []  # kvtier's KV cache events, as vLLM's scheduler publishes them
+            self.scheduler.kv_event_publisher = self
             self.stats: list[dict] = []  # kv_connector_stats payloads vLLM put into its scheduler stats
             self._ids = 0
 
@@ -200,12 +201,15 @@ if HAVE_VLLM:
             kv_out = merged.kv_connector_output
             if kv_out is not None:
                 self.load_errors |= kv_out.invalid_block_ids
-            engine_outputs = self.scheduler.update_from_output(out, merged)
+            engine_outputs = self.scheduler.update_from_output(out, merged)  # publishes events to self
             for eco in engine_outputs.values():  # worker and scheduler stats as vLLM reports them
                 if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
                     self.stats.append(eco.scheduler_stats.kv_connector_stats)
-            self.events += list(self.connector.take_events())
             return out, engine_outputs
+
+        def publish(self, batch) -> None:
+            """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher)."""
+            self.events += [e for e in batch.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
 
         def _worker_output(self, worker: "Worker", out, reports: bool) -> ModelRunnerOutput:
             c = worker.connector

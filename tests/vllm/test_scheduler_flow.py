@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from vllm.v1.request import RequestStatus
+
 from kvtier.core.keys import chain_hashes
 
 BLOCK = 16  # the test engine's block size (conftest.BLOCK)
@@ -141,4 +143,115 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
     assert engine.kvtier.disk.stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
+    engine.assert_no_leaks()
+
+
+def test_events_name_blocks_stored_and_removed_per_tier(make_engine):
+    engine = make_engine({"tiers": [{"medium": "host", "capacity_blocks": 4}]})
+    first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
+    engine.run([first])
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
+    stored = [e for e in engine.events if type(e).__name__ == "BlockStored"]
+    assert [h for e in stored for h in e.block_hashes] == keys and {e.medium for e in stored} == {"CPU"}
+    assert stored[0].token_ids == prompt(4, 0, seed=0, prefix=1)[:BLOCK]
+    engine.run([engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=2)])  # evicts the first prefix
+    removed = [h for e in engine.events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert sorted(removed) == sorted(keys)
+
+
+def test_preemption_flushes_in_flight_stores_and_keeps_kv_exact(make_engine):
+    """Two requests outgrow 12 GPU blocks, so vLLM preempts one. Reports are held back every other
+    step, so stores are still in flight on the scheduler side when their blocks are reused: the
+    fence names them, and what was stored is still the right KV afterwards."""
+    engine = make_engine(HOST_ONLY, num_gpu_blocks=12)
+    reqs = [engine.add(prompt(3, 8, seed=s, prefix=s), max_tokens=60) for s in (1, 2)]
+    preempted, flushed = set(), set()
+    for step in range(400):
+        out, _ = engine.step(report_ranks=None if step % 2 else set())
+        preempted |= out.preempted_req_ids or set()
+        flushed |= out.kv_connector_metadata.flush
+        if all(r.request_id not in engine.scheduler.requests for r in reqs):
+            break
+    engine.drain()
+    assert preempted and flushed
+    engine.assert_no_leaks()
+    forget_gpu(engine)
+    for s in (1, 2):  # every stored block of both requests loads back as the KV its tokens give
+        # the prompt continues with what the stand-in model sampled (1000, 1001, ...): decode blocks too
+        again = engine.add(prompt(3, 8, seed=s, prefix=s) + [1000 + i for i in range(40)], max_tokens=2)
+        out = step_until_scheduled(engine, again)
+        assert out.num_scheduled_tokens[again.request_id] == BLOCK  # 5 of 6 blocks loaded, the last computed
+        assert engine.blocks_match(again, range(6))
+        engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_abort_mid_load_releases_everything(make_engine):
+    engine = make_engine(HOST_ONLY, num_gpu_blocks=32)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    second = engine.add(prompt(4, 9, seed=2), max_tokens=4)
+    out, _ = engine.step(report_ranks=set())  # the load ran on the worker; its report is held back
+    assert [j.req_id for j in out.kv_connector_metadata.loads] == [second.request_id]
+    assert engine.kvtier.host.leaks()["pinned"] == 4
+    engine.scheduler.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    engine.assert_no_leaks()
+    assert second.request_id not in engine.scheduler.requests
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 32 - 1  # vLLM got every block back once the load reported
+
+
+def test_abort_mid_store_releases_everything(make_engine):
+    engine = make_engine(HOST_ONLY, num_gpu_blocks=32)
+    first = engine.add(prompt(4, 5, seed=1), max_tokens=8)
+    out, _ = engine.step(report_ranks=set())  # prefill: the store ran, its report is held back
+    assert [j.kind for j in out.kv_connector_metadata.stores] == ["store"]
+    assert engine.kvtier.host.leaks()["writing"] == 4
+    engine.scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    reuse = engine.add(prompt(4, 5, seed=7, prefix=7), max_tokens=1)  # gets the freed blocks
+    out, _ = engine.step()
+    assert out.kv_connector_metadata.flush  # the store still read blocks handed out again
+    engine.run([reuse])
+    engine.assert_no_leaks()
+    assert engine.kvtier.host.usage().used == 8  # the aborted request's 4 blocks landed, then reuse's 4
+
+
+def test_reset_drops_every_block_not_in_use(make_engine):
+    engine = make_engine(HOST_ONLY)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    loading = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    engine.step(report_ranks=set())  # a load holds 4 host blocks
+    assert engine.connector.reset_cache() is False  # pinned blocks stay until the load reports
+    assert engine.kvtier.host.usage().used == 4
+    engine.run([loading])
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert engine.kvtier.host.usage().used == 0
+    assert len([h for e in engine.connector.take_events() for h in e.block_hashes]) == 4
+    assert engine.connector.get_num_new_matched_tokens(engine.add(prompt(4, 9, seed=3), max_tokens=1), 0) == (0, False)
+    engine.assert_no_leaks()
+
+
+def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
+    engine = make_engine(HOST_ONLY, tp=2)
+    first = engine.add(prompt(4, 5, seed=1), max_tokens=3)
+    out, _ = engine.step(report_ranks={0})  # rank 1's report comes a step later
+    (store,) = out.kv_connector_metadata.stores
+    job = engine.kvtier.jobs.get(store.job_id)
+    assert (job.reports, job.expected_reports) == (1, 2) and job.state.value == "running"
+    assert engine.kvtier.host.leaks()["writing"] == 4  # not readable before every rank has its shard
+    engine.step()
+    assert job.state.value == "done" and engine.kvtier.host.usage().used == 4
+    engine.run([first])
+    forget_gpu(engine)
+    second = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    out, _ = engine.step(report_ranks={1})
+    (load,) = out.kv_connector_metadata.loads
+    assert engine.kvtier.jobs.get(load.job_id).reports == 1 and engine.kvtier.host.leaks()["pinned"] == 4
+    step_until_scheduled(engine, second)
+    assert engine.blocks_match(second, range(4))  # both ranks' shards arrived
+    engine.run([second])
     engine.assert_no_leaks()
