@@ -33,7 +33,8 @@ def _sweep_panel(ax, summary: dict) -> None:
     belady = summary.get("belady_sweep")
     capacities = [int(c) for c in next(iter(summary["sweep"].values()))]
     if belady:
-        ax.plot(capacities, [belady[str(c)] for c in capacities], "k--", marker="s", label="Belady (optimum)")
+        label = "Belady (optimum)" if summary["mode"] == "metadata" else "Belady (optimum, as many blocks as all tiers)"
+        ax.plot(capacities, [belady[str(c)] for c in capacities], "k--", marker="s", label=label)
     for policy, by_capacity in summary["sweep"].items():
         ax.plot(capacities, [by_capacity[str(c)] for c in capacities], marker="o", label=policy)
     ax.set_xscale("log")
@@ -51,7 +52,8 @@ def _sweep_panel(ax, summary: dict) -> None:
 def _occupancy_panel(ax, summary: dict, occupancy: list[tuple[int, dict[str, int]]]) -> None:
     xs = [i + 1 for i, _ in occupancy]
     for name, tier in summary["tiers"].items():
-        line, = ax.plot(xs, [used[name] for _, used in occupancy], label=f"{name} ({tier['medium']})")
+        label = name if name == tier["medium"] else f"{name} ({tier['medium']})"
+        line, = ax.plot(xs, [used[name] for _, used in occupancy], label=label)
         ax.axhline(tier["capacity"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_xlabel("request")
     ax.set_ylabel("blocks held (dotted: capacity)")

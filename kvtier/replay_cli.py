@@ -8,6 +8,8 @@ no trace is given, on any machine.
 * Default: a real stack (``--config FILE.yaml``, or the embedded ``kvtier/replay.yaml``) built by
   ``kvtier.core.builder.build_stack``; blocks move through the real tiers and transfer backends, and
   every hit is checked bit-exact (``kvtier.core.stack_replay``). A corrupt block makes it exit 1.
+  Each run puts a disk tier in a fresh directory inside its ``path`` and removes it afterwards, so
+  every run starts empty and blocks already stored there are left alone.
 * ``--metadata-only``: the same policies on an index alone (``kvtier.core.replay``), one cache.
 * ``--policy`` and ``--capacity`` set the eviction policy and size (in blocks) of one tier, the last
   one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
@@ -76,8 +78,7 @@ class ReplayError(Exception):
 
 def run_replay(args: argparse.Namespace, console: Console) -> int:
     try:
-        with ExitStack() as cleanup:
-            summary, occupancy = _run(args, console, cleanup)
+        summary, occupancy = _run(args, console)
     except (ReplayError, ConfigError, ValueError, OSError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -100,11 +101,11 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
 # --- the runs ------------------------------------------------------------------------------------
 
 
-def _run(args: argparse.Namespace, console: Console, cleanup: ExitStack) -> tuple[dict, list]:
+def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
     requests, workload = _requests(args)
     if args.save_trace:
         write_trace(requests, args.save_trace)
-    config = _config(args, cleanup)
+    config = _config(args)
     governed = args.tier or config.tier_name(len(config.tiers) - 1)
     names = [config.tier_name(i) for i in range(len(config.tiers))]
     if governed not in names:
@@ -124,8 +125,10 @@ def _run(args: argparse.Namespace, console: Console, cleanup: ExitStack) -> tupl
             if args.metadata_only:
                 total = capacity if capacity is not None else sum(_blocks(config, i) for i in range(len(names)))
                 return _metadata_run(requests, total, policy, args.block_tokens, advance)
-            cfg = _override(config, names.index(governed), policy, capacity, block_bytes)
-            return _stack_run(requests, cfg, args.block_tokens, advance)
+            with ExitStack() as disk_dirs:
+                cfg = _fresh_disk_dirs(_override(config, names.index(governed), policy, capacity, block_bytes),
+                                       disk_dirs)
+                return _stack_run(requests, cfg, args.block_tokens, advance)
         finally:
             progress.remove_task(task)
 
@@ -166,18 +169,19 @@ def _requests(args: argparse.Namespace) -> tuple[list[Request], str]:
     return generate(spec), f"generated chat workload ({spec.conversations} conversations, seed {spec.seed})"
 
 
-def _config(args: argparse.Namespace, cleanup: ExitStack) -> StackConfig:
-    """The stack configuration; the embedded one gets its disk tiers in a fresh temporary directory."""
-    if args.config is not None:
-        return load_config(args.config)
-    config = load_config(EMBEDDED_CONFIG)
-    if args.metadata_only:
-        return config
-    scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-")))
+def _config(args: argparse.Namespace) -> StackConfig:
+    return load_config(args.config if args.config is not None else EMBEDDED_CONFIG)
+
+
+def _fresh_disk_dirs(config: StackConfig, cleanup: ExitStack) -> StackConfig:
+    """The configuration with each disk tier in a new directory inside its ``path``, removed by ``cleanup``:
+    every run starts empty on the same filesystem, and blocks already stored there are never touched."""
     data = config.model_dump(exclude_none=True)
     for tier in data["tiers"]:
         if tier["medium"] == "disk":
-            tier["path"] = str(scratch / tier["path"])
+            base = Path(tier["path"]).expanduser()
+            base.mkdir(parents=True, exist_ok=True)
+            tier["path"] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=base))
     return load_config(data)
 
 

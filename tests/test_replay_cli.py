@@ -4,7 +4,8 @@ Invariants checked:
 - --metadata-only --json: hits, hit ratio, prefill tokens saved, Belady (--belady) as worked out by hand;
 - --sweep with --policy list and --belady: one hit ratio per policy and capacity, Belady per capacity;
 - a real stack from --config, with --capacity and --tier overriding the governed tier: per-tier hits,
-  bytes in/out, demotions and evictions as worked out by hand (tests/test_replay_stack.py);
+  bytes in/out, demotions and evictions as worked out by hand (tests/test_replay_stack.py); each
+  run's disk tier starts empty in a fresh directory inside the configured path, removed afterwards;
 - --plot writes a PNG; --save-trace writes the replayed requests, and replaying that file gives
   the same figures;
 - bad input (missing trace, bad trace line, unknown policy or tier, several policies without
@@ -72,6 +73,16 @@ def test_real_stack_from_a_config_with_overrides(tmp_path, capsys):
     assert disk["capacity"] == 4 and s["capacity"] == 4 and disk["hit_ratio"] == pytest.approx(4 / 16)
     assert s["prefill_tokens_saved"] == 7 * 512
     assert s["belady_capacity"] == 6 and 7 / 16 <= s["belady_hit_ratio"] <= 1
+    # Each run's disk tier lived in a fresh directory inside the configured path, now removed: a
+    # second run starts empty again and counts the same.
+    assert list((tmp_path / "disk").iterdir()) == []
+    again = run_json(capsys, trace, "--config", config, "--capacity", 4, "--policy", "lru")
+    assert without_bandwidth(again["tiers"]) == without_bandwidth(s["tiers"])
+
+
+def without_bandwidth(tiers: dict) -> dict:
+    """Per-tier counts without MiB/s, which depends on the machine's speed."""
+    return {name: {k: v for k, v in t.items() if k != "mib_per_s"} for name, t in tiers.items()}
 
 
 def test_plot_and_save_trace(tmp_path, capsys):
