@@ -100,6 +100,25 @@ if HAVE_VLLM:
         seed = xxhash.xxh64_intdigest(np.asarray(tokens[:(block + 1) * BLOCK], dtype=np.int64).tobytes(), layer)
         return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
 
+    def make_vllm_config(model_dir, kvtier: dict, num_gpu_blocks: int, tp: int = 1,
+                         max_num_batched_tokens: int = 1024, max_num_seqs: int = 8) -> VllmConfig:
+        """A VllmConfig for the local model folder with KVTierConnector selected by module path."""
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
+                                     max_model_len=2048),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
+                                                kv_connector_module_path="kvtier.connectors.vllm",
+                                                kv_role="kv_both", kv_connector_extra_config={"config": kvtier},
+                                                kv_load_failure_policy="recompute"),
+            device_config=DeviceConfig("cpu"))
+        config.parallel_config.tensor_parallel_size = tp
+        config.parallel_config.world_size = tp
+        config.cache_config.num_gpu_blocks = num_gpu_blocks
+        return config
+
     class Worker:
         """One rank: a worker-side KVTierConnector over vLLM-allocated CPU KV caches."""
 
@@ -136,22 +155,8 @@ if HAVE_VLLM:
 
         def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                      max_num_batched_tokens: int = 1024, max_num_seqs: int = 8) -> None:
-            model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
-                                       max_model_len=2048)
-            self.vllm_config = VllmConfig(
-                model_config=model_config,
-                cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-                scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                                 max_model_len=2048, enable_chunked_prefill=True,
-                                                 is_encoder_decoder=False),
-                kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
-                                                    kv_connector_module_path="kvtier.connectors.vllm",
-                                                    kv_role="kv_both", kv_connector_extra_config={"config": kvtier},
-                                                    kv_load_failure_policy="recompute"),
-                device_config=DeviceConfig("cpu"))
-            self.vllm_config.parallel_config.tensor_parallel_size = tp
-            self.vllm_config.parallel_config.world_size = tp
-            self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+            self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
+                                                max_num_seqs)
             self.kv_config = kv_cache_config(num_gpu_blocks, layout)
             self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                        structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -283,6 +288,22 @@ if HAVE_VLLM:
         path = tmp_path_factory.mktemp("opt-tiny")
         (path / "config.json").write_text(json.dumps(MODEL_JSON))
         return path
+
+    @pytest.fixture
+    def make_worker(model_dir):
+        """Worker-side connectors alone (no scheduler): ``make(kvtier, layout=..., rank=...)``."""
+        workers = []
+
+        def make(kvtier: dict, layout: str = "LBHNC", num_blocks: int = 32, rank: int = 0, tp: int = 1) -> Worker:
+            config = make_vllm_config(model_dir, kvtier, num_blocks, tp)
+            config.parallel_config.rank = rank
+            worker = Worker(config, kv_cache_config(num_blocks, layout))
+            workers.append(worker)
+            return worker
+
+        yield make
+        for worker in workers:
+            worker.connector.shutdown()
 
     @pytest.fixture
     def make_engine(model_dir):
