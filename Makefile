@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/kvtier demo
+	$(VENV)/bin/kvtier replay
 
 test: $(VENV)/.installed
 	$(VENV)/bin/pytest -q

@@ -6,6 +6,7 @@ only render it, so the table and the JSON line can never disagree.
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -15,19 +16,22 @@ MiB = 2 ** 20
 def tier_table(summary: dict) -> Table:
     """One row per tier: capacity and use, hits and hit ratio, bytes in/out, demotions, evictions, bandwidth."""
     stack = summary["mode"] == "stack"
-    table = Table(title=f"per tier ({'real stack' if stack else 'metadata only: one cache, no bytes'})")
+    table = Table(title=f"per tier ({'real stack' if stack else 'metadata only: one cache, no bytes'})",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
     columns = ["tier", "used/cap", "hits", "hit ratio"]
     if stack:
         columns += ["MiB in", "MiB out", "demoted", "evicted", "MiB/s"]
     else:
         columns += ["evicted"]
+    widest = max(len(f"{t['used']}/{t['capacity']}") for t in summary["tiers"].values())
     for column in columns:
-        table.add_column(column, justify="left" if column == "tier" else "right")
+        table.add_column(column, justify="left" if column == "tier" else "right", no_wrap=column != "hit ratio",
+                         min_width=widest if column == "used/cap" else None)
     for name, t in summary["tiers"].items():
         label = name if name == t["medium"] else f"{name} ({t['medium']})"
         row = [label, f"{t['used']}/{t['capacity']}", f"{t['hits']:,}", f"{t['hit_ratio']:.3f}"]
         if stack:
-            row += [f"{t['bytes_in'] / MiB:,.1f}", f"{t['bytes_out'] / MiB:,.1f}", f"{t['demoted']:,}",
+            row += [f"{t['bytes_in'] / MiB:.0f}", f"{t['bytes_out'] / MiB:.0f}", f"{t['demoted']:,}",
                     f"{t['evicted']:,}", f"{t['mib_per_s']:,.0f}"]
         else:
             row += [f"{t['evicted']:,}"]
@@ -63,7 +67,7 @@ def sweep_table(summary: dict) -> Table:
     sweep, belady = summary["sweep"], summary.get("belady_sweep", {})
     capacities = list(next(iter(sweep.values())))
     table = Table(title=f"hit ratio by capacity of {summary['governed_tier']} (blocks)"
-                        + (" - in brackets: share of Belady's" if belady else ""))
+                        + (" - in brackets: share of Belady's" if belady else ""), box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("policy")
     for c in capacities:
         table.add_column(f"{int(c):,}", justify="right")
