@@ -290,6 +290,16 @@ if HAVE_VLLM:
         return path
 
     @pytest.fixture
+    def make_config(model_dir):
+        """``make(kvtier, num_gpu_blocks=32)``: a VllmConfig selecting KVTierConnector with that kvtier config."""
+        return lambda kvtier, num_gpu_blocks=32: make_vllm_config(model_dir, kvtier, num_gpu_blocks)
+
+    @pytest.fixture
+    def kv_config():
+        """``make(num_blocks, layout="LBHNC")``: the test model's KVCacheConfig."""
+        return kv_cache_config
+
+    @pytest.fixture
     def make_worker(model_dir):
         """Worker-side connectors alone (no scheduler): ``make(kvtier, layout=..., rank=...)``."""
         workers = []
