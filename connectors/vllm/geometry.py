@@ -49,6 +49,7 @@ def _check_pages_contiguous(kv_cache_config: "KVCacheConfig") -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     name = kv_cache_config.kv_cache_layout
+    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)  # the older names vLLM still accepts
     if name is not None and not KVCacheLayout[name].is_block_compact:
         raise ConfigError(f"KV cache layout {name} interleaves other dimensions between blocks; kvtier needs "
                           f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)")
