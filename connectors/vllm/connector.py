@@ -146,8 +146,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        state = self._sched._requests.get(request.request_id)
-        sources = state.load_sources if state is not None else {}
+        sources = self._sched.hit_sources(request)
         tokens = {CacheHitSource.HOST: sources.get("host", 0) * self._sched.block_tokens,
                   CacheHitSource.DISK: sources.get("disk", 0) * self._sched.block_tokens}
         tokens[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(tokens.values())

@@ -220,15 +220,14 @@ class SchedulerSide:
         planned = len(direct) + len(staged)
         state.load_sources = {"host": len(direct), "disk": len(staged)}
         stages: list[tuple[Copy, ...]] = []
-        key_of = lambda i: keys[i]  # noqa: E731
         if staged:
-            stages.append((Copy(self.disk.name, tuple(s[1] for s in staged), self.host.name, tuple(s[2] for s in staged),
-                                tuple(key_of(s[0]) for s in staged), tuple(s[0] for s in staged)),))
-        to_gpu = sorted([(i, h) for i, h in direct] + [(i, h) for i, _, h in staged])
+            stages.append((Copy(self.disk.name, tuple(d for _, d, _ in staged), self.host.name,
+                                tuple(h for _, _, h in staged), tuple(keys[i] for i, _, _ in staged),
+                                tuple(i for i, _, _ in staged)),))
+        to_gpu = sorted(direct + [(i, h) for i, _, h in staged])
         if to_gpu:
-            stages.append((Copy(self.host.name, tuple(h for _, h in to_gpu), GPU,
-                                tuple(gpu_blocks[i] for i, _ in to_gpu), tuple(key_of(i) for i, _ in to_gpu),
-                                tuple(i for i, _ in to_gpu)),))
+            stages.append((Copy(self.host.name, tuple(h for _, h in to_gpu), GPU, tuple(gpu_blocks[i] for i, _ in to_gpu),
+                                tuple(keys[i] for i, _ in to_gpu), tuple(i for i, _ in to_gpu)),))
         fences = [Fence(self.host.name, h, False) for _, h in direct]
         fences += [f for _, d, h in staged for f in (Fence(self.disk.name, d, False), Fence(self.host.name, h, True))]
 
@@ -457,6 +456,11 @@ class SchedulerSide:
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events
+
+    def hit_sources(self, request: "Request") -> dict[str, int]:
+        """Blocks of the request's planned load per medium ("host", "disk")."""
+        state = self._requests.get(request.request_id)
+        return dict(state.load_sources) if state is not None else {}
 
     def take_stats(self) -> KVTierConnectorStats | None:
         if self.stats.is_empty():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvtier.core.keys import chain_hashes
@@ -58,6 +59,7 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
     assert (n, is_async) == (4 * BLOCK, True)
     job = scheduled_load(engine, second.request_id)
     assert job.num_blocks == 4 and job.missing == ()
+    assert engine.connector.get_external_cache_hit_sources(second, 4 * BLOCK) == {CacheHitSource.HOST: 4 * BLOCK}
     out = step_until_scheduled(engine, second)
     assert out.num_scheduled_tokens[second.request_id] == 9  # the tail only: 4 blocks came from kvtier
     assert engine.blocks_match(second, range(4))
@@ -103,6 +105,7 @@ def test_prefix_from_disk_once_host_is_full(make_engine, tmp_path, placement):
     again = engine.add(prompt(4, 11, seed=4, prefix=1), max_tokens=2)
     job = scheduled_load(engine, again.request_id)
     assert job.num_blocks == 4 and [c.src for stage in job.stages for c in stage] == ["disk", "host"]
+    assert engine.connector.get_external_cache_hit_sources(again, 4 * BLOCK) == {CacheHitSource.DISK: 4 * BLOCK}
     out = step_until_scheduled(engine, again)
     assert out.num_scheduled_tokens[again.request_id] == 11
     assert engine.blocks_match(again, range(4))
