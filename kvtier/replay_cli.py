@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, parse_size
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, TransferError
 from kvtier.core.replay import Request, belady, load_trace, replay, write_trace
 from kvtier.core.stack_replay import prefill_tokens_saved, replay_through_stack
 from kvtier.core.workload import ChatWorkload, generate
@@ -79,7 +79,7 @@ class ReplayError(Exception):
 def run_replay(args: argparse.Namespace, console: Console) -> int:
     try:
         summary, occupancy = _run(args, console)
-    except (ReplayError, ConfigError, ValueError, OSError) as exc:
+    except (ReplayError, ConfigError, TransferError, ValueError, OSError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
     if not args.json:

@@ -74,15 +74,16 @@ def test_real_stack_from_a_config_with_overrides(tmp_path, capsys):
     assert s["prefill_tokens_saved"] == 7 * 512
     assert s["belady_capacity"] == 6 and 7 / 16 <= s["belady_hit_ratio"] <= 1
     # Each run's disk tier lived in a fresh directory inside the configured path, now removed: a
-    # second run starts empty again and counts the same.
+    # second run starts empty again and counts the same blocks; --block-bytes doubles every byte count.
     assert list((tmp_path / "disk").iterdir()) == []
-    again = run_json(capsys, trace, "--config", config, "--capacity", 4, "--policy", "lru")
-    assert without_bandwidth(again["tiers"]) == without_bandwidth(s["tiers"])
-
-
-def without_bandwidth(tiers: dict) -> dict:
-    """Per-tier counts without MiB/s, which depends on the machine's speed."""
-    return {name: {k: v for k, v in t.items() if k != "mib_per_s"} for name, t in tiers.items()}
+    again = run_json(capsys, trace, "--config", config, "--capacity", 4, "--policy", "lru", "--block-bytes", "8KiB")
+    assert again["block_bytes"] == 2 * BB and again["verified_blocks"] == 7
+    for name, tier in s["tiers"].items():
+        for k, v in tier.items():
+            if k.startswith("bytes_"):
+                assert again["tiers"][name][k] == 2 * v
+            elif k != "mib_per_s":
+                assert again["tiers"][name][k] == v
 
 
 def test_plot_and_save_trace(tmp_path, capsys):
