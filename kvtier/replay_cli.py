@@ -43,6 +43,7 @@ from kvtier.core.replay import Request, belady, load_trace, replay, write_trace
 from kvtier.core.stack_replay import prefill_tokens_saved, replay_through_stack
 from kvtier.core.workload import ChatWorkload, generate
 from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
+from kvtier.report import print_summary
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "replay.yaml"
 MiB = 2 ** 20
@@ -83,11 +84,9 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
     if not args.json:
-        from kvtier.report import print_summary
-
         print_summary(summary, console)
     if args.plot:
-        from kvtier.plot import plot_replay
+        from kvtier.plot import plot_replay  # here: matplotlib takes a while to import, and only --plot needs it
 
         plot_replay(args.plot, summary, occupancy)
         if not args.json:
@@ -114,6 +113,8 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
     capacities = _capacities(args.sweep) if args.sweep else []
     if args.capacity is not None and args.capacity < (0 if args.metadata_only else 1):
         raise ReplayError(f"--capacity must be at least {0 if args.metadata_only else 1} block(s), not {args.capacity}")
+    if args.block_tokens < 1:
+        raise ReplayError(f"--block-tokens must be at least 1, not {args.block_tokens}")
     block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                         TimeRemainingColumn(), console=console, transient=True, disable=args.json)
