@@ -191,6 +191,8 @@ def _policies(args: argparse.Namespace, config: StackConfig, governed_index: int
         default = config.tiers[governed_index].eviction
         return [default, *(p for p in EVICTION_POLICIES if p != default)] if args.sweep else [default]
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        raise ReplayError(f"--policy {args.policy!r}: give a policy name, e.g. {', '.join(EVICTION_POLICIES)}")
     if len(policies) > 1 and not args.sweep:
         raise ReplayError("--policy takes one name without --sweep")
     for p in policies:

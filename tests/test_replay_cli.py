@@ -100,6 +100,7 @@ def test_plot_and_save_trace(tmp_path, capsys):
     (["BAD", "--metadata-only"], "not a Mooncake trace line"),
     (["--policy", "nope"], "unknown eviction policy 'nope'"),
     (["--policy", "lru,arc"], "--policy takes one name without --sweep"),
+    (["--policy", ","], "give a policy name"),
     (["--tier", "ssd"], "--tier 'ssd': the stack has tiers gpu, host, disk"),
     (["--sweep", "10,x"], "give capacities in blocks"),
     (["--capacity", "0"], "--capacity must be at least 1"),
