@@ -244,8 +244,11 @@ class SchedulerSide:
                 landed = [keys[i] for i, _, _ in staged if i not in failed]
                 self.host.commit(landed)
                 self._stored_events(landed, self.host)
-            self.stats.record_load(sum(i not in failed for i, _ in direct), sum(i not in failed for i, _, _ in staged),
-                                   len(failed) + count - planned)
+            host_hits, disk_hits = sum(i not in failed for i, _ in direct), sum(i not in failed for i, _, _ in staged)
+            self.host.record(hits=host_hits, bytes_out=host_hits * self.host.block_bytes)
+            if self.disk is not None:
+                self.disk.record(hits=disk_hits, bytes_out=disk_hits * self.disk.block_bytes)
+            self.stats.record_load(host_hits, disk_hits, len(failed) + count - planned)
             self._job_ended(job.id, request.request_id, gpu_blocks[:planned], reads=False)
 
         job = self.jobs.create("load", max(planned, 1), self.num_workers, fences, done)
