@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.core.config import StackConfig, capacity_in_blocks
+from kvtier.core.config import StackConfig, TransferConfig, capacity_in_blocks
+from kvtier.core.cuda_transfer import CUDABackend
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
@@ -23,6 +24,17 @@ def config_layout(config: StackConfig) -> BlockLayout:
     if config.block_bytes is None:
         raise ConfigError("block_bytes: missing; a standalone stack needs the size of one block, e.g. 256KiB")
     return BlockLayout((config.block_bytes // config.fragments,) * config.fragments)
+
+
+def default_backends(transfer: TransferConfig, tiers: list[Tier]) -> list[TransferBackend]:
+    """The CPU backend always; the CUDA backend when a tier lives on a CUDA device; the disk backend
+    when a tier is on disk."""
+    backends: list[TransferBackend] = [CPUBackend(transfer.threads)]
+    if any(t.storage.device == "cuda" for t in tiers):
+        backends.insert(0, CUDABackend(transfer.cuda_copy))
+    if any(t.medium == "disk" for t in tiers):
+        backends.append(DiskBackend(transfer.io_threads))
+    return backends
 
 
 def build_stack(config: StackConfig, layout: BlockLayout | None = None,
@@ -50,9 +62,7 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
             tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
                                                          **medium_options))
         if backends is None:
-            backends = [CPUBackend(config.transfer.threads)]
-            if any(t.medium == "disk" for t in tiers):
-                backends.append(DiskBackend(config.transfer.io_threads))
+            backends = default_backends(config.transfer, tiers)
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for tier in tiers:

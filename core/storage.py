@@ -30,10 +30,14 @@ class BlockStorage:
 
     def fragment_addresses(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         """Addresses as an int64 array of shape (len(slots), num_fragments); raises on a slot out of range."""
+        return self._addresses(self.check_slots(slots))
+
+    def check_slots(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The slot ids as an int64 array; raises TransferError when one is out of range."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
             raise TransferError(f"slot ids must lie in [0, {self.num_slots}), got {slots.min()}..{slots.max()}")
-        return self._addresses(slots)
+        return slots
 
     def _addresses(self, slots: np.ndarray) -> np.ndarray:
         raise NotImplementedError

@@ -3,8 +3,8 @@
 A transfer compiles to (source address, destination address, byte count) triples, one per fragment,
 merged where consecutive fragments are adjacent on both sides. The CPU backend runs them with
 memmove on a thread pool (ctypes releases the GIL during the copy, so threads run in parallel) and
-reports completion asynchronously with the indices of the blocks that failed. A CUDA backend takes
-the same triples to one batched driver copy per job.
+reports completion asynchronously with the indices of the blocks that failed. The CUDA backend
+(core/cuda_transfer.py) takes the same triples to one batched driver copy or one kernel launch per job.
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ class CopyList:
     @property
     def total_bytes(self) -> int:
         return int(self.size.sum())
+
+    def blocks_of(self, index: int, num_blocks: int) -> range:
+        """The blocks whose bytes copy ``index`` moves.
+
+        Copies run in block order and every block has the same byte count, so a copy's byte range in
+        that order names exactly the blocks it touches (a merged copy may start or end mid-block).
+        """
+        ends = np.cumsum(self.size)
+        block_bytes = int(ends[-1]) // num_blocks
+        start, end = int(ends[index] - self.size[index]), int(ends[index])
+        return range(start // block_bytes, (end - 1) // block_bytes + 1)
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ def _merge_adjacent(src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: n
 
     Copies of different blocks merge too (a run of consecutive slots on both sides becomes one copy);
     the merged copy keeps its first block's index; a failed copy fails every block its byte range
-    touches (see ``CPUBackend._run_part``).
+    touches (see ``CopyList.blocks_of``).
     """
     if src.size <= 1:
         return CopyList(src, dst, size, block)
@@ -178,17 +189,12 @@ class CPUBackend(TransferBackend):
             return set()
         except Exception:
             pass
-        # Copies run in block order and every block has the same byte count, so a copy's byte range in
-        # that order names exactly the blocks it touches (a merged copy may start or end mid-block).
-        ends = np.cumsum(copies.size)
-        block_bytes = int(ends[-1]) // num_blocks
         failed: set[int] = set()
         for j in range(lo, hi):
             try:
                 self._copy(copies, j, j + 1)
             except Exception:
-                start, end = int(ends[j] - copies.size[j]), int(ends[j])
-                failed.update(range(start // block_bytes, (end - 1) // block_bytes + 1))
+                failed.update(copies.blocks_of(j, num_blocks))
         return failed
 
     def _copy(self, copies: CopyList, lo: int, hi: int) -> None:

@@ -34,6 +34,16 @@ class BlockIO:
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
+@pytest.fixture(autouse=True)
+def gpu_tiers_on_cpu(request, monkeypatch):
+    """Outside tests/gpu, GPU tiers run on CPU stand-ins even on a machine with CUDA: these tests read
+    and write tier memory with plain ctypes, as the oracle for what the backends copied."""
+    if "gpu" not in request.node.path.parent.parts[-1:]:
+        import kvtier.tiers.gpu
+
+        monkeypatch.setattr(kvtier.tiers.gpu, "use_cuda", lambda: False)
+
+
 @pytest.fixture
 def blockio() -> type[BlockIO]:
     return BlockIO

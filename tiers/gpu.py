@@ -40,6 +40,13 @@ def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorag
                           [t.stride(0) * t.element_size() for t in tensors], devices.pop(), list(tensors))
 
 
+def use_cuda() -> bool:
+    """Whether a standalone GPU tier allocates on CUDA (torch sees a device) or on CPU stand-ins."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
              watermark: Watermark | None = None, is_fenced=None) -> Tier:
     """A tier over its own memory: torch tensors on the current CUDA device, or CPU stand-ins without
@@ -51,7 +58,7 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
         storage = StridedStorage(layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
                                  "cpu", arrays)
         return Tier(name, "gpu", storage, policy, watermark, is_fenced, "numpy arrays standing in for a GPU (no torch)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if use_cuda() else "cpu"
     tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) for nbytes in layout.fragment_bytes]
     note = f"CUDA device {torch.cuda.current_device()}" if device == "cuda" else "CPU tensors standing in for a GPU (no CUDA)"
     return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)
