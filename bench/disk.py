@@ -26,8 +26,12 @@ Reference, measured in the same run and in the same directory
     fresh-file write, reused stores with the overwrite, loads with the read. O_DIRECT keeps the page
     cache out of the reads; where the filesystem refuses O_DIRECT (or with ``--o-direct off``) both
     sides use buffered I/O and the file's cached pages are dropped (fdatasync, then
-    POSIX_FADV_DONTNEED, untimed) before each read, and the output says so. Repetitions of kvtier and reference are interleaved, and every
-    figure is the best of ``--repeat``.
+    POSIX_FADV_DONTNEED, untimed) before each read, and the output says so. Repetitions of kvtier
+    and reference are interleaved, each kvtier operation right before its reference. GB/s figures
+    are the best of ``--repeat``; a ratio is the median over the repetitions of kvtier's speed over
+    the reference's measured right after it (a shared disk's load drifts from second to second, and
+    a pair sees about the same load; the best of each side may come from different moments). The
+    table also gives the paired ratios' range and the ratio of the two best figures.
 
     When ``fio`` is installed, one sequential write job (``end_fsync=1``) and one read job with
     ``direct=1``, ``bs`` = the block size and ``iodepth`` = the backend's I/O thread count (libaio)
@@ -58,7 +62,7 @@ Compression (information for choosing the disk tier's ``compression`` setting)
     that are not installed are skipped with a note.
 
 The last line printed is one JSON object; ``ratio`` is the smallest of the kvtier / reference
-ratios for 2 MiB blocks (fresh store, reused store, load).
+ratios (paired medians) for 2 MiB blocks (fresh store, reused store, load).
 
 Run: ``.venv/bin/python bench/disk.py [--dir PATH] [--repeat 3] [--io-threads 4]``
 """
@@ -73,6 +77,7 @@ import mmap
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -407,11 +412,11 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         side.timed_load(counting, keys)
         calls["load"] = counting.take()
 
-        best = dict.fromkeys(("store fresh", "store reused", "load", "ref fresh", "ref overwrite", "ref read"),
-                             float("inf"))
+        times: dict[str, list[float]] = {name: [] for name in ("store fresh", "store reused", "load", "ref fresh",
+                                                               "ref overwrite", "ref read")}
 
         def keep(name: str, seconds: float) -> None:
-            best[name] = min(best[name], seconds)
+            times[name].append(seconds)
 
         for _ in range(args.repeat):
             generation += 1
@@ -424,6 +429,7 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
             keep("ref read", ref.read())
 
         fio = run_fio(args.fio, root, size.block_bytes, size.nbytes, args.io_threads, args.repeat) if args.fio else None
+        best = {name: min(seconds) for name, seconds in times.items()}
         gbps = {name: size.nbytes / seconds / GB for name, seconds in best.items()}
         pairs = (("store fresh", "ref fresh", "write, fresh file", "write"),
                  ("store reused", "ref overwrite", "write, overwrite", "write"),
@@ -431,6 +437,8 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         rows = []
         for op, ref_name, ref_label, fio_dir in pairs:
             c = calls[op]
+            # each kvtier figure over the reference measured right after it: a pair shares the disk's mood
+            paired = sorted(ref_s / op_s for op_s, ref_s in zip(times[op], times[ref_name]))
             rows.append({
                 "block_bytes": size.block_bytes,
                 "op": op,
@@ -439,7 +447,10 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
                 "gbps": round(gbps[op], 3),
                 "reference": ref_label,
                 "reference_gbps": round(gbps[ref_name], 3),
-                "ratio": round(gbps[op] / gbps[ref_name], 3),
+                "ratio": round(statistics.median(paired), 3),
+                "ratio_min": round(paired[0], 3),
+                "ratio_max": round(paired[-1], 3),
+                "ratio_best": round(gbps[op] / gbps[ref_name], 3),
                 "fio_gbps": fio.get(f"{fio_dir}_gbps") if fio else None,
                 "ms": round(best[op] * 1e3, 1),
                 "pwritev": c["pwritev"], "preadv": c["preadv"], "fdatasync": c["fdatasync"],
@@ -562,14 +573,15 @@ def checksum_gbps(nbytes: int, repeat: int) -> float:
 
 def print_table(rows: list[dict], header_line: str) -> None:
     header = ("block", "op", "blocks", "MiB", "syscalls/job", "kvtier GB/s", "reference", "ref GB/s", "ratio",
-              "fio GB/s")
+              "paired min-max", "best/best", "fio GB/s")
     lines = []
     for r in rows:
         calls = " ".join(f"{r[k]} {k}" for k in ("pwritev", "preadv", "fdatasync") if r[k])
         fio = "-" if r["fio_gbps"] is None else f"{r['fio_gbps']:.2f}"
         label = f"{r['block_bytes'] // MiB} MiB" if r["block_bytes"] >= MiB else f"{r['block_bytes'] // KiB} KiB"
         lines.append((label, r["op"], str(r["blocks"]), str(r["bytes"] // MiB), calls, f"{r['gbps']:.2f}",
-                      r["reference"], f"{r['reference_gbps']:.2f}", f"{r['ratio']:.2f}", fio))
+                      r["reference"], f"{r['reference_gbps']:.2f}", f"{r['ratio']:.2f}",
+                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['ratio_best']:.2f}", fio))
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
     left = {0, 1, 4, 6}
     fmt = "  ".join(("{:<%d}" if i in left else "{:>%d}") % w for i, w in enumerate(widths))
@@ -607,7 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default=None,
                    help="directory on the filesystem to measure; a scratch folder is made inside it and "
                         "removed afterwards (default: a temporary folder under /tmp)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported (default 3)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)")
     p.add_argument("--io-threads", type=int, default=4, help="DiskBackend I/O threads (default 4, its default)")
     p.add_argument("--large-mib", type=int, default=512, help="bytes per measurement for 2 MiB blocks (default 512)")
     p.add_argument("--small-mib", type=int, default=256, help="bytes per measurement for 64 KiB blocks (default 256)")
@@ -670,8 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_direct = "O_DIRECT" if big["reference_o_direct"] else f"buffered ({why}), caches dropped before reads"
     print(f"directory {root} on {fstype} ({source} mounted at {mount}); kvtier slab: {direct}")
     print(f"reference: sequential {REF_CHUNK // MiB} MiB pwrite + fdatasync / preadv, {ref_direct}, from and into "
-          f"the same host memory as kvtier; "
-          f"best of {args.repeat}, interleaved with kvtier")
+          f"the same host memory as kvtier; {args.repeat} repetitions interleaved with kvtier: GB/s = best, "
+          f"ratio = median of kvtier / the reference run right after it")
     if args.fio:
         print(f"fio: {fio_version}, libaio, iodepth={args.io_threads}, bs = block size, direct=1, "
               f"write with end_fsync=1 (fio's bw figure, best of {args.repeat})")
