@@ -16,7 +16,9 @@ hands the blocks back at once, and a store still reading them is flushed before 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
@@ -34,6 +36,7 @@ from kvtier.core.keys import Namespace
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -41,13 +44,36 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def connector_config(vllm_config: "VllmConfig") -> StackConfig:
-    """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict)."""
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config``: the kvtier configuration, and when blocks are stored.
+
+    ``store: eager`` copies every block once it is full; ``store: lazy`` copies a block only when it
+    is among the next ``lazy_ahead`` (a fraction of vLLM's GPU blocks) that vLLM's free queue will
+    hand out again, so blocks vLLM's own prefix cache keeps serving cost no copy.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | dict
+    store: Literal["eager", "lazy"] = "eager"
+    lazy_ahead: float = Field(0.1, gt=0, le=1)
+
+
+def connector_settings(vllm_config: "VllmConfig") -> ConnectorSettings:
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     if "config" not in extra:
         raise ConfigError('kv_connector_extra_config needs "config": the path of a kvtier YAML file or an inline '
                           'dict, e.g. {"config": "/etc/kvtier.yaml"}')
-    config = load_config(extra["config"])
+    try:
+        return ConnectorSettings.model_validate(extra)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"kv_connector_extra_config: {problems}") from None
+
+
+def connector_config(vllm_config: "VllmConfig") -> StackConfig:
+    """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict)."""
+    config = load_config(connector_settings(vllm_config).config)
     block_size = vllm_config.cache_config.block_size
     if "block_tokens" in config.model_fields_set and config.block_tokens != block_size:
         raise ConfigError(f"block_tokens: {config.block_tokens} differs from vLLM's block size {block_size}; "
@@ -70,12 +96,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = connector_config(vllm_config)
+        settings = connector_settings(vllm_config)
         ns = namespace(vllm_config, kv_cache_config, config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            lazy_ahead = (max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks))
+                          if settings.store == "lazy" else None)
             self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config), vllm_config.cache_config.block_size,
-                                                vllm_config.parallel_config.world_size, ns)
+                                                vllm_config.parallel_config.world_size, ns, lazy_ahead)
         else:
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
 
@@ -133,6 +162,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierConnectorStats(data=dict(data or {}))
 
     # --- scheduler side ------------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
+        self._sched.bind_gpu_block_pool(gpu_block_pool)
 
     def on_new_request(self, request: "Request") -> None:
         self._sched.on_new_request(request)

@@ -8,8 +8,9 @@ when every rank has reported the copy; a load pins its sources until every rank 
 Hooks, in the order vLLM calls them in one step:
 ``get_num_new_matched_tokens`` (how many leading blocks past vLLM's own prefix hit some tier holds,
 leaving the last prompt token to compute; it pins and touches nothing, so asking twice is harmless), ``update_state_after_alloc`` (plan
-the load into the blocks vLLM allocated), ``build_connector_meta`` (eager stores of every block that
-is full once this step has run, demotions, the fence), then ``update_connector_output`` with the
+the load into the blocks vLLM allocated), ``build_connector_meta`` (stores: eager, every block that
+is full once this step has run; or lazy, the cached blocks vLLM's free queue will hand out next;
+demotions; the fence), then ``update_connector_output`` with the
 workers' reports, ``take_events``. GPU blocks are fenced the way vLLM's own offloading connector
 does it: a running request's blocks are held by vLLM, and a store still reading blocks that vLLM
 hands out again (after a finish or a preemption) is flushed by the workers before the forward pass.
@@ -17,7 +18,7 @@ hands out again (after a finish or a preemption) is flushed by the workers befor
 
 from __future__ import annotations
 
-import logging
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -36,12 +37,11 @@ from kvtier.core.tier import BlockState, Tier
 from kvtier.policies import Watermark, eviction_policy_class
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-log = logging.getLogger(__name__)
 
 EVENT_MEDIUM = {"host": "CPU", "disk": "STORAGE"}
 
@@ -95,8 +95,12 @@ class SchedulerSide:
     """Index, policies and jobs for every tier below vLLM's GPU blocks."""
 
     def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
-                 namespace: bytes) -> None:
+                 namespace: bytes, lazy_ahead: int | None = None) -> None:
+        """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
+        once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
+        no copy for blocks vLLM's own prefix cache keeps serving)."""
         self.config = config
+        self.lazy_ahead = lazy_ahead
         self.block_tokens = block_tokens
         self.num_workers = num_workers
         self.namespace = namespace
@@ -119,8 +123,14 @@ class SchedulerSide:
         self._gpu_readers: dict[int, set[int]] = {}   # GPU block id -> store jobs reading it
         self._gpu_loading: dict[int, int] = {}        # GPU block id -> the load job writing it
         self._demoting = 0                            # host blocks whose demotion to disk is in flight
+        self._gpu_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # lazy: GPU block -> key and tokens it holds
+        self._block_pool: "BlockPool | None" = None
 
     # --- requests and keys ---------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, block_pool: "BlockPool") -> None:
+        """vLLM's GPU block pool: lazy mode walks its free queue for blocks about to be reused."""
+        self._block_pool = block_pool
 
     def on_new_request(self, request: "Request") -> None:
         self._state(request)
@@ -326,59 +336,72 @@ class SchedulerSide:
                     tuple(range(len(keys))))
         self._step_demotions.append(TransferJob(job.id, "demote", len(keys), ((copy,),)))
 
-    def _plan_store(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
-        """A store of every block that is full after ``num_tokens`` tokens and no tier holds yet."""
+    def _newly_full(self, state: _RequestState, num_tokens: int) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """(key, GPU block, tokens) of the request's blocks that become full with ``num_tokens`` tokens."""
         keys = self._keys(state)
         full = min(num_tokens // self.block_tokens, len(state.block_ids), len(keys))
-        picked: list[tuple[bytes, int, int]] = []  # (key, GPU block, index in the request)
-        for i in range(state.stored, full):
-            key, block = keys[i], state.block_ids[i]
-            if block in self._gpu_loading or any(t.state(key) is not BlockState.FREE for t in self.tiers):
-                continue  # being loaded (so a tier has it), or stored already
-            picked.append((key, block, i))
+        tokens = state.request.all_token_ids
+        out = [(keys[i], state.block_ids[i], tuple(tokens[i * self.block_tokens:(i + 1) * self.block_tokens]))
+               for i in range(state.stored, full)]
         state.stored = max(state.stored, full)
-        if not picked:
-            return None
+        return out
+
+    def _storable(self, key: bytes, block: int) -> bool:
+        """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
+        return block not in self._gpu_loading and all(t.state(key) is BlockState.FREE for t in self.tiers)
+
+    def _lazy_candidates(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet."""
+        picked = []
+        for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
+            known = self._gpu_keys.get(block.block_id)
+            if block.block_hash is not None and known is not None and self._storable(known[0], block.block_id):
+                picked.append((known[0], block.block_id, known[1]))
+        return picked
+
+    def _store(self, picked: list[tuple[bytes, int, tuple[int, ...]]], state: _RequestState | None) -> TransferJob | None:
+        """A store of these (key, GPU block, tokens) into host slots (and disk, write-through); fewer
+        when room runs out, None when none fits."""
         host_slots = self._host_slots([k for k, _, _ in picked])
         picked = picked[:len(host_slots)]
         if not picked:
             return None
-        keys_ = [k for k, _, _ in picked]
-        disk_slots = self._disk_slots(keys_) if self.write_through and self.disk is not None else []
+        keys = [k for k, _, _ in picked]
+        disk_slots = self._disk_slots(keys) if self.write_through and self.disk is not None else []
         n = len(picked)
-        stages = [(Copy(GPU, tuple(b for _, b, _ in picked), self.host.name, tuple(host_slots), tuple(keys_),
+        stages = [(Copy(GPU, tuple(b for _, b, _ in picked), self.host.name, tuple(host_slots), tuple(keys),
                         tuple(range(n))),)]
         if disk_slots:
             stages.append((Copy(self.host.name, tuple(host_slots[:len(disk_slots)]), self.disk.name, tuple(disk_slots),
-                                tuple(keys_[:len(disk_slots)]), tuple(range(len(disk_slots)))),))
+                                tuple(keys[:len(disk_slots)]), tuple(range(len(disk_slots)))),))
         fences = [*(Fence(self.host.name, s, True) for s in host_slots), *(Fence(self.disk.name, s, True) for s in disk_slots)]
         gpu_blocks = [b for _, b, _ in picked]
-        req_id = state.request.request_id
-        tokens = state.request.all_token_ids
-        block_tokens = {k: tokens[i * self.block_tokens:(i + 1) * self.block_tokens] for k, _, i in picked}
+        req_id = state.request.request_id if state is not None else None
+        block_tokens = {k: t for k, _, t in picked}
 
         def done(job: Job) -> None:
             failed = set(range(n)) if job.state is JobState.CANCELLED else job.failed_blocks
-            ok = [k for i, k in enumerate(keys_) if i not in failed]
+            ok = [k for i, k in enumerate(keys) if i not in failed]
             self.host.commit(ok)
-            self.host.abort([k for i, k in enumerate(keys_) if i in failed])
+            self.host.abort([k for i, k in enumerate(keys) if i in failed])
             self._stored_events(ok, self.host, block_tokens)
             if disk_slots:
-                on_disk = [k for i, k in enumerate(keys_[:len(disk_slots)]) if i not in failed]
+                on_disk = [k for i, k in enumerate(keys[:len(disk_slots)]) if i not in failed]
                 self.disk.commit(on_disk)
-                self.disk.abort([k for i, k in enumerate(keys_[:len(disk_slots)]) if i in failed])
+                self.disk.abort([k for i, k in enumerate(keys[:len(disk_slots)]) if i in failed])
                 self._stored_events(on_disk, self.disk, block_tokens)
             self.stats.record_store(len(ok))
             self._job_ended(job.id, req_id, gpu_blocks, reads=True)
 
         job = self.jobs.create("store", n, self.num_workers, fences, done)
         self.jobs.start(job.id)
-        state.jobs.add(job.id)
+        if state is not None:
+            state.jobs.add(job.id)
         for block in gpu_blocks:
             self._gpu_readers.setdefault(block, set()).add(job.id)
         return TransferJob(job.id, "store", n, tuple(stages), req_id)
 
-    def _job_ended(self, job_id: int, req_id: str, gpu_blocks: Iterable[int], reads: bool) -> None:
+    def _job_ended(self, job_id: int, req_id: str | None, gpu_blocks: Iterable[int], reads: bool) -> None:
         for block in gpu_blocks:
             if reads:
                 readers = self._gpu_readers[block]
@@ -387,7 +410,7 @@ class SchedulerSide:
                     del self._gpu_readers[block]
             elif self._gpu_loading.get(block) == job_id:
                 del self._gpu_loading[block]
-        state = self._requests.get(req_id)
+        state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
 
@@ -415,10 +438,16 @@ class SchedulerSide:
         stores = []
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is not None:
-                job = self._plan_store(state, state.request.num_computed_tokens + scheduled)
-                if job is not None:
-                    stores.append(job)
+            if state is None:
+                continue
+            full = self._newly_full(state, state.request.num_computed_tokens + scheduled)
+            if self.lazy_ahead is None:
+                stores.append(self._store([b for b in full if self._storable(b[0], b[1])], state))
+            else:
+                self._gpu_keys.update((block, (key, tokens)) for key, block, tokens in full)
+        if self.lazy_ahead is not None:
+            stores.append(self._store(self._lazy_candidates(), None))
+        stores = [job for job in stores if job is not None]
         excess = self.host.excess()
         if excess > 0:
             self._make_host_room(excess)

@@ -62,6 +62,8 @@ if HAVE_VLLM:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -101,7 +103,8 @@ if HAVE_VLLM:
         return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
 
     def make_vllm_config(model_dir, kvtier: dict, num_gpu_blocks: int, tp: int = 1,
-                         max_num_batched_tokens: int = 1024, max_num_seqs: int = 8) -> VllmConfig:
+                         max_num_batched_tokens: int = 1024, max_num_seqs: int = 8,
+                         extra: dict | None = None) -> VllmConfig:
         """A VllmConfig for the local model folder with KVTierConnector selected by module path."""
         config = VllmConfig(
             model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
@@ -111,7 +114,8 @@ if HAVE_VLLM:
                                              max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
                                                 kv_connector_module_path="kvtier.connectors.vllm",
-                                                kv_role="kv_both", kv_connector_extra_config={"config": kvtier},
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config={"config": kvtier, **(extra or {})},
                                                 kv_load_failure_policy="recompute"),
             device_config=DeviceConfig("cpu"))
         config.parallel_config.tensor_parallel_size = tp
@@ -154,9 +158,9 @@ if HAVE_VLLM:
         """vLLM's Scheduler plus ``tp`` workers, stepped by hand."""
 
         def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
-                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8) -> None:
+                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None) -> None:
             self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
-                                                max_num_seqs)
+                                                max_num_seqs, extra)
             self.kv_config = kv_cache_config(num_gpu_blocks, layout)
             self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                        structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -180,7 +184,8 @@ if HAVE_VLLM:
             self._ids += 1
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             request = Request(request_id=f"r{self._ids}", prompt_token_ids=list(prompt), sampling_params=params,
-                              pooling_params=None, mm_features=None)
+                              pooling_params=None, mm_features=None,
+                              block_hasher=get_request_block_hasher(BLOCK, sha256))  # vLLM's own prefix cache
             self.scheduler.add_request(request)
             return request
 
@@ -282,6 +287,8 @@ if HAVE_VLLM:
             for worker in self.workers:
                 worker.connector.shutdown()
             self.connector.shutdown()
+
+    init_none_hash(sha256)  # what the engine does at start, before requests are hashed
 
     @pytest.fixture(scope="session")
     def model_dir(tmp_path_factory):

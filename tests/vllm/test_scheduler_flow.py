@@ -208,18 +208,18 @@ def test_abort_mid_load_releases_everything(make_engine):
 
 
 def test_abort_mid_store_releases_everything(make_engine):
-    engine = make_engine(HOST_ONLY, num_gpu_blocks=32)
+    engine = make_engine(HOST_ONLY, num_gpu_blocks=12)
     first = engine.add(prompt(4, 5, seed=1), max_tokens=8)
     out, _ = engine.step(report_ranks=set())  # prefill: the store ran, its report is held back
     assert [j.kind for j in out.kv_connector_metadata.stores] == ["store"]
     assert engine.kvtier.host.leaks()["writing"] == 4
     engine.scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
-    reuse = engine.add(prompt(4, 5, seed=7, prefix=7), max_tokens=1)  # gets the freed blocks
+    reuse = engine.add(prompt(8, 5, seed=7, prefix=7), max_tokens=1)  # needs the freed blocks too
     out, _ = engine.step()
     assert out.kv_connector_metadata.flush  # the store still read blocks handed out again
     engine.run([reuse])
     engine.assert_no_leaks()
-    assert engine.kvtier.host.usage().used == 8  # the aborted request's 4 blocks landed, then reuse's 4
+    assert engine.kvtier.host.usage().used == 12  # the aborted request's 4 blocks landed, then reuse's 8
 
 
 def test_reset_drops_every_block_not_in_use(make_engine):
