@@ -258,3 +258,34 @@ def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
     assert engine.blocks_match(second, range(4))  # both ranks' shards arrived
     engine.run([second])
     engine.assert_no_leaks()
+
+
+def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
+    """vLLM counted 4 blocks as hits, then 2 of them left the host tier before the load was planned
+    (as another request's staging or a reset can do within one schedule()): the load covers the 2
+    that are left, the other GPU blocks are reported failed, and vLLM recomputes them."""
+    engine = make_engine(HOST_ONLY)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    keys = chain_hashes(prompt(4, 0, seed=0), BLOCK, engine.kvtier.request_namespace())
+    lookup = engine.connector.get_num_new_matched_tokens
+
+    def lookup_then_lose_two(request, num_computed_tokens):
+        result = lookup(request, num_computed_tokens)
+        host = engine.kvtier.host
+        chosen = [k for k, _ in host.begin_evict(4)]
+        host.end_evict([k for k in chosen if k in keys[2:]])               # dropped
+        host.end_evict([k for k in chosen if k not in keys[2:]], drop=False)  # kept
+        return result
+
+    engine.connector.get_num_new_matched_tokens = lookup_then_lose_two
+    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    job = scheduled_load(engine, again.request_id)
+    engine.connector.get_num_new_matched_tokens = lookup
+    assert job.num_blocks == 2 and len(job.missing) == 2
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 9  # blocks 2 and 3 recomputed
+    assert set(job.missing) <= engine.load_errors
+    assert engine.blocks_match(again, range(4))
+    engine.run([again])
+    engine.assert_no_leaks()
