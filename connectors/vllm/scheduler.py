@@ -5,13 +5,12 @@ which slot of which tier, and which copies the workers run, through the per-step
 life here is the tier's (``core/tier.py``): a store reserves host slots (WRITING) and commits them
 when every rank has reported the copy; a load pins its sources until every rank has reported.
 
-Hooks, in the order vLLM calls them in one step:
-``get_num_new_matched_tokens`` (how many leading blocks past vLLM's own prefix hit some tier holds,
-leaving the last prompt token to compute; it pins and touches nothing, so asking twice is harmless), ``update_state_after_alloc`` (plan
-the load into the blocks vLLM allocated), ``build_connector_meta`` (stores: eager, every block that
-is full once this step has run; or lazy, the cached blocks vLLM's free queue will hand out next;
-demotions; the fence), then ``update_connector_output`` with the
-workers' reports, ``take_events``. GPU blocks are fenced the way vLLM's own offloading connector
+Hooks, in the order vLLM calls them in one step: ``get_num_new_matched_tokens`` (how many leading
+blocks past vLLM's own prefix hit some tier holds, leaving the last prompt token to compute; it pins
+and touches nothing, so asking twice is harmless), ``update_state_after_alloc`` (plan the load into
+the blocks vLLM allocated), ``build_connector_meta`` (stores: eager, every block that is full once
+this step has run, or lazy, the cached blocks vLLM's free queue hands out next; demotions; the
+fence), then ``update_connector_output`` with the workers' reports, and ``take_events``. GPU blocks are fenced the way vLLM's own offloading connector
 does it: a running request's blocks are held by vLLM, and a store still reading blocks that vLLM
 hands out again (after a finish or a preemption) is flushed by the workers before the forward pass.
 """
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
