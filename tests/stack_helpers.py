@@ -4,6 +4,7 @@ and blocks whose bytes are a pure function of their key, so any load can be chec
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
+from kvtier.core.tier import BlockState
 from kvtier.core.transfer import CPUBackend
 from kvtier.policies import LRUPolicy, Watermark
 from kvtier.tiers.gpu import gpu_tier
@@ -64,3 +66,18 @@ def assert_no_leaks(stack: TierStack) -> None:
         assert tier.leaks() == {"pinned": 0, "writing": 0}, tier.name
     assert stack.jobs.in_flight() == []
     assert stack.background_errors == []
+
+
+def ready(tier, keys) -> list[bytes]:
+    """The keys among ``keys`` that ``tier`` can serve now."""
+    return [k for k in keys if tier.state(k) is BlockState.READY]
+
+
+def flip(path, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of a file in place (damage for corruption tests)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (b,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b ^ mask]), offset)
+    finally:
+        os.close(fd)

@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 import pytest
-from stack_helpers import assert_no_leaks, content, key
+from stack_helpers import assert_no_leaks, content, flip, key, ready
 
 from kvtier.connectors.api import KVTier
 from kvtier.core.builder import build_stack, config_layout
@@ -103,17 +103,8 @@ def assert_exact(keys, result, out, salt=b"", nbytes=BLOCK):
             assert np.array_equal(out[i], data(keys[i], salt, nbytes)), f"block {i} came back wrong"
 
 
-def ready(tier, keys) -> list[bytes]:
-    return [k for k in keys if tier.state(k) is BlockState.READY]
 
 
-def flip_byte(path, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        (b,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b ^ 0xFF]), offset)
-    finally:
-        os.close(fd)
 
 
 KEYS = [key(i) for i in range(64)]
@@ -660,7 +651,7 @@ def test_a_failed_checksum_discards_the_block_and_the_next_lookup_misses(tmp_pat
     slab = disk.storage.slab
     offset = slab.slot_offset(disk.slots([keys[victim]])[0]) + PAGE
     offset += {"first": 0, "middle": BLOCK // 2, "last": BLOCK - 1}[where]
-    flip_byte(tmp_path / SLAB_NAME, offset)
+    flip(tmp_path / SLAB_NAME, offset)
 
     loaded, out = get(stack, keys)
     assert loaded.hits == 12 and loaded.failed == [victim] and loaded.loaded == 11

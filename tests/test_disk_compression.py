@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from stack_helpers import assert_no_leaks, key
+from stack_helpers import assert_no_leaks, flip, key, ready
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import block_footprint, capacity_in_blocks, load_config
@@ -101,17 +101,8 @@ def assert_exact(keys, result, out, make=bf16):
             assert np.array_equal(out[i], make(keys[i], out.shape[1])), f"block {i} came back wrong"
 
 
-def ready(tier, keys):
-    return [k for k in keys if tier.state(k) is BlockState.READY]
 
 
-def flip(path, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        (b,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b ^ 0xFF]), offset)
-    finally:
-        os.close(fd)
 
 
 def header_of(path, slot: int, stride: int) -> SlotHeader:

@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 import pytest
-from stack_helpers import assert_no_leaks, content, key
+from stack_helpers import assert_no_leaks, content, flip, key, ready
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import load_config
@@ -69,8 +69,6 @@ def get(stack, keys):
     return result, out
 
 
-def ready(tier, keys):
-    return [k for k in keys if tier.state(k) is BlockState.READY]
 
 
 @dataclasses.dataclass
@@ -103,13 +101,6 @@ def slab(tmp_path) -> Slab:
     return info
 
 
-def flip(path, offset: int, mask: int = 0xFF) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        (b,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b ^ mask]), offset)
-    finally:
-        os.close(fd)
 
 
 def write_at(path, offset: int, raw: bytes) -> None:

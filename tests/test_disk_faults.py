@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 import pytest
-from stack_helpers import assert_no_leaks, content, key
+from stack_helpers import assert_no_leaks, content, key, ready
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import load_config
@@ -149,8 +149,6 @@ def assert_exact(keys, result, out):
             assert np.array_equal(out[i], content(keys[i], BLOCK)), f"block {i} came back wrong"
 
 
-def ready(tier, keys):
-    return [k for k in keys if tier.state(k) is BlockState.READY]
 
 
 def assert_reopen_is_exact(path, expected, **kwargs):
