@@ -101,7 +101,10 @@ class _Lane:
             except self._cupy.cuda.runtime.CUDARuntimeError:
                 job.failed.update(range(job.num_blocks))  # the copy faulted: none of its bytes are trusted
             job.keepalive = ()
-            job.on_complete(job.failed)
+            try:
+                job.on_complete(job.failed)
+            except Exception:  # a failing callback must not stop the reports of the jobs behind it
+                log.exception("a CUDA copy's completion callback failed")
 
     def close(self) -> None:
         self.pending.put(None)
@@ -162,7 +165,13 @@ class CUDABackend(TransferBackend):
                 failed: set[int] = set()
                 keep = []
                 for first, part in self._slices(transfer):
-                    part_failed, part_keep = self._enqueue(part, part.copies(), lane.stream)
+                    try:
+                        part_failed, part_keep = self._enqueue(part, part.copies(), lane.stream)
+                    except Exception:
+                        # Earlier pieces may be in flight: fail the rest, and report once they are over.
+                        log.exception("could not enqueue blocks %d.. of a %d-block copy", first, transfer.num_blocks)
+                        failed.update(range(first, transfer.num_blocks))
+                        break
                     failed.update(first + i for i in part_failed)
                     keep.append(part_keep)
                 # A short job's completion is spun on (a blocking wait adds ~30 us of wake-up); a long

@@ -241,3 +241,25 @@ def test_closed_backend_refuses_and_pending_callbacks_ran():
     with pytest.raises(ClosedError):
         backend.submit(Transfer(device_storage(gpu, layout), [0], slab.storage, [0]), calls.append)
     slab.close()
+
+
+def test_a_piece_that_cannot_be_enqueued_fails_with_the_rest_once_earlier_pieces_landed(backend, monkeypatch):
+    import kvtier.core.cuda_transfer as cuda_transfer
+
+    layout, gpu = device_blocks("kv_split", 8, 65536)
+    monkeypatch.setattr(cuda_transfer, "SLICE_BYTES", 2 * layout.block_bytes)  # pieces of two blocks
+    slab = HostSlab(8, layout)
+    real, pieces = backend._enqueue, []
+
+    def second_piece_refused(part, copies, stream):
+        pieces.append(part.num_blocks)
+        if len(pieces) == 2:
+            raise RuntimeError("injected")
+        return real(part, copies, stream)
+
+    monkeypatch.setattr(backend, "_enqueue", second_piece_refused)
+    failed = run(backend, Transfer(device_storage(gpu, layout), [7, 6, 5, 4, 3, 2], slab.storage, [0, 1, 2, 3, 4, 5]))
+    assert pieces == [2, 2] and failed == {2, 3, 4, 5}
+    assert np.array_equal(host_block(slab, 0, layout), device_block(gpu, 7))
+    assert np.array_equal(host_block(slab, 1, layout), device_block(gpu, 6))
+    slab.close()
