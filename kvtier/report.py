@@ -24,9 +24,10 @@ def tier_table(summary: dict) -> Table:
     else:
         columns += ["evicted"]
     widest = max(len(f"{t['used']}/{t['capacity']}") for t in summary["tiers"].values())
+    min_widths = {"used/cap": widest, "hit ratio": 5}  # "hit ratio" may wrap its header, never its 0.123
     for column in columns:
         table.add_column(column, justify="left" if column == "tier" else "right", no_wrap=column != "hit ratio",
-                         min_width=widest if column == "used/cap" else None)
+                         min_width=min_widths.get(column))
     for name, t in summary["tiers"].items():
         label = name if name == t["medium"] else f"{name} ({t['medium']})"
         row = [label, f"{t['used']}/{t['capacity']}", f"{t['hits']:,}", f"{t['hit_ratio']:.3f}"]
