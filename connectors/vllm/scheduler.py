@@ -178,8 +178,10 @@ class SchedulerSide:
         keys = self._keys(state)
         start = num_computed_tokens // self.block_tokens
         limit = min(len(keys), (request.num_tokens - 1) // self.block_tokens)
-        hits = staged = 0
-        for key in keys[start:limit]:
+        window = keys[start:limit]
+        hits = self.host.lookup(window)  # the usual case, a run of host blocks, under one lock
+        staged = 0
+        for key in window[hits:]:
             tier = self._tier_holding(key)
             if tier is None:
                 break
@@ -213,9 +215,10 @@ class SchedulerSide:
         start = state.lookup_start
         keys = self._keys(state)[start:start + count]
         gpu_blocks = tuple(block_ids[start:start + count])
-        direct: list[tuple[int, int]] = []        # (job block, host slot) read straight from host
+        run = self.host.lookup(keys)  # the leading host blocks, pinned in one call (all READY right now)
+        direct: list[tuple[int, int]] = list(enumerate(self.host.pin(keys[:run])))  # (job block, host slot)
         staged: list[tuple[int, int, int]] = []   # (job block, disk slot, host staging slot)
-        for i, key in enumerate(keys):
+        for i, key in enumerate(keys[run:], start=run):
             if self.host.try_pin(key):
                 direct.append((i, self.host.slots([key])[0]))
                 continue
@@ -361,6 +364,8 @@ class SchedulerSide:
     def _store(self, picked: list[tuple[bytes, int, tuple[int, ...]]], state: _RequestState | None) -> TransferJob | None:
         """A store of these (key, GPU block, tokens) into host slots (and disk, write-through); fewer
         when room runs out, None when none fits."""
+        if not picked:
+            return None
         host_slots = self._host_slots([k for k, _, _ in picked])
         picked = picked[:len(host_slots)]
         if not picked:
