@@ -64,6 +64,7 @@ if HAVE_VLLM:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -155,14 +156,16 @@ if HAVE_VLLM:
                 time.sleep(0.002)
 
     class Engine:
-        """vLLM's Scheduler plus ``tp`` workers, stepped by hand."""
+        """vLLM's Scheduler (or AsyncScheduler) plus ``tp`` workers, stepped by hand, one step after the other."""
 
         def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
-                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None) -> None:
+                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
+                     async_scheduling: bool = False) -> None:
             self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                                 max_num_seqs, extra)
             self.kv_config = kv_cache_config(num_gpu_blocks, layout)
-            self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
+            self.vllm_config.scheduler_config.async_scheduling = async_scheduling
+            self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                        structured_output_manager=StructuredOutputManager(self.vllm_config),
                                        block_size=BLOCK)
             self.connector = self.scheduler.connector
@@ -322,12 +325,13 @@ if HAVE_VLLM:
         for worker in workers:
             worker.connector.shutdown()
 
-    @pytest.fixture
-    def make_engine(model_dir):
+    @pytest.fixture(params=["sync", "async"])
+    def make_engine(model_dir, request):
+        """Engines with vLLM's Scheduler, and with its AsyncScheduler (the default on GPUs in 0.33)."""
         engines = []
 
         def make(kvtier: dict, **kwargs) -> Engine:
-            engine = Engine(model_dir, kvtier, **kwargs)
+            engine = Engine(model_dir, kvtier, async_scheduling=request.param == "async", **kwargs)
             engines.append(engine)
             return engine
 
