@@ -25,11 +25,14 @@ def with_disk(tmp_path) -> dict:
 
 
 def job(job_id: int, kind: str, *stages: Copy, req_id: str | None = None, gpu_blocks=(), missing=()) -> TransferJob:
+    """A job as the scheduler side would plan it: stages of copies over job blocks 0..n-1."""
     num = max((b for stage in stages for c in stage for b in c.blocks), default=0) + 1
     return TransferJob(job_id, kind, num, tuple(stages), req_id, tuple(gpu_blocks), tuple(missing))
 
 
 def copy(src: str, src_slots, dst: str, dst_slots) -> Copy:
+    """Job block i moves from ``src_slots[i]`` to ``dst_slots[i]`` under key ``bytes([i]) * 16`` (disk
+    slot headers record it, and a load checks it)."""
     n = len(src_slots)
     return Copy(src, tuple(src_slots), dst, tuple(dst_slots), tuple(bytes([i]) * 16 for i in range(n)), tuple(range(n)))
 
