@@ -64,8 +64,11 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
     assert out.num_scheduled_tokens[second.request_id] == 9  # the tail only: 4 blocks came from kvtier
     assert engine.blocks_match(second, range(4))
     engine.run([second])
-    hits = sum(s["hit_blocks_host"] for s in engine.stats)
-    assert hits == 4
+    totals = {k: sum(s[k] for s in engine.stats) for k in engine.stats[0]}
+    block_bytes = engine.kvtier.host.block_bytes
+    assert totals["hit_blocks_host"] == 4 and totals["stored_blocks"] == 4  # the second prompt's tail is not full
+    assert totals["load_bytes"] == 4 * block_bytes and totals["store_bytes"] == 4 * block_bytes
+    assert totals["load_seconds"] > 0 and totals["store_seconds"] > 0
     engine.assert_no_leaks()
 
 
