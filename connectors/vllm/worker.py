@@ -2,7 +2,9 @@
 
 Each rank (one process per GPU) keeps its own host slab and disk file, addressed by the slot ids the
 scheduler side chose, and runs the copies the step's metadata names: loads before the forward pass,
-stores after it (the KV they read is computed by then). Every job ends with a report, also on a rank
+stores after it (the KV they read is computed by then). GPU <-> host copies go through the CUDA
+backend on CUDA devices (ordered after the compute stream current at submit) and the CPU backend
+on CPU tensors; host <-> disk through the disk backend. Every job ends with a report, also on a rank
 whose copies failed, so the scheduler's JobManager can count one report per rank.
 
 Thread safety: copies complete on the transfer backends' threads; everything they touch here is
@@ -21,6 +23,7 @@ from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWor
 from kvtier.connectors.vllm.scheduler import tier_slots
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import StackConfig
+from kvtier.core.cuda_transfer import CUDABackend
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.storage import BlockStorage
@@ -52,6 +55,7 @@ class WorkerSide:
 
     def __init__(self, config: StackConfig, kv_cache_config: "KVCacheConfig", rank: int, namespace: str) -> None:
         self.kv_cache_config = kv_cache_config
+        self.transfer = config.transfer
         self.layout = block_layout(kv_cache_config)
         self.stats = KVTierConnectorStats()
         self._lock = threading.Lock()
@@ -83,6 +87,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Address vLLM's KV blocks; refuses a device no transfer backend reaches from host memory."""
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
+        if gpu.device == "cuda":  # copies ordered after vLLM's compute stream, current at each submit
+            self.backends.insert(0, CUDABackend(self.transfer.cuda_copy))
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
             if not any(b.can_copy(src, dst) for b in self.backends):
                 raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) copies "
