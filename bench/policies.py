@@ -44,7 +44,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.core.replay import ReplayResult, Request, belady, load_trace, replay
+from kvtier.core.replay import ReplayResult, Request, belady, load_trace, prefix_hits, replay
 from kvtier.core.workload import generate
 from kvtier.policies import EVICTION_POLICIES
 
@@ -62,10 +62,7 @@ def lru_oracle_admission(requests: Sequence[Request], capacity: int) -> ReplayRe
     for r in requests:
         ids = r.hash_ids
         references += len(ids)
-        for h in ids:
-            if h not in order:
-                break
-            hits += 1
+        hits += prefix_hits(ids, order)
         for h in ids:
             remaining[h] -= 1
             if h in order:
@@ -92,10 +89,7 @@ def future_count(requests: Sequence[Request], capacity: int) -> ReplayResult:
     for r in requests:
         ids = r.hash_ids
         references += len(ids)
-        for h in ids:
-            if h not in resident:
-                break
-            hits += 1
+        hits += prefix_hits(ids, resident)
         missing = [h for h in ids if h not in resident]
         need = len(resident) + len(missing) - capacity
         parked = []

@@ -111,7 +111,8 @@ def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
     return [Request(0, 0, 0, tuple(ids)) for ids in chains]
 
 
-def _prefix_hits(ids: Sequence[int], resident: Container) -> int:
+def prefix_hits(ids: Sequence[int], resident: Container) -> int:
+    """How many of ``ids``, from the first on, are in ``resident``: the request's hit under the prefix rule."""
     n = 0
     for h in ids:
         if h not in resident:
@@ -135,7 +136,7 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy,
     for request in requests:
         ids = request.hash_ids
         references += len(ids)
-        request_hits = _prefix_hits(ids, resident)
+        request_hits = prefix_hits(ids, resident)
         hits += request_hits
         missing = []
         for h in ids:
@@ -197,7 +198,7 @@ def belady(requests: Sequence[Request], capacity: int) -> ReplayResult:
     for request in requests:
         ids = request.hash_ids
         references += len(ids)
-        hits += _prefix_hits(ids, resident)
+        hits += prefix_hits(ids, resident)
         for h in ids:
             n = next_use[pos]
             pos += 1
