@@ -4,8 +4,8 @@ Loads (host -> GPU) and stores (GPU -> host, and GPU -> GPU) run on two streams 
 both directions use the copy engines at once. Before its copies, every job makes its stream wait for
 an event recorded on the compute stream at submit time: a store then reads what the model has just
 written, and a load never overwrites blocks a kernel still reads. A job's completion is an event
-after its copies; a thread per stream waits on those events in order (blocking-sync events, so no
-core spins) and calls the job's callback, so the engine loop itself never blocks.
+after its copies; a thread per stream waits on those events in order (spinning for short jobs,
+sleeping on long ones) and calls the job's callback, so the engine loop itself never blocks.
 
 A job's fragment copies go out in one of three ways (``mode``):
 
@@ -47,13 +47,13 @@ SPIN_BELOW_BYTES = 8 * 1024 * 1024
 """Jobs smaller than this (well under a millisecond at PCIe speed) are waited for by spinning."""
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
-_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked (pinned or registered) host memory
 _CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 _THREADS_PER_BLOCK = 512
 KERNEL_THREAD_BLOCKS = 4
 """Thread blocks per copy-kernel launch. Measured on an H100 (16 KiB fragments, 2 GiB jobs): 4 blocks
 of 512 threads already move 52 GB/s (store) and 51 GB/s (load), as many as 528 do, while a bf16
-matrix product running beside them slows 1.44x with 4 blocks, 3.2x with 16 and 27x with 528."""
+matrix product running beside them slowed 1.44x with 4 blocks, 3.2x with 16 and 27x with 528 in a
+probe (1.14-1.24x with 4 blocks in bench/gpu_copy.py runs)."""
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class CUDABackend(TransferBackend):
         if known is None:
             address = int(storage.fragment_addresses([0])[0, 0])
             try:
-                known = self._cupy.cuda.runtime.pointerGetAttributes(address).type != 0
+                known = self._cupy.cuda.runtime.pointerGetAttributes(address).type != 0  # 0: pageable
             except self._cupy.cuda.runtime.CUDARuntimeError:
                 known = False
             self._locked[storage] = known
