@@ -177,6 +177,48 @@ def read_slot_headers(fd: int, num_slots: int, slot_stride: int, start: int = 0)
         yield slot, header, len(page) == PAGE and _is_blank(page)
 
 
+def header_fits(header: SlotHeader, block_bytes: int, codec_id: int, room: int) -> bool:
+    """Whether a header describes a block a slab of this geometry holds: its size, its codec, a payload
+    that fits the slot's ``room`` (exactly the block when uncompressed)."""
+    if header.length != block_bytes or header.codec != codec_id:
+        return False
+    if codec_id == CODEC_IDS["none"]:
+        return header.payload == block_bytes
+    return 0 < header.payload <= room
+
+
+def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
+                       compression: str = "none", slot_bytes: int | None = None) -> dict[int, SlotHeader]:
+    """The valid headers of this namespace's blocks in the slab in directory ``path``, by slot: what a
+    ``DiskSlab`` opened there with the same arguments would recover, found without taking the lock and
+    without writing (the process that owns the directory may be opening or using it meanwhile).
+
+    Empty when there is no slab or its file header is damaged or names another geometry (its owner
+    discards such a file when it opens it). Slots from ``num_slots`` on are left out (a smaller slab
+    cuts them). Every slot is reported as it is, older copies of a key included.
+    """
+    problem = slot_problem(layout.block_bytes, compression, slot_bytes)
+    if problem is not None:
+        raise ConfigError(f"disk tier {str(path)!r}: {problem}")
+    room = slot_room(layout.block_bytes, compression, slot_bytes)
+    codec_id = CODEC_IDS[compression]
+    try:
+        fd = os.open(Path(path) / SLAB_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return {}
+    try:
+        fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
+        if _geometry_change(fields, layout.block_bytes, PAGE + room, codec_id) is not None:
+            return {}
+        in_file = max(0, os.fstat(fd).st_size - PAGE) // (PAGE + room)
+        digest = namespace_digest(namespace, layout)
+        return {slot: header for slot, header, _ in read_slot_headers(fd, min(num_slots, in_file), PAGE + room)
+                if header is not None and header.namespace == digest
+                and header_fits(header, layout.block_bytes, codec_id, room)}
+    finally:
+        os.close(fd)
+
+
 def inspect_slab(path: str | os.PathLike) -> dict:
     """What a disk tier directory holds, read without taking its lock (a running process may own it).
 
@@ -395,13 +437,8 @@ class DiskSlab:
         return sorted(found.values()), damaged
 
     def fits(self, header: SlotHeader) -> bool:
-        """Whether a header describes a block this slab can hold: its size, its codec, a payload that
-        fits the slot (exactly the block when uncompressed)."""
-        if header.length != self.block_bytes or header.codec != self.codec_id:
-            return False
-        if self.codec is None:
-            return header.payload == self.block_bytes
-        return 0 < header.payload <= self.room
+        """Whether a header describes a block this slab can hold (``header_fits``)."""
+        return header_fits(header, self.block_bytes, self.codec_id, self.room)
 
     def close(self) -> None:
         """Flush, close the descriptors and release the directory lock."""

@@ -13,11 +13,13 @@ this step has run, or lazy, the cached blocks vLLM's free queue hands out next; 
 fence), then ``update_connector_output`` with the workers' reports, and ``take_events``. GPU blocks are fenced the way vLLM's own offloading connector
 does it: a running request's blocks are held by vLLM, and a store still reading blocks that vLLM
 hands out again (after a finish or a preemption) is flushed by the workers before the forward pass.
+At start, the disk tier takes back the blocks every rank's slab still holds (``recovery.py``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -25,8 +27,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
 from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
+from kvtier.connectors.vllm.recovery import blocks_on_every_rank
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
-from kvtier.core.config import StackConfig, capacity_in_blocks
+from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.core.jobs import Fence, Job, JobManager, JobState
 from kvtier.core.keys import chain_hashes
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
 
 EVENT_MEDIUM = {"host": "CPU", "disk": "STORAGE"}
 
@@ -105,10 +110,10 @@ class SchedulerSide:
         self.namespace = namespace
         self.jobs = JobManager()
         self.tiers: list[Tier] = []
-        for i, (name, medium, slots) in enumerate(tier_slots(config, layout.block_bytes)):
-            tier_cfg = next(t for j, t in enumerate(config.tiers) if config.tier_name(j) == name)
-            wm = tier_cfg.watermark
-            self.tiers.append(Tier(name, medium, RemoteSlots(layout, slots), eviction_policy_class(tier_cfg.eviction)(),
+        tier_cfgs = {config.tier_name(j): t for j, t in enumerate(config.tiers)}
+        for name, medium, slots in tier_slots(config, layout.block_bytes):
+            wm = tier_cfgs[name].watermark
+            self.tiers.append(Tier(name, medium, RemoteSlots(layout, slots), eviction_policy_class(tier_cfgs[name].eviction)(),
                                    Watermark(wm.high, wm.low) if wm else None, self.jobs.is_fenced))
         self.host = self.tiers[0]
         self.disk = self.tiers[1] if len(self.tiers) > 1 else None
@@ -116,6 +121,8 @@ class SchedulerSide:
         self.stats = KVTierConnectorStats()
         self._requests: dict[str, _RequestState] = {}
         self._events: list[KVCacheEvent] = []
+        if self.disk is not None:
+            self._recover_disk(tier_cfgs[self.disk.name], layout)
         self._step_loads: list[TransferJob] = []
         self._step_demotions: list[TransferJob] = []
         self._step_allocated: set[int] = set()
@@ -124,6 +131,14 @@ class SchedulerSide:
         self._demoting = 0                            # host blocks whose demotion to disk is in flight
         self._gpu_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # lazy: GPU block -> key and tokens it holds
         self._block_pool: "BlockPool | None" = None
+
+    def _recover_disk(self, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
+        """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``)."""
+        blocks = blocks_on_every_rank(tier_cfg, self.num_workers, self.disk.capacity, layout, self.namespace.hex())
+        self.disk.restore(blocks)
+        self._stored_events([key for key, _ in blocks], self.disk)
+        if blocks:
+            log.info("kvtier disk tier %s: %d blocks kept from before the restart", tier_cfg.path, len(blocks))
 
     # --- requests and keys ---------------------------------------------------------------------
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage
 from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
+from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.connectors.vllm.scheduler import tier_slots
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import StackConfig
@@ -76,9 +76,11 @@ class WorkerSide:
                     self.storages[name] = HostSlab(slots[name], self.layout).storage
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
-                    slab = DiskSlab(Path(tier_cfg.path) / f"rank{rank}", slots[name], self.layout, namespace,
+                    slab = DiskSlab(rank_directory(tier_cfg.path, rank), slots[name], self.layout, namespace,
                                     tier_cfg.o_direct, tier_cfg.compression, tier_cfg.slot_bytes)
-                    slab.scan()  # marks old headers, so reused slots are cleared first (see tiers/disk.py)
+                    # Marks every old header without touching it: the blocks the scheduler side kept
+                    # (recovery.py) stay readable, and any slot is cleared before new bytes land in it.
+                    slab.scan()
                     self.storages[name] = FileStorage(slab, self.layout)
         except BaseException:
             self.shutdown()

@@ -1,0 +1,38 @@
+"""Steps and prompts shared by the vLLM connector tests under ``tests/vllm`` (the engine itself is
+``tests/vllm/conftest.py``'s): prompts sharing prefixes, and stepping until a load is planned or a
+request is scheduled. Plain Python, importable without vLLM."""
+
+from __future__ import annotations
+
+BLOCK = 16  # the test engine's block size (tests/vllm/conftest.py BLOCK)
+
+
+def prompt(prefix_blocks: int, tail: int, seed: int, prefix: int = 0) -> list[int]:
+    """``prefix_blocks`` blocks shared by every prompt of the same ``prefix``, then ``tail`` tokens of this seed."""
+    return [100_000 * prefix + 7 + i for i in range(prefix_blocks * BLOCK)] + [10_000 * seed + i for i in range(tail)]
+
+
+def forget_gpu(engine) -> None:
+    """Empty vLLM's own prefix cache and scribble over the KV memory, so only kvtier can supply a hit."""
+    assert engine.scheduler.reset_prefix_cache()
+    for worker in engine.workers:
+        worker.buffer[:] = 0xEE
+
+
+def scheduled_load(engine, request_id):
+    """Steps until the request's load is planned; returns the planned job as the workers received it."""
+    for _ in range(5):
+        out, _ = engine.step()
+        for job in out.kv_connector_metadata.loads:
+            if job.req_id == request_id:
+                return job
+    raise AssertionError("no load was planned")
+
+
+def step_until_scheduled(engine, request, max_steps: int = 10):
+    """Steps until vLLM schedules the request (after its load arrived); returns that step's output."""
+    for _ in range(max_steps):
+        out, _ = engine.step()
+        if request.request_id in out.num_scheduled_tokens:
+            return out
+    raise AssertionError(f"{request.request_id} was never scheduled")
