@@ -10,6 +10,7 @@ directory without a slab reads nothing and is not created.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import pytest
 from stack_helpers import flip, ready
@@ -82,3 +83,13 @@ def test_no_slab_reads_nothing_and_creates_nothing(tmp_path):
     missing = tmp_path / "never-opened"
     assert read_block_headers(missing, 8, LAYOUT, "model-a") == {}
     assert not missing.exists()
+
+
+def test_a_path_that_cannot_be_read_keeps_nothing_and_says_so(tmp_path, caplog):
+    (tmp_path / "a-file").write_bytes(b"not a directory")
+    (tmp_path / "odd" / SLAB_NAME).mkdir(parents=True)  # opens, but every read fails (EISDIR)
+    for path in (tmp_path / "a-file", tmp_path / "odd"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            assert read_block_headers(path, 8, LAYOUT, "model-a") == {}
+        assert "none of its blocks are kept" in caplog.text

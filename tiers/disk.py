@@ -202,9 +202,13 @@ def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLay
         raise ConfigError(f"disk tier {str(path)!r}: {problem}")
     room = slot_room(layout.block_bytes, compression, slot_bytes)
     codec_id = CODEC_IDS[compression]
+    slab_path = Path(path) / SLAB_NAME
     try:
-        fd = os.open(Path(path) / SLAB_NAME, os.O_RDONLY)
+        fd = os.open(slab_path, os.O_RDONLY)
     except FileNotFoundError:
+        return {}
+    except OSError as exc:  # the owner reports what is wrong with its directory when it opens it
+        log.warning("disk tier %s cannot be read (%s); none of its blocks are kept", slab_path, exc.strerror)
         return {}
     try:
         fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
@@ -215,6 +219,10 @@ def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLay
         return {slot: header for slot, header, _ in read_slot_headers(fd, min(num_slots, in_file), PAGE + room)
                 if header is not None and header.namespace == digest
                 and header_fits(header, layout.block_bytes, codec_id, room)}
+    except OSError as exc:
+        log.warning("disk tier %s: reading its slot headers failed (%s); none of its blocks are kept",
+                    slab_path, exc.strerror)
+        return {}
     finally:
         os.close(fd)
 
