@@ -165,15 +165,18 @@ if HAVE_VLLM:
                                                 max_num_seqs, extra)
             self.kv_config = kv_cache_config(num_gpu_blocks, layout)
             self.vllm_config.scheduler_config.async_scheduling = async_scheduling
+            # In vLLM's order: the workers first (they open their disk slabs and hold the directory
+            # locks), then the scheduler, whose connector reads those slabs' headers at start.
+            self.workers = []
+            for rank in range(tp):
+                self.vllm_config.parallel_config.rank = rank
+                self.workers.append(Worker(self.vllm_config, self.kv_config))
+            self.vllm_config.parallel_config.rank = 0
             self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                        structured_output_manager=StructuredOutputManager(self.vllm_config),
                                        block_size=BLOCK)
             self.connector = self.scheduler.connector
             self.kvtier = self.connector.scheduler_side
-            self.workers = []
-            for rank in range(tp):
-                self.vllm_config.parallel_config.rank = rank
-                self.workers.append(Worker(self.vllm_config, self.kv_config))
             self.aggregator = KVOutputAggregator(tp)
             self.tokens: dict[str, list[int]] = {}
             self.loaded: dict[str, list[int]] = {}
