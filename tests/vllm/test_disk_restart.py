@@ -171,3 +171,30 @@ def test_another_namespace_layout_or_tp_size_finds_nothing(make_engine, tmp_path
     after.run([again])
     assert after.kvtier.disk.usage().used == 4  # its own blocks, written over the foreign ones' slots
     after.assert_no_leaks()
+
+
+def test_kept_blocks_are_evicted_oldest_first_when_the_disk_fills(make_engine, tmp_path):
+    """The kept blocks enter the disk tier's policy in the order they were written: a full disk
+    tier makes room by dropping the oldest prefix, not the newer one."""
+    config = disk_config(tmp_path / "disk")
+    config["tiers"][1]["capacity_blocks"] = 8
+    before = make_engine(config)
+    for p in (1, 2):
+        before.run([before.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    assert before.kvtier.disk.usage().used == 8
+    before.shutdown()
+
+    after = make_engine(config)
+    assert after.kvtier.disk.usage().used == 8
+    after.run([after.add(prompt(4, 5, seed=3, prefix=3), max_tokens=2)])  # written through: 4 disk slots
+    assert [on_disk(after, prefix_keys(after, p)) for p in (1, 2, 3)] == [[False] * 4, [True] * 4, [True] * 4]
+    removed = {h for e in after.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
+               for h in e.block_hashes}
+    assert removed == set(prefix_keys(after, 1))
+    forget_gpu(after)
+    again = after.add(prompt(4, 7, seed=4, prefix=2), max_tokens=2)
+    out = step_until_scheduled(after, again)
+    assert out.num_scheduled_tokens[again.request_id] == 7
+    assert after.blocks_match(again, range(4))
+    after.run([again])
+    after.assert_no_leaks()
