@@ -198,3 +198,14 @@ def test_kept_blocks_are_evicted_oldest_first_when_the_disk_fills(make_engine, t
     assert after.blocks_match(again, range(4))
     after.run([again])
     after.assert_no_leaks()
+    after.shutdown()
+
+    third = make_engine(config)  # prefix 3 took prefix 1's slots: their old headers were cleared first
+    assert [on_disk(third, prefix_keys(third, p)) for p in (1, 2, 3)] == [[False] * 4, [True] * 4, [True] * 4]
+    forget_gpu(third)
+    last = third.add(prompt(4, 7, seed=5, prefix=3), max_tokens=2)
+    out = step_until_scheduled(third, last)
+    assert out.num_scheduled_tokens[last.request_id] == 7
+    assert third.blocks_match(last, range(4)) and not third.load_errors
+    third.run([last])
+    third.assert_no_leaks()
