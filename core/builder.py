@@ -29,9 +29,10 @@ def config_layout(config: StackConfig) -> BlockLayout:
 def default_backends(transfer: TransferConfig, tiers: list[Tier]) -> list[TransferBackend]:
     """The CPU backend always; the CUDA backend when a tier lives on a CUDA device; the disk backend
     when a tier is on disk."""
-    backends: list[TransferBackend] = [CPUBackend(transfer.threads)]
+    backends: list[TransferBackend] = []
     if any(t.storage.device == "cuda" for t in tiers):
-        backends.insert(0, CUDABackend(transfer.cuda_copy))
+        backends.append(CUDABackend(transfer.cuda_copy))  # first: the one that can fail starts no threads before it
+    backends.append(CPUBackend(transfer.threads))
     if any(t.medium == "disk" for t in tiers):
         backends.append(DiskBackend(transfer.io_threads))
     return backends

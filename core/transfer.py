@@ -10,6 +10,7 @@ reports completion asynchronously with the indices of the blocks that failed. Th
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -38,13 +39,18 @@ class CopyList:
     def total_bytes(self) -> int:
         return int(self.size.sum())
 
+    @functools.cached_property
+    def _ends(self) -> np.ndarray:
+        """Where each copy ends in the job's bytes, counted once however many copies fail."""
+        return np.cumsum(self.size)
+
     def blocks_of(self, index: int, num_blocks: int) -> range:
         """The blocks whose bytes copy ``index`` moves.
 
         Copies run in block order and every block has the same byte count, so a copy's byte range in
         that order names exactly the blocks it touches (a merged copy may start or end mid-block).
         """
-        ends = np.cumsum(self.size)
+        ends = self._ends
         block_bytes = int(ends[-1]) // num_blocks
         start, end = int(ends[index] - self.size[index]), int(ends[index])
         return range(start // block_bytes, (end - 1) // block_bytes + 1)
