@@ -20,6 +20,10 @@ Context (not policies, not in ``ratio``; both read the future)
     recently used), i.e. perfect frequency knowledge without timing. Whatever a frequency- or
     admission-based policy learns, it cannot know more than this; where this stays below a target
     share of Belady, no such policy reaches it.
+    ``reuse-oracle``: LRU that knows, at every reference, whether the block is referenced again
+    within the next 4 x capacity references, and evicts the blocks that are not first. This is the
+    binary question learned policies (e.g. "learning relaxed Belady") try to answer from features;
+    answered perfectly it still stays short of Belady, so it bounds what such a predictor can give.
 
 Why
     Which policy a tier should default to is a question about traffic, not about code. These
@@ -117,6 +121,38 @@ def future_count(requests: Sequence[Request], capacity: int) -> ReplayResult:
     return ReplayResult(hits, references, evictions)
 
 
+def reuse_oracle(requests: Sequence[Request], capacity: int, horizon: int) -> ReplayResult:
+    """LRU in two classes: blocks not referenced again within ``horizon`` references of their last
+    reference are evicted first. The request's own blocks are protected and every missing block is
+    cached, as in ``replay``."""
+    flat = [h for r in requests for h in r.hash_ids]
+    soon = [False] * len(flat)
+    last: dict[int, int] = {}
+    for pos in range(len(flat) - 1, -1, -1):
+        soon[pos] = last.get(flat[pos], len(flat)) - pos <= horizon
+        last[flat[pos]] = pos
+    queues: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())  # not soon, soon
+    resident: dict[int, int] = {}  # id -> index of its queue
+    hits = references = evictions = pos = 0
+    for r in requests:
+        ids = r.hash_ids
+        references += len(ids)
+        hits += prefix_hits(ids, resident)
+        for h in ids:
+            if h in resident:
+                del queues[resident[h]][h]
+            resident[h] = int(soon[pos])
+            queues[resident[h]][h] = None
+            pos += 1
+        protected = set(ids)
+        for queue in queues:
+            victims = [k for k in queue if k not in protected][:max(0, len(resident) - capacity)]
+            for victim in victims:
+                del queue[victim], resident[victim]
+            evictions += len(victims)
+    return ReplayResult(hits, references, evictions)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE),
@@ -156,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{figures[name][str(c)]:>14.3f} ({figures[name][str(c)] / optimum[c]:.3f})" for c in capacities))
     context = {c: lru_oracle_admission(requests, c).hit_ratio for c in capacities}
     counted = {c: future_count(requests, c).hit_ratio for c in capacities}
-    for label, figures_of in (("lru+oracle-adm.", context), ("future-count", counted)):
+    predicted = {c: reuse_oracle(requests, c, 4 * c).hit_ratio for c in capacities}
+    for label, figures_of in (("lru+oracle-adm.", context), ("future-count", counted), ("reuse-oracle", predicted)):
         print(f"{label:<15}" + "".join(
             f"{figures_of[c]:>14.3f} ({figures_of[c] / optimum[c]:.3f})" for c in capacities))
-    print("(hit ratio, and in brackets the ratio to Belady at the same size; the last two read the future:"
+    print("(hit ratio, and in brackets the ratio to Belady at the same size; the last three read the future:"
           " context, not online policies)")
 
     best_per_size = {}
@@ -182,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for c in capacities} for n in figures},
         "context_lru_oracle_admission": {str(c): context[c] for c in capacities},
         "context_future_count": {str(c): counted[c] for c in capacities},
+        "context_reuse_oracle": {str(c): predicted[c] for c in capacities},
         "trace": str(args.trace), "requests": len(requests), "references": references,
     }))
     return 0
