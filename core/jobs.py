@@ -60,6 +60,7 @@ class Job:
     state: JobState = JobState.PENDING
     reports: int = 0
     failed_blocks: set[int] = field(default_factory=set)
+    refused_blocks: set[int] = field(default_factory=set)  # failed blocks the destination can never hold
     cancel_requested: bool = False
     callback_errors: list[BaseException] = field(default_factory=list)
     _callbacks: list[Callable[["Job"], None]] = field(default_factory=list, repr=False)
@@ -73,28 +74,35 @@ class Job:
 
 @dataclass
 class WorkerReport:
-    """What workers say about jobs: reports received and failed block indices per job id.
+    """What workers say about jobs: reports received, failed block indices, and among those the
+    blocks the destination refused for good (``Tier.refuse``), per job id.
 
     Reports of several ranks, or of several steps, merge with ``aggregate``: counts add up and
-    failures are united, so a job completes exactly when all its expected reports are in.
+    failures and refusals are united (a block one rank cannot hold is useless on all), so a job
+    completes exactly when all its expected reports are in.
     """
 
     finished: dict[int, int] = field(default_factory=dict)
     failed: dict[int, frozenset[int]] = field(default_factory=dict)
+    refused: dict[int, frozenset[int]] = field(default_factory=dict)
 
-    def add(self, job_id: int, failed: Iterable[int] = ()) -> None:
-        self.finished[job_id] = self.finished.get(job_id, 0) + 1
-        failed = frozenset(failed)
-        if failed:
-            self.failed[job_id] = self.failed.get(job_id, frozenset()) | failed
+    def add(self, job_id: int, failed: Iterable[int] = (), refused: Iterable[int] = ()) -> None:
+        self.aggregate_into({job_id: 1}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)})
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
-        merged = WorkerReport(dict(self.finished), dict(self.failed))
-        for job_id, count in other.finished.items():
-            merged.finished[job_id] = merged.finished.get(job_id, 0) + count
-        for job_id, failed in other.failed.items():
-            merged.failed[job_id] = merged.failed.get(job_id, frozenset()) | failed
+        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused))
+        merged.aggregate_into(other.finished, other.failed, other.refused)
         return merged
+
+    def aggregate_into(self, finished: dict[int, int], failed: dict[int, frozenset[int]],
+                       refused: dict[int, frozenset[int]]) -> None:
+        """Add these counts and unite these block sets into this report (refused blocks are failed too)."""
+        for job_id, count in finished.items():
+            self.finished[job_id] = self.finished.get(job_id, 0) + count
+        for ours, theirs in ((self.failed, failed), (self.failed, refused), (self.refused, refused)):
+            for job_id, blocks in theirs.items():
+                if blocks:
+                    ours[job_id] = ours.get(job_id, frozenset()) | blocks
 
 
 class JobManager:
@@ -136,9 +144,11 @@ class JobManager:
             if job.state is JobState.PENDING:
                 job.state = JobState.RUNNING
 
-    def report(self, job_id: int, failed: Iterable[int] = (), count: int = 1) -> None:
-        """Record ``count`` completion reports for a job, with the block indices that failed."""
-        report = WorkerReport({job_id: count}, {job_id: frozenset(failed)})
+    def report(self, job_id: int, failed: Iterable[int] = (), count: int = 1, refused: Iterable[int] = ()) -> None:
+        """Record ``count`` completion reports for a job, with the block indices that failed (and
+        among them those the destination refused for good)."""
+        report = WorkerReport()
+        report.aggregate_into({job_id: count}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)})
         self.apply(report)
 
     def apply(self, report: WorkerReport) -> None:
@@ -153,11 +163,13 @@ class JobManager:
                     raise StateError(f"job {job_id} got a report after it ended ({job.state.value})")
                 if job.reports + count > job.expected_reports:
                     raise StateError(f"job {job_id} got {job.reports + count} reports, expected {job.expected_reports}")
-                if any(not 0 <= i < job.num_blocks for i in report.failed.get(job_id, ())):
+                named = report.failed.get(job_id, frozenset()) | report.refused.get(job_id, frozenset())
+                if any(not 0 <= i < job.num_blocks for i in named):
                     raise StateError(f"job {job_id} got a failure for a block index outside [0, {job.num_blocks})")
             for job_id, count in report.finished.items():
                 job = self._jobs[job_id]
-                job.failed_blocks |= report.failed.get(job_id, frozenset())
+                job.failed_blocks |= report.failed.get(job_id, frozenset()) | report.refused.get(job_id, frozenset())
+                job.refused_blocks |= report.refused.get(job_id, frozenset())
                 job.reports += count
                 job.state = JobState.RUNNING
                 if job.reports == job.expected_reports:

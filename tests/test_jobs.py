@@ -134,6 +134,28 @@ def test_worker_reports_aggregate_across_ranks_and_steps(jobs):
     assert c.state is JobState.FAILED and c.ok_blocks == [1]
 
 
+def test_refused_blocks_merge_across_ranks_and_count_as_failed(jobs):
+    """A block one rank's disk refused (too large compressed) is refused for the job: the scheduler
+    drops it rather than retry, and it is failed even where the rank only reports the refusal."""
+    job = jobs.create("demote", 4, expected_reports=2)
+    rank0, rank1 = WorkerReport(), WorkerReport()
+    rank0.add(job.id, failed=[0, 2], refused=[2])
+    rank1.add(job.id, refused=[3])
+    merged = rank0.aggregate(rank1)
+    assert merged.refused == {job.id: frozenset({2, 3})}
+    assert merged.failed == {job.id: frozenset({0, 2, 3})}
+    jobs.apply(merged)
+    assert job.state is JobState.FAILED
+    assert job.failed_blocks == {0, 2, 3} and job.refused_blocks == {2, 3} and job.ok_blocks == [1]
+
+
+def test_refused_block_outside_the_job_is_rejected(jobs):
+    job = jobs.create("demote", 2)
+    with pytest.raises(StateError, match="outside"):
+        jobs.report(job.id, refused=[2])
+    assert job.state is JobState.PENDING and job.refused_blocks == set() and job.reports == 0
+
+
 def test_worker_report_add_counts_and_unites():
     report = WorkerReport()
     report.add(7)

@@ -327,9 +327,11 @@ class SchedulerSide:
             return []
         return tier.reserve(keys[:room], allow_evict=False) or []
 
-    def _end_evict(self, tier: Tier, keys: list[bytes], drop: bool = True) -> None:
-        tier.end_evict(keys, drop)
+    def _end_evict(self, tier: Tier, keys: list[bytes], drop: bool = True) -> int:
+        """``tier.end_evict`` plus the removal events of the blocks it dropped; returns how many."""
+        dropped = tier.end_evict(keys, drop)
         self._removed_events([k for k in keys if tier.state(k) is BlockState.FREE], tier)
+        return dropped
 
     def _demote(self, keys: list[bytes], disk_slots: list[int]) -> None:
         host_slots = self.host.slots(keys)
@@ -339,11 +341,16 @@ class SchedulerSide:
             failed = set(range(len(keys))) if job.state is JobState.CANCELLED else job.failed_blocks
             ok = [k for i, k in enumerate(keys) if i not in failed]
             self.disk.commit(ok)
-            self.disk.abort([k for i, k in enumerate(keys) if i in failed])
+            self._refused(keys, job.refused_blocks)
+            refused = self.disk.abort([k for i, k in enumerate(keys) if i in failed])
             self._stored_events(ok, self.disk)
             self._end_evict(self.host, ok)
-            self._end_evict(self.host, [k for i, k in enumerate(keys) if i in failed], drop=False)
-            self.host.record(demoted=len(ok))
+            # A block the disk can never hold is dropped (kept, it would be offered again and again);
+            # one whose write failed for a passing reason stays in host memory.
+            dropped = self._end_evict(self.host, refused)
+            self._end_evict(self.host, [k for i, k in enumerate(keys) if i in failed and k not in refused],
+                            drop=False)
+            self.host.record(demoted=len(ok), demotion_refused=dropped)
             self._demoting -= len(keys)
 
         job = self.jobs.create("demote", len(keys), self.num_workers, fences, done)
@@ -352,6 +359,14 @@ class SchedulerSide:
         copy = Copy(self.host.name, tuple(host_slots), self.disk.name, tuple(disk_slots), tuple(keys),
                     tuple(range(len(keys))))
         self._step_demotions.append(TransferJob(job.id, "demote", len(keys), ((copy,),)))
+
+    def _refused(self, keys: list[bytes], blocks: Iterable[int]) -> None:
+        """Mark the reserved disk slots of the job blocks the workers' disk slabs refused for good
+        (compressed, they outgrow a slot), so ``abort`` names them, and count them."""
+        refused = [keys[i] for i in blocks]
+        if refused:
+            self.disk.refuse(refused)
+            self.disk.record(incompressible=len(refused))
 
     def _newly_full(self, state: _RequestState, num_tokens: int) -> list[tuple[bytes, int, tuple[int, ...]]]:
         """(key, GPU block, tokens) of the request's blocks that become full with ``num_tokens`` tokens."""
@@ -399,14 +414,18 @@ class SchedulerSide:
         block_tokens = {k: t for k, _, t in picked}
 
         def done(job: Job) -> None:
-            failed = set(range(n)) if job.state is JobState.CANCELLED else job.failed_blocks
-            ok = [k for i, k in enumerate(keys) if i not in failed]
+            cancelled = job.state is JobState.CANCELLED
+            failed = set(range(n)) if cancelled else job.failed_blocks
+            # Only the disk stage refuses, and only blocks whose host copy landed: those stay in host.
+            refused = set() if cancelled else job.refused_blocks
+            ok = [k for i, k in enumerate(keys) if i not in failed - refused]
             self.host.commit(ok)
-            self.host.abort([k for i, k in enumerate(keys) if i in failed])
+            self.host.abort([k for i, k in enumerate(keys) if i in failed - refused])
             self._stored_events(ok, self.host, block_tokens)
             if disk_slots:
                 on_disk = [k for i, k in enumerate(keys[:len(disk_slots)]) if i not in failed]
                 self.disk.commit(on_disk)
+                self._refused(keys, refused)
                 self.disk.abort([k for i, k in enumerate(keys[:len(disk_slots)]) if i in failed])
                 self._stored_events(on_disk, self.disk, block_tokens)
             self.stats.record_store(len(ok))

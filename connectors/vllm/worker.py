@@ -39,11 +39,13 @@ FLUSH_TIMEOUT_S = 300.0
 
 
 class _RunningJob:
-    """A job on this rank: which blocks failed so far, and when it stops reading vLLM's blocks."""
+    """A job on this rank: which blocks failed so far (and which of those a disk slot can never
+    hold), and when it stops reading vLLM's blocks."""
 
     def __init__(self, job: TransferJob) -> None:
         self.job = job
         self.failed: set[int] = set()
+        self.refused: set[int] = set()
         self.started = time.perf_counter()
         self.gpu_released = threading.Event()  # set once no later stage reads vLLM's KV blocks
         self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src == GPU for c in stage)),
@@ -64,6 +66,7 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._reported_errors: set[int] = set()
+        self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
         self.storages: dict[str, BlockStorage] = {}
         self.backends: list[TransferBackend] = [CPUBackend(config.transfer.threads)]
         if any(t.medium == "disk" for t in config.tiers):
@@ -81,6 +84,7 @@ class WorkerSide:
                     # Marks every old header without touching it: the blocks the scheduler side kept
                     # (recovery.py) stay readable, and any slot is cleared before new bytes land in it.
                     slab.scan()
+                    slab.refuse = self._note_refused
                     self.storages[name] = FileStorage(slab, self.layout)
         except BaseException:
             self.shutdown()
@@ -133,8 +137,10 @@ class WorkerSide:
         lock = threading.Lock()
 
         def copied(copy: Copy, lost: set[int]) -> None:
+            refused = self._take_refused([copy.keys[j] for j in lost])
             with lock:
                 running.failed.update(copy.blocks[j] for j in lost)
+                running.refused.update(copy.blocks[j] for j in lost if copy.keys[j] in refused)
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
@@ -155,12 +161,26 @@ class WorkerSide:
         except (TransferError, ClosedError, KeyError):
             on_complete(set(range(len(copy.blocks))))
 
+    def _note_refused(self, keys: list[bytes]) -> None:
+        """The disk slab's ``refuse`` hook: these blocks' compressed bytes can never fit a slot. The
+        scheduler side learns it from the job's report and drops the host copy instead of offering
+        it to the disk again at every eviction."""
+        with self._lock:
+            self._refused_keys.update(keys)
+
+    def _take_refused(self, keys: list[bytes]) -> set[bytes]:
+        """Which of a finished copy's failed keys were refused; forgets them."""
+        with self._lock:
+            refused = self._refused_keys.intersection(keys)
+            self._refused_keys -= refused
+            return refused
+
     def _finish(self, running: _RunningJob) -> None:
         job = running.job
         seconds = time.perf_counter() - running.started
         with self._lock:
             self._running.pop(job.job_id, None)
-            self._report.add(job.job_id, running.failed)
+            self._report.add(job.job_id, running.failed, running.refused)
             if job.kind in ("load", "store"):
                 moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src, c.dst))
                 self.stats.record_transfer(job.kind, (moved - len(running.failed)) * self.layout.block_bytes, seconds)

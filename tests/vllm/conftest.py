@@ -81,10 +81,10 @@ if HAVE_VLLM:
                   "max_position_embeddings": 2048, "torch_dtype": "float16"}
     EOS = 2
 
-    def kv_cache_config(num_blocks: int, layout: str = "LBHNC") -> KVCacheConfig:
-        """Two layers of 2 KV heads x 8 dims in fp16 (1 KiB pages), one backing buffer, layer-outer
-        or block-outer as ``layout`` says."""
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) -> KVCacheConfig:
+        """Two layers of 2 KV heads x ``head_size`` dims in fp16 (1 KiB pages with 8 dims), one
+        backing buffer, layer-outer or block-outer as ``layout`` says."""
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
         page = spec.page_size_bytes
         if KVCacheLayout[layout].is_layer_compact:
             tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
@@ -160,10 +160,10 @@ if HAVE_VLLM:
 
         def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                      max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
-                     async_scheduling: bool = False) -> None:
+                     async_scheduling: bool = False, head_size: int = 8) -> None:
             self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                                 max_num_seqs, extra)
-            self.kv_config = kv_cache_config(num_gpu_blocks, layout)
+            self.kv_config = kv_cache_config(num_gpu_blocks, layout, head_size)
             self.vllm_config.scheduler_config.async_scheduling = async_scheduling
             # In vLLM's order: the workers first (they open their disk slabs and hold the directory
             # locks), then the scheduler, whose connector reads those slabs' headers at start.

@@ -261,3 +261,32 @@ def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
     assert engine.blocks_match(again, range(4))
     engine.run([again])
     engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("placement", ["write_through", "write_back"])
+def test_disk_refusing_a_block_drops_it_from_host(make_engine, tmp_path, placement):
+    """A compressing disk tier cannot hold a block whose compressed bytes outgrow its slot (the test
+    model's KV is random bytes: 16 KiB blocks, 12 KiB zstd slots). The worker reports the refusal
+    with the job, so the scheduler drops the host copy instead of keeping it to offer again and
+    again: the host tier keeps taking new prefixes, and a later request is a clean miss."""
+    config = {"placement": placement, "tiers": [
+        {"medium": "host", "capacity_blocks": 4},
+        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk"), "compression": "zstd"}]}
+    engine = make_engine(config, head_size=64)
+    assert engine.kvtier.host.block_bytes == 16 * 1024
+    for p in (1, 2, 3):  # each prefix pushes the previous one out of the 4-block host tier
+        engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    namespace = engine.kvtier.request_namespace()
+    holding = lambda p: [getattr(engine.kvtier._tier_holding(k), "name", None)  # noqa: E731
+                         for k in chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace)]
+    assert holding(1) == [None] * 4  # refused by the disk, dropped from host
+    assert holding(3) == ["host"] * 4  # room was made: the newest prefix is stored
+    host, disk = engine.kvtier.host.stats, engine.kvtier.disk.stats
+    assert host.demotion_refused == host.evicted >= 4 and host.demoted == 0
+    assert disk.incompressible >= 4 and disk.committed == 0 and engine.kvtier.disk.usage().used == 0
+    forget_gpu(engine)
+
+    again = engine.add(prompt(4, 11, seed=4, prefix=1), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (0, False)
+    engine.run([again])
+    engine.assert_no_leaks()
