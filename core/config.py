@@ -131,12 +131,14 @@ class _TierConfig(_Model):
     name: str | None = Field(None, min_length=1)
     capacity: Size | None = None
     capacity_blocks: int | None = Field(None, gt=0)
-    eviction: str = "lru"
+    eviction: str | None = None  # None: the measured default for the tier's place (StackConfig)
     watermark: WatermarkConfig | None = None
 
     @field_validator("eviction")
     @classmethod
-    def _known_policy(cls, value: str) -> str:
+    def _known_policy(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         # Imported here: kvtier.policies imports kvtier.core.errors, and a dotted path may import user code.
         from kvtier.policies import eviction_policy_class
 
@@ -208,8 +210,17 @@ TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": Host
 TierConfig = Annotated[Union[GpuTierConfig, HostTierConfig, DiskTierConfig], Field(discriminator="medium")]
 
 
+UPPER_TIER_EVICTION = "lru"
+LAST_TIER_EVICTION = "s3fifo_prefix"
+"""Default policies, from ``kvtier replay`` and bench/policies.py (README, main job): a tier above
+another only demotes what it evicts, and recency order did best there; the last tier's evictions
+leave the stack, and S3-FIFO fed chains deepest-first did best there (it drops the many blocks
+seen once before the prefixes that come back)."""
+
+
 class StackConfig(_Model):
-    """One tier stack: block geometry, the ordered tiers (fastest first), placement and transfers."""
+    """One tier stack: block geometry, the ordered tiers (fastest first), placement and transfers.
+    A tier without ``eviction`` gets UPPER_TIER_EVICTION, or LAST_TIER_EVICTION when it is last."""
 
     block_tokens: int = Field(16, gt=0)
     block_bytes: Size | None = None
@@ -226,6 +237,9 @@ class StackConfig(_Model):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "StackConfig":
+        for i, tier in enumerate(self.tiers):
+            if tier.eviction is None:
+                tier.eviction = LAST_TIER_EVICTION if i == len(self.tiers) - 1 else UPPER_TIER_EVICTION
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if self.block_bytes is not None and self.block_bytes % self.fragments:
             problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "

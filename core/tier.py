@@ -282,7 +282,7 @@ class Tier:
                     raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
                 self._allocator.claim(slot)
                 self._entries[key] = _Entry(slot, BlockState.READY)
-                self.policy.insert(key)
+            self.policy.restore(key for key, _ in blocks)
 
     def discard(self, keys: Iterable[bytes]) -> int:
         """Drop READY blocks that proved unreadable (a failed checksum, an I/O error) so no reader

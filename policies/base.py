@@ -8,7 +8,7 @@ for victims. The tier owns the lock: a policy is only ever called under it and n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Container
+from typing import Container, Iterable
 
 
 class EvictionPolicy(ABC):
@@ -17,6 +17,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: bytes) -> None:
         """A block became readable in the tier. The key is not tracked yet."""
+
+    def restore(self, keys: Iterable[bytes]) -> None:
+        """Blocks a tier found again in persistent storage at start, oldest use first: they should
+        leave in that order. Policies that reorder batches of inserts override this."""
+        for key in keys:
+            self.insert(key)
 
     @abstractmethod
     def touch(self, key: bytes) -> None:

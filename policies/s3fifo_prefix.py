@@ -20,7 +20,7 @@ Pending keys are tracked (``len``, ``in``) like any other; every operation stays
 
 from __future__ import annotations
 
-from typing import Container, Hashable
+from typing import Container, Hashable, Iterable
 
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
@@ -37,6 +37,12 @@ class PrefixS3FIFOPolicy(S3FIFOPolicy):
         if key in self:
             raise KeyError(f"key {key!r} is already tracked")
         self._pending[key] = None
+
+    def restore(self, keys: Iterable[Hashable]) -> None:
+        """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
+        self._flush()
+        for key in keys:
+            super().insert(key)
 
     def touch(self, key: Hashable) -> None:
         self._flush()

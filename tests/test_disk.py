@@ -54,6 +54,7 @@ LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 
 def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, block_bytes=BLOCK,
                 placement="write_back", o_direct="auto", disk_watermark=None, gpu=None) -> dict:
+    """A stack over a disk tier at ``path``; every tier evicts in LRU order, which tests here count on."""
     tiers = []
     if gpu:
         tiers.append({"medium": "gpu", "capacity_blocks": gpu})
@@ -63,6 +64,8 @@ def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, bloc
     if disk_watermark:
         disk_cfg["watermark"] = {"high": disk_watermark[0], "low": disk_watermark[1]}
     tiers.append(disk_cfg)
+    for tier in tiers:
+        tier["eviction"] = "lru"
     return {"block_bytes": block_bytes, "fragments": fragments, "namespace": namespace,
             "placement": placement, "tiers": tiers}
 

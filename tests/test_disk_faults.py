@@ -110,6 +110,8 @@ def open_stack(path, *, host=4, disk=16, placement="write_back", gpu=None, backe
     tiers = ([{"medium": "gpu", "capacity_blocks": gpu}] if gpu else []) + \
             ([{"medium": "host", "capacity_blocks": host}] if host else []) + \
             [{"medium": "disk", "path": str(path), "capacity_blocks": disk}]
+    for tier in tiers:
+        tier["eviction"] = "lru"  # which slots get reused, and so which blocks survive a fault, is LRU's order
     config = load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "faults",
                           "placement": placement, "tiers": tiers})
     backend = backend or FaultyDiskBackend()

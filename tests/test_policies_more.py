@@ -256,3 +256,21 @@ def test_prefix_s3fifo_counts_pending_keys():
     assert len(prefix) == 1 and b"a" not in prefix
     prefix.touch(b"b")
     assert prefix.evict(5, ()) == [b"b"]
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+def test_restored_blocks_leave_oldest_first(name):
+    """A disk tier restored at start hands its blocks oldest use first: they must leave in that
+    order, also under the prefix variant, which reverses batches of inserts (a chain), not these."""
+    policy = EVICTION_POLICIES[name]()
+    policy.restore([b"a", b"b", b"c", b"d"])
+    assert len(policy) == 4 and b"d" in policy
+    assert policy.evict(4, ()) == [b"a", b"b", b"c", b"d"]
+
+
+def test_prefix_s3fifo_restore_after_a_pending_batch():
+    prefix = filled(PrefixS3FIFOPolicy(), b"a", b"b")
+    prefix.restore([b"c", b"d"])
+    assert prefix.evict(4, ()) == [b"b", b"a", b"c", b"d"]
+    with pytest.raises(KeyError):
+        prefix.restore([b"e", b"e"])

@@ -33,7 +33,9 @@ TRACE = [[1, 2], [1, 3], [2, 4], [1, 2, 5], [4, 5, 6], [3, 7], [1, 2]]
 
 
 def two_tier(upper: dict, lower: dict):
-    return build_stack(load_config({"block_bytes": BB, "tiers": [upper, lower], "placement": "write_back"}))
+    """Both tiers evict in LRU order, as the hand-computed traces here assume."""
+    tiers = [{**upper, "eviction": "lru"}, {**lower, "eviction": "lru"}]
+    return build_stack(load_config({"block_bytes": BB, "tiers": tiers, "placement": "write_back"}))
 
 
 def check_hand_trace(stack, upper: str, lower: str) -> None:
@@ -83,7 +85,8 @@ def test_one_tier_lru_equals_the_metadata_replay(chains, capacity):
     # (loads unpin when done), where the metadata replay protects every block of the request.
     assume(max(len(c) for c in chains) <= capacity)
     trace = requests_from_ids(chains)
-    stack = build_stack(load_config({"block_bytes": BB, "tiers": [{"medium": "host", "capacity_blocks": capacity}]}))
+    stack = build_stack(load_config({"block_bytes": BB, "tiers": [{"medium": "host", "capacity_blocks": capacity,
+                                                                   "eviction": "lru"}]}))
     try:
         real = replay_through_stack(trace, stack)
     finally:
