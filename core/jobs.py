@@ -59,10 +59,11 @@ class Job:
     fences: tuple[Fence, ...] = ()
     state: JobState = JobState.PENDING
     reports: int = 0
-    failed_blocks: set[int] = field(default_factory=set)
-    refused_blocks: set[int] = field(default_factory=set)  # failed blocks the destination can never hold
+    failed_blocks: set[int] = field(default_factory=set)  # did not land: an error or a refusal, on any report
+    refused_blocks: set[int] = field(default_factory=set)  # failed only because the destination can never hold them
     cancel_requested: bool = False
     callback_errors: list[BaseException] = field(default_factory=list)
+    _errors: set[int] = field(default_factory=set, repr=False)  # blocks some report failed with an error
     _callbacks: list[Callable[["Job"], None]] = field(default_factory=list, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -74,12 +75,14 @@ class Job:
 
 @dataclass
 class WorkerReport:
-    """What workers say about jobs: reports received, failed block indices, and among those the
-    blocks the destination refused for good (``Tier.refuse``), per job id.
+    """What workers say about jobs, per job id: reports received, block indices that failed with an
+    error, and block indices the destination refused for good (``Tier.refuse``: a compressing disk
+    slot too small for them), which are not errors.
 
     Reports of several ranks, or of several steps, merge with ``aggregate``: counts add up and
-    failures and refusals are united (a block one rank cannot hold is useless on all), so a job
-    completes exactly when all its expected reports are in.
+    both block sets are united, so a job completes exactly when all its expected reports are in.
+    The two sets stay apart because they mean different things to the tier above: an error may
+    have hit any stage of a job, a refusal only the write into the refusing tier.
     """
 
     finished: dict[int, int] = field(default_factory=dict)
@@ -96,10 +99,10 @@ class WorkerReport:
 
     def aggregate_into(self, finished: dict[int, int], failed: dict[int, frozenset[int]],
                        refused: dict[int, frozenset[int]]) -> None:
-        """Add these counts and unite these block sets into this report (refused blocks are failed too)."""
+        """Add these counts and unite these block sets into this report."""
         for job_id, count in finished.items():
             self.finished[job_id] = self.finished.get(job_id, 0) + count
-        for ours, theirs in ((self.failed, failed), (self.failed, refused), (self.refused, refused)):
+        for ours, theirs in ((self.failed, failed), (self.refused, refused)):
             for job_id, blocks in theirs.items():
                 if blocks:
                     ours[job_id] = ours.get(job_id, frozenset()) | blocks
@@ -145,8 +148,8 @@ class JobManager:
                 job.state = JobState.RUNNING
 
     def report(self, job_id: int, failed: Iterable[int] = (), count: int = 1, refused: Iterable[int] = ()) -> None:
-        """Record ``count`` completion reports for a job, with the block indices that failed (and
-        among them those the destination refused for good)."""
+        """Record ``count`` completion reports for a job, with the block indices that failed with an
+        error and those the destination refused for good."""
         report = WorkerReport()
         report.aggregate_into({job_id: count}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)})
         self.apply(report)
@@ -168,8 +171,10 @@ class JobManager:
                     raise StateError(f"job {job_id} got a failure for a block index outside [0, {job.num_blocks})")
             for job_id, count in report.finished.items():
                 job = self._jobs[job_id]
-                job.failed_blocks |= report.failed.get(job_id, frozenset()) | report.refused.get(job_id, frozenset())
+                job._errors |= report.failed.get(job_id, frozenset())
                 job.refused_blocks |= report.refused.get(job_id, frozenset())
+                job.failed_blocks |= job._errors | job.refused_blocks
+                job.refused_blocks -= job._errors  # an error anywhere: not known to be a refusal alone
                 job.reports += count
                 job.state = JobState.RUNNING
                 if job.reports == job.expected_reports:

@@ -134,19 +134,27 @@ def test_worker_reports_aggregate_across_ranks_and_steps(jobs):
     assert c.state is JobState.FAILED and c.ok_blocks == [1]
 
 
-def test_refused_blocks_merge_across_ranks_and_count_as_failed(jobs):
-    """A block one rank's disk refused (too large compressed) is refused for the job: the scheduler
-    drops it rather than retry, and it is failed even where the rank only reports the refusal."""
-    job = jobs.create("demote", 4, expected_reports=2)
+def test_refused_blocks_merge_across_ranks_apart_from_errors(jobs):
+    """A block one rank's disk refused (too large compressed) did not land; it is refused for the
+    job (the tier above drops it rather than retry) unless some rank also failed it with an error,
+    which may have hit an earlier stage (the tier above must not keep its copy then)."""
+    job = jobs.create("store", 5, expected_reports=2)
     rank0, rank1 = WorkerReport(), WorkerReport()
-    rank0.add(job.id, failed=[0, 2], refused=[2])
-    rank1.add(job.id, refused=[3])
+    rank0.add(job.id, failed=[0], refused=[2, 4])
+    rank1.add(job.id, failed=[4], refused=[3])
     merged = rank0.aggregate(rank1)
-    assert merged.refused == {job.id: frozenset({2, 3})}
-    assert merged.failed == {job.id: frozenset({0, 2, 3})}
+    assert merged.refused == {job.id: frozenset({2, 3, 4})} and merged.failed == {job.id: frozenset({0, 4})}
     jobs.apply(merged)
     assert job.state is JobState.FAILED
-    assert job.failed_blocks == {0, 2, 3} and job.refused_blocks == {2, 3} and job.ok_blocks == [1]
+    assert job.failed_blocks == {0, 2, 3, 4} and job.refused_blocks == {2, 3} and job.ok_blocks == [1]
+
+
+def test_an_error_in_a_later_step_unrefuses_a_block(jobs):
+    job = jobs.create("demote", 2, expected_reports=2)
+    jobs.report(job.id, refused=[1])
+    assert job.refused_blocks == {1} and job.state is JobState.RUNNING
+    jobs.report(job.id, failed=[1])
+    assert job.failed_blocks == {1} and job.refused_blocks == set() and job.ok_blocks == [0]
 
 
 def test_refused_block_outside_the_job_is_rejected(jobs):

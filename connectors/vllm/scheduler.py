@@ -416,7 +416,8 @@ class SchedulerSide:
         def done(job: Job) -> None:
             cancelled = job.state is JobState.CANCELLED
             failed = set(range(n)) if cancelled else job.failed_blocks
-            # Only the disk stage refuses, and only blocks whose host copy landed: those stay in host.
+            # A block only refused (no rank reported an error for it) failed in the disk stage alone:
+            # its host copy landed on every rank and stays.
             refused = set() if cancelled else job.refused_blocks
             ok = [k for i, k in enumerate(keys) if i not in failed - refused]
             self.host.commit(ok)

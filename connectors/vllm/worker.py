@@ -180,7 +180,7 @@ class WorkerSide:
         seconds = time.perf_counter() - running.started
         with self._lock:
             self._running.pop(job.job_id, None)
-            self._report.add(job.job_id, running.failed, running.refused)
+            self._report.add(job.job_id, running.failed - running.refused, running.refused)
             if job.kind in ("load", "store"):
                 moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src, c.dst))
                 self.stats.record_transfer(job.kind, (moved - len(running.failed)) * self.layout.block_bytes, seconds)
