@@ -292,9 +292,11 @@ class SchedulerSide:
         """Reserve host slots for ``keys`` (a prefix of them when room runs out: a full tier stores less).
 
         Room is made through the host policy: victims the disk tier holds (or that have no tier
-        below) are dropped at once, others are demoted by a job and free their slots when it ends.
+        below) are dropped at once, others are demoted by a job and free their slots when it ends
+        (so slots of demotions in flight count as room: a store retried before they end does not
+        evict again).
         """
-        short = len(keys) - self.host.usage().free
+        short = len(keys) - self.host.usage().free - self._demoting
         if short > 0:
             self._make_host_room(short)
         return self._reserve_free(self.host, keys)
@@ -368,15 +370,24 @@ class SchedulerSide:
             self.disk.refuse(refused)
             self.disk.record(incompressible=len(refused))
 
-    def _newly_full(self, state: _RequestState, num_tokens: int) -> list[tuple[bytes, int, tuple[int, ...]]]:
-        """(key, GPU block, tokens) of the request's blocks that become full with ``num_tokens`` tokens."""
+    def _unstored_full(self, state: _RequestState, num_tokens: int) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """(key, GPU block, tokens) of the request's blocks full with ``num_tokens`` tokens that no
+        store has taken yet (``state.stored`` counts those taken, from the first block on)."""
         keys = self._keys(state)
         full = min(num_tokens // self.block_tokens, len(state.block_ids), len(keys))
         tokens = state.request.all_token_ids
-        out = [(keys[i], state.block_ids[i], tuple(tokens[i * self.block_tokens:(i + 1) * self.block_tokens]))
-               for i in range(state.stored, full)]
-        state.stored = max(state.stored, full)
-        return out
+        return [(keys[i], state.block_ids[i], tuple(tokens[i * self.block_tokens:(i + 1) * self.block_tokens]))
+                for i in range(state.stored, full)]
+
+    def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
+        """Store the request's full blocks no tier holds yet. Those that find no host room now (its
+        victims are still being demoted) are tried again at the request's next step, in chain order."""
+        full = self._unstored_full(state, num_tokens)
+        todo = [b for b in full if self._storable(b[0], b[1])]
+        job = self._store(todo, state)
+        taken = job.num_blocks if job is not None else 0
+        state.stored += len(full) if taken == len(todo) else full.index(todo[taken])
+        return job
 
     def _storable(self, key: bytes, block: int) -> bool:
         """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
@@ -479,11 +490,13 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            full = self._newly_full(state, state.request.num_computed_tokens + scheduled)
+            num_tokens = state.request.num_computed_tokens + scheduled
             if self.lazy_ahead is None:
-                stores.append(self._store([b for b in full if self._storable(b[0], b[1])], state))
+                stores.append(self._store_full(state, num_tokens))
             else:
+                full = self._unstored_full(state, num_tokens)
                 self._gpu_keys.update((block, (key, tokens)) for key, block, tokens in full)
+                state.stored += len(full)
         if self.lazy_ahead is not None:
             stores.append(self._store(self._lazy_candidates(), None))
         stores = [job for job in stores if job is not None]

@@ -290,3 +290,28 @@ def test_disk_refusing_a_block_drops_it_from_host(make_engine, tmp_path, placeme
     assert engine.connector.get_num_new_matched_tokens(again, 0) == (0, False)
     engine.run([again])
     engine.assert_no_leaks()
+
+
+def test_blocks_that_find_no_host_room_are_stored_at_a_later_step(make_engine, tmp_path):
+    """A full host tier makes room by demoting to disk, and the slots free only when those jobs end.
+    The blocks that found no room are stored at the request's next step, once they have; meanwhile
+    the demotions in flight count as room, so the retry evicts nothing more."""
+    config = {"tiers": [{"medium": "host", "capacity_blocks": 4},
+                        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    engine = make_engine(config)
+    engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
+    second = engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=4)
+    out, _ = engine.step()  # prefill: no free host slot yet, the first prefix is being demoted
+    assert [j.kind for j in out.kv_connector_metadata.stores] == ["demote"]
+    engine.run([second])
+    namespace = engine.kvtier.request_namespace()
+    for p, tier in ((1, "disk"), (2, "host")):
+        keys = chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace)
+        assert [engine.kvtier._tier_holding(k).name for k in keys] == [tier] * 4
+    assert (engine.kvtier.host.stats.evicted, engine.kvtier.host.stats.demoted) == (4, 4)
+    forget_gpu(engine)
+    again = engine.add(prompt(4, 9, seed=3, prefix=2), max_tokens=2)
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
+    engine.run([again])
+    engine.assert_no_leaks()
