@@ -27,7 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connectors.vllm.geometry import block_layout
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.scheduler import SchedulerSide
-from kvtier.connectors.vllm.stats import KVTierConnectorStats
+from kvtier.connectors.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
@@ -160,6 +160,11 @@ class KVTierConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
         return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side ------------------------------------------------------------------------
 

@@ -2,17 +2,30 @@
 
 The scheduler side counts blocks (hits per tier, failed loads, stored blocks); the workers count bytes
 and seconds per direction (into vLLM's KV blocks: load; out of them: store). vLLM aggregates both
-through ``aggregate`` and logs ``reduce()``.
+through ``aggregate``, logs ``reduce()``, and feeds each step's figures to ``KVTierPromMetrics``,
+which exposes them as Prometheus counters on vLLM's own /metrics endpoint.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 COUNTERS = ("hit_blocks_host", "hit_blocks_disk", "failed_load_blocks", "stored_blocks",
             "load_bytes", "load_seconds", "store_bytes", "store_seconds")
+HIT_TIERS = ("host", "disk")
+PROMETHEUS_HELP = {
+    "hit_blocks": "Prompt blocks kvtier loaded into vLLM's KV cache instead of vLLM computing them, by tier.",
+    "failed_load_blocks": "Blocks kvtier planned to load that did not arrive intact (vLLM recomputed them).",
+    "stored_blocks": "Blocks kvtier copied out of vLLM's KV cache into its tiers.",
+    "load_bytes": "Bytes kvtier copied into vLLM's KV cache, summed over workers.",
+    "load_seconds": "Seconds kvtier's loads took, summed over jobs and workers.",
+    "store_bytes": "Bytes kvtier copied out of vLLM's KV cache, summed over workers.",
+    "store_seconds": "Seconds kvtier's stores took, summed over jobs and workers.",
+}
+"""Prometheus metric ``vllm:kvtier_<name>`` (a counter: ``_total`` when scraped) for each entry."""
 
 
 @dataclass
@@ -51,3 +64,25 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in COUNTERS)
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's counters as Prometheus counters with vLLM's engine labels (hits also by ``tier``)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        metrics = {name: self._counter_cls(name=f"vllm:kvtier_{name}", documentation=text,
+                                           labelnames=labelnames + (["tier"] if name == "hit_blocks" else []))
+                   for name, text in PROMETHEUS_HELP.items()}
+        self._per_engine: dict[int, dict[str, Any]] = {}
+        for engine, values in per_engine_labelvalues.items():
+            counters = {f"hit_blocks_{tier}": metrics["hit_blocks"].labels(*values, tier) for tier in HIT_TIERS}
+            counters.update({name: metrics[name].labels(*values) for name in PROMETHEUS_HELP if name != "hit_blocks"})
+            self._per_engine[engine] = counters
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, counter in self._per_engine[engine_idx].items():
+            value = transfer_stats_data.get(name, 0)
+            if value > 0:
+                counter.inc(value)
