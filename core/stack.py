@@ -329,12 +329,8 @@ class TierStack:
             return []
 
         def landed(ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> None:
-            tier.end_evict(ok)
-            # A failed demotion keeps the block where it was; one the tier below refused for good is
-            # dropped (kept, it would be offered again and refused again, and fill this tier for good).
-            tier.end_evict([k for k in failed if k not in refused], drop=False)
-            dropped = tier.end_evict(refused)
-            tier.record(demoted=len(ok), demotion_refused=dropped, bytes_out=len(ok) * tier.block_bytes)
+            tier.end_demotion(ok, failed, refused)
+            tier.record(bytes_out=len(ok) * tier.block_bytes)
             self._after_write(index + 1, ok)
 
         job = self._copy(tier.storage, tier.slots(dirty), lower, dirty, slots, landed,

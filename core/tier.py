@@ -352,6 +352,20 @@ class Tier:
             self.stats.evicted += dropped
             return dropped
 
+    def end_demotion(self, ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> None:
+        """Finish ``begin_evict`` for victims whose copy to the tier below has ended: those that
+        landed there leave; those it refused for good (``refuse``) leave too, since kept they would
+        be offered again and refused again until they filled this tier; those whose copy failed for
+        a passing reason stay. Counts ``demoted`` and ``demotion_refused``. ``refused`` is a subset
+        of ``failed``."""
+        gone = set(refused)
+        with self._lock:
+            self.end_evict(ok)
+            self.end_evict([k for k in failed if k not in gone], drop=False)
+            dropped = self.end_evict(refused)
+            self.stats.demoted += len(ok)
+            self.stats.demotion_refused += dropped
+
     # --- accounting ----------------------------------------------------------------------------
 
     def record(self, **counts: int) -> None:

@@ -375,6 +375,15 @@ def test_begin_evict_keeps_the_victim_readable_until_end_evict(tier, blockio, rn
     assert tier.stats.evicted == 2
 
 
+def test_end_demotion_drops_landed_and_refused_victims_and_keeps_failed_ones(tier):
+    fill(tier, [k(0), k(1), k(2)])
+    assert [key for key, _ in tier.begin_evict(3)] == [k(0), k(1), k(2)]
+    tier.end_demotion(ok=[k(0)], failed=[k(1), k(2)], refused=[k(2)])
+    assert [tier.state(key) for key in (k(0), k(1), k(2))] == [BlockState.FREE, BlockState.READY, BlockState.FREE]
+    assert (tier.stats.demoted, tier.stats.demotion_refused, tier.stats.evicted) == (1, 1, 2)
+    assert tier.leaks()["pinned"] == 0 and tier.begin_evict(1) == [(k(1), tier.slots([k(1)])[0])]  # offered again
+
+
 def test_a_reader_pinning_a_victim_keeps_it(tier):
     fill(tier, [k(0), k(1)])
     tier.begin_evict(1)

@@ -329,11 +329,9 @@ class SchedulerSide:
             return []
         return tier.reserve(keys[:room], allow_evict=False) or []
 
-    def _end_evict(self, tier: Tier, keys: list[bytes], drop: bool = True) -> int:
-        """``tier.end_evict`` plus the removal events of the blocks it dropped; returns how many."""
-        dropped = tier.end_evict(keys, drop)
+    def _end_evict(self, tier: Tier, keys: list[bytes]) -> None:
+        tier.end_evict(keys)
         self._removed_events([k for k in keys if tier.state(k) is BlockState.FREE], tier)
-        return dropped
 
     def _demote(self, keys: list[bytes], disk_slots: list[int]) -> None:
         host_slots = self.host.slots(keys)
@@ -346,13 +344,8 @@ class SchedulerSide:
             self._refused(keys, job.refused_blocks)
             refused = self.disk.abort([k for i, k in enumerate(keys) if i in failed])
             self._stored_events(ok, self.disk)
-            self._end_evict(self.host, ok)
-            # A block the disk can never hold is dropped (kept, it would be offered again and again);
-            # one whose write failed for a passing reason stays in host memory.
-            dropped = self._end_evict(self.host, refused)
-            self._end_evict(self.host, [k for i, k in enumerate(keys) if i in failed and k not in refused],
-                            drop=False)
-            self.host.record(demoted=len(ok), demotion_refused=dropped)
+            self.host.end_demotion(ok, [k for i, k in enumerate(keys) if i in failed], refused)
+            self._removed_events([k for k in keys if self.host.state(k) is BlockState.FREE], self.host)
             self._demoting -= len(keys)
 
         job = self.jobs.create("demote", len(keys), self.num_workers, fences, done)
