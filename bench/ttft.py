@@ -14,8 +14,8 @@ What is measured
       serves the prefix. No tier below GPU memory can beat this: it is the reference.
     - ``kvtier-host``: KVTierConnector with a host tier; the prefix is loaded from host memory.
     - ``kvtier-disk``: a host tier that holds one prefix over a disk tier (write-through): B pushes
-      A out of host memory and back, so A is loaded from disk (from the page cache on this machine:
-      it was written moments ago).
+      A out of host memory and back, so A is loaded from disk (with O_DIRECT where the filesystem
+      takes it, as by default: from the device, not the page cache).
 
     Every kvtier mode checks that its hits are what the prompts allow: every prompt after the
     first with its prefix finds the whole prefix, in host memory or on disk as the mode says.
