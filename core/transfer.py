@@ -28,7 +28,8 @@ GIL_HELD_BELOW_BYTES = 256 * 1024
 call and must take it back after; beside a busy Python thread (an engine's loop polling for a load)
 each take-back waits for that thread's switch interval. Measured here: 96 copies of 64 KiB took 96-153
 ms that way against 0.7 ms alone, and 11 ms with the GIL held (one wait). Larger copies still release
-it: their copy time dwarfs the wait, and the pool's threads then copy in parallel."""
+it, so the pool's threads copy them in parallel and a long copy never holds up the engine's thread;
+beside a busy thread each of them pays the wait too, but there are far fewer of them per byte."""
 
 _memmove_holding_gil = ctypes.PyDLL(None).memmove  # a PyDLL function keeps the GIL during the call
 _memmove_holding_gil.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
