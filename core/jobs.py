@@ -61,6 +61,7 @@ class Job:
     reports: int = 0
     failed_blocks: set[int] = field(default_factory=set)  # did not land: an error or a refusal, on any report
     refused_blocks: set[int] = field(default_factory=set)  # failed only because the destination can never hold them
+    first_stage_failed: set[int] = field(default_factory=set)  # failed in a staged job's first copy, on some report
     cancel_requested: bool = False
     callback_errors: list[BaseException] = field(default_factory=list)
     _errors: set[int] = field(default_factory=set, repr=False)  # blocks some report failed with an error
@@ -76,33 +77,37 @@ class Job:
 @dataclass
 class WorkerReport:
     """What workers say about jobs, per job id: reports received, block indices that failed with an
-    error, and block indices the destination refused for good (``Tier.refuse``: a compressing disk
-    slot too small for them), which are not errors.
+    error, block indices the destination refused for good (``Tier.refuse``: a compressing disk
+    slot too small for them), which are not errors, and the blocks that failed in a staged job's
+    first copy (GPU -> host of a write-through store: whatever failed after it left the host copy
+    whole).
 
     Reports of several ranks, or of several steps, merge with ``aggregate``: counts add up and
-    both block sets are united, so a job completes exactly when all its expected reports are in.
-    The two sets stay apart because they mean different things to the tier above: an error may
-    have hit any stage of a job, a refusal only the write into the refusing tier.
+    block sets are united, so a job completes exactly when all its expected reports are in. The
+    sets stay apart because they mean different things to the tiers: a refusal tells the tier
+    above to drop its copy, an error in a later stage that its copy is still good.
     """
 
     finished: dict[int, int] = field(default_factory=dict)
     failed: dict[int, frozenset[int]] = field(default_factory=dict)
     refused: dict[int, frozenset[int]] = field(default_factory=dict)
+    first_stage_failed: dict[int, frozenset[int]] = field(default_factory=dict)
 
-    def add(self, job_id: int, failed: Iterable[int] = (), refused: Iterable[int] = ()) -> None:
-        self.aggregate_into({job_id: 1}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)})
+    def add(self, job_id: int, failed: Iterable[int] = (), refused: Iterable[int] = (),
+            first_stage_failed: Iterable[int] = ()) -> None:
+        self._merge(WorkerReport({job_id: 1}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)},
+                                 {job_id: frozenset(first_stage_failed)}))
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
-        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused))
-        merged.aggregate_into(other.finished, other.failed, other.refused)
+        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused), dict(self.first_stage_failed))
+        merged._merge(other)
         return merged
 
-    def aggregate_into(self, finished: dict[int, int], failed: dict[int, frozenset[int]],
-                       refused: dict[int, frozenset[int]]) -> None:
-        """Add these counts and unite these block sets into this report."""
-        for job_id, count in finished.items():
+    def _merge(self, other: "WorkerReport") -> None:
+        for job_id, count in other.finished.items():
             self.finished[job_id] = self.finished.get(job_id, 0) + count
-        for ours, theirs in ((self.failed, failed), (self.refused, refused)):
+        for ours, theirs in ((self.failed, other.failed), (self.refused, other.refused),
+                             (self.first_stage_failed, other.first_stage_failed)):
             for job_id, blocks in theirs.items():
                 if blocks:
                     ours[job_id] = ours.get(job_id, frozenset()) | blocks
@@ -150,9 +155,7 @@ class JobManager:
     def report(self, job_id: int, failed: Iterable[int] = (), count: int = 1, refused: Iterable[int] = ()) -> None:
         """Record ``count`` completion reports for a job, with the block indices that failed with an
         error and those the destination refused for good."""
-        report = WorkerReport()
-        report.aggregate_into({job_id: count}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)})
-        self.apply(report)
+        self.apply(WorkerReport({job_id: count}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)}))
 
     def apply(self, report: WorkerReport) -> None:
         """Record merged worker reports; jobs whose reports are all in become final and run their callbacks."""
@@ -175,6 +178,7 @@ class JobManager:
                 job.refused_blocks |= report.refused.get(job_id, frozenset())
                 job.failed_blocks |= job._errors | job.refused_blocks
                 job.refused_blocks -= job._errors  # an error anywhere: not known to be a refusal alone
+                job.first_stage_failed |= report.first_stage_failed.get(job_id, frozenset())
                 job.reports += count
                 job.state = JobState.RUNNING
                 if job.reports == job.expected_reports:

@@ -387,13 +387,15 @@ class SchedulerSide:
         return block not in self._gpu_loading and all(t.state(key) is BlockState.FREE for t in self.tiers)
 
     def _lazy_candidates(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
-        """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet."""
-        picked = []
+        """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
+        one per key (requests with the same prompt computed in one step hold the same KV twice)."""
+        picked: dict[bytes, tuple[bytes, int, tuple[int, ...]]] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
             known = self._gpu_keys.get(block.block_id)
-            if block.block_hash is not None and known is not None and self._storable(known[0], block.block_id):
-                picked.append((known[0], block.block_id, known[1]))
-        return picked
+            if (block.block_hash is not None and known is not None and known[0] not in picked
+                    and self._storable(known[0], block.block_id)):
+                picked[known[0]] = (known[0], block.block_id, known[1])
+        return list(picked.values())
 
     def _store(self, picked: list[tuple[bytes, int, tuple[int, ...]]], state: _RequestState | None) -> TransferJob | None:
         """A store of these (key, GPU block, tokens) into host slots (and disk, write-through); fewer
@@ -420,12 +422,13 @@ class SchedulerSide:
         def done(job: Job) -> None:
             cancelled = job.state is JobState.CANCELLED
             failed = set(range(n)) if cancelled else job.failed_blocks
-            # A block only refused (no rank reported an error for it) failed in the disk stage alone:
-            # its host copy landed on every rank and stays.
+            # A block that failed only in the disk stage (refused, a disk error) has its host copy
+            # whole on every rank: it stays.
+            host_failed = failed if cancelled else job.first_stage_failed
             refused = set() if cancelled else job.refused_blocks
-            ok = [k for i, k in enumerate(keys) if i not in failed - refused]
+            ok = [k for i, k in enumerate(keys) if i not in host_failed]
             self.host.commit(ok)
-            self.host.abort([k for i, k in enumerate(keys) if i in failed - refused])
+            self.host.abort([k for i, k in enumerate(keys) if i in host_failed])
             self._stored_events(ok, self.host, block_tokens)
             if disk_slots:
                 on_disk = [k for i, k in enumerate(keys[:len(disk_slots)]) if i not in failed]

@@ -39,13 +39,14 @@ FLUSH_TIMEOUT_S = 300.0
 
 
 class _RunningJob:
-    """A job on this rank: which blocks failed so far (and which of those a disk slot can never
-    hold), and when it stops reading vLLM's blocks."""
+    """A job on this rank: which blocks failed so far (which of those a disk slot can never hold,
+    which in the first stage), and when it stops reading vLLM's blocks."""
 
     def __init__(self, job: TransferJob) -> None:
         self.job = job
         self.failed: set[int] = set()
         self.refused: set[int] = set()
+        self.first_stage_failed: set[int] = set()
         self.started = time.perf_counter()
         self.gpu_released = threading.Event()  # set once no later stage reads vLLM's KV blocks
         self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src == GPU for c in stage)),
@@ -141,6 +142,8 @@ class WorkerSide:
             with lock:
                 running.failed.update(copy.blocks[j] for j in lost)
                 running.refused.update(copy.blocks[j] for j in lost if copy.keys[j] in refused)
+                if k == 0:
+                    running.first_stage_failed.update(copy.blocks[j] for j in lost)
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
@@ -180,7 +183,7 @@ class WorkerSide:
         seconds = time.perf_counter() - running.started
         with self._lock:
             self._running.pop(job.job_id, None)
-            self._report.add(job.job_id, running.failed - running.refused, running.refused)
+            self._report.add(job.job_id, running.failed - running.refused, running.refused, running.first_stage_failed)
             if job.kind in ("load", "store"):
                 moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src, c.dst))
                 self.stats.record_transfer(job.kind, (moved - len(running.failed)) * self.layout.block_bytes, seconds)

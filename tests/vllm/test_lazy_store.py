@@ -44,6 +44,18 @@ def test_blocks_about_to_be_reused_are_stored_first_and_load_back_exact(make_eng
     engine.assert_no_leaks()
 
 
+def test_the_same_prompt_computed_twice_in_one_step_is_stored_once(make_engine):
+    """Identical prompts scheduled together each compute the block in a GPU block of their own (vLLM
+    caches it once they are done): both copies reach the free queue, and kvtier stores the key once
+    (it used to reserve it twice, and the StateError stopped the engine)."""
+    engine = make_lazy_engine(make_engine, ahead=1.0, num_gpu_blocks=14)
+    engine.run([engine.add(prompt(1, 0, prefix=3), max_tokens=1) for _ in range(3)])
+    engine.step()
+    engine.drain()
+    assert engine.kvtier.host.usage().used == 1
+    engine.assert_no_leaks()
+
+
 def make_lazy_engine(make_engine, ahead: float, num_gpu_blocks: int):
     """An engine whose connector stores lazily, looking ``ahead`` of vLLM's free queue."""
     return make_engine(HOST, num_gpu_blocks=num_gpu_blocks, extra={"store": "lazy", "lazy_ahead": ahead})

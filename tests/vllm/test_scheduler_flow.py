@@ -4,6 +4,8 @@ KV; preemption, aborts mid-load and mid-store, and a cache reset leave no pins, 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -311,6 +313,35 @@ def test_blocks_that_find_no_host_room_are_stored_at_a_later_step(make_engine, t
     assert (engine.kvtier.host.stats.evicted, engine.kvtier.host.stats.demoted) == (4, 4)
     forget_gpu(engine)
     again = engine.add(prompt(4, 9, seed=3, prefix=2), max_tokens=2)
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
+    engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_path):
+    """Every disk write fails with ENOSPC (the disk file is swapped for /dev/full): the disk stage of
+    each write-through store fails, but the host copy landed before it and stays; a later request
+    gets its prefix from host memory, bit-exact, and the disk tier holds nothing."""
+    config = {"placement": "write_through", "tiers": [
+        {"medium": "host", "capacity_blocks": 8},
+        {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path / "disk"), "o_direct": "off"}]}
+    engine = make_engine(config)
+    slab = engine.workers[0].connector.worker_side.storages["disk"].slab
+    full = os.open("/dev/full", os.O_RDWR)
+    saved = os.dup(slab.fd)
+    os.dup2(full, slab.fd)
+    try:
+        engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
+    finally:
+        os.dup2(saved, slab.fd)
+        os.close(saved)
+        os.close(full)
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
+    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["host"] * 4
+    assert engine.kvtier.disk.usage().used == 0 and engine.kvtier.disk.stats.aborted == 4
+    forget_gpu(engine)
+    again = engine.add(prompt(4, 9, seed=2, prefix=1), max_tokens=2)
     out = step_until_scheduled(engine, again)
     assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
     engine.run([again])

@@ -163,7 +163,8 @@ def test_failed_and_missing_blocks_are_reported_as_load_errors(make_worker):
     assert worker.connector.get_finished(set())[1] == {"r"}  # a failed load still finishes
     assert worker.connector.get_block_ids_with_load_errors() == {14, 16}
     assert worker.connector.get_block_ids_with_load_errors() == set()  # reported once
-    assert worker.connector.build_connector_worker_meta().report == WorkerReport({2: 1}, {2: frozenset({1})})
+    assert worker.connector.build_connector_worker_meta().report == WorkerReport(
+        {2: 1}, {2: frozenset({1})}, first_stage_failed={2: frozenset({1})})  # its only stage is its first
     plain.close()
 
 
