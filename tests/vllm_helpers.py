@@ -19,6 +19,19 @@ def forget_gpu(engine) -> None:
         worker.buffer[:] = 0xEE
 
 
+def assert_loads_back(engine, tokens: list[int], computed: int, blocks: int) -> None:
+    """Empty vLLM's prefix cache and send ``tokens`` again: vLLM computes only ``computed`` of them
+    (kvtier supplies the rest), the first ``blocks`` blocks hold the right KV on every rank, and the
+    run leaves nothing behind."""
+    forget_gpu(engine)
+    again = engine.add(tokens, max_tokens=2)
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == computed
+    assert engine.blocks_match(again, range(blocks))
+    engine.run([again])
+    engine.assert_no_leaks()
+
+
 def scheduled_load(engine, request_id):
     """Steps until the request's load is planned; returns the planned job as the workers received it."""
     for _ in range(5):

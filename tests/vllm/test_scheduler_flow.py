@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from vllm_helpers import BLOCK, forget_gpu, prompt, scheduled_load, step_until_scheduled
+from vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt, scheduled_load, step_until_scheduled
 
 from kvtier.core.keys import chain_hashes
 
@@ -311,12 +311,7 @@ def test_blocks_that_find_no_host_room_are_stored_at_a_later_step(make_engine, t
         keys = chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace)
         assert [engine.kvtier._tier_holding(k).name for k in keys] == [tier] * 4
     assert (engine.kvtier.host.stats.evicted, engine.kvtier.host.stats.demoted) == (4, 4)
-    forget_gpu(engine)
-    again = engine.add(prompt(4, 9, seed=3, prefix=2), max_tokens=2)
-    out = step_until_scheduled(engine, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
-    engine.run([again])
-    engine.assert_no_leaks()
+    assert_loads_back(engine, prompt(4, 9, seed=3, prefix=2), computed=9, blocks=4)
 
 
 def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_path):
@@ -340,9 +335,4 @@ def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
     assert [engine.kvtier._tier_holding(k).name for k in keys] == ["host"] * 4
     assert engine.kvtier.disk.usage().used == 0 and engine.kvtier.disk.stats.aborted == 4
-    forget_gpu(engine)
-    again = engine.add(prompt(4, 9, seed=2, prefix=1), max_tokens=2)
-    out = step_until_scheduled(engine, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
-    engine.run([again])
-    engine.assert_no_leaks()
+    assert_loads_back(engine, prompt(4, 9, seed=2, prefix=1), computed=9, blocks=4)
