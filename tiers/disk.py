@@ -177,6 +177,14 @@ def read_slot_headers(fd: int, num_slots: int, slot_stride: int, start: int = 0)
         yield slot, header, len(page) == PAGE and _is_blank(page)
 
 
+def checked_slot_room(path: str | os.PathLike, block_bytes: int, compression: str, slot_bytes: int | None) -> int:
+    """``slot_room``, once a slot size that cannot work is refused (ConfigError naming the tier's path)."""
+    problem = slot_problem(block_bytes, compression, slot_bytes)
+    if problem is not None:
+        raise ConfigError(f"disk tier {str(path)!r}: {problem}")
+    return slot_room(block_bytes, compression, slot_bytes)
+
+
 def header_fits(header: SlotHeader, block_bytes: int, codec_id: int, room: int) -> bool:
     """Whether a header describes a block a slab of this geometry holds: its size, its codec, a payload
     that fits the slot's ``room`` (exactly the block when uncompressed)."""
@@ -197,10 +205,7 @@ def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLay
     discards such a file when it opens it). Slots from ``num_slots`` on are left out (a smaller slab
     cuts them). Every slot is reported as it is, older copies of a key included.
     """
-    problem = slot_problem(layout.block_bytes, compression, slot_bytes)
-    if problem is not None:
-        raise ConfigError(f"disk tier {str(path)!r}: {problem}")
-    room = slot_room(layout.block_bytes, compression, slot_bytes)
+    room = checked_slot_room(path, layout.block_bytes, compression, slot_bytes)
     codec_id = CODEC_IDS[compression]
     slab_path = Path(path) / SLAB_NAME
     try:
@@ -299,10 +304,7 @@ class DiskSlab:
         self.dir = Path(path)
         self.num_slots = num_slots
         self.block_bytes = block_bytes = layout.block_bytes
-        problem = slot_problem(block_bytes, compression, slot_bytes)
-        if problem is not None:
-            raise ConfigError(f"disk tier {str(self.dir)!r}: {problem}")
-        self.room = slot_room(block_bytes, compression, slot_bytes)  # bytes of payload a slot can hold
+        self.room = checked_slot_room(self.dir, block_bytes, compression, slot_bytes)  # payload bytes a slot holds
         self.slot_stride = PAGE + self.room
         self.namespace = namespace_digest(namespace, layout)
         self.record = lambda **counts: None  # where the backend counts incompressible blocks
