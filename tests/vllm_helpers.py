@@ -32,6 +32,22 @@ def assert_loads_back(engine, tokens: list[int], computed: int, blocks: int) -> 
     engine.assert_no_leaks()
 
 
+def assert_recomputed_from(engine, tokens: list[int], damaged: int, blocks: int, computed: int):
+    """Empty vLLM's prefix cache and send ``tokens`` again, whose block ``damaged`` kvtier holds with
+    bad bytes: the load plans all ``blocks``, that block's GPU block is reported as a load error,
+    vLLM computes ``computed`` tokens (from that block on) and every block ends up with the right
+    KV. Returns the request, still running."""
+    forget_gpu(engine)
+    again = engine.add(tokens, max_tokens=2)
+    assert scheduled_load(engine, again.request_id).num_blocks == blocks
+    out = step_until_scheduled(engine, again)
+    (block_ids,) = engine.scheduler.kv_cache_manager.get_block_ids(again.request_id)
+    assert block_ids[damaged] in engine.load_errors
+    assert out.num_scheduled_tokens[again.request_id] == computed
+    assert engine.blocks_match(again, range(blocks))
+    return again
+
+
 def scheduled_load(engine, request_id):
     """Steps until the request's load is planned; returns the planned job as the workers received it."""
     for _ in range(5):

@@ -7,7 +7,8 @@ hit whose load fails and is recomputed; another namespace, layout or TP size fin
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import BLOCK, forget_gpu, prompt, scheduled_load, step_until_scheduled
+from vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt, scheduled_load,
+                          step_until_scheduled)
 
 from kvtier.core.keys import chain_hashes
 from kvtier.core.tier import BlockState
@@ -112,13 +113,8 @@ def test_a_block_one_rank_lacks_is_not_kept(make_engine, tmp_path, damage):
 
     third = make_engine(config, tp=2)  # the recomputed block 2 is kept too now, on both ranks
     assert on_disk(third, keys) == [True] * 4 and third.kvtier.disk.usage().used == 4
-    forget_gpu(third)
-    again = third.add(prompt(4, 3, seed=3, prefix=1), max_tokens=2)
-    out = step_until_scheduled(third, again)
-    assert out.num_scheduled_tokens[again.request_id] == 3
-    assert third.blocks_match(again, range(4)) and not third.load_errors
-    third.run([again])
-    third.assert_no_leaks()
+    assert_loads_back(third, prompt(4, 3, seed=3, prefix=1), computed=3, blocks=4)
+    assert not third.load_errors
 
 
 def test_a_kept_block_whose_bytes_are_damaged_is_recomputed(make_engine, tmp_path):
@@ -134,15 +130,7 @@ def test_a_kept_block_whose_bytes_are_damaged_is_recomputed(make_engine, tmp_pat
 
     after = make_engine(config)
     assert held_by(after, keys) == ["disk"] * 4
-    forget_gpu(after)
-    again = after.add(prompt(4, 7, seed=2, prefix=1), max_tokens=2)
-    job = scheduled_load(after, again.request_id)
-    assert job.num_blocks == 4
-    out = step_until_scheduled(after, again)
-    (block_ids,) = after.scheduler.kv_cache_manager.get_block_ids(again.request_id)
-    assert block_ids[2] in after.load_errors
-    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 7
-    assert after.blocks_match(again, range(4))
+    again = assert_recomputed_from(after, prompt(4, 7, seed=2, prefix=1), damaged=2, blocks=4, computed=2 * BLOCK + 7)
     after.run([again])
     assert sum(s["failed_load_blocks"] for s in after.stats) == 1
     assert after.kvtier.disk.stats.read_errors == 1
@@ -191,21 +179,10 @@ def test_kept_blocks_are_evicted_oldest_first_when_the_disk_fills(make_engine, t
     removed = {h for e in after.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
                for h in e.block_hashes}
     assert removed == set(prefix_keys(after, 1))
-    forget_gpu(after)
-    again = after.add(prompt(4, 7, seed=4, prefix=2), max_tokens=2)
-    out = step_until_scheduled(after, again)
-    assert out.num_scheduled_tokens[again.request_id] == 7
-    assert after.blocks_match(again, range(4))
-    after.run([again])
-    after.assert_no_leaks()
+    assert_loads_back(after, prompt(4, 7, seed=4, prefix=2), computed=7, blocks=4)
     after.shutdown()
 
     third = make_engine(config)  # prefix 3 took prefix 1's slots: their old headers were cleared first
     assert [on_disk(third, prefix_keys(third, p)) for p in (1, 2, 3)] == [[False] * 4, [True] * 4, [True] * 4]
-    forget_gpu(third)
-    last = third.add(prompt(4, 7, seed=5, prefix=3), max_tokens=2)
-    out = step_until_scheduled(third, last)
-    assert out.num_scheduled_tokens[last.request_id] == 7
-    assert third.blocks_match(last, range(4)) and not third.load_errors
-    third.run([last])
-    third.assert_no_leaks()
+    assert_loads_back(third, prompt(4, 7, seed=5, prefix=3), computed=7, blocks=4)
+    assert not third.load_errors

@@ -11,7 +11,8 @@ import pytest
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt, scheduled_load, step_until_scheduled
+from vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt, scheduled_load,
+                          step_until_scheduled)
 
 from kvtier.core.keys import chain_hashes
 
@@ -107,16 +108,9 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
         f.seek(slab.slot_offset(damaged_slot) + 4096 + 100)
         f.write(b"\x00\xff" * 8)
     engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2) for p in (2,)])  # evicts host
-    forget_gpu(engine)
 
-    again = engine.add(prompt(4, 7, seed=3, prefix=1), max_tokens=2)
-    job = scheduled_load(engine, again.request_id)
-    assert job.num_blocks == 4
-    out = step_until_scheduled(engine, again)
-    (block_ids,) = engine.scheduler.kv_cache_manager.get_block_ids(again.request_id)
-    assert block_ids[2] in engine.load_errors
-    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 7  # recomputed from block 2 on
-    assert engine.blocks_match(again, range(4))
+    again = assert_recomputed_from(engine, prompt(4, 7, seed=3, prefix=1), damaged=2, blocks=4,
+                                   computed=2 * BLOCK + 7)  # recomputed from block 2 on
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
     assert engine.kvtier.disk.stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
