@@ -23,6 +23,7 @@ REQUIRED = os.environ.get("KVTIER_REQUIRE_VLLM_ENGINE") == "1"
 
 
 RUNNER = Path(__file__).with_name("engine_run.py")
+NO_LEAKS = {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
 # vLLM is installed with CPU kernels that load on this processor (the 0.33 test install has none);
 # asked in another process, since loading the wrong build kills the process that tries.
 CAN_RUN = subprocess.run([sys.executable, str(RUNNER), "--kernels"], capture_output=True, timeout=300).returncode == 0
@@ -64,7 +65,7 @@ def test_same_tokens_with_prefixes_from_host(model_dir, reference):
     result = run(model_dir, "kvtier", {"tiers": [{"medium": "host", "capacity_blocks": 64}]})
     assert result["tokens"] == reference
     assert result["hits"] == {"host": PREFIX_BLOCKS * (PROMPTS - 2)}  # every prompt after each prefix's first
-    assert result["leaks"] == {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
+    assert result["leaks"] == NO_LEAKS
 
 
 def test_same_tokens_when_vllms_own_prefix_cache_serves(model_dir, reference):
@@ -73,16 +74,20 @@ def test_same_tokens_when_vllms_own_prefix_cache_serves(model_dir, reference):
     assert result["hits"] == {"host": 0}  # vLLM's GPU prefix cache had every prefix: nothing to load
 
 
-def test_same_tokens_with_prefixes_from_disk(model_dir, reference, tmp_path):
-    # host memory for one prefix only: the alternating prefixes push each other down to disk
-    config = {"placement": "write_through", "tiers": [
+def host_for_one_prefix_over_disk(path) -> dict:
+    """Host memory for one prefix only (the alternating prefixes push each other down to disk) over a
+    write-through disk tier at ``path``."""
+    return {"placement": "write_through", "tiers": [
         {"medium": "host", "capacity_blocks": PREFIX_BLOCKS},
-        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
-    result = run(model_dir, "kvtier", config)
+        {"medium": "disk", "capacity_blocks": 64, "path": str(path)}]}
+
+
+def test_same_tokens_with_prefixes_from_disk(model_dir, reference, tmp_path):
+    result = run(model_dir, "kvtier", host_for_one_prefix_over_disk(tmp_path / "disk"))
     assert result["tokens"] == reference
     # each prompt's prefix was pushed out of host memory by the other one: every hit comes from disk
     assert result["hits"] == {"host": 0, "disk": PREFIX_BLOCKS * (PROMPTS - 2)}
-    assert result["leaks"] == {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
+    assert result["leaks"] == NO_LEAKS
 
 
 def test_wrong_kv_changes_the_tokens(model_dir, reference):

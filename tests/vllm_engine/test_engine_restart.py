@@ -7,15 +7,12 @@ Uses ``test_engine.py``'s model, reference run and runner; skipped where that mo
 
 from __future__ import annotations
 
-from vllm_engine.test_engine import PREFIX_BLOCKS, PROMPTS, model_dir, pytestmark, reference, run  # noqa: F401
-
-NO_LEAKS = {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
+from vllm_engine.test_engine import (NO_LEAKS, PREFIX_BLOCKS, PROMPTS, host_for_one_prefix_over_disk,  # noqa: F401
+                                     model_dir, pytestmark, reference, run)
 
 
 def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": PREFIX_BLOCKS},
-        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    config = host_for_one_prefix_over_disk(tmp_path / "disk")
     first = run(model_dir, "kvtier", config)
     assert first["tokens"] == reference
     assert first["hits"] == {"host": 0, "disk": PREFIX_BLOCKS * (PROMPTS - 2)}  # each prefix computed once
