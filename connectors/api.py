@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from kvtier.core.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
-from kvtier.core.keys import chain_hashes
+from kvtier.core.keys import chain_hashes, check_key, key_secret
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 from kvtier.core.storage import buffer_storage
 
@@ -30,6 +30,7 @@ class KVTier:
     """A tier stack opened from a configuration, addressed by token ids or block keys."""
 
     def __init__(self, config: StackConfig) -> None:
+        self.key_secret = key_secret(config.key_secret_env)  # first: an unset secret opens nothing
         self.config = config
         self.layout = config_layout(config)
         self.stack: TierStack = build_stack(config, self.layout)
@@ -44,10 +45,15 @@ class KVTier:
     # --- keys ----------------------------------------------------------------------------------
 
     def keys(self, tokens_or_keys: TokensOrKeys) -> list[bytes]:
-        """Block keys: given keys as they are, token ids hashed per full block with this stack's namespace."""
+        """Block keys: given keys as they are, token ids hashed per full block with this stack's namespace
+        (keyed with the secret of ``key_secret_env`` when set). Given keys must be 1 to MAX_KEY_BYTES
+        bytes each (TypeError or ValueError otherwise), the most a tier keeps whole."""
         if len(tokens_or_keys) and isinstance(tokens_or_keys[0], (bytes, bytearray)):
-            return [bytes(k) for k in tokens_or_keys]
-        return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace)
+            keys = [bytes(k) if isinstance(k, (bytes, bytearray)) else k for k in tokens_or_keys]
+            for key in keys:
+                check_key(key)
+            return keys
+        return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace, secret=self.key_secret)
 
     # --- blocking calls returning futures ------------------------------------------------------
 
@@ -105,7 +111,14 @@ class KVTier:
         self.stack.wait_idle(timeout)
 
     def close(self) -> None:
-        """Wait for every transfer in flight, then release all tiers."""
+        """Wait for every transfer in flight, copy blocks only memory tiers hold down to a disk tier,
+        then release all tiers, threads and files.
+
+        From a future's done-callback (kvtier's own thread) it returns at once and the release follows
+        as soon as the callback has returned; new calls raise ClosedError from the moment it is called.
+        A KVTier dropped without close() is released when collected, with a ResourceWarning, but
+        without the copy to disk.
+        """
         self.stack.close()
 
     def __enter__(self) -> "KVTier":

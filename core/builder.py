@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvtier.core.config import StackConfig, TransferConfig, capacity_in_blocks
+from kvtier.core.config import StackConfig, TransferConfig, block_footprint, capacity_in_blocks, format_size
 from kvtier.core.cuda_transfer import CUDABackend
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
@@ -44,28 +44,48 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
     layout = layout or config_layout(config)
     jobs = JobManager()
     tiers: list[Tier] = []
+    made: list[TransferBackend] = []  # backends built here (a caller's own stay the caller's to close)
     try:
-        for i, tier_cfg in enumerate(config.tiers):
-            name = config.tier_name(i)
-            blocks = capacity_in_blocks(tier_cfg, layout.block_bytes)
-            if blocks is None:
-                raise ConfigError(f"tiers[{i}] ({name}): give capacity or capacity_blocks for a standalone "
-                                  f"stack (under vLLM the engine owns GPU memory)")
-            if blocks < 1:
-                raise ConfigError(f"tiers[{i}] ({name}): capacity holds no block of {layout.block_bytes} bytes"
-                                  f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
-            wm = tier_cfg.watermark
-            watermark = Watermark(wm.high, wm.low) if wm is not None else None
-            policy = eviction_policy_class(tier_cfg.eviction)()
-            medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
-                               "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes}
-                              if tier_cfg.medium == "disk" else {})
-            tiers.append(TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
-                                                         **medium_options))
+        for i in range(len(config.tiers)):
+            tiers.append(_build_tier(config, i, layout, jobs))
         if backends is None:
-            backends = default_backends(config.transfer, tiers)
+            backends = made = default_backends(config.transfer, tiers)
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
+        for backend in made:
+            backend.close()
         for tier in tiers:
             tier.close()
         raise
+
+
+def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManager) -> Tier:
+    """Tier ``i`` as configured. Memory or a file it cannot get (more than the machine has, a size the OS
+    cannot map) is a ConfigError naming the tier and what it asked for, not a bare OSError from deep inside."""
+    tier_cfg = config.tiers[i]
+    name = config.tier_name(i)
+    where = f"tiers[{i}] ({name})"
+    blocks = capacity_in_blocks(tier_cfg, layout.block_bytes)
+    if blocks is None:
+        raise ConfigError(f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the "
+                          f"engine owns GPU memory)")
+    if blocks < 1:
+        raise ConfigError(f"{where}: capacity holds no block of {layout.block_bytes} bytes"
+                          f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
+    wm = tier_cfg.watermark
+    watermark = Watermark(wm.high, wm.low) if wm is not None else None
+    policy = eviction_policy_class(tier_cfg.eviction)()
+    medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
+                       "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
+                       "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}
+                      if tier_cfg.medium == "disk" else {})
+    try:
+        return TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
+                                               **medium_options)
+    except KvtierError:
+        raise  # names what failed already (a disk tier's path, say)
+    except (MemoryError, OverflowError, OSError) as exc:
+        asked = blocks * block_footprint(tier_cfg, layout.block_bytes)
+        raise ConfigError(f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(asked)} "
+                          f"in all) cannot be allocated: {str(exc) or type(exc).__name__}; lower its capacity or "
+                          f"block_bytes") from exc

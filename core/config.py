@@ -137,17 +137,16 @@ class _TierConfig(_Model):
     @field_validator("eviction")
     @classmethod
     def _known_policy(cls, value: str | None) -> str | None:
+        """A registered name or the shape of a dotted path; nothing is imported until the whole config
+        validated (``load_config``), so a config that is refused never runs the code it names."""
         if value is None:
             return value
-        # Imported here: kvtier.policies imports kvtier.core.errors, and a dotted path may import user code.
-        from kvtier.policies import eviction_policy_class
+        from kvtier.policies import check_policy_name  # here: kvtier.policies imports kvtier.core.errors
 
         try:
-            eviction_policy_class(value)
+            check_policy_name(value)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        except Exception as exc:  # a user's module that fails on import is still a config mistake
-            raise ValueError(f"eviction policy {value!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
         return value
 
     def _both_capacities(self) -> None:
@@ -197,6 +196,13 @@ class DiskTierConfig(_SizedTierConfig):
     o_direct: Literal["auto", "on", "off"] = "auto"
     compression: Literal["none", "lz4", "zstd"] = "none"
     slot_bytes: Size | None = None
+    # Trust: by default the directory and slab must be the running user's and writable by nobody else.
+    # True accepts a directory a group of services shares on purpose (README, Security): every user who
+    # can write it can then plant blocks that this tier loads.
+    shared_directory: bool = False
+    # True lets the tier overwrite a file named like its slab that is not a kvtier slab; by default that
+    # is an error, so a mistyped path never destroys someone's data.
+    reinitialise: bool = False
 
     @field_validator("slot_bytes")
     @classmethod
@@ -226,6 +232,9 @@ class StackConfig(_Model):
     block_bytes: Size | None = None
     fragments: int = Field(1, ge=1)
     namespace: str = ""
+    # The name of an environment variable holding a per-deployment secret that keys the block hash
+    # (kvtier.core.keys): keys then cannot be computed from a guessed prompt by anyone without it.
+    key_secret_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     tiers: list[TierConfig] = Field(min_length=1)
     placement: Literal["write_through", "write_back"] = "write_back"
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -314,7 +323,17 @@ def default_config_path() -> Path:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys, which plain YAML loading would silently let the last one win."""
+    """SafeLoader that refuses duplicate keys, which plain YAML loading would silently let the last one win,
+    and aliases (``*name``, also in merge keys ``<<: *name``): a few hundred bytes of nested aliases expand
+    to billions of values, and a cache config has nothing worth sharing that way."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in a kvtier config; write the value out",
+                event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -351,7 +370,8 @@ def _read_yaml(path: Path, source: str) -> Any:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         detail = exc.problem or exc.context or "invalid YAML"
         context = f" ({exc.context})" if exc.context and exc.problem else ""
-        kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        refused = isinstance(exc, (yaml.composer.ComposerError, yaml.constructor.ConstructorError))
+        kind = "YAML error" if refused else "YAML syntax error"
         raise ConfigError(f"{source}: {where}{kind}: {detail}{context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: YAML error: {exc}") from None
@@ -382,10 +402,27 @@ def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
         raise ConfigError(f"{name}: the top level must be a mapping of keys ({', '.join(StackConfig.model_fields)}), "
                           f"got {type(data).__name__} {_show(data)}")
     try:
-        return StackConfig.model_validate(data)
+        config = StackConfig.model_validate(data)
     except ValidationError as exc:
         lines = [f"{name}: {path}: {msg}" if path else f"{name}: {msg}" for path, msg in _explain(exc)]
         raise ConfigError("\n".join(dict.fromkeys(lines))) from None
+    _import_policies(config, name)
+    return config
+
+
+def _import_policies(config: StackConfig, name: str) -> None:
+    """Import the tiers' dotted-path eviction policies, once the whole config validated: a config can name
+    code to run, and none of it runs for a config that is refused. Raises ConfigError naming each key."""
+    from kvtier.policies import eviction_policy_class
+
+    lines = []
+    for i, tier in enumerate(config.tiers):
+        try:
+            eviction_policy_class(tier.eviction)
+        except ConfigError as exc:
+            lines.append(f"{name}: tiers[{i}].eviction: {exc}")
+    if lines:
+        raise ConfigError("\n".join(lines))
 
 
 # --- error messages ---------------------------------------------------------------------------
@@ -448,6 +485,7 @@ def _literal_values(loc: tuple[str | int, ...]) -> list[Any] | None:
 
 _TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
                "bool_type": "true or false", "list_type": "a list", "int_from_float": "an integer"}
+_PATTERN_MEANINGS = {"key_secret_env": "the name of an environment variable, e.g. KVTIER_KEY_SECRET"}
 _BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "at least"),
            "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
 
@@ -495,6 +533,9 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
             out.append((path, f"needs at least {ctx.get('min_length', 1)} entry, got an empty list"))
         elif kind == "string_too_short":
             out.append((path, f"{_show(value)} is empty; give a non-empty string"))
+        elif kind == "string_pattern_mismatch":
+            wanted = _PATTERN_MEANINGS.get(path, f"a string matching {ctx.get('pattern')}")
+            out.append((path, f"{_show(value)} is not {wanted}"))
         else:
             out.append((path, f"{err['msg']} (got {_show(value)})"))
     return out

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvtier.core.cuda_driver import BatchCopy, chunk_copies, copy_kernel
 from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 
@@ -94,6 +95,7 @@ class _Lane:
         self._thread.start()
 
     def _report(self) -> None:
+        mark_kvtier_thread()
         self._device.use()
         while (job := self.pending.get()) is not None:
             try:

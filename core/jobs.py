@@ -11,7 +11,9 @@ not be read or written by another job, and a slot read by one may not be written
 such a job, ``flush`` waits until a slot's jobs are over, and tiers ask ``is_fenced`` before freeing.
 
 Thread safety: all methods may be called from any thread; completion callbacks run exactly once,
-outside the manager's lock, on the thread that delivered the last report.
+outside the manager's lock, on the thread that delivered the last report. While they run, that thread
+counts as one of kvtier's own (``on_kvtier_thread``): a callback must not wait for kvtier's jobs, the
+one it belongs to is not over until it returns.
 """
 
 from __future__ import annotations
@@ -21,12 +23,38 @@ import itertools
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from kvtier.core.errors import FenceError, StateError
 
 log = logging.getLogger(__name__)
+
+_thread_role = threading.local()
+
+
+def on_kvtier_thread() -> bool:
+    """Whether the current thread is doing kvtier's own work: one of its worker threads, or any thread
+    while it runs a job's completion callbacks (a future's done-callbacks among them). Such a thread
+    must not block on kvtier's jobs or join kvtier's threads: it may be the one they wait for."""
+    return getattr(_thread_role, "depth", 0) > 0
+
+
+def mark_kvtier_thread() -> None:
+    """Mark the current thread as kvtier's own for the rest of its life (a worker thread's first call,
+    or a thread pool's ``initializer``)."""
+    _thread_role.depth = getattr(_thread_role, "depth", 0) + 1
+
+
+@contextmanager
+def kvtier_work() -> Iterator[None]:
+    """Mark the current thread as kvtier's own while the block runs."""
+    mark_kvtier_thread()
+    try:
+        yield
+    finally:
+        _thread_role.depth -= 1
 
 
 class JobState(enum.Enum):
@@ -255,16 +283,21 @@ class JobManager:
                     del self._fences[(fence.tier, fence.slot)]
 
     def _run_callbacks(self, job: Job) -> None:
-        callbacks, job._callbacks = job._callbacks, []
-        for callback in callbacks:
-            try:
-                callback(job)
-            except BaseException as exc:  # a callback bug must not kill the thread that reported
-                log.exception("completion callback of job %d failed", job.id)
-                job.callback_errors.append(exc)
+        with kvtier_work():
+            callbacks, job._callbacks = job._callbacks, []
+            while callbacks:  # one at a time: a stack whose last reference a callback held is finalized here, marked
+                self._run_callback(job, callbacks.pop(0))
         with self._lock:
             del self._jobs[job.id]  # the table holds jobs in flight only; callers keep their Job objects
         job._done.set()
+
+    @staticmethod
+    def _run_callback(job: Job, callback: Callable[[Job], None]) -> None:
+        try:
+            callback(job)
+        except BaseException as exc:  # a callback bug must not kill the thread that reported
+            log.exception("completion callback of job %d failed", job.id)
+            job.callback_errors.append(exc)
 
     def _wait_all(self, jobs: Iterable[Job], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

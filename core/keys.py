@@ -4,19 +4,39 @@ A block's key covers its own tokens and, through the chain, every token before i
 share the first ``n`` full blocks therefore share the first ``n`` keys, and a block found under a key
 is valid KV for exactly that prefix. The namespace seeds the chain so that keys from different models,
 dtypes, layouts or tensor-parallel ranks never collide: their bytes differ, so their keys must too.
+
+Keys are BLAKE2b with a 16-byte digest: finding two token sequences with one key costs about 2^64
+hashes, so one caller cannot forge another prompt's keys and be served its KV. Keys are visible to
+everyone who shares a store (disk slot headers, KV events); with a per-deployment secret every hash
+of the chain is keyed, so nobody without the secret can compute a prompt's keys, not even the next
+key from a known one.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import struct
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
-import xxhash
+
+from kvtier.core.errors import ConfigError
 
 KEY_BYTES = 16
-_SEED_PREFIX = b"kvtier\0"
+MAX_KEY_BYTES = 64
+"""The longest key a tier accepts (a disk slot header keeps it whole); callers with their own keys
+(the standalone API takes any ``bytes``) get a clear error above this, never a truncated key."""
+MIN_SECRET_BYTES = 16
+# BLAKE2b personalisations: the chain's root and its links are hashes of different things, so they
+# must never be confusable, whatever bytes a namespace or a block holds.
+_ROOT_PERSON = b"kvtier-root-v2"
+_LINK_PERSON = b"kvtier-link-v2"
+_SECRET_PERSON = b"kvtier-secret-v2"
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _namespace_bytes(namespace: bytes | str) -> bytes:
@@ -28,40 +48,122 @@ def _namespace_bytes(namespace: bytes | str) -> bytes:
     raise TypeError(f"namespace must be bytes or str, got {type(namespace).__name__}")
 
 
-def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int,
-                 namespace: bytes | str = b"", parent: bytes | None = None) -> list[bytes]:
+def hash_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE2b key for a secret of any length: BLAKE2b-256 of the secret, personalised
+    ``kvtier-secret-v2``. BLAKE2b takes keys of at most 64 bytes; hashing every secret (short ones
+    too) is one rule for all lengths."""
+    return hashlib.blake2b(secret, digest_size=32, person=_SECRET_PERSON).digest()
+
+
+@functools.lru_cache(maxsize=16)
+def _hashers(secret: bytes | None) -> tuple["hashlib._Hash", "hashlib._Hash"]:
+    """Root and link hashers, keyed with the secret when there is one, copied for every hash: a
+    copy skips BLAKE2b's parameter setup, a good part of the cost of hashing one small block."""
+    key = hash_key(secret) if secret is not None else b""
+    return (hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_ROOT_PERSON),
+            hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_LINK_PERSON))
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
+    """The tokens as little-endian int64 bytes, converted once for the whole prompt, and their count.
+
+    Token ids outside int64 are refused: a uint64 2**64-1 would wrap to -1 and hash like token -1,
+    a collision anyone could build. Bools and floats are not token ids either.
+    """
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be a flat sequence of ints, got an array of shape {tokens.shape}")
+    if tokens.size and (not np.issubdtype(tokens.dtype, np.integer)
+                        or tokens.dtype == np.uint64 and tokens.max() > _INT64_MAX):
+        _refuse(tokens if isinstance(token_ids, np.ndarray) else token_ids)
+    return tokens.astype("<i8", copy=False).tobytes(), tokens.size
+
+
+def _refuse(token_ids: Sequence) -> None:
+    """Raise for the first token id that is not an integer within int64, naming it and its index
+    (numpy turns a list mixing such ids into floats or objects, so the dtype alone would mislead)."""
+    for i, token in enumerate(token_ids):
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise TypeError(f"token_ids must be integers, got {token!r} ({type(token).__name__}) at index {i}")
+        if not -_INT64_MAX - 1 <= int(token) <= _INT64_MAX:
+            raise ValueError(f"token id {int(token)} at index {i} is outside int64; token ids must fit in a "
+                             f"signed 64-bit integer")
+    raise TypeError(f"token_ids must be integers within int64, got dtype {np.asarray(token_ids).dtype}")
+
+
+def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: bytes | str = b"",
+                 parent: bytes | None = None, secret: bytes | None = None) -> list[bytes]:
     """One 16-byte key per full block of ``block_size`` tokens; a trailing partial block gets none.
 
-    ``key_i = xxh3_128(key_{i-1} + tokens of block i as little-endian int64)`` and
-    ``key_{-1} = xxh3_128(b"kvtier\\0" + namespace)``. Partial blocks are skipped because their KV
-    is still being written by the engine and would change once the block fills.
+    ``key_i = BLAKE2b-128[link](key_{i-1} + tokens of block i as little-endian int64)`` and
+    ``key_{-1} = BLAKE2b-128[root](block_size as 8 bytes + len(namespace) as 8 bytes + namespace)``,
+    where [root] and [link] are distinct BLAKE2b personalisations. The fixed-width fields make the
+    root unambiguous: no two (block size, namespace) pairs feed it the same bytes. Partial blocks are skipped
+    because their KV is still being written by the engine and would change once the block fills.
+
+    ``secret`` keys every hash of the chain (``hash_key`` derives the BLAKE2b key from it): the same
+    tokens under another secret give unrelated keys, and without the secret no key can be computed.
 
     ``parent`` continues an existing chain: the key of the block just before ``token_ids`` (the
-    namespace is then already folded in). An engine whose sequences grow block by block hashes only
-    the new blocks: ``keys + chain_hashes(new_tokens, block_size, parent=keys[-1])`` equals the keys
-    of the whole sequence.
+    namespace is then already folded in; the secret must be the same). An engine whose sequences
+    grow block by block hashes only the new blocks:
+    ``keys + chain_hashes(new_tokens, block_size, parent=keys[-1])`` equals the keys of the whole sequence.
     """
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
         raise ValueError(f"parent must be a {KEY_BYTES}-byte key, got {parent!r:.40}")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer (tokens per block), got {block_size!r}")
+    if secret is not None and (not isinstance(secret, bytes) or not secret):
+        raise ValueError("secret must be non-empty bytes (or None for unkeyed keys)")
     block_size = int(block_size)
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1:
-        raise ValueError(f"token_ids must be a flat sequence of ints, got an array of shape {tokens.shape}")
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"token_ids must be integers, got dtype {tokens.dtype}")
-    n_blocks = tokens.size // block_size
-    # One conversion for the whole prompt; each block is then a slice of this buffer.
-    data = tokens[: n_blocks * block_size].astype("<i8", copy=False).tobytes()
+    data, n_tokens = _token_bytes(token_ids)
+    root, link = _hashers(secret)
+    if parent is None:
+        ns = _namespace_bytes(namespace)
+        h = root.copy()
+        h.update(struct.pack("<QQ", block_size, len(ns)) + ns)
+        parent = h.digest()
     stride = block_size * 8
-    digest = xxhash.xxh3_128_digest
-    prev = digest(_SEED_PREFIX + _namespace_bytes(namespace)) if parent is None else parent
     keys: list[bytes] = []
-    for i in range(n_blocks):
-        prev = digest(prev + data[i * stride:(i + 1) * stride])
-        keys.append(prev)
+    for i in range(n_tokens // block_size):
+        h = link.copy()
+        h.update(parent)
+        h.update(data[i * stride:(i + 1) * stride])
+        parent = h.digest()
+        keys.append(parent)
     return keys
+
+
+def key_secret(env_name: str | None) -> bytes | None:
+    """The key secret from the environment variable ``env_name`` (a config's ``key_secret_env``), or
+    None when no variable is named (unkeyed keys).
+
+    A named variable that is unset, empty or shorter than 16 bytes is a ConfigError rather than a
+    silent fall-back to unkeyed keys. Keys depend on the secret: a secret that changes between
+    restarts leaves every block on disk unreachable (they are never served under the new keys).
+    """
+    if env_name is None:
+        return None
+    value = os.environb.get(os.fsencode(env_name), b"")
+    if not value:
+        raise ConfigError(f"key_secret_env: the environment variable {env_name} is unset or empty; set it to a "
+                          f"secret of at least {MIN_SECRET_BYTES} bytes (e.g. the output of `openssl rand -hex 32`), "
+                          f"the same in every process that shares the cache, or remove key_secret_env")
+    if len(value) < MIN_SECRET_BYTES:
+        raise ConfigError(f"key_secret_env: the environment variable {env_name} holds {len(value)} bytes, fewer "
+                          f"than the {MIN_SECRET_BYTES} a key secret needs; set it to a longer random value "
+                          f"(e.g. the output of `openssl rand -hex 32`)")
+    return value
+
+
+def check_key(key: object) -> None:
+    """Refuse what cannot be a block key: not ``bytes``, empty, or longer than MAX_KEY_BYTES (a disk
+    slot header keeps at most that many; a longer key would be stored and then never found)."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"a block key must be bytes, got {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a block key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)} bytes "
+                         f"(key {key[:16].hex()}...); hash longer identifiers down to {KEY_BYTES} bytes")
 
 
 @dataclass(frozen=True)
@@ -84,4 +186,4 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-__all__ = ["KEY_BYTES", "Namespace", "chain_hashes"]
+__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "hash_key", "key_secret"]

@@ -13,19 +13,27 @@ down to the low mark, so foreground stores seldom wait for space.
 Thread safety: public methods may be called from any thread. Planning happens under the stack's lock
 (taken before any tier lock); copy completions never take it: they only commit, abort, unpin, and
 post follow-up work (the next write-through hop, a watermark check) to the stack's background thread.
+
+Lifetime: ``close()`` releases everything (see there), also when called from a future's done-callback.
+Threads hold only what the release needs (``_Resources``), never the stack itself, so a stack dropped
+without ``close()`` is collected and a finalizer releases its threads, memory and files.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
+import warnings
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvtier.core.errors import CapacityError, ClosedError, StateError, TransferError
-from kvtier.core.jobs import Fence, Job, JobManager, JobState
+from kvtier.core.jobs import Fence, Job, JobManager, JobState, mark_kvtier_thread, on_kvtier_thread
+from kvtier.core.keys import check_key
 from kvtier.core.routes import Capabilities, plan_route
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
@@ -94,10 +102,14 @@ class TierStack:
         self._route = route
         self._lock = threading.RLock()
         self._closed = False
-        self.background_errors: list[BaseException] = []
-        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._background, name="kvtier-stack", daemon=True)
-        self._worker.start()
+        self._release_over = threading.Event()
+        self._resources = _Resources(self.tiers, self.backends, self.jobs)
+        self._work = self._resources.work
+        self.background_errors = self._resources.errors
+        self._name = f"kvtier stack ({', '.join(names)})"
+        self._resources.worker.start()
+        self._finalizer = weakref.finalize(self, _release_dropped, self._resources, self._name)
+        self._finalizer.atexit = False  # at exit the process goes anyway; joining threads then could hang it
 
     # --- the engine's questions ----------------------------------------------------------------
 
@@ -122,6 +134,8 @@ class TierStack:
         """
         if len(keys) != len(src_slots):
             raise ValueError(f"{len(keys)} keys but {len(src_slots)} source slots")
+        for key in keys:  # before any room is made: a key no tier can hold is refused with nothing moved
+            check_key(key)
         future: Future[StoreResult] = Future()
         with self._lock:
             self._check_open()
@@ -209,27 +223,27 @@ class TierStack:
         """Refuse new work, wait for every job in flight, copy blocks that only memory tiers hold down
         into a disk tier below them (so a restart finds them), stop the background thread, release
         the tiers. Raises StateError if a tier still has pinned or writing blocks afterwards (a leak).
+
+        On one of kvtier's own threads (a future's done-callback runs inside a job's completion, and
+        that job is not over until the callback returns) it cannot wait: it refuses new work at once,
+        returns, and a thread of its own releases everything as soon as the callback has returned
+        (errors are logged there). A close() that finds the stack already closing waits until that
+        release is over (TimeoutError after ``timeout``); on kvtier's own threads it returns at once.
+        A stack dropped without close() is released by a finalizer instead, without the copy to disk
+        (``_release_dropped``).
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.wait_idle(timeout)
-        for index in range(len(self.tiers) - 1):
-            if not any(t.medium == "disk" for t in self.tiers[index + 1:]):
-                break
-            with self._lock:
-                self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
-            self.wait_idle(timeout)
-        self._work.put(None)
-        self._worker.join(timeout)
-        for backend in self.backends:
-            backend.close()
-        leaks = {t.name: t.leaks() for t in self.tiers if any(t.leaks().values())}
-        if leaks:
-            raise StateError(f"blocks still in use at close: {leaks}")
-        for tier in self.tiers:
-            tier.close()
+            first, self._closed = not self._closed, True
+        if first:
+            self._finalizer.detach()
+        if on_kvtier_thread():
+            if first:
+                _run_apart(functools.partial(self._release, timeout), f"closing the {self._name}")
+            return
+        if first:
+            self._release(timeout)
+        elif not self._release_over.wait(timeout):
+            raise TimeoutError(f"the {self._name}'s release, begun by another close(), still runs after {timeout} s")
 
     @property
     def closed(self) -> bool:
@@ -237,11 +251,10 @@ class TierStack:
 
     def wait_idle(self, timeout: float | None = 60.0) -> None:
         """Wait until background work (write-through hops, watermark demotions) and every job are done."""
-        while True:
-            self._work.join()
-            self.jobs.drain(timeout)
-            if self._work.unfinished_tasks == 0 and not self.jobs.in_flight():
-                return
+        if on_kvtier_thread():
+            raise StateError("wait_idle() cannot run in a kvtier completion callback: the callback's own job "
+                             "is not over until it returns")
+        self._resources.wait_idle(timeout)
 
     def describe(self) -> str:
         lines = [f"kvtier stack: {len(self.tiers)} tier(s), placement {self.placement}, "
@@ -262,6 +275,29 @@ class TierStack:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _release(self, timeout: float | None) -> None:
+        """The work of close(): wait, copy memory-only blocks down to disk, release the resources."""
+        try:
+            self._resources.wait_idle(timeout)
+            try:
+                self._copy_down_to_disk(timeout)
+            except Exception as exc:  # e.g. thread pools refusing work at interpreter exit: release anyway
+                log.warning("%s closed without copying the blocks only its memory tiers hold to disk: %s",
+                            self._name, exc)
+            self._resources.release(timeout)
+        finally:
+            self._release_over.set()
+
+    def _copy_down_to_disk(self, timeout: float | None) -> None:
+        """Copy every block a tier holds that the tier below lacks into it, top down, as far as the
+        lowest disk tier: what a restart finds is then everything the stack held."""
+        for index in range(len(self.tiers) - 1):
+            if not any(t.medium == "disk" for t in self.tiers[index + 1:]):
+                break
+            with self._lock:
+                self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
+            self._resources.wait_idle(timeout)
 
     # --- planning (under self._lock) -----------------------------------------------------------
 
@@ -431,9 +467,10 @@ class TierStack:
     def _submit(self, transfer: Transfer, kind: str, fences: Sequence[Fence], on_done: Callable[[Job], None]) -> Job:
         job = self.jobs.create(kind, transfer.num_blocks, 1, fences, on_done)
         self.jobs.start(job.id)
+        report = functools.partial(self.jobs.report, job.id)  # not a closure over the stack: see _Resources
         try:
             backend = self._backend_for(transfer.src.device, transfer.dst.device, "")
-            backend.submit(transfer, lambda failed: self.jobs.report(job.id, failed))
+            backend.submit(transfer, report)
         except Exception:
             self.jobs.report(job.id, range(transfer.num_blocks))  # the job ends failed and releases everything
             raise
@@ -457,15 +494,96 @@ class TierStack:
         for job in jobs:
             self.jobs.wait(job)
 
-    def _background(self) -> None:
+
+class _Resources:
+    """What a stack's threads, memory and files hang on, and nothing that refers back to the stack.
+
+    The background thread and the finalizer of a stack dropped without close() hold this object: one
+    holding the stack would keep it reachable for ever, and the finalizer would never run.
+    """
+
+    def __init__(self, tiers: list[Tier], backends: list[TransferBackend], jobs: JobManager) -> None:
+        self.tiers = tiers
+        self.backends = backends
+        self.jobs = jobs
+        self.work: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.worker = threading.Thread(target=_background, args=(self.work, self.errors), name="kvtier-stack",
+                                       daemon=True)
+
+    def wait_idle(self, timeout: float | None) -> None:
         while True:
-            task = self._work.get()
-            try:
-                if task is None:
-                    return
-                task()
-            except Exception as exc:  # recorded and counted; the stack keeps serving
+            self.work.join()
+            self.jobs.drain(timeout)
+            if self.work.unfinished_tasks == 0 and not self.jobs.in_flight():
+                return
+
+    def release(self, timeout: float | None) -> None:
+        """Stop the background thread, close the backends (each waits for its copies) and the tiers.
+        Raises StateError naming the tiers that still have pinned or writing blocks (a leak: those
+        stay open); the others are closed."""
+        self.work.put(None)
+        self.worker.join(timeout)
+        for backend in self.backends:
+            backend.close()
+        leaks = {}
+        for tier in self.tiers:
+            in_use = tier.leaks()
+            if any(in_use.values()):
+                leaks[tier.name] = in_use
+            else:
+                tier.close()
+        if leaks:
+            raise StateError(f"blocks still in use at close: {leaks}")
+
+
+def _background(work: queue.Queue, errors: list[BaseException]) -> None:
+    """The stack's background thread: runs queued tasks until it gets None. It holds the queue, not the
+    stack, and lets go of each task (a closure over the stack) once it ran, so a dropped stack can be
+    collected while this thread waits."""
+    mark_kvtier_thread()
+    while (task := work.get()) is not None:
+        try:
+            task()
+        except Exception as exc:  # recorded and counted; the stack keeps serving
+            if isinstance(exc, ClosedError):  # a backend refused the copy: the interpreter is exiting
+                log.warning("kvtier background copy not done: %s", exc)
+            else:
                 log.exception("kvtier background task failed")
-                self.background_errors.append(exc)
-            finally:
-                self._work.task_done()
+            errors.append(exc.with_traceback(None))  # its frames would hold the stack
+        finally:
+            del task
+            work.task_done()
+    work.task_done()
+
+
+def _release_dropped(resources: _Resources, what: str) -> None:
+    """Finalizer of a stack dropped without close(): wait for its jobs in flight, stop its threads,
+    close its backends and tiers (freeing memory and the disk lock). Unlike close() it does not copy
+    blocks that only memory tiers hold down to disk: those are lost, so it warns."""
+    warnings.warn(f"{what} was dropped without close(); its threads and files are released now, but blocks only "
+                  f"its memory tiers held are not written to disk: call close() or use it in a with block",
+                  ResourceWarning)
+
+    def release() -> None:
+        resources.wait_idle(60.0)
+        resources.release(60.0)
+
+    if on_kvtier_thread():  # collected in a completion or on a kvtier thread: that thread cannot wait
+        _run_apart(release, f"releasing a dropped {what}")
+    else:
+        _logged(release, f"releasing a dropped {what}")
+
+
+def _logged(release: Callable[[], None], what: str) -> None:
+    """Run ``release`` where no caller is left to raise to: errors are logged."""
+    try:
+        release()
+    except Exception:
+        log.exception("%s failed", what)
+
+
+def _run_apart(release: Callable[[], None], what: str) -> None:
+    """Run ``release`` on a short-lived thread of its own, not marked as kvtier's, so it may wait for
+    kvtier's jobs and join kvtier's threads. Not a daemon: the interpreter lets it finish at exit."""
+    threading.Thread(target=_logged, args=(release, what), name="kvtier-release").start()

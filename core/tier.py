@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
+from kvtier.core.keys import check_key
 from kvtier.core.metrics import TierStats
 from kvtier.core.storage import BlockStorage
 from kvtier.policies.base import EvictionPolicy
@@ -202,8 +203,12 @@ class Tier:
         All or nothing. Keys must be distinct and absent from the tier (StateError otherwise). When
         too few slots are free and ``allow_evict``, READY unpinned blocks are dropped through the
         policy; pinned, writing and evicting blocks never are. Returns None (and claims nothing)
-        when the room cannot be made. Raises CapacityError when ``keys`` outnumber the whole tier.
+        when the room cannot be made. Raises CapacityError when ``keys`` outnumber the whole tier, and
+        TypeError or ValueError (``check_key``) for a key that is not 1 to MAX_KEY_BYTES bytes: every
+        store passes here, so no tier ever holds a key it could not keep whole.
         """
+        for key in keys:
+            check_key(key)
         if len(keys) > self.capacity:
             raise CapacityError(f"{len(keys)} blocks can never fit in tier {self.name!r} of {self.capacity} blocks")
         if len(set(keys)) != len(keys):

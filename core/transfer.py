@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.storage import BlockStorage
 
 GIL_HELD_BELOW_BYTES = 256 * 1024
@@ -157,7 +158,7 @@ class CPUBackend(TransferBackend):
         if threads < 1:
             raise ValueError("the CPU backend needs at least one thread")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy", initializer=mark_kvtier_thread)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -187,8 +188,11 @@ class CPUBackend(TransferBackend):
         with self._lock:
             if self._closed:
                 raise ClosedError("the transfer backend is closed")
-            for lo, hi in parts:
-                self._pool.submit(run, lo, hi, transfer)
+            try:
+                for lo, hi in parts:
+                    self._pool.submit(run, lo, hi, transfer)
+            except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
+                raise ClosedError(f"the CPU transfer backend takes no more copies: {exc}") from None
 
     def _split(self, copies: CopyList) -> list[tuple[int, int]]:
         """Cut the copy list into up to ``threads`` parts of similar byte counts, at copy boundaries."""

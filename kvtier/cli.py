@@ -47,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="show what a disk tier directory holds")
     inspect.add_argument("path", help="the disk tier's directory (its `path` in the YAML)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    inspect.add_argument("--shared-directory", action="store_true",
+                         help="accept a directory or slab of another owner, or group-writable (the tier's "
+                              "shared_directory: true)")
     args = parser.parse_args(argv)
 
     console = Console()
     if args.command == "inspect":
         try:
-            info = inspect_slab(args.path)
+            info = inspect_slab(args.path, shared_directory=args.shared_directory)
         except DiskTierError as exc:
             console.print(f"kvtier inspect: {exc}")
             return 1

@@ -83,6 +83,9 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
     except (ReplayError, ConfigError, TransferError, ValueError, OSError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # the replay's own buffers: block_bytes times the longest request
+        print(f"kvtier replay: out of memory ({str(exc) or 'MemoryError'}); lower --block-bytes", file=sys.stderr)
+        return 2
     if not args.json:
         print_summary(summary, console)
     if args.plot:

@@ -14,6 +14,7 @@ import torch
 import kvtier
 from kvtier.core.cuda_transfer import cuda_available
 from kvtier import ClosedError, ConfigError, KVTier, TransferError, chain_hashes
+from kvtier.core.storage import buffer_storage
 
 CONFIG = {
     "block_tokens": 4,
@@ -51,6 +52,62 @@ def test_keys_use_the_configured_block_size_and_namespace():
         assert kv.keys(list(range(8))) == chain_hashes(list(range(8)), 4, "test-model")
         given = [b"k" * 16, b"j" * 16]
         assert kv.keys(given) == given
+
+
+def test_keys_are_keyed_with_the_secret_of_key_secret_env(monkeypatch):
+    monkeypatch.setenv("KVTIER_TEST_SECRET", "a-deployment-secret-of-32-bytes!")
+    tokens, data = list(range(8)), blocks(2, seed=4)
+    with KVTier.open(dict(CONFIG, key_secret_env="KVTIER_TEST_SECRET")) as kv:
+        keys = kv.keys(tokens)
+        assert keys == chain_hashes(tokens, 4, "test-model", secret=b"a-deployment-secret-of-32-bytes!")
+        assert not set(keys) & set(chain_hashes(tokens, 4, "test-model"))  # unguessable without the secret
+        kv.store(tokens, data).result(10)
+        out = np.zeros_like(data)
+        assert kv.load(tokens, out).result(10).loaded == 2 and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("value", [None, "", "short"])
+def test_open_refuses_a_missing_or_short_key_secret(monkeypatch, value):
+    monkeypatch.delenv("KVTIER_TEST_SECRET", raising=False)
+    if value is not None:
+        monkeypatch.setenv("KVTIER_TEST_SECRET", value)
+    with pytest.raises(ConfigError, match="environment variable KVTIER_TEST_SECRET"):
+        KVTier.open(dict(CONFIG, key_secret_env="KVTIER_TEST_SECRET"))
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (b"k" * 100, ValueError, "must be 1 to 64 bytes, got 100 bytes"),
+    (b"", ValueError, "must be 1 to 64 bytes, got 0 bytes"),
+    ("not-bytes", TypeError, "must be bytes, got str"),
+])
+def test_caller_keys_no_tier_keeps_whole_are_refused(bad, error, message):
+    """A key longer than MAX_KEY_BYTES used to be stored, shown as a hit and never loadable; such keys,
+    empty ones and non-bytes are refused by every call, and nothing is stored."""
+    with KVTier.open(CONFIG) as kv:
+        for call in (lambda keys: kv.store(keys, blocks(2)), kv.lookup,
+                     lambda keys: kv.load(keys, np.zeros((2, 4096), np.uint8))):
+            with pytest.raises(error, match=message):
+                call([b"k" * 16, bad])
+        assert kv.stats()["gpu"]["used"] == 0
+
+
+def test_64_byte_keys_round_trip():
+    keys, data = [b"a" * 64, b"b" * 64], blocks(2, seed=5)
+    with KVTier.open(CONFIG) as kv:
+        assert kv.store(keys, data).result(10).stored == 2
+        assert kv.lookup(keys) == 2
+        out = np.zeros_like(data)
+        assert kv.load(keys, out).result(10).loaded == 2 and np.array_equal(out, data)
+
+
+def test_a_stack_used_directly_refuses_long_keys_and_misses_on_lookup():
+    """Direct TierStack users get the same refusal from the tier (``Tier.reserve``); a lookup of a key
+    no tier can hold simply misses."""
+    with KVTier.open(CONFIG) as kv:
+        with pytest.raises(ValueError, match="got 100 bytes"):
+            kv.stack.store([b"k" * 100], buffer_storage(blocks(1), kv.layout), [0])
+        assert kv.stack.lookup([b"k" * 100]).hits == 0
+        assert kv.stats()["gpu"]["used"] == 0
 
 
 def test_caller_may_drop_its_buffer_right_after_store():

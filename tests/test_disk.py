@@ -12,8 +12,8 @@ Invariants checked:
 - a larger capacity at reopen keeps every block, a smaller one the blocks in the slots that remain (the
   file is cut, a warning counts what was dropped); another block size, codec or slot size discards the
   cache with a warning that names the change;
-- the directory lock: a second open, in this process or another, fails with a DiskTierError naming the
-  directory, and the first holder keeps working;
+- the directory lock (a flock on the slab file): a second open, in this process or another, fails with a
+  DiskTierError naming the directory and the holder's pid, and the first holder keeps working;
 - counters (committed, demoted, evicted, hits, bytes, read_errors, damaged) count what happened;
 - write-through copies every block to disk, write-back only what is pushed out of the host tier;
 - a full disk tier evicts its least recently used blocks, a disk watermark brings usage to the low mark;
@@ -53,14 +53,15 @@ LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 
 
 def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, block_bytes=BLOCK,
-                placement="write_back", o_direct="auto", disk_watermark=None, gpu=None) -> dict:
-    """A stack over a disk tier at ``path``; every tier evicts in LRU order, which tests here count on."""
+                placement="write_back", o_direct="auto", disk_watermark=None, gpu=None, **disk_options) -> dict:
+    """A stack over a disk tier at ``path``; every tier evicts in LRU order, which tests here count on.
+    ``disk_options`` are further keys of the disk tier (``shared_directory``, ``reinitialise``)."""
     tiers = []
     if gpu:
         tiers.append({"medium": "gpu", "capacity_blocks": gpu})
     if host:
         tiers.append({"medium": "host", "capacity_blocks": host})
-    disk_cfg = {"medium": "disk", "path": str(path), "capacity_blocks": disk, "o_direct": o_direct}
+    disk_cfg = {"medium": "disk", "path": str(path), "capacity_blocks": disk, "o_direct": o_direct, **disk_options}
     if disk_watermark:
         disk_cfg["watermark"] = {"high": disk_watermark[0], "low": disk_watermark[1]}
     tiers.append(disk_cfg)
@@ -497,7 +498,7 @@ def test_a_second_open_in_this_process_fails_and_names_the_directory(tmp_path):
     loaded, out = get(stack, KEYS[:6])
     assert loaded.loaded == 6
     assert_exact(KEYS[:6], loaded, out)
-    assert inspect_slab(tmp_path)["lock_holder"] == f"kvtier pid {os.getpid()}"
+    assert inspect_slab(tmp_path)["lock_holder"] == f"pid {os.getpid()}"
     stack.close()
     assert inspect_slab(tmp_path)["lock_holder"] is None
     stack = open_stack(tmp_path)  # free again after close
@@ -524,7 +525,7 @@ def test_this_process_cannot_open_a_directory_another_process_holds(tmp_path):
         with pytest.raises(DiskTierError) as err:
             open_stack(tmp_path)
         assert str(tmp_path) in str(err.value) and f"pid {child.pid}" in str(err.value)
-        assert inspect_slab(tmp_path)["lock_holder"] == f"kvtier pid {child.pid}"
+        assert inspect_slab(tmp_path)["lock_holder"] == f"pid {child.pid}"
     finally:
         child.stdin.close()
         assert child.wait(timeout=60) == 0, child.stderr.read()

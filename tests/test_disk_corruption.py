@@ -15,7 +15,8 @@ Invariants checked:
 - forged headers (a header copied onto another slot's bytes, a newer copy, a wrong length) never
   make one key return another key's bytes;
 - a damaged file header discards the whole cache (geometry unknown): nothing is found, the file is
-  rebuilt and works;
+  rebuilt and works; a damaged magic makes the file no kvtier slab: it is refused, left byte for byte
+  as it was, and rebuilt only with ``reinitialise: true``;
 - a truncated slab keeps the blocks wholly before the cut, bit-exact, finds nothing after it, and a
   block cut in half is a failed load, never partial bytes;
 - garbage over slots makes them damaged and free; they are reused cleanly afterwards;
@@ -38,20 +39,20 @@ from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, SLAB_NAME, SlotHeader, inspect_slab
+from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, SlotHeader, inspect_slab
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 KEYS = [key(i) for i in range(32)]
 N = 6          # blocks written before the damage, into slots 0..N-1
 CAPACITY = 8
-HEADER_BYTES = 99  # the checksummed part of a slot header: fields (91 bytes) and their checksum (8)
+HEADER_BYTES = 131  # the checksummed part of a slot header: fields (123 bytes) and their checksum (8)
 FILE_HEADER_BYTES = 45  # the compared part of the file header: fields (37 bytes) and their checksum (8)
 
 
-def open_stack(path, host=0, disk=CAPACITY):
+def open_stack(path, host=0, disk=CAPACITY, reinitialise=False):
     tiers = ([{"medium": "host", "capacity_blocks": host}] if host else []) + \
-            [{"medium": "disk", "path": str(path), "capacity_blocks": disk}]
+            [{"medium": "disk", "path": str(path), "capacity_blocks": disk, "reinitialise": reinitialise}]
     return build_stack(load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "corrupt",
                                     "tiers": tiers}))
 
@@ -299,16 +300,34 @@ def test_a_valid_header_with_the_wrong_length_is_damaged(slab):
 # --- the file header --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offset", [0, 7, 8, 12, 20, 28, 36, 37, 44])  # magic, version, sizes, count, codec, checksum
+def assert_discarded(slab, stack) -> None:
+    disk = stack.tiers[0]
+    assert disk.usage().used == 0 and ready(disk, KEYS) == [] and disk.stats.damaged == 0
+    assert os.path.getsize(slab.file) == slab.file_bytes
+    still_works(slab.path, stack)
+
+
+@pytest.mark.parametrize("offset", [8, 12, 20, 28, 36, 37, 44])  # version, sizes, count, codec, checksum
 def test_a_damaged_file_header_discards_the_cache(slab, offset, caplog):
     flip(slab.file, offset)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
         stack = open_stack(slab.path)
     assert "discarding the old cache" in caplog.text
-    disk = stack.tiers[0]
-    assert disk.usage().used == 0 and ready(disk, KEYS) == [] and disk.stats.damaged == 0
-    assert os.path.getsize(slab.file) == slab.file_bytes
-    still_works(slab.path, stack)
+    assert_discarded(slab, stack)
+
+
+@pytest.mark.parametrize("offset", [0, 7])  # first and last byte of the magic
+def test_a_damaged_magic_is_kept_untouched_unless_reinitialise(slab, offset, caplog):
+    flip(slab.file, offset)
+    before = slab.file.read_bytes()
+    with pytest.raises(DiskTierError) as err:
+        open_stack(slab.path)
+    assert str(slab.file) in str(err.value) and "reinitialise: true" in str(err.value)
+    assert slab.file.read_bytes() == before
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        stack = open_stack(slab.path, reinitialise=True)
+    assert "not a kvtier slab; overwriting it" in caplog.text
+    assert_discarded(slab, stack)
 
 
 def test_bytes_past_the_file_header_fields_do_not_matter(slab):

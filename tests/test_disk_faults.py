@@ -457,7 +457,7 @@ def test_a_preallocated_slab_keeps_working_on_a_full_filesystem(small_fs):
     path = small_fs / "cache"
     stack, _ = open_stack(path, host=4, disk=16)
     filler = small_fs / "filler"
-    with open(filler, "wb") as f:  # take every byte left on the filesystem
+    with open(filler, "wb", buffering=0) as f:  # take every byte left on the filesystem (no buffer left to flush)
         try:
             while True:
                 f.write(b"\xff" * 65536)

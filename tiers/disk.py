@@ -16,53 +16,51 @@ made durable before new bytes land in it. So after any crash a valid header alwa
 bytes, and reopening the directory rebuilds the index by scanning slot headers. Every read checks the
 header and the data checksum; a mismatch is a miss, never wrong data.
 
-A lock file keeps a second process from opening the same directory.
+Opening (``disk_files``): the directory and slab must be the running user's and writable by nobody
+else (unless ``shared_directory``), the slab is never reached through a symbolic link, and a lock on
+the slab itself keeps a second process out. A file under the slab's name that is not a kvtier slab
+is never overwritten unless ``reinitialise`` says so.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import math
 import mmap
 import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
-from kvtier.core.errors import ConfigError, KvtierError
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.compression import CODEC_IDS, CODEC_NAMES, codec
+from kvtier.tiers.disk_files import (SLAB_NAME, DiskTierError, lock_holder, open_directory, open_slab,
+                                     open_slab_for_reading, remove_slab, reopen_slab)
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-SLAB_NAME = "slab.kvt"
-LOCK_NAME = "kvtier.lock"
 FILE_MAGIC = b"KVTSLAB1"
 SLOT_MAGIC = b"KVTBLK01"
 # file header: magic, version, block_bytes, slot_stride, num_slots, codec id, checksum of the preceding fields
 _FILE_HEADER = struct.Struct("<8sIQQQB")
-# slot header: magic, namespace digest, key length, key (up to 32 bytes), raw block bytes, checksum of the
-# raw bytes, sequence, stored payload bytes, codec id
-_SLOT_HEADER = struct.Struct("<8s16sH32sQQQQB")
+# slot header: magic, namespace digest, key length, key (up to MAX_KEY_BYTES, kept whole), raw block bytes,
+# checksum of the raw bytes, sequence, stored payload bytes, codec id
+_SLOT_HEADER = struct.Struct(f"<8s16sH{MAX_KEY_BYTES}sQQQQB")
 _CHECKSUM = struct.Struct("<Q")
-VERSION = 2
+VERSION = 3  # 3: keys up to 64 bytes (2 held 32)
 # Room per block when compression is on and slot_bytes is not given, as a fraction of block_bytes:
 # what bf16 KV blocks compress to with some margin (zstd-1 0.69, lz4 0.85 of 256 KiB blocks, bench/disk.py).
 DEFAULT_SLOT_FRACTION = {"zstd": 0.75, "lz4": 0.875}
-
-
-class DiskTierError(KvtierError, OSError):
-    """The disk tier's directory cannot be used (locked by another process, no space, bad path)."""
 
 
 def _round_up(n: int) -> int:
@@ -114,7 +112,12 @@ class SlotHeader:
     codec: int     # CODEC_IDS
 
     def pack(self) -> bytes:
-        body = _SLOT_HEADER.pack(SLOT_MAGIC, self.namespace, len(self.key), self.key.ljust(32, b"\0"),
+        """The slot's header page. Raises ValueError for a key longer than MAX_KEY_BYTES: a header keeps
+        its key whole, never cut (a cut key would store fine and never load)."""
+        if len(self.key) > MAX_KEY_BYTES:
+            raise ValueError(f"key {self.key[:16].hex()}... is {len(self.key)} bytes long; a disk slot header "
+                             f"holds at most {MAX_KEY_BYTES}")
+        body = _SLOT_HEADER.pack(SLOT_MAGIC, self.namespace, len(self.key), self.key,
                                  self.length, self.checksum, self.sequence, self.payload, self.codec)
         return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(PAGE, b"\0")
 
@@ -126,7 +129,7 @@ class SlotHeader:
         if xxhash.xxh3_64_intdigest(body) != stored:
             return None
         magic, namespace, key_len, key, length, checksum, sequence, payload, codec_id = _SLOT_HEADER.unpack(body)
-        if magic != SLOT_MAGIC or key_len > 32:
+        if magic != SLOT_MAGIC or key_len > MAX_KEY_BYTES:
             return None
         return cls(key[:key_len], namespace, length, checksum, sequence, payload, codec_id)
 
@@ -195,31 +198,41 @@ def header_fits(header: SlotHeader, block_bytes: int, codec_id: int, room: int) 
     return 0 < header.payload <= room
 
 
+def _slots_in_file(file_bytes: int, slot_stride: int) -> int:
+    """Whole slots a slab file of ``file_bytes`` holds after its file header page: what any scan is
+    bounded by, whatever a header claims."""
+    return max(0, file_bytes - PAGE) // slot_stride
+
+
 def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
-                       compression: str = "none", slot_bytes: int | None = None) -> dict[int, SlotHeader]:
+                       compression: str = "none", slot_bytes: int | None = None,
+                       shared_directory: bool = False) -> dict[int, SlotHeader]:
     """The valid headers of this namespace's blocks in the slab in directory ``path``, by slot: what a
     ``DiskSlab`` opened there with the same arguments would recover, found without taking the lock and
     without writing (the process that owns the directory may be opening or using it meanwhile).
 
     Empty when there is no slab or its file header is damaged or names another geometry (its owner
-    discards such a file when it opens it). Slots from ``num_slots`` on are left out (a smaller slab
-    cuts them). Every slot is reported as it is, older copies of a key included.
+    discards such a file when it opens it), and, with a warning naming the path, when the directory or
+    slab fails the owner's checks (``disk_files``: the same ownership, mode and file-type rules,
+    ``shared_directory`` as configured) or cannot be read: never an exception into the engine. Slots
+    from ``num_slots`` on, or past the file's end, are left out (a smaller slab cuts them). Every slot is
+    reported as it is, older copies of a key included.
     """
     room = checked_slot_room(path, layout.block_bytes, compression, slot_bytes)
     codec_id = CODEC_IDS[compression]
     slab_path = Path(path) / SLAB_NAME
     try:
-        fd = os.open(slab_path, os.O_RDONLY)
-    except FileNotFoundError:
+        fd = open_slab_for_reading(Path(path), shared=shared_directory)
+    except OSError as exc:  # DiskTierError included
+        log.warning("disk tier %s cannot be read (%s); none of its blocks are kept", slab_path, exc)
         return {}
-    except OSError as exc:  # the owner reports what is wrong with its directory when it opens it
-        log.warning("disk tier %s cannot be read (%s); none of its blocks are kept", slab_path, exc.strerror)
+    if fd is None:
         return {}
     try:
         fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
         if _geometry_change(fields, layout.block_bytes, PAGE + room, codec_id) is not None:
             return {}
-        in_file = max(0, os.fstat(fd).st_size - PAGE) // (PAGE + room)
+        in_file = _slots_in_file(os.fstat(fd).st_size, PAGE + room)
         digest = namespace_digest(namespace, layout)
         return {slot: header for slot, header, _ in read_slot_headers(fd, min(num_slots, in_file), PAGE + room)
                 if header is not None and header.namespace == digest
@@ -232,23 +245,24 @@ def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLay
         os.close(fd)
 
 
-def inspect_slab(path: str | os.PathLike) -> dict:
+def inspect_slab(path: str | os.PathLike, shared_directory: bool = False) -> dict:
     """What a disk tier directory holds, read without taking its lock (a running process may own it).
 
     Returns the geometry, blocks per namespace digest, damaged slot headers, free slots and bytes,
-    the lock holder, and the filesystem's free space. Raises DiskTierError when there is no slab.
+    the lock holder, and the filesystem's free space. ``slots`` counts the slots the file really holds
+    (a header may claim more: a crash mid-shrink, or a forged one). Raises DiskTierError when there is
+    no slab, or it fails the owner's checks (``disk_files``), or its file header is not a readable
+    kvtier one of this version.
     """
     directory = Path(path)
     slab_path = directory / SLAB_NAME
+    fd = open_slab_for_reading(directory, shared=shared_directory)
+    if fd is None:
+        raise DiskTierError(f"no kvtier disk tier in {str(directory)!r}: it holds no {SLAB_NAME}")
     try:
-        fd = os.open(slab_path, os.O_RDONLY)
-    except OSError as exc:
-        raise DiskTierError(f"no kvtier disk tier in {str(directory)!r}: {exc.strerror}") from exc
-    try:
-        fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
-        if fields is None:
-            raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
-        magic, version, block_bytes, slot_stride, num_slots, codec_id = fields
+        magic, version, block_bytes, slot_stride, claimed, codec_id = _checked_file_header(fd, slab_path)
+        st = os.fstat(fd)
+        num_slots = min(claimed, _slots_in_file(st.st_size, slot_stride))
         namespaces: dict[str, int] = {}
         damaged = stored = 0
         for _, header, blank in read_slot_headers(fd, num_slots, slot_stride):
@@ -259,37 +273,42 @@ def inspect_slab(path: str | os.PathLike) -> dict:
                 namespaces[digest] = namespaces.get(digest, 0) + 1
                 stored += header.payload
         blocks = sum(namespaces.values())
-        lock = directory / LOCK_NAME
+        filesystem = os.fstatvfs(fd)
         return {
             "path": str(slab_path), "version": version, "block_bytes": block_bytes, "slot_stride": slot_stride,
             "slot_bytes": slot_stride - PAGE, "compression": CODEC_NAMES.get(codec_id, f"unknown ({codec_id})"),
             "slots": num_slots, "blocks": blocks, "block_bytes_used": blocks * block_bytes, "stored_bytes": stored,
             "free_slots": num_slots - blocks, "damaged_headers": damaged, "namespaces": namespaces,
-            "file_bytes": os.fstat(fd).st_size, "filesystem_free_bytes": shutil.disk_usage(directory).free,
-            "lock_holder": _lock_holder(lock),
+            "file_bytes": st.st_size, "filesystem_free_bytes": filesystem.f_bavail * filesystem.f_frsize,
+            "lock_holder": lock_holder(st),
         }
+    except DiskTierError:
+        raise
+    except OSError as exc:
+        raise DiskTierError(f"{str(slab_path)!r} cannot be read: {exc.strerror}") from exc
     finally:
         os.close(fd)
 
 
-def _lock_holder(lock: Path) -> str | None:
-    """Who holds the directory lock now, or None when nobody does."""
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-    finally:
-        os.close(fd)
+def _checked_file_header(fd: int, slab_path: Path) -> tuple:
+    """The fields of a slab's file header, once it proves to be a kvtier header of this version whose
+    slot stride is whole pages around a header page (DiskTierError otherwise)."""
+    fields = _unpack_file_header(os.pread(fd, _FILE_HEADER.size + _CHECKSUM.size, 0))
+    if fields is None or fields[0] != FILE_MAGIC:
+        raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
+    version, slot_stride = fields[1], fields[3]
+    if version != VERSION:
+        raise DiskTierError(f"{str(slab_path)!r} has format version {version}; this kvtier reads version "
+                            f"{VERSION} (a disk tier opened there discards the old cache)")
+    if slot_stride % PAGE or slot_stride < 2 * PAGE:
+        raise DiskTierError(f"{str(slab_path)!r} names a slot stride of {slot_stride} bytes, not whole 4 KiB "
+                            f"pages of at least 8 KiB: its file header is forged or damaged")
+    return fields
 
 
 class DiskSlab:
-    """The slab file and its directory: geometry, file descriptors, lock, and which slots have headers.
+    """The slab file and its directory: geometry, file descriptors (the main one holds the lock), and
+    which slots have headers.
 
     Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
     only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job),
@@ -298,10 +317,12 @@ class DiskSlab:
     """
 
     def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
-                 o_direct: str = "auto", compression: str = "none", slot_bytes: int | None = None) -> None:
+                 o_direct: str = "auto", compression: str = "none", slot_bytes: int | None = None, *,
+                 shared_directory: bool = False, reinitialise: bool = False) -> None:
         self.codec = codec(compression)  # first: a missing package must not leave a file behind
         self.codec_id = CODEC_IDS[compression]
         self.dir = Path(path)
+        self.path = self.dir / SLAB_NAME
         self.num_slots = num_slots
         self.block_bytes = block_bytes = layout.block_bytes
         self.room = checked_slot_room(self.dir, block_bytes, compression, slot_bytes)  # payload bytes a slot holds
@@ -310,19 +331,12 @@ class DiskSlab:
         self.record = lambda **counts: None  # where the backend counts incompressible blocks
         self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
         self.file_bytes = PAGE + num_slots * self.slot_stride
+        self.fd = self.direct_fd = None
+        dir_fd = open_directory(self.dir, shared=shared_directory, create=True)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DiskTierError(f"disk tier directory {str(self.dir)!r} cannot be created: {exc.strerror}") from exc
-        self._lock_fd = self._take_lock()
-        try:
-            self.path = self.dir / SLAB_NAME
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            self._prepare_file()
-            self.direct_fd = self._open_direct(o_direct)
-        except BaseException:
-            self.close()
-            raise
+            self._open(dir_fd, shared_directory, reinitialise, o_direct)
+        finally:
+            os.close(dir_fd)
         self.valid_header = bytearray(num_slots)
         self.sequence = 0
 
@@ -335,58 +349,93 @@ class DiskSlab:
 
     # --- opening -------------------------------------------------------------------------------
 
-    def _take_lock(self) -> int:
+    def _open(self, dir_fd: int, shared_directory: bool, reinitialise: bool, o_direct: str) -> None:
+        """Open and lock the slab in ``dir_fd`` and make it fit this geometry. On any error nothing stays
+        open, and a slab this call created is removed again (no empty slab is left behind)."""
+        self.fd, created = open_slab(dir_fd, self.dir, shared=shared_directory)
         try:
-            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise DiskTierError(f"disk tier lock {str(self.dir / LOCK_NAME)!r} cannot be opened: {exc.strerror}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise DiskTierError(f"disk tier directory {str(self.dir)!r} is in use by {holder}; "
-                                f"two kvtier processes cannot share one directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"kvtier pid {os.getpid()}\n".encode(), 0)
-        return fd
+            try:
+                self._prepare_file(reinitialise)
+                self.direct_fd = self._open_direct(o_direct, dir_fd)
+            except DiskTierError:
+                raise
+            except OSError as exc:
+                raise DiskTierError(f"disk tier slab {str(self.path)!r} cannot be set up: {exc.strerror}") from exc
+        except BaseException:
+            if created:
+                remove_slab(dir_fd, self.fd)
+            self.close()
+            raise
 
-    def _prepare_file(self) -> None:
+    def _prepare_file(self, reinitialise: bool) -> None:
         """Keep a file of the same geometry, also at another capacity; start a fresh one, saying why,
-        otherwise. Preallocate the whole size.
+        otherwise (``_discard``). Preallocate the whole size.
 
         Slot offsets do not depend on the slot count, so a larger capacity keeps every block and a
         smaller one keeps those in the slots that remain (the file is cut first, then the header
         rewritten: a crash in between leaves a header whose geometry still describes the file)."""
         header = _pack_file_header(self.block_bytes, self.slot_stride, self.num_slots, self.codec_id)
-        existing = os.pread(self.fd, len(header), 0)
-        if existing != header:
-            old = _unpack_file_header(existing)
+        first_page = os.pread(self.fd, PAGE, 0)
+        rewrite = first_page[:len(header)] != header
+        if rewrite:
+            old = _unpack_file_header(first_page)
             change = _geometry_change(old, self.block_bytes, self.slot_stride, self.codec_id)
             if change is None:
                 self._resize(old[4])
             else:
-                if any(existing):
-                    log.warning("disk tier %s: %s; discarding the old cache", self.path, change)
-                os.ftruncate(self.fd, 0)
-        try:
-            os.posix_fallocate(self.fd, 0, self.file_bytes)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self.dir).free
-                raise DiskTierError(f"disk tier {str(self.dir)!r} needs {self.file_bytes} bytes and the "
-                                    f"filesystem has {free} free; lower its capacity") from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(self.fd, max(self.file_bytes, os.fstat(self.fd).st_size))  # sparse, where unsupported
-        if existing != header:
+                self._discard(first_page, change, reinitialise)
+        self._preallocate()
+        if rewrite:
             os.pwrite(self.fd, header.ljust(PAGE, b"\0"), 0)
             os.fdatasync(self.fd)
+
+    def _discard(self, first_page: bytes, change: str, reinitialise: bool) -> None:
+        """Empty a file that cannot serve this geometry. A kvtier slab (its magic first, also with a
+        damaged header) goes with a warning saying why; a file without the magic is someone else's and
+        is overwritten only with ``reinitialise`` (a mistyped path must not destroy data). An empty file,
+        or one whose first page is zeros (a crash right after its creation), is fresh already."""
+        if first_page.startswith(FILE_MAGIC):
+            log.warning("disk tier %s: %s; discarding the old cache", self.path, change)
+        elif any(first_page):
+            if not reinitialise:
+                raise DiskTierError(f"{str(self.path)!r} is not a kvtier slab (it does not start with "
+                                    f"{FILE_MAGIC.decode()}); kvtier never overwrites a file it did not write. "
+                                    f"Move the file away, point the tier at another directory, or set "
+                                    f"reinitialise: true to overwrite it")
+            log.warning("disk tier %s: the file is not a kvtier slab; overwriting it (reinitialise: true)", self.path)
+        os.ftruncate(self.fd, 0)
+
+    def _preallocate(self) -> None:
+        """Reserve the whole file now, so that a full filesystem shows at open rather than as failed
+        stores later; sparse where the filesystem cannot preallocate. A size the filesystem or the
+        platform cannot hold at all is refused, naming the tier."""
+        vfs = os.fstatvfs(self.fd)  # before: a failed fallocate may hold the space it got until the file goes
+        free = vfs.f_bavail * vfs.f_frsize
+        try:
+            try:
+                os.posix_fallocate(self.fd, 0, self.file_bytes)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(self.fd, max(self.file_bytes, os.fstat(self.fd).st_size))  # sparse, where unsupported
+        except OverflowError:  # more than an off_t holds
+            raise self._too_large() from None
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise DiskTierError(f"disk tier {str(self.dir)!r} needs {self.file_bytes} bytes and the "
+                                    f"filesystem has {free} free; lower its capacity") from exc
+            if exc.errno in (errno.EFBIG, errno.EINVAL):
+                raise self._too_large() from exc
+            raise
+
+    def _too_large(self) -> DiskTierError:
+        return DiskTierError(f"disk tier {str(self.dir)!r}: {self.num_slots} slots need a file of {self.file_bytes} "
+                             f"bytes, more than this filesystem or platform can hold; lower its capacity")
 
     def _resize(self, old_slots: int) -> None:
         """Keep the blocks of a slab written with ``old_slots`` slots: cut the slots past the new end."""
         if old_slots > self.num_slots:
-            in_file = (os.fstat(self.fd).st_size - PAGE) // self.slot_stride  # a crash may have cut it already
+            in_file = _slots_in_file(os.fstat(self.fd).st_size, self.slot_stride)  # a crash may have cut it already
             cut = [slot for slot, header, _ in read_slot_headers(self.fd, min(old_slots, in_file), self.slot_stride,
                                                                  start=self.num_slots) if header is not None]
             log.warning("disk tier %s: capacity shrank from %d to %d slots; dropping the %d block(s) stored "
@@ -396,13 +445,15 @@ class DiskSlab:
             log.info("disk tier %s: capacity grew from %d to %d slots; keeping every block",
                      self.path, old_slots, self.num_slots)
 
-    def _open_direct(self, mode: str) -> int | None:
+    def _open_direct(self, mode: str, dir_fd: int) -> int | None:
         """An O_DIRECT descriptor when the filesystem takes aligned direct I/O; None (buffered) otherwise."""
         if mode == "off" or not hasattr(os, "O_DIRECT"):
             return None
         probe = mmap.mmap(-1, PAGE)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            fd = reopen_slab(dir_fd, self.dir, self.fd, os.O_RDWR | os.O_DIRECT)
+        except DiskTierError:
+            raise
         except OSError as exc:
             return self._no_direct(mode, exc)
         try:
@@ -451,21 +502,19 @@ class DiskSlab:
         return header_fits(header, self.block_bytes, self.codec_id, self.room)
 
     def close(self) -> None:
-        """Flush, close the descriptors and release the directory lock."""
+        """Flush and close the descriptors; closing the main one releases the lock, also when the
+        fsync fails."""
+        direct_fd, self.direct_fd = self.direct_fd, None
+        fd, self.fd = self.fd, None
         try:
-            for name in ("direct_fd", "fd"):
-                fd = getattr(self, name, None)
-                if fd is not None:
-                    setattr(self, name, None)
-                    try:
-                        if name == "fd":
-                            os.fsync(fd)
-                    finally:
-                        os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
         finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)  # closing drops the flock, also when the fsync above failed
-                self._lock_fd = None
+            if fd is not None:
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
 
 class FileStorage(BlockStorage):
@@ -482,17 +531,19 @@ class FileStorage(BlockStorage):
 def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
               watermark: Watermark | None = None, is_fenced=None, *, path: str | os.PathLike,
               namespace: str = "", o_direct: str = "auto", compression: str = "none",
-              slot_bytes: int | None = None) -> Tier:
+              slot_bytes: int | None = None, shared_directory: bool = False, reinitialise: bool = False) -> Tier:
     """A tier over the slab in ``path``, holding again every block a previous process committed there
     under the same namespace, block size and slot geometry (codec and slot size).
 
     ``compression`` ("none", "lz4", "zstd") and ``slot_bytes`` (room per block on disk, see
     ``slot_room``) set the geometry; ``num_slots`` is the block count (``slot_stride`` turns a byte
     budget into one). Raises ConfigError for a bad combination or a codec whose package is missing.
+    ``shared_directory`` and ``reinitialise``: what the directory may be and hold (``disk_files``, ``DiskSlab``).
     """
     if o_direct not in ("auto", "on", "off"):
         raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
-    slab = DiskSlab(path, num_slots, layout, namespace, o_direct, compression, slot_bytes)
+    slab = DiskSlab(path, num_slots, layout, namespace, o_direct, compression, slot_bytes,
+                    shared_directory=shared_directory, reinitialise=reinitialise)
     try:
         recovered, damaged = slab.scan()
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"

@@ -10,7 +10,8 @@ it again.
 I/O goes straight between the caller's memory and the file: with O_DIRECT when the buffers are
 4 KiB-aligned (the host tier's slots are), through an aligned bounce buffer when they are not, and
 with plain buffered I/O where the filesystem refuses O_DIRECT. Errors (ENOSPC, EIO, short transfers)
-fail exactly the blocks they hit.
+fail exactly the blocks they hit; so does a key longer than a slot header holds (``MAX_KEY_BYTES``),
+before anything of its block is written.
 
 A compressing slab (``slab.codec``) moves each block on its own through an aligned bounce buffer:
 a store gathers, compresses and writes the payload padded to 4 KiB (a payload larger than the slot
@@ -34,6 +35,8 @@ import numpy as np
 import xxhash
 
 from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.compression import CorruptPayload
 from kvtier.tiers.disk import PAGE, DiskSlab, FileStorage, SlotHeader
@@ -88,8 +91,8 @@ class DiskBackend(TransferBackend):
     def __init__(self, io_threads: int = 4) -> None:
         if io_threads < 1:
             raise ValueError("the disk backend needs at least one I/O thread")
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk-io")
-        self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvtier-disk-job")
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk-io", initializer=mark_kvtier_thread)
+        self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvtier-disk-job", initializer=mark_kvtier_thread)
         self._bounce = threading.local()
         self._sequence_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -111,7 +114,10 @@ class DiskBackend(TransferBackend):
         with self._lock:
             if self._closed:
                 raise ClosedError("the disk backend is closed")
-            self._jobs.submit(self._finish, run, storage.slab, blocks, on_complete, transfer)
+            try:
+                self._jobs.submit(self._finish, run, storage.slab, blocks, on_complete, transfer)
+            except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
+                raise ClosedError(f"the disk transfer backend takes no more copies: {exc}") from None
 
     def close(self) -> None:
         with self._lock:
@@ -154,7 +160,8 @@ class DiskBackend(TransferBackend):
     # --- store ---------------------------------------------------------------------------------
 
     def _store(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
-        failed: set[int] = set()
+        failed = self._refuse_long_keys(slab, blocks)
+        blocks = [b for b in blocks if b.index not in failed]
         stale = [b for b in blocks if slab.valid_header[b.slot]]
         if stale:
             failed |= self._each_in_turn(stale, lambda b: self._write_header(slab, _ZERO_PAGE, b.file_offset - PAGE))
@@ -218,6 +225,16 @@ class DiskBackend(TransferBackend):
 
         failed |= self._each_in_turn(todo, write_header)
         return failed
+
+    @staticmethod
+    def _refuse_long_keys(slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
+        """Blocks whose key a slot header cannot hold whole (longer than MAX_KEY_BYTES): failed before
+        anything of theirs is written, and refused for good (``slab.refuse``), like a payload that can
+        never fit. The rest of the job goes on."""
+        long = [b for b in blocks if len(b.key) > MAX_KEY_BYTES]
+        if long:
+            slab.refuse([b.key for b in long])
+        return {b.index for b in long}
 
     def _write_run(self, slab: DiskSlab, run: list[_BlockIO]) -> None:
         """Blocks in consecutive slots in one pwritev; the header pages between them are written as

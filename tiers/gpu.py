@@ -17,6 +17,7 @@ from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
+from kvtier.tiers.host import refuse_more_than_memory
 
 
 def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorage:
@@ -54,11 +55,22 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
     try:
         import torch
     except ImportError:
+        refuse_more_than_memory(num_slots * layout.block_bytes)
         arrays = [np.empty((num_slots, nbytes), dtype=np.uint8) for nbytes in layout.fragment_bytes]
         storage = StridedStorage(layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
                                  "cpu", arrays)
         return Tier(name, "gpu", storage, policy, watermark, is_fenced, "numpy arrays standing in for a GPU (no torch)")
     device = "cuda" if use_cuda() else "cpu"
-    tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) for nbytes in layout.fragment_bytes]
+    if device == "cpu":
+        refuse_more_than_memory(num_slots * layout.block_bytes)
+    try:
+        tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device)
+                   for nbytes in layout.fragment_bytes]
+    except RuntimeError as exc:
+        # torch says it cannot allocate with OutOfMemoryError on CUDA and a plain RuntimeError on CPU (with
+        # valid shapes nothing else fails there); a MemoryError is what the stack builder names the tier for.
+        if device == "cuda" and not isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        raise MemoryError(str(exc)) from exc
     note = f"CUDA device {torch.cuda.current_device()}" if device == "cuda" else "CPU tensors standing in for a GPU (no CUDA)"
     return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)

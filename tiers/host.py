@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 
 import numpy as np
 
@@ -25,6 +26,7 @@ class HostSlab:
 
     def __init__(self, num_slots: int, layout: BlockLayout) -> None:
         self.nbytes = num_slots * layout.block_bytes
+        refuse_more_than_memory(self.nbytes)
         self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
         if hasattr(mmap, "MADV_HUGEPAGE"):
             # Before first touch: 2 MiB pages mean fewer TLB misses for copies and far fewer pieces in
@@ -43,6 +45,25 @@ class HostSlab:
             self.pinned = False
         del self.array
         self._map.close()
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM in this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def refuse_more_than_memory(nbytes: int) -> None:
+    """Raise MemoryError when ``nbytes`` of host memory exceed the machine's RAM.
+
+    Anonymous memory is handed out lazily, so a slab larger than RAM is often mapped without complaint
+    and the process is killed much later, when the tier fills; refused here, the mistake is named at start.
+    """
+    total = physical_memory()
+    if total is not None and nbytes > total:
+        raise MemoryError(f"more than the {total / 2**30:.1f} GiB of memory this machine has")
 
 
 def _cuda_register(address: int, nbytes: int) -> bool:

@@ -26,12 +26,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm.geometry import block_layout
 from kvtier.connectors.vllm.metadata import KVTierMetadata
+from kvtier.connectors.vllm.namespace import engine_namespace
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 from kvtier.connectors.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import key_secret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,15 +82,6 @@ def connector_config(vllm_config: "VllmConfig") -> StackConfig:
     return config
 
 
-def namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: StackConfig) -> bytes:
-    """What makes one rank's block bytes differ besides the tokens: model, dtypes, layout, TP size."""
-    model = vllm_config.model_config
-    dtype = f"{model.dtype}/{vllm_config.cache_config.cache_dtype}"
-    layout = f"{kv_cache_config.kv_cache_layout}/tp{vllm_config.parallel_config.tensor_parallel_size}"
-    ns = Namespace(model.model, str(dtype), layout, vllm_config.cache_config.block_size)
-    return ns.encode() + b"\0" + config.namespace.encode()
-
-
 class KVTierConnector(KVConnectorBase_V1):
     """Tiered KV cache (host memory, local disk) below vLLM's GPU prefix cache."""
 
@@ -97,14 +89,16 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         config = connector_config(vllm_config)
         settings = connector_settings(vllm_config)
-        ns = namespace(vllm_config, kv_cache_config, config)
+        # Both roles: a missing secret fails every process at start, not the first request.
+        secret = key_secret(config.key_secret_env)
+        ns = engine_namespace(vllm_config, kv_cache_config, config)  # reads the model folder: once here
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             lazy_ahead = (max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks))
                           if settings.store == "lazy" else None)
             self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config), vllm_config.cache_config.block_size,
-                                                vllm_config.parallel_config.world_size, ns, lazy_ahead)
+                                                vllm_config.parallel_config.world_size, ns, lazy_ahead, secret)
         else:
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
 

@@ -9,7 +9,9 @@ slot is free to the scheduler; the workers clear its old header before anything 
 as they do for every slot whose header they found at open (``DiskSlab.scan``).
 
 Reading headers is not trusting bytes: every load still checks its slot's header and checksum on
-every rank, and a block that fails is reported for recomputation.
+every rank, and a block that fails is reported for recomputation. Nor is it trusting the directory:
+a rank directory or slab that fails the workers' own ownership and mode checks (``shared_directory``
+as configured) yields no blocks, with a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def blocks_on_every_rank(tier_cfg: DiskTierConfig, num_ranks: int, num_slots: in
     order ``Tier.restore`` wants). Where several slots hold one key on every rank, the newest
     (highest sequence on rank 0) is kept; the others are left to be reused."""
     ranks = [read_block_headers(rank_directory(tier_cfg.path, rank), num_slots, layout, namespace,
-                                tier_cfg.compression, tier_cfg.slot_bytes) for rank in range(num_ranks)]
+                                tier_cfg.compression, tier_cfg.slot_bytes, tier_cfg.shared_directory)
+             for rank in range(num_ranks)]
     first, others = ranks[0], ranks[1:]
     newest: dict[bytes, tuple[int, int]] = {}  # key -> (sequence on rank 0, slot)
     for slot, header in first.items():

@@ -27,6 +27,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
 from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
+from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import blocks_on_every_rank
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks
@@ -99,11 +100,13 @@ class SchedulerSide:
     """Index, policies and jobs for every tier below vLLM's GPU blocks."""
 
     def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
-                 namespace: bytes, lazy_ahead: int | None = None) -> None:
+                 namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
-        no copy for blocks vLLM's own prefix cache keeps serving)."""
+        no copy for blocks vLLM's own prefix cache keeps serving). ``key_secret`` keys every block
+        key (``chain_hashes``); only this side hashes, the workers get keys in the metadata."""
         self.config = config
+        self.key_secret = key_secret
         self.lazy_ahead = lazy_ahead
         self.block_tokens = block_tokens
         self.num_workers = num_workers
@@ -156,15 +159,17 @@ class SchedulerSide:
         if state is None:
             if request.prompt_embeds is not None or request.mm_features:
                 return None
-            lora = request.lora_request.lora_name if request.lora_request else ""
-            state = _RequestState(request, self.request_namespace(lora, request.cache_salt or ""))
+            lora = request.lora_request
+            state = _RequestState(request, self.request_namespace(lora.lora_name if lora else "",
+                                                                  request.cache_salt or "",
+                                                                  lora.lora_path if lora else ""))
             self._requests[request.request_id] = state
         return state
 
-    def request_namespace(self, lora: str = "", salt: str = "") -> bytes:
+    def request_namespace(self, lora: str = "", salt: str = "", lora_path: str = "") -> bytes:
         """The key namespace of a request: the engine's, its LoRA adapter and its cache salt (blocks
-        of another adapter hold other KV; a salt keeps tenants' blocks apart)."""
-        return self.namespace + f"\0lora={lora}\0salt={salt}".encode()
+        of another adapter hold other KV; a salt keeps tenants' blocks apart), encoded unambiguously."""
+        return request_namespace(self.namespace, lora, lora_path, salt)
 
     def _keys(self, state: _RequestState) -> list[bytes]:
         """Keys of every full block of the request's tokens so far, hashing only blocks not yet hashed."""
@@ -174,7 +179,7 @@ class SchedulerSide:
             new = tokens[len(state.keys) * self.block_tokens: full * self.block_tokens]
             parent = state.keys[-1] if state.keys else None
             state.keys += chain_hashes(list(new), self.block_tokens, state.namespace if parent is None else b"",
-                                       parent=parent)
+                                       parent=parent, secret=self.key_secret)
         return state.keys
 
     def _tier_holding(self, key: bytes) -> Tier | None:

@@ -1,0 +1,92 @@
+"""The key namespace under vLLM: everything besides the token ids that decides a block's KV bytes.
+
+Two blocks of the same tokens hold different KV under another model, weights, quantization, dtype,
+cache dtype, memory layout, TP size or block size, and under another LoRA adapter; a cache salt keeps
+tenants' blocks apart on purpose. All of these enter the chain's root (``core/keys.py``), so a block
+stored under one setting is never served under another, not even from disk after a restart.
+
+Both encodings are unambiguous: the engine's fields are JSON with sorted keys, a request's fields are
+length-prefixed, so no choice of names, salts or paths can spell another combination's namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.config import StackConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def engine_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: StackConfig) -> bytes:
+    """The namespace of one engine's blocks (one rank's share of them): model and its revision, a
+    fingerprint of the weights of a local model folder, quantization, dtypes, layout, TP size, block
+    size and the kvtier config's own ``namespace``. Reads the model folder: call it once per process."""
+    model = vllm_config.model_config
+    fields = {
+        "model": model.model,
+        "revision": _revision(model.revision),
+        "weights": weights_fingerprint(model.model),
+        "quantization": _text(model.quantization),
+        "dtype": _text(model.dtype),
+        "cache_dtype": _text(vllm_config.cache_config.cache_dtype),
+        "layout": kv_cache_config.kv_cache_layout,
+        "tp": vllm_config.parallel_config.tensor_parallel_size,
+        "block_size": vllm_config.cache_config.block_size,
+        "namespace": config.namespace,
+    }
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def request_namespace(engine: bytes, lora_name: str = "", lora_path: str = "", salt: str = "") -> bytes:
+    """A request's namespace: the engine's, its LoRA adapter (name and path, as vLLM's own prefix
+    cache keys them) and its cache salt, each length-prefixed."""
+    fields = (engine, lora_name.encode(), lora_path.encode(), salt.encode())
+    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
+
+
+def weights_fingerprint(model: str) -> str | None:
+    """For a model that is a local folder, a digest of the name, size and mtime_ns of every file in
+    it and in its direct subfolders (config, tokenizer and weight files; hidden entries skipped):
+    new weights copied under the same path change it, so blocks computed with the old ones are never
+    served. None for a Hub model id, whose revision names its weights instead."""
+    if not os.path.isdir(model):
+        return None
+    files = []
+    for path in _model_files(model):
+        try:
+            st = os.stat(path)  # follows links: a Hub snapshot folder links to the real blobs
+        except FileNotFoundError:
+            continue
+        files.append((os.path.relpath(path, model), st.st_size, st.st_mtime_ns))
+    return hashlib.blake2b(json.dumps(files).encode(), digest_size=16).hexdigest()
+
+
+def _model_files(folder: str) -> list[str]:
+    """Paths of the regular files of a model folder and of its direct subfolders, sorted. Only one
+    level down: some checkpoints keep weights in a subfolder, none deeper."""
+    out = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            out += [sub.path for sub in sorted(os.scandir(entry.path), key=lambda e: e.name)
+                    if sub.is_file() and not sub.name.startswith(".")]
+        elif entry.is_file():
+            out.append(entry.path)
+    return out
+
+
+def _revision(revision: Any) -> str | None:
+    """The commit a Hub revision resolved to (vLLM resolves ``main`` to a commit at start), else the
+    revision as given."""
+    return _text(getattr(revision, "resolved", None) or revision)
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
