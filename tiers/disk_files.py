@@ -118,8 +118,13 @@ def open_directory(path: Path, *, shared: bool, create: bool) -> int | None:
         if isinstance(exc, FileNotFoundError) and not create:
             return None  # nothing there yet, so nothing to read
         raise DiskTierError(f"disk tier directory {str(path)!r} cannot be opened: {exc.strerror}") from exc
+    return _kept_if(fd, _check_directory, path, shared)
+
+
+def _kept_if(fd: int, check, path: Path, shared: bool) -> int:
+    """``fd`` once ``check(its stat, path, shared)`` passes; closed when the check raises."""
     try:
-        _check_directory(os.fstat(fd), path, shared)
+        check(os.fstat(fd), path, shared)
     except BaseException:
         os.close(fd)
         raise
@@ -225,12 +230,7 @@ def open_slab_for_reading(directory: Path, *, shared: bool) -> int | None:
         raise _open_error(path, exc) from exc
     finally:
         os.close(dir_fd)
-    try:
-        _check_slab(os.fstat(fd), path, shared)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _kept_if(fd, _check_slab, path, shared)
 
 
 def lock_holder(st: os.stat_result) -> str | None:
