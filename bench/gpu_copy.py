@@ -1,7 +1,7 @@
 """GPU <-> pinned host copies of scattered KV blocks: kvtier's CUDA backend against one plain copy.
 
 What is measured
-    ``kvtier.core.cuda_transfer.CUDABackend`` moving a batch of blocks between a layer-outer KV
+    ``kvtier.transfers.cuda.CUDABackend`` moving a batch of blocks between a layer-outer KV
     cache on the GPU (per-layer views of one buffer, blocks along the second dimension, as vLLM
     keeps it) and the pinned host slab (``kvtier.tiers.host.HostSlab``, one contiguous run per slot):
 
@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from kvtier.core.cuda_transfer import CUDABackend, cuda_available
+from kvtier.transfers.cuda import CUDABackend, cuda_available
 
 KIB, MIB = 1024, 1024 * 1024
 FRAGMENTS_PER_BLOCK = {16 * KIB: 32, 64 * KIB: 32, 256 * KIB: 8, 2 * MIB: 1}

@@ -1,7 +1,7 @@
 """Gather/scatter of scattered KV blocks between per-layer "device" tensors and the host tier.
 
 What is measured
-    The CPU transfer backend (``kvtier.core.transfer.CPUBackend``) moving a batch of blocks
+    The CPU transfer backend (``kvtier.transfers.cpu.CPUBackend``) moving a batch of blocks
     between a layer-outer KV cache (one tensor per layer, or per layer and K/V, blocks along
     dimension 0, as vLLM keeps it) and a host slab (``kvtier.tiers.host.HostSlab``, one contiguous
     run of ``block_bytes`` per slot):
@@ -59,9 +59,10 @@ import numpy as np
 import torch
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.transfer import CPUBackend, Transfer
+from kvtier.core.transfer import Transfer
 from kvtier.tiers.gpu import device_storage
 from kvtier.tiers.host import HostSlab
+from kvtier.transfers.cpu import CPUBackend
 
 NUM_LAYERS = 32
 BLOCK_TOKENS = 16

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from kvtier.core.config import StackConfig, TransferConfig, block_footprint, capacity_in_blocks, format_size
-from kvtier.core.cuda_transfer import CUDABackend
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
-from kvtier.core.transfer import CPUBackend, TransferBackend
+from kvtier.core.transfer import TransferBackend
 from kvtier.policies import Watermark, eviction_policy_class
-from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.disk import disk_tier
-from kvtier.tiers.disk_io import DiskBackend
+from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
+from kvtier.transfers.cpu import CPUBackend
+from kvtier.transfers.cuda import CUDABackend
+from kvtier.transfers.disk import DiskBackend
 
 TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
 

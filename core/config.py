@@ -121,7 +121,7 @@ class TransferConfig(_Model):
 
     threads: int = Field(2, ge=1)
     io_threads: int = Field(4, ge=1)  # positioned reads and writes in flight at once, for disk tiers
-    cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (cuda_transfer.py)
+    cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (transfers/cuda.py)
 
 
 class _TierConfig(_Model):

@@ -13,10 +13,10 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.core.transfer import CPUBackend
 from kvtier.policies import LRUPolicy, Watermark
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
+from kvtier.transfers.cpu import CPUBackend
 
 LAYOUT = BlockLayout.per_layer(4, 256)  # 1 KiB blocks in 4 fragments: gathers and scatters every time
 

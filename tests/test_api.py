@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.core.cuda_transfer import cuda_available
 from kvtier import ClosedError, ConfigError, KVTier, TransferError, chain_hashes
 from kvtier.core.storage import buffer_storage
+from kvtier.transfers.cuda import cuda_available
 
 CONFIG = {
     "block_tokens": 4,

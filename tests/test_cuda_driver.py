@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kvtier.core.cuda_driver import BatchCopy, chunk_copies
-from kvtier.core.cuda_transfer import CUDABackend, cuda_available
 from kvtier.core.errors import TransferError
+from kvtier.transfers.cuda import CUDABackend, cuda_available
+from kvtier.transfers.cuda_driver import BatchCopy, chunk_copies
 
 
 @given(st.lists(st.integers(1, 300_000), min_size=1, max_size=40), st.sampled_from([16, 4096, 65536]))

@@ -40,9 +40,9 @@ from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.core.transfer import CPUBackend
 from kvtier.tiers.disk import PAGE, SLAB_NAME, SlotHeader, inspect_slab
-from kvtier.tiers.disk_io import DiskBackend
+from kvtier.transfers.cpu import CPUBackend
+from kvtier.transfers.disk import DiskBackend
 
 BLOCK = 256 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

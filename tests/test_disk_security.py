@@ -46,7 +46,7 @@ from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.storage import buffer_storage
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskSlab, DiskTierError, FileStorage, inspect_slab, read_block_headers
-from kvtier.tiers.disk_io import DiskBackend
+from kvtier.transfers.disk import DiskBackend
 
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")

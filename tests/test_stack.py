@@ -14,8 +14,8 @@ from kvtier.core.errors import CapacityError, ClosedError, TransferError
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.core.transfer import CPUBackend
 from kvtier.policies import Watermark
+from kvtier.transfers.cpu import CPUBackend
 
 
 class FailingBackend(CPUBackend):

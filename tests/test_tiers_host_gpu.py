@@ -23,10 +23,11 @@ from kvtier.core.errors import FenceError, TransferError
 from kvtier.core.jobs import Fence, JobManager, JobState
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import BlockState
-from kvtier.core.transfer import CPUBackend, Transfer
+from kvtier.core.transfer import Transfer
 from kvtier.policies import LRUPolicy, Watermark
 from kvtier.tiers.gpu import device_storage, gpu_tier
 from kvtier.tiers.host import HostSlab, host_tier
+from kvtier.transfers.cpu import CPUBackend
 
 LAYOUT = BlockLayout.per_layer(4, 64, kv_split=True)  # 8 fragments, 512-byte blocks
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in")

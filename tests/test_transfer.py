@@ -25,7 +25,8 @@ import torch
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
-from kvtier.core.transfer import CPUBackend, CopyList, Transfer
+from kvtier.core.transfer import CopyList, Transfer
+from kvtier.transfers.cpu import CPUBackend
 
 PER_LAYER = BlockLayout.per_layer(3, 24, kv_split=True)  # 6 fragments of 24 bytes
 FLAT = BlockLayout.contiguous(PER_LAYER.block_bytes)

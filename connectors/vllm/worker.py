@@ -23,14 +23,15 @@ from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.connectors.vllm.scheduler import tier_slots
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import StackConfig
-from kvtier.core.cuda_transfer import CUDABackend
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import CPUBackend, Transfer, TransferBackend
+from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.tiers.disk import DiskSlab, FileStorage
-from kvtier.tiers.disk_io import DiskBackend
 from kvtier.tiers.host import HostSlab
+from kvtier.transfers.cpu import CPUBackend
+from kvtier.transfers.cuda import CUDABackend
+from kvtier.transfers.disk import DiskBackend
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import KVTier
-from kvtier.core.cuda_transfer import cuda_available
+from kvtier.transfers.cuda import cuda_available
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not (cuda_available() and torch.cuda.is_available()),

@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.core.cuda_transfer import CUDABackend, cuda_available
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.gpu import device_storage
 from kvtier.tiers.host import HostSlab
+from kvtier.transfers.cuda import CUDABackend, cuda_available
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not (cuda_available() and torch.cuda.is_available()),
@@ -244,7 +244,7 @@ def test_closed_backend_refuses_and_pending_callbacks_ran():
 
 
 def test_a_piece_that_cannot_be_enqueued_fails_with_the_rest_once_earlier_pieces_landed(backend, monkeypatch):
-    import kvtier.core.cuda_transfer as cuda_transfer
+    import kvtier.transfers.cuda as cuda_transfer
 
     layout, gpu = device_blocks("kv_split", 8, 65536)
     monkeypatch.setattr(cuda_transfer, "SLICE_BYTES", 2 * layout.block_bytes)  # pieces of two blocks

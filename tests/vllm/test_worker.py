@@ -14,7 +14,7 @@ import pytest
 from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager, WorkerReport
-from kvtier.core.transfer import CPUBackend
+from kvtier.transfers.cpu import CPUBackend
 
 HOST = {"tiers": [{"medium": "host", "capacity_blocks": 8}]}
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core.cuda_driver import BatchCopy, chunk_copies, copy_kernel
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
+from kvtier.transfers.cuda_driver import BatchCopy, chunk_copies, copy_kernel
 
 MODES = ("auto", "batch", "kernel", "loop")
 KERNEL_BELOW_BYTES = 64 * 1024
