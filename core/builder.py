@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.core.config import StackConfig, TransferConfig, block_footprint, capacity_in_blocks, format_size
+from kvtier.core.config import StackConfig, block_footprint, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
@@ -13,9 +13,7 @@ from kvtier.policies import Watermark, eviction_policy_class
 from kvtier.tiers.disk import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
-from kvtier.transfers.cpu import CPUBackend
-from kvtier.transfers.cuda import CUDABackend
-from kvtier.transfers.disk import DiskBackend
+from kvtier.transfers import backends_for
 
 TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
 
@@ -25,18 +23,6 @@ def config_layout(config: StackConfig) -> BlockLayout:
     if config.block_bytes is None:
         raise ConfigError("block_bytes: missing; a standalone stack needs the size of one block, e.g. 256KiB")
     return BlockLayout((config.block_bytes // config.fragments,) * config.fragments)
-
-
-def default_backends(transfer: TransferConfig, tiers: list[Tier]) -> list[TransferBackend]:
-    """The CPU backend always; the CUDA backend when a tier lives on a CUDA device; the disk backend
-    when a tier is on disk."""
-    backends: list[TransferBackend] = []
-    if any(t.storage.device == "cuda" for t in tiers):
-        backends.append(CUDABackend(transfer.cuda_copy))  # first: the one that can fail starts no threads before it
-    backends.append(CPUBackend(transfer.threads))
-    if any(t.medium == "disk" for t in tiers):
-        backends.append(DiskBackend(transfer.io_threads))
-    return backends
 
 
 def build_stack(config: StackConfig, layout: BlockLayout | None = None,
@@ -50,7 +36,7 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
         for i in range(len(config.tiers)):
             tiers.append(_build_tier(config, i, layout, jobs))
         if backends is None:
-            backends = made = default_backends(config.transfer, tiers)
+            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers})
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for backend in made:

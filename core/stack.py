@@ -37,7 +37,7 @@ from kvtier.core.keys import check_key
 from kvtier.core.routes import Capabilities, plan_route
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
-from kvtier.core.transfer import Transfer, TransferBackend
+from kvtier.core.transfer import Transfer, TransferBackend, TransferRegistry
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,11 @@ class TierStack:
         block_bytes = {t.block_bytes for t in tiers}
         if len(block_bytes) != 1:
             raise ValueError(f"tiers disagree on the block size: {sorted(block_bytes)}")
-        self.backends = list(backends)
+        self.transfers = TransferRegistry(backends)
         for upper, lower in zip(tiers, tiers[1:]):
             for src, dst in ((upper, lower), (lower, upper)):
-                self._backend_for(src.storage.device, dst.storage.device,
-                                  f"between tier {upper.name!r} and tier {lower.name!r}")
+                self.transfers.backend(src.storage.device, dst.storage.device,
+                                       f"between tier {upper.name!r} and tier {lower.name!r}")
         self.tiers = list(tiers)
         self.jobs = jobs or JobManager()
         self.placement = placement
@@ -103,7 +103,7 @@ class TierStack:
         self._lock = threading.RLock()
         self._closed = False
         self._release_over = threading.Event()
-        self._resources = _Resources(self.tiers, self.backends, self.jobs)
+        self._resources = _Resources(self.tiers, self.transfers, self.jobs)
         self._work = self._resources.work
         self.background_errors = self._resources.errors
         self._name = f"kvtier stack ({', '.join(names)})"
@@ -181,7 +181,7 @@ class TierStack:
                 if len(route) > 3:
                     raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
                 last_hop_src = self._tier_for_medium(route[-2]) if len(route) > 2 else self._tier(name)
-                self._backend_for(last_hop_src.storage.device, dst.device, f"from tier {last_hop_src.name!r}")
+                self.transfers.backend(last_hop_src.storage.device, dst.device, f"from tier {last_hop_src.name!r}")
             by_tier: dict[str, list[int]] = {}
             for i, key in enumerate(keys):  # find and pin in one step per block: completions may evict meanwhile
                 tier = next((t for t in self.tiers if t.try_pin(key)), None)
@@ -258,7 +258,7 @@ class TierStack:
 
     def describe(self) -> str:
         lines = [f"kvtier stack: {len(self.tiers)} tier(s), placement {self.placement}, "
-                 f"transfer backends: {', '.join(b.name for b in self.backends)}"]
+                 f"transfer backends: {', '.join(b.name for b in self.transfers.backends)}"]
         lines += [f"  {i}. {tier!r}" for i, tier in enumerate(self.tiers)]
         return "\n".join(lines)
 
@@ -304,13 +304,6 @@ class TierStack:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the tier stack is closed")
-
-    def _backend_for(self, src_device: str, dst_device: str, what: str) -> TransferBackend:
-        for backend in self.backends:
-            if backend.can_copy(src_device, dst_device):
-                return backend
-        raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) can copy "
-                            f"{src_device} -> {dst_device} {what}".rstrip())
 
     def _tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
@@ -469,8 +462,7 @@ class TierStack:
         self.jobs.start(job.id)
         report = functools.partial(self.jobs.report, job.id)  # not a closure over the stack: see _Resources
         try:
-            backend = self._backend_for(transfer.src.device, transfer.dst.device, "")
-            backend.submit(transfer, report)
+            self.transfers.submit(transfer, report)
         except Exception:
             self.jobs.report(job.id, range(transfer.num_blocks))  # the job ends failed and releases everything
             raise
@@ -502,9 +494,9 @@ class _Resources:
     holding the stack would keep it reachable for ever, and the finalizer would never run.
     """
 
-    def __init__(self, tiers: list[Tier], backends: list[TransferBackend], jobs: JobManager) -> None:
+    def __init__(self, tiers: list[Tier], transfers: TransferRegistry, jobs: JobManager) -> None:
         self.tiers = tiers
-        self.backends = backends
+        self.transfers = transfers
         self.jobs = jobs
         self.work: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.errors: list[BaseException] = []
@@ -524,8 +516,7 @@ class _Resources:
         stay open); the others are closed."""
         self.work.put(None)
         self.worker.join(timeout)
-        for backend in self.backends:
-            backend.close()
+        self.transfers.close()
         leaks = {}
         for tier in self.tiers:
             in_use = tier.leaks()

@@ -5,7 +5,8 @@ destination address, byte count) triples, one per fragment, merged where consecu
 adjacent on both sides (``CopyList``). A ``TransferBackend`` runs those copies and reports, once per
 transfer and asynchronously, the indices of the blocks that failed. The backends themselves live in
 ``kvtier.transfers`` (CPU memmove, CUDA, disk I/O): this module holds only what the stack needs to
-drive any of them, so core/ never imports an implementation.
+drive any of them (``TransferRegistry`` picks one per device pair), so core/ never imports an
+implementation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -117,10 +118,12 @@ class TransferBackend(ABC):
     """Moves bytes between storages and signals completion per transfer."""
 
     name: str
+    pairs: frozenset[tuple[str, str]]
+    """The (source device, destination device) pairs this backend copies between, e.g. ("cpu", "file")."""
 
-    @abstractmethod
     def can_copy(self, src_device: str, dst_device: str) -> bool:
         """Whether this backend can move bytes between memories of these devices."""
+        return (src_device, dst_device) in self.pairs
 
     @abstractmethod
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
@@ -131,3 +134,39 @@ class TransferBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Wait for copies in flight, then refuse new ones."""
+
+
+class TransferRegistry:
+    """The transfer backends of one stack (or one vLLM worker), by the device pair each one serves.
+
+    Which backend moves a copy is a lookup of its (source device, destination device) pair, and a pair
+    no backend serves is one TransferError that names it. Devices are storage devices ("cpu", "cuda",
+    "file"), not media: a GPU tier on CPU tensors is a "cpu" storage and its copies are memmoves. A pair
+    two backends serve goes to the one listed first. The registry owns its backends: ``close`` closes
+    every one.
+    """
+
+    def __init__(self, backends: Iterable[TransferBackend]) -> None:
+        self.backends = list(backends)
+        self._by_pair: dict[tuple[str, str], TransferBackend] = {}
+        for backend in self.backends:
+            for pair in backend.pairs:
+                self._by_pair.setdefault(pair, backend)
+
+    def backend(self, src_device: str, dst_device: str, what: str = "") -> TransferBackend:
+        """The backend that copies ``src_device`` -> ``dst_device``. Raises TransferError naming the pair,
+        the backends there are, and ``what`` the copy is for, when none does."""
+        backend = self._by_pair.get((src_device, dst_device))
+        if backend is None:
+            raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) can copy "
+                                f"{src_device} -> {dst_device} {what}".rstrip())
+        return backend
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        """Start ``transfer`` on the backend for its devices (see ``TransferBackend.submit``)."""
+        self.backend(transfer.src.device, transfer.dst.device).submit(transfer, on_complete)
+
+    def close(self) -> None:
+        """Close every backend; each waits for its copies in flight."""
+        for backend in self.backends:
+            backend.close()

@@ -34,7 +34,7 @@ def test_stack_matches_the_config():
         assert host.watermark.high == 0.8 and host.watermark.low == 0.4 and gpu.watermark is None
         assert isinstance(gpu.policy, LRUPolicy)
         assert gpu.storage.layout == BlockLayout((2048,) * 4)
-        assert stack.placement == "write_through" and stack.backends[0].threads == 3
+        assert stack.placement == "write_through" and stack.transfers.backends[0].threads == 3
     finally:
         stack.close()
 

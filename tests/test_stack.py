@@ -167,12 +167,10 @@ def test_a_full_tier_of_pinned_blocks_stores_less_and_does_not_crash():
 
 
 def test_failed_store_copies_commit_only_what_landed():
-    stack = make_stack(gpu=8)
     keys = [key(i) for i in range(4)]
     src = blocks_for(keys)
     bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
-    stack.backends[0].close()
-    stack.backends[0] = FailingBackend(bad)
+    stack = make_stack(gpu=8, backend=FailingBackend(bad))
     result = stack.store(keys, buffer_storage(src, LAYOUT), range(4)).result(timeout=10)
     assert result.stored == 3 and result.failed == [keys[2]]
     gpu = stack.tiers[0]
@@ -183,13 +181,13 @@ def test_failed_store_copies_commit_only_what_landed():
 
 
 def test_failed_load_reports_exactly_the_failed_blocks_and_releases_pins():
-    stack = make_stack(gpu=8)
+    failing = FailingBackend(set())  # copies fail once ``failing.bad`` names an address
+    stack = make_stack(gpu=8, backend=failing)
     keys = [key(i) for i in range(4)]
     store(stack, keys)
     gpu = stack.tiers[0]
     bad_slot = gpu.slots([keys[1]])[0]
-    stack.backends[0].close()
-    stack.backends[0] = FailingBackend({int(a) for a in gpu.storage.fragment_addresses([bad_slot])[0]})
+    failing.bad.update(int(a) for a in gpu.storage.fragment_addresses([bad_slot])[0])
     loaded, out = load(stack, keys)
     assert loaded.failed == [1] and loaded.loaded == 3
     assert_loaded_exact(keys, loaded, out)
@@ -260,8 +258,7 @@ def test_a_closed_stack_refuses_everything():
 
 def test_a_backend_that_cannot_reach_a_tier_is_refused_at_build():
     class HostOnly(CPUBackend):
-        def can_copy(self, src_device, dst_device):
-            return False
+        pairs = frozenset()
 
     with pytest.raises(TransferError, match="can copy cpu -> cpu between tier 'gpu' and tier 'host'"):
         make_stack(backend=HostOnly())

@@ -36,6 +36,7 @@ class CPUBackend(TransferBackend):
     """memmove on a thread pool: host memory to host memory, and CPU tensors standing in for a GPU."""
 
     name = "cpu"
+    pairs = frozenset({("cpu", "cpu")})
 
     def __init__(self, threads: int = 2) -> None:
         if threads < 1:
@@ -44,9 +45,6 @@ class CPUBackend(TransferBackend):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy", initializer=mark_kvtier_thread)
         self._closed = False
         self._lock = threading.Lock()
-
-    def can_copy(self, src_device: str, dst_device: str) -> bool:
-        return src_device == "cpu" and dst_device == "cpu"
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         if not self.can_copy(transfer.src.device, transfer.dst.device):

@@ -117,6 +117,7 @@ class CUDABackend(TransferBackend):
     """Copies between GPU memory and host memory (pinned for speed; pageable works, slower)."""
 
     name = "cuda"
+    pairs = frozenset({("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")})
 
     def __init__(self, mode: str = "auto", device: int | None = None, compute_stream: Any = None,
                  kernel_below_bytes: int = KERNEL_BELOW_BYTES) -> None:
@@ -145,9 +146,6 @@ class CUDABackend(TransferBackend):
 
     def __repr__(self) -> str:
         return f"CUDABackend(device={self.device.id}, mode={self.mode!r})"
-
-    def can_copy(self, src_device: str, dst_device: str) -> bool:
-        return "cuda" in (src_device, dst_device) and {src_device, dst_device} <= {"cpu", "cuda"}
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         src_device, dst_device = transfer.src.device, transfer.dst.device

@@ -87,6 +87,7 @@ class DiskBackend(TransferBackend):
     """Moves blocks between host memory ("cpu") and slab files ("file") on a pool of I/O threads."""
 
     name = "disk"
+    pairs = frozenset({("cpu", "file"), ("file", "cpu")})
 
     def __init__(self, io_threads: int = 4) -> None:
         if io_threads < 1:
@@ -97,9 +98,6 @@ class DiskBackend(TransferBackend):
         self._sequence_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
-
-    def can_copy(self, src_device: str, dst_device: str) -> bool:
-        return {src_device, dst_device} == {"cpu", "file"}
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         if not self.can_copy(transfer.src.device, transfer.dst.device):

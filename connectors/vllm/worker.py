@@ -26,12 +26,10 @@ from kvtier.core.config import StackConfig
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import Transfer, TransferBackend
+from kvtier.core.transfer import Transfer, TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
-from kvtier.transfers.cpu import CPUBackend
-from kvtier.transfers.cuda import CUDABackend
-from kvtier.transfers.disk import DiskBackend
+from kvtier.transfers import backends_for
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -70,9 +68,7 @@ class WorkerSide:
         self._reported_errors: set[int] = set()
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
         self.storages: dict[str, BlockStorage] = {}
-        self.backends: list[TransferBackend] = [CPUBackend(config.transfer.threads)]
-        if any(t.medium == "disk" for t in config.tiers):
-            self.backends.append(DiskBackend(config.transfer.io_threads))
+        self.transfers = TransferRegistry([])  # the backends come once vLLM's KV caches name their device
         try:
             slots = {name: n for name, _, n in tier_slots(config, self.layout.block_bytes)}
             for i, tier_cfg in enumerate(config.tiers):
@@ -94,14 +90,14 @@ class WorkerSide:
             raise
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Address vLLM's KV blocks; refuses a device no transfer backend reaches from host memory."""
+        """Address vLLM's KV blocks and start the transfer backends this rank's storages need (on CUDA,
+        copies are ordered after vLLM's compute stream current at each submit); refuses a device no
+        transfer backend reaches from host memory."""
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
-        if gpu.device == "cuda":  # copies ordered after vLLM's compute stream, current at each submit
-            self.backends.insert(0, CUDABackend(self.transfer.cuda_copy))
+        devices = {gpu.device, *(storage.device for storage in self.storages.values())}
+        self.transfers = TransferRegistry(backends_for(self.transfer, devices))
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
-            if not any(b.can_copy(src, dst) for b in self.backends):
-                raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) copies "
-                                    f"{src} -> {dst}")
+            self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
 
     # --- running jobs --------------------------------------------------------------------------
@@ -155,14 +151,11 @@ class WorkerSide:
             self._submit(copy, lambda lost, c=copy: copied(c, lost))
 
     def _submit(self, copy: Copy, on_complete: Callable[[set[int]], None]) -> None:
-        """Hand one copy to the backend that reaches both sides; a copy that cannot start fails whole."""
+        """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""
         try:
             transfer = Transfer(self.storages[copy.src], copy.src_slots, self.storages[copy.dst], copy.dst_slots,
                                 copy.keys)
-            backend = next((b for b in self.backends if b.can_copy(transfer.src.device, transfer.dst.device)), None)
-            if backend is None:
-                raise TransferError(f"no transfer backend copies {transfer.src.device} -> {transfer.dst.device}")
-            backend.submit(transfer, on_complete)
+            self.transfers.submit(transfer, on_complete)
         except (TransferError, ClosedError, KeyError):
             on_complete(set(range(len(copy.blocks))))
 
@@ -232,8 +225,7 @@ class WorkerSide:
         deadline = time.monotonic() + timeout
         while self.in_flight() and time.monotonic() < deadline:
             time.sleep(0.01)
-        for backend in self.backends:
-            backend.close()
+        self.transfers.close()
         for name, storage in list(self.storages.items()):
             if name != GPU:
                 storage.close()

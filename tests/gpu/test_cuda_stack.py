@@ -38,7 +38,7 @@ def test_blocks_round_trip_through_gpu_host_and_disk(tmp_path, copy_mode):
     data = [torch.randint(0, 256, (8, BLOCK), dtype=torch.uint8, device="cuda", generator=generator)
             for _ in prompts]
     with KVTier.open(config(tmp_path, copy_mode)) as kv:
-        assert kv.stack.backends[0].name == "cuda"
+        assert kv.stack.transfers.backends[0].name == "cuda"
         assert "CUDA device" in kv.describe()
         for tokens, blocks in zip(prompts, data):
             assert kv.store(tokens, blocks).result(60).stored == 8
@@ -54,5 +54,5 @@ def test_blocks_round_trip_through_gpu_host_and_disk(tmp_path, copy_mode):
         assert present == 24 * 8, "gpu + host + disk hold every block"
         stats = kv.stats()
         assert stats["disk"]["committed"] > 0 and stats["host"]["demoted"] > 0
-        cuda = kv.stack.backends[0]
+        cuda = kv.stack.transfers.backends[0]
         assert sum(cuda.jobs_by_method.values()) > 0 and not cuda.jobs_by_method["batch_refused"]

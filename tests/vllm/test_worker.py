@@ -14,6 +14,7 @@ import pytest
 from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager, WorkerReport
+from kvtier.core.transfer import TransferRegistry
 from kvtier.transfers.cpu import CPUBackend
 
 HOST = {"tiers": [{"medium": "host", "capacity_blocks": 8}]}
@@ -116,7 +117,7 @@ def test_flush_waits_until_stores_stop_reading_reused_blocks(make_worker):
     worker = make_worker(HOST)
     side = worker.connector.worker_side
     gated = GatedCPUBackend()
-    side.backends[0], plain = gated, side.backends[0]
+    side.transfers, plain = TransferRegistry([gated]), side.transfers
     original = fill(worker, [5], seed=5)
     meta = KVTierMetadata([], [job(1, "store", (copy(GPU, [5], "host", [2]),))], set())
     worker.connector.bind_connector_metadata(meta)
@@ -157,7 +158,7 @@ def test_failed_and_missing_blocks_are_reported_as_load_errors(make_worker):
     run(worker, stores=[job(1, "store", (copy(GPU, [1, 2, 3], "host", [0, 1, 2]),))])
     worker.connector.build_connector_worker_meta()
     bad = int(side.storages[GPU].fragment_addresses([14])[0, 0])
-    side.backends[0], plain = FailingCPUBackend((bad, bad + worker.page)), side.backends[0]
+    side.transfers, plain = TransferRegistry([FailingCPUBackend((bad, bad + worker.page))]), side.transfers
     run(worker, loads=[job(2, "load", (copy("host", [0, 1, 2], GPU, [13, 14, 15]),), req_id="r",
                            gpu_blocks=(13, 14, 15), missing=(16,))])
     assert worker.connector.get_finished(set())[1] == {"r"}  # a failed load still finishes
