@@ -2,12 +2,12 @@
 
 What is measured
     Every registered eviction policy (``kvtier.policies.EVICTION_POLICIES``) replays the Mooncake
-    trace through one cache of N blocks, metadata only (``kvtier.core.replay.replay``): a request
+    trace through one cache of N blocks, metadata only (``kvtier.replay.cache.replay``): a request
     hits the longest resident prefix of its block ids, then all its blocks are referenced. The hit
     ratio is prefix-hit blocks / referenced blocks.
 
 Reference, measured in the same run
-    Belady's offline optimum on the same trace and size (``kvtier.core.replay.belady``): evict the
+    Belady's offline optimum on the same trace and size (``kvtier.replay.cache.belady``): evict the
     block used again farthest in the future. No policy that only sees the past can beat it, so
     policy / Belady says how much of the achievable hit ratio a policy gets.
 
@@ -48,9 +48,10 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.core.replay import ReplayResult, Request, belady, load_trace, prefix_hits, replay
-from kvtier.core.workload import generate
 from kvtier.policies import EVICTION_POLICIES
+from kvtier.replay.cache import ReplayResult, belady, prefix_hits, replay
+from kvtier.replay.trace import Request, load_trace
+from kvtier.replay.workload import generate
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

@@ -2,15 +2,15 @@
 
 Why: a user deciding whether kvtier pays off asks how many prefill tokens it saves on their traffic,
 in which tier the hits land, how many bytes move, and which eviction policy is best. This command
-answers that from a Mooncake trace, or from the seeded chat workload (``kvtier.core.workload``) when
+answers that from a Mooncake trace, or from the seeded chat workload (``kvtier.replay.workload``) when
 no trace is given, on any machine.
 
 * Default: a real stack (``--config FILE.yaml``, or the embedded ``kvtier/replay.yaml``) built by
   ``kvtier.core.builder.build_stack``; blocks move through the real tiers and transfer backends, and
-  every hit is checked bit-exact (``kvtier.core.stack_replay``). A corrupt block makes it exit 1.
+  every hit is checked bit-exact (``kvtier.replay.stack``). A corrupt block makes it exit 1.
   Each run puts a disk tier in a fresh directory inside its ``path`` and removes it afterwards, so
   every run starts empty and blocks already stored there are left alone.
-* ``--metadata-only``: the same policies on an index alone (``kvtier.core.replay``), one cache.
+* ``--metadata-only``: the same policies on an index alone (``kvtier.replay.cache``), one cache.
 * ``--policy`` and ``--capacity`` set the eviction policy and size (in blocks) of one tier, the last
   one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
 * ``--belady`` adds the offline optimum for the same number of blocks (with a stack: all its tiers'
@@ -18,7 +18,7 @@ no trace is given, on any machine.
   registered policies by default); ``--plot`` draws the sweep and the tier occupancy over time.
 
 Output: a rich progress bar, the stack, a table per tier, the totals; with ``--json`` the last line
-is one JSON object with the same figures. Hit rule (see ``kvtier.core.replay``): the longest present
+is one JSON object with the same figures. Hit rule (see ``kvtier.replay.cache``): the longest present
 prefix of a request's blocks is its hit, then every block of the request is referenced.
 """
 
@@ -39,10 +39,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtier.core.builder import build_stack
 from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, parse_size
 from kvtier.core.errors import ConfigError, TransferError
-from kvtier.core.replay import Request, belady, load_trace, replay, write_trace
-from kvtier.core.stack_replay import prefill_tokens_saved, replay_through_stack
-from kvtier.core.workload import ChatWorkload, generate
 from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
+from kvtier.replay.cache import belady, replay
+from kvtier.replay.stack import prefill_tokens_saved, replay_through_stack
+from kvtier.replay.trace import Request, load_trace, write_trace
+from kvtier.replay.workload import ChatWorkload, generate
 from kvtier.report import print_summary
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "replay.yaml"

@@ -34,8 +34,8 @@ from kvtier.cli import main
 from kvtier.core.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
-from kvtier.core.replay import load_trace
 from kvtier.policies import eviction_policy_class
+from kvtier.replay.trace import load_trace
 from kvtier.tiers.host import physical_memory
 
 # --- YAML aliases ------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.core.errors import StateError
-from kvtier.core.replay import ReplayResult, belady, load_trace, replay, requests_from_ids
 from kvtier.policies import EVICTION_POLICIES, ARCPolicy, LRUPolicy, PrefixS3FIFOPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
+from kvtier.replay.cache import ReplayResult, belady, replay
+from kvtier.replay.trace import load_trace, requests_from_ids
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

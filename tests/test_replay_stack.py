@@ -1,4 +1,4 @@
-"""Replay through a real tier stack (kvtier.core.stack_replay).
+"""Replay through a real tier stack (kvtier.replay.stack).
 
 Invariants checked:
 - on a hand-made trace through GPU -> host and host -> disk stacks (LRU, write-back, no watermark),
@@ -21,10 +21,11 @@ from test_replay import chained_traces
 
 from kvtier.core.builder import build_stack
 from kvtier.core.config import load_config
-from kvtier.core.replay import Request, replay, requests_from_ids
 from kvtier.core.tier import BlockState
-from kvtier.core.stack_replay import block_content, block_key, prefill_tokens_saved, replay_through_stack
 from kvtier.policies import LRUPolicy
+from kvtier.replay.cache import replay
+from kvtier.replay.stack import block_content, block_key, prefill_tokens_saved, replay_through_stack
+from kvtier.replay.trace import Request, requests_from_ids
 
 BB = 4096
 

@@ -1,4 +1,4 @@
-"""The generated chat workload (kvtier.core.workload).
+"""The generated chat workload (kvtier.replay.workload).
 
 Invariants checked:
 - the same seed and parameters give the same requests; another seed gives others;
@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 
-from kvtier.core.replay import load_trace, write_trace
-from kvtier.core.workload import ChatWorkload, generate
+from kvtier.replay.trace import load_trace, write_trace
+from kvtier.replay.workload import ChatWorkload, generate
 
 SPEC = ChatWorkload(conversations=60, seed=3)
 

@@ -6,7 +6,7 @@ Why this exists
     for: multi-turn conversations whose every turn repeats the whole history, opened by one of a
     few shared system prompts (some far more popular than others), some turns carrying a long
     document, conversations arriving over time and interleaving. The records are
-    ``kvtier.core.replay.Request`` objects, exactly what ``load_trace`` reads from a Mooncake file
+    ``kvtier.replay.trace.Request`` objects, exactly what ``load_trace`` reads from a Mooncake file
     (``write_trace`` writes them as one), so every replay path treats both the same.
 
 How block ids are assigned (the Mooncake convention)
@@ -28,7 +28,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvtier.core.replay import Request
+from kvtier.replay.trace import Request
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Replay a request trace through a real tier stack: bytes are stored, evicted, demoted and loaded back.
 
 Why this exists
-    ``kvtier.core.replay`` answers "which policy keeps the right blocks" on the index alone. A user
+    ``kvtier.replay.cache`` answers "which policy keeps the right blocks" on the index alone. A user
     deciding whether kvtier pays off also asks where the hits land (GPU, host or disk), how many
     bytes move, and whether the bytes that come back are the bytes that went in. This module drives
     a ``TierStack`` with the same requests and the same hit rule, through the real tiers, the real
@@ -22,7 +22,7 @@ What one request does (serially, in trace order)
     3. The pins are released and the stack is left idle (background demotions finished), so a
        replay is deterministic and the next request sees a settled stack.
 
-The one difference from ``kvtier.core.replay.replay``: a load unpins the hit prefix once it has
+The one difference from ``kvtier.replay.cache.replay``: a load unpins the hit prefix once it has
 arrived, so the request's own store may evict those blocks, where the metadata replay protects
 every block of the request. With LRU that happens only to a request longer than the tier, so with
 one tier, no watermark and LRU both count the same hits and evictions on such traces (tested);
@@ -41,10 +41,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.replay import Request
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.replay.trace import Request
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: distinct ids give distinct fills
 

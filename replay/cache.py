@@ -3,7 +3,7 @@
 Why this exists
     An eviction policy is only as good as the hit ratio it gets on real traffic, and a hit ratio
     means little without the best one possible. This module replays a Mooncake request trace
-    (one JSON object a line: ``timestamp``, ``input_length``, ``output_length``, ``hash_ids``)
+    (``kvtier.replay.trace``: one JSON object a line, ``hash_ids`` naming the prompt's blocks)
     against a cache of ``capacity`` blocks driven by any ``EvictionPolicy``, and computes the
     offline optimum (Belady: evict the block whose next use is farthest away) on the same trace
     with the same rules, so a policy's figure can be read as a fraction of what is achievable.
@@ -41,24 +41,12 @@ opaque hashables, and skipping 120,000 conversions keeps a replay well under a s
 from __future__ import annotations
 
 import heapq
-import json
-import math
 from dataclasses import dataclass
-from os import PathLike
-from typing import Callable, Container, Iterable, Sequence
+from typing import Callable, Container, Sequence
 
 from kvtier.core.errors import StateError
 from kvtier.policies.base import EvictionPolicy
-
-
-@dataclass(frozen=True)
-class Request:
-    """One line of a Mooncake trace. ``hash_ids`` name the prompt's blocks, chained (equal id = equal prefix)."""
-
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
+from kvtier.replay.trace import Request
 
 
 @dataclass(frozen=True)
@@ -76,93 +64,6 @@ class ReplayResult:
     def as_dict(self) -> dict[str, float | int]:
         return {"hits": self.hits, "references": self.references, "evictions": self.evictions,
                 "hit_ratio": self.hit_ratio}
-
-
-def load_trace(path: str | PathLike[str]) -> list[Request]:
-    """Read a Mooncake JSONL trace; blank lines are skipped. Raises ValueError naming the file, the line
-    and the field on bad input (``parse_request`` says what a line may hold)."""
-    requests = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is reported with its number, like any other
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                requests.append(parse_request(line))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not a Mooncake trace line: {exc}") from None
-    return requests
-
-
-def parse_request(line: str | bytes) -> Request:
-    """One trace line as a Request; raises ValueError naming the field that is wrong.
-
-    A line is a JSON object. ``hash_ids`` is required: a list, possibly empty, of distinct integers in
-    [0, 2**64). ``timestamp`` (a finite number), ``input_length`` and ``output_length`` (integers in
-    [0, 2**63)) are optional and 0 when left out; other keys are ignored. Booleans are not numbers here,
-    and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from a buggy generator is
-    refused up front rather than crashing the replay or skewing its figures.
-    """
-    try:
-        obj = json.loads(line)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    except ValueError as exc:  # also UnicodeDecodeError
-        raise ValueError(f"invalid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {_json_text(obj)}")
-    if "hash_ids" not in obj:
-        raise ValueError("missing field 'hash_ids'")
-    timestamp = obj.get("timestamp", 0)
-    if not _is_number(timestamp):
-        raise ValueError(f"timestamp: expected a finite number, got {_json_text(timestamp)}")
-    return Request(timestamp, _length(obj, "input_length"), _length(obj, "output_length"), _block_ids(obj["hash_ids"]))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
-def _length(obj: dict, field: str) -> int:
-    value = obj.get(field, 0)
-    if not (_is_int(value) and 0 <= value < 2**63):
-        raise ValueError(f"{field}: expected an integer in [0, 2**63), got {_json_text(value)}")
-    return value
-
-
-def _block_ids(ids: object) -> tuple[int, ...]:
-    if not isinstance(ids, list):
-        raise ValueError(f"hash_ids: expected a list of block ids, got {_json_text(ids)}")
-    seen: set[int] = set()
-    for position, h in enumerate(ids):
-        if not (_is_int(h) and 0 <= h < 2**64):
-            raise ValueError(f"hash_ids[{position}]: expected an integer in [0, 2**64), got {_json_text(h)}")
-        if h in seen:
-            raise ValueError(f"hash_ids[{position}]: {h} repeats an earlier id; a request's blocks are distinct")
-        seen.add(h)
-    return tuple(ids)
-
-
-def _json_text(value: object, limit: int = 60) -> str:
-    """A value as JSON writes it (``true``, ``Infinity``), shortened: what the user finds in the file."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
-    """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back."""
-    with open(path, "w", encoding="utf-8") as f:
-        for r in requests:
-            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
-
-
-def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
-    """Requests made of bare id lists, for tests and synthetic traces."""
-    return [Request(0, 0, 0, tuple(ids)) for ids in chains]
 
 
 def prefix_hits(ids: Sequence[int], resident: Container) -> int:

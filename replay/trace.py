@@ -1,0 +1,114 @@
+"""Mooncake request traces: one JSON object a line, read, checked and written.
+
+A line holds ``hash_ids`` (the prompt's blocks, chained: equal id, equal prefix) and optionally
+``timestamp``, ``input_length`` and ``output_length``. Traces come from outside (a file a user points
+``kvtier replay`` at), so every line is checked before any replay sees it: a bad one is a ValueError
+naming the file, the line and the field, never a crash or a skewed figure later. The same ``Request``
+records come from the workload generator (``kvtier.replay.workload``), so every replay path treats a
+generated workload and a trace file alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from os import PathLike
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class Request:
+    """One line of a Mooncake trace. ``hash_ids`` name the prompt's blocks, chained (equal id = equal prefix)."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | PathLike[str]) -> list[Request]:
+    """Read a Mooncake JSONL trace; blank lines are skipped. Raises ValueError naming the file, the line
+    and the field on bad input (``parse_request`` says what a line may hold)."""
+    requests = []
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is reported with its number, like any other
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(parse_request(line))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace line: {exc}") from None
+    return requests
+
+
+def parse_request(line: str | bytes) -> Request:
+    """One trace line as a Request; raises ValueError naming the field that is wrong.
+
+    A line is a JSON object. ``hash_ids`` is required: a list, possibly empty, of distinct integers in
+    [0, 2**64). ``timestamp`` (a finite number), ``input_length`` and ``output_length`` (integers in
+    [0, 2**63)) are optional and 0 when left out; other keys are ignored. Booleans are not numbers here,
+    and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from a buggy generator is
+    refused up front rather than crashing the replay or skewing its figures.
+    """
+    try:
+        obj = json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise ValueError(f"invalid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {_json_text(obj)}")
+    if "hash_ids" not in obj:
+        raise ValueError("missing field 'hash_ids'")
+    timestamp = obj.get("timestamp", 0)
+    if not _is_number(timestamp):
+        raise ValueError(f"timestamp: expected a finite number, got {_json_text(timestamp)}")
+    return Request(timestamp, _length(obj, "input_length"), _length(obj, "output_length"), _block_ids(obj["hash_ids"]))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _length(obj: dict, field: str) -> int:
+    value = obj.get(field, 0)
+    if not (_is_int(value) and 0 <= value < 2**63):
+        raise ValueError(f"{field}: expected an integer in [0, 2**63), got {_json_text(value)}")
+    return value
+
+
+def _block_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, list):
+        raise ValueError(f"hash_ids: expected a list of block ids, got {_json_text(ids)}")
+    seen: set[int] = set()
+    for position, h in enumerate(ids):
+        if not (_is_int(h) and 0 <= h < 2**64):
+            raise ValueError(f"hash_ids[{position}]: expected an integer in [0, 2**64), got {_json_text(h)}")
+        if h in seen:
+            raise ValueError(f"hash_ids[{position}]: {h} repeats an earlier id; a request's blocks are distinct")
+        seen.add(h)
+    return tuple(ids)
+
+
+def _json_text(value: object, limit: int = 60) -> str:
+    """A value as JSON writes it (``true``, ``Infinity``), shortened: what the user finds in the file."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
+    """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
+    """Requests made of bare id lists, for tests and synthetic traces."""
+    return [Request(0, 0, 0, tuple(ids)) for ids in chains]
