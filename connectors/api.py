@@ -16,7 +16,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvtier.core.builder import build_stack, config_layout
+from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
 from kvtier.core.keys import chain_hashes, check_key, key_secret
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack

@@ -1,1 +1,3 @@
-"""Block interface and the machinery every tier shares: keys, layouts, storage, tiers, jobs, transfers, the stack."""
+"""The block interface and what every tier and connector stands on: keys, layouts, storage, the tier,
+jobs and fences, the transfer spec and its registry, routes, the stack, configuration (with the slot
+geometry it counts disk capacities by), errors and metrics. Of kvtier it imports only the policies."""

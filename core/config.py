@@ -22,6 +22,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       model_validator)
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.slots import slot_problem, slot_stride
+from kvtier.policies import EvictionPolicy, PolicyError, check_policy_name, eviction_policy_class
 
 # --- sizes ------------------------------------------------------------------------------------
 
@@ -141,12 +143,7 @@ class _TierConfig(_Model):
         validated (``load_config``), so a config that is refused never runs the code it names."""
         if value is None:
             return value
-        from kvtier.policies import check_policy_name  # here: kvtier.policies imports kvtier.core.errors
-
-        try:
-            check_policy_name(value)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
+        check_policy_name(value)  # its PolicyError is a ValueError: pydantic names the key
         return value
 
     def _both_capacities(self) -> None:
@@ -273,8 +270,6 @@ class StackConfig(_Model):
                 else:
                     first_of_name[name] = i
             if self.block_bytes is not None and isinstance(tier, DiskTierConfig):
-                from kvtier.tiers.disk import slot_problem  # here: the disk format owns the slot rules
-
                 problem = slot_problem(self.block_bytes, tier.compression, tier.slot_bytes)
                 if problem is not None:
                     problems.append((("tiers", i, "slot_bytes"), problem))
@@ -295,8 +290,6 @@ def block_footprint(tier_cfg: _TierConfig, block_bytes: int) -> int:
     """Bytes of a tier's ``capacity`` one block takes: ``block_bytes`` in memory; on disk its slot
     (a 4 KiB header and ``slot_bytes`` of room, which compression makes smaller than the block)."""
     if isinstance(tier_cfg, DiskTierConfig):
-        from kvtier.tiers.disk import slot_stride
-
         return slot_stride(block_bytes, tier_cfg.compression, tier_cfg.slot_bytes)
     return block_bytes
 
@@ -410,15 +403,22 @@ def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
     return config
 
 
+def eviction_policy(name: str) -> type[EvictionPolicy]:
+    """The eviction policy class a config names (``kvtier.policies.eviction_policy_class``); a name that
+    names no usable policy is a ConfigError with the policy lookup's own message."""
+    try:
+        return eviction_policy_class(name)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _import_policies(config: StackConfig, name: str) -> None:
     """Import the tiers' dotted-path eviction policies, once the whole config validated: a config can name
     code to run, and none of it runs for a config that is refused. Raises ConfigError naming each key."""
-    from kvtier.policies import eviction_policy_class
-
     lines = []
     for i, tier in enumerate(config.tiers):
         try:
-            eviction_policy_class(tier.eviction)
+            eviction_policy(tier.eviction)
         except ConfigError as exc:
             lines.append(f"{name}: tiers[{i}].eviction: {exc}")
     if lines:

@@ -6,7 +6,7 @@ answers that from a Mooncake trace, or from the seeded chat workload (``kvtier.r
 no trace is given, on any machine.
 
 * Default: a real stack (``--config FILE.yaml``, or the embedded ``kvtier/replay.yaml``) built by
-  ``kvtier.core.builder.build_stack``; blocks move through the real tiers and transfer backends, and
+  ``kvtier.builder.build_stack``; blocks move through the real tiers and transfer backends, and
   every hit is checked bit-exact (``kvtier.replay.stack``). A corrupt block makes it exit 1.
   Each run puts a disk tier in a fresh directory inside its ``path`` and removes it afterwards, so
   every run starts empty and blocks already stored there are left alone.
@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kvtier.core.builder import build_stack
+from kvtier.builder import build_stack
 from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, parse_size
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
@@ -200,7 +200,7 @@ def _policies(args: argparse.Namespace, config: StackConfig, governed_index: int
     if len(policies) > 1 and not args.sweep:
         raise ReplayError("--policy takes one name without --sweep")
     for p in policies:
-        eviction_policy_class(p)  # ConfigError naming the known policies
+        eviction_policy_class(p)  # PolicyError naming the known policies
     return policies
 
 

@@ -11,6 +11,11 @@ from abc import ABC, abstractmethod
 from typing import Container, Iterable
 
 
+class PolicyError(ValueError):
+    """A policy name that names no usable policy: unknown, not importable, or not an ``EvictionPolicy``.
+    Policies know nothing of configuration files; the config turns this into a ConfigError naming the key."""
+
+
 class EvictionPolicy(ABC):
     """Orders a tier's readable blocks for eviction. Keys are opaque ``bytes``."""
 

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.core.builder import build_stack, config_layout
+from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout

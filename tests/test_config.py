@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.config import (GpuTierConfig, HostTierConfig, StackConfig, capacity_in_blocks,
-                                default_config_path, load_config, parse_size)
+                                default_config_path, eviction_policy, load_config, parse_size)
 from kvtier.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,6 +208,15 @@ def test_unknown_eviction_policy():
 def test_eviction_dotted_path_that_cannot_load():
     msg = error_of({"tiers": [{"medium": "host", "capacity": "1GiB", "eviction": "no_such_pkg.mod.Policy"}]})
     assert "tiers[0].eviction:" in msg and "no_such_pkg.mod.Policy" in msg
+
+
+def test_a_policy_a_config_names_that_cannot_be_used_is_a_config_error_with_the_policy_message():
+    """What builds tiers from a config (the builder, the vLLM scheduler side) gets a ConfigError, whose
+    message is the policy lookup's own."""
+    with pytest.raises(ConfigError, match="^unknown eviction policy 'fifo'; use one of .*lru"):
+        eviction_policy("fifo")
+    with pytest.raises(ConfigError, match="^eviction policy 'no_such_pkg.mod.Policy' cannot be loaded"):
+        eviction_policy("no_such_pkg.mod.Policy")
 
 
 def test_watermark_order():

@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 from stack_helpers import assert_no_leaks, content, flip, key, ready
 
+from kvtier.builder import build_stack, config_layout
 from kvtier.connectors.api import KVTier
-from kvtier.core.builder import build_stack, config_layout
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
@@ -473,7 +473,7 @@ def test_a_geometry_change_at_reopen_discards_the_cache_and_says_why(tmp_path, c
 
 CHILD_OPEN = """
 import json, sys
-from kvtier.core.builder import build_stack
+from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.tiers.disk import DiskTierError
 try:

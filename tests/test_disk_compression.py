@@ -34,7 +34,7 @@ import pytest
 import torch
 from stack_helpers import assert_no_leaks, flip, key, ready
 
-from kvtier.core.builder import build_stack
+from kvtier.builder import build_stack
 from kvtier.core.config import block_footprint, capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout

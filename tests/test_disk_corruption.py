@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from stack_helpers import assert_no_leaks, content, flip, key, ready
 
-from kvtier.core.builder import build_stack
+from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvtier.core.builder import build_stack, config_layout
+from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import load_config
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
@@ -40,7 +40,7 @@ ROUNDS = 30
 CHILD = r"""
 import hashlib, json, sys
 import numpy as np
-from kvtier.core.builder import build_stack, config_layout
+from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import load_config
 from kvtier.core.storage import buffer_storage
 

@@ -16,7 +16,7 @@ import pytest
 from stack_helpers import flip, ready
 from test_disk import KEYS, config_dict, open_stack, put
 
-from kvtier.core.builder import config_layout
+from kvtier.builder import config_layout
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.tiers.disk import PAGE, SLAB_NAME, inspect_slab, read_block_headers

@@ -30,8 +30,8 @@ import pytest
 from test_config import error_of
 from test_replay_cli import write
 
+from kvtier.builder import build_stack
 from kvtier.cli import main
-from kvtier.core.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.policies import eviction_policy_class

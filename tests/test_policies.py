@@ -6,7 +6,7 @@ Invariants checked:
   raises;
 - eviction_policy_class finds built-ins by short name and a user's class by dotted path (also
   ``module:Class``), and every failure (unknown name, missing module or attribute, not a subclass of
-  EvictionPolicy) is a ConfigError naming the policy; a loaded user policy really drives a tier;
+  EvictionPolicy) is a PolicyError (a ValueError) naming the policy; a loaded user policy really drives a tier;
 - a watermark asks for nothing at or below its high mark and for enough to come down to its low
   mark above it; marks outside 0 < low < high <= 1 are refused.
 """
@@ -18,9 +18,8 @@ import textwrap
 
 import pytest
 
-from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, LRUPolicy, Watermark, eviction_policy_class
+from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, LRUPolicy, PolicyError, Watermark, eviction_policy_class
 from kvtier.tiers.host import host_tier
 
 
@@ -167,30 +166,30 @@ def test_dotted_path_loads_a_user_policy_that_drives_a_tier(user_module):
     tier.close()
 
 
-def test_unknown_short_name_is_a_config_error():
-    with pytest.raises(ConfigError, match="unknown eviction policy 'fifo'.*lru"):
+def test_unknown_short_name_is_a_policy_error():
+    with pytest.raises(PolicyError, match="unknown eviction policy 'fifo'.*lru"):
         eviction_policy_class("fifo")
-    assert issubclass(ConfigError, ValueError)
+    assert issubclass(PolicyError, ValueError)
 
 
-def test_missing_module_is_a_config_error():
-    with pytest.raises(ConfigError, match="no_such_module_for_kvtier.Policy.*cannot be loaded"):
+def test_missing_module_is_a_policy_error():
+    with pytest.raises(PolicyError, match="no_such_module_for_kvtier.Policy.*cannot be loaded"):
         eviction_policy_class("no_such_module_for_kvtier.Policy")
 
 
-def test_missing_attribute_is_a_config_error(user_module):
-    with pytest.raises(ConfigError, match="cannot be loaded"):
+def test_missing_attribute_is_a_policy_error(user_module):
+    with pytest.raises(PolicyError, match="cannot be loaded"):
         eviction_policy_class(f"{user_module}.NoSuchPolicy")
 
 
 @pytest.mark.parametrize("attribute", ["NotAPolicy", "not_a_class", "EvictionPolicy.insert"])
-def test_something_that_is_not_a_policy_class_is_a_config_error(user_module, attribute):
-    with pytest.raises(ConfigError):
+def test_something_that_is_not_a_policy_class_is_a_policy_error(user_module, attribute):
+    with pytest.raises(PolicyError):
         eviction_policy_class(f"{user_module}.{attribute}")
 
 
 def test_a_path_to_a_non_policy_class_elsewhere_is_refused():
-    with pytest.raises(ConfigError, match="not a subclass"):
+    with pytest.raises(PolicyError, match="not a subclass"):
         eviction_policy_class("collections.OrderedDict")
 
 

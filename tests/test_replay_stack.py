@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_replay import chained_traces
 
-from kvtier.core.builder import build_stack
+from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.tier import BlockState
 from kvtier.policies import LRUPolicy

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import mmap
 import os
 import struct
@@ -38,6 +37,7 @@ import xxhash
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
+from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
@@ -48,7 +48,6 @@ from kvtier.tiers.disk_files import (SLAB_NAME, DiskTierError, lock_holder, open
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 FILE_MAGIC = b"KVTSLAB1"
 SLOT_MAGIC = b"KVTBLK01"
 # file header: magic, version, block_bytes, slot_stride, num_slots, codec id, checksum of the preceding fields
@@ -58,41 +57,6 @@ _FILE_HEADER = struct.Struct("<8sIQQQB")
 _SLOT_HEADER = struct.Struct(f"<8s16sH{MAX_KEY_BYTES}sQQQQB")
 _CHECKSUM = struct.Struct("<Q")
 VERSION = 3  # 3: keys up to 64 bytes (2 held 32)
-# Room per block when compression is on and slot_bytes is not given, as a fraction of block_bytes:
-# what bf16 KV blocks compress to with some margin (zstd-1 0.69, lz4 0.85 of 256 KiB blocks, bench/disk.py).
-DEFAULT_SLOT_FRACTION = {"zstd": 0.75, "lz4": 0.875}
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
-def slot_problem(block_bytes: int, compression: str, slot_bytes: int | None) -> str | None:
-    """Why ``slot_bytes`` cannot work for this block size and codec, or None when it can."""
-    if slot_bytes is None:
-        return None
-    if slot_bytes > block_bytes:
-        return f"slot_bytes {slot_bytes} is larger than block_bytes {block_bytes}; at most block_bytes"
-    if slot_bytes < PAGE:
-        return f"slot_bytes {slot_bytes} is less than {PAGE} (4KiB), the smallest slot"
-    if compression == "none" and slot_bytes != block_bytes:
-        return (f"slot_bytes {slot_bytes} is smaller than block_bytes {block_bytes}, which only fits with "
-                f"compression: lz4 or zstd")
-    return None
-
-
-def slot_room(block_bytes: int, compression: str = "none", slot_bytes: int | None = None) -> int:
-    """Bytes of block data one slot holds on disk: ``slot_bytes`` (by default all of ``block_bytes``
-    uncompressed, a codec-dependent fraction compressed) rounded up to 4 KiB for O_DIRECT."""
-    if slot_bytes is None:
-        fraction = DEFAULT_SLOT_FRACTION.get(compression, 1.0)
-        slot_bytes = min(block_bytes, math.ceil(block_bytes * fraction))
-    return _round_up(slot_bytes)
-
-
-def slot_stride(block_bytes: int, compression: str = "none", slot_bytes: int | None = None) -> int:
-    """Bytes of file per block (slot header and room): what a disk ``capacity`` in bytes is divided by."""
-    return PAGE + slot_room(block_bytes, compression, slot_bytes)
 
 
 def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
@@ -536,7 +500,7 @@ def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPo
     under the same namespace, block size and slot geometry (codec and slot size).
 
     ``compression`` ("none", "lz4", "zstd") and ``slot_bytes`` (room per block on disk, see
-    ``slot_room``) set the geometry; ``num_slots`` is the block count (``slot_stride`` turns a byte
+    ``kvtier.core.slots.slot_room``) set the geometry; ``num_slots`` is the block count (``slot_stride`` turns a byte
     budget into one). Raises ConfigError for a bad combination or a codec whose package is missing.
     ``shared_directory`` and ``reinitialise``: what the directory may be and hold (``disk_files``, ``DiskSlab``).
     """

@@ -37,9 +37,10 @@ import xxhash
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
+from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.compression import CorruptPayload
-from kvtier.tiers.disk import PAGE, DiskSlab, FileStorage, SlotHeader
+from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader
 
 _ZERO_PAGE = bytes(PAGE)
 
@@ -246,7 +247,7 @@ class DiskBackend(TransferBackend):
     def _write_block(self, slab: DiskSlab, b: _BlockIO) -> None:
         views = b.views()
         if slab.direct_fd is not None and not b.aligned():  # O_DIRECT needs aligned memory: bounce
-            padded = _round_up(b.nbytes)
+            padded = round_up_to_page(b.nbytes)
             bounce = self._scratch("write", padded)
             at = 0
             for view in views:
@@ -257,7 +258,7 @@ class DiskBackend(TransferBackend):
 
     def _write_packed(self, slab: DiskSlab, b: _BlockIO, payload: bytes) -> None:
         """A compressed payload, zero-padded to whole pages, through this thread's aligned buffer."""
-        padded = _round_up(len(payload))
+        padded = round_up_to_page(len(payload))
         bounce = self._scratch("packed", slab.room)
         bounce[:len(payload)] = payload
         bounce[len(payload):padded] = bytes(padded - len(payload))
@@ -346,7 +347,7 @@ class DiskBackend(TransferBackend):
             got = self._preadv(_data_fd(slab), [header_page, *views], b.file_offset - PAGE)
             page = bytes(header_page)
         else:  # O_DIRECT needs aligned memory: read through a bounce buffer
-            bounce = self._scratch("read", PAGE + _round_up(b.nbytes))
+            bounce = self._scratch("read", PAGE + round_up_to_page(b.nbytes))
             got = min(self._preadv(slab.direct_fd, [bounce], b.file_offset - PAGE), PAGE + b.nbytes)
             page = bytes(bounce[:PAGE])
             at = PAGE
@@ -464,7 +465,3 @@ def _runs(slab: DiskSlab, blocks: list[_BlockIO]) -> list[list[_BlockIO]]:
             iovecs = 1 + len(b.pieces)
             open_run = joinable
     return runs
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE

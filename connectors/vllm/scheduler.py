@@ -30,14 +30,14 @@ from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWor
 from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import blocks_on_every_rank
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
-from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks
+from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks, eviction_policy
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.core.jobs import Fence, Job, JobManager, JobState
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
-from kvtier.policies import Watermark, eviction_policy_class
+from kvtier.policies import Watermark
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -116,7 +116,7 @@ class SchedulerSide:
         tier_cfgs = {config.tier_name(j): t for j, t in enumerate(config.tiers)}
         for name, medium, slots in tier_slots(config, layout.block_bytes):
             wm = tier_cfgs[name].watermark
-            self.tiers.append(Tier(name, medium, RemoteSlots(layout, slots), eviction_policy_class(tier_cfgs[name].eviction)(),
+            self.tiers.append(Tier(name, medium, RemoteSlots(layout, slots), eviction_policy(tier_cfgs[name].eviction)(),
                                    Watermark(wm.high, wm.low) if wm else None, self.jobs.is_fenced))
         self.host = self.tiers[0]
         self.disk = self.tiers[1] if len(self.tiers) > 1 else None

@@ -1,15 +1,23 @@
-"""Build a tier stack from a validated configuration: one place that turns YAML into tiers."""
+"""Build a tier stack from a validated configuration: the one place that turns YAML into tiers,
+transfer backends and a ``TierStack``.
+
+Why it lives in kvtier/, above everything it builds: it is the only code that knows every medium
+(``kvtier.tiers``) and every transfer backend (``kvtier.transfers``) at once. In core/ it made the block
+interface import the tiers built on it; in tiers/ it would make the tiers import the transfers, whose
+disk backend imports the disk tier. Here it sits beside the public API that exports it
+(``kvtier.build_stack``) and serves that API's callers: ``connectors/api.py`` and ``kvtier replay``.
+"""
 
 from __future__ import annotations
 
-from kvtier.core.config import StackConfig, block_footprint, capacity_in_blocks, format_size
+from kvtier.core.config import StackConfig, block_footprint, capacity_in_blocks, eviction_policy, format_size
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend
-from kvtier.policies import Watermark, eviction_policy_class
+from kvtier.policies import Watermark
 from kvtier.tiers.disk import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
@@ -61,7 +69,7 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
                           f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
     wm = tier_cfg.watermark
     watermark = Watermark(wm.high, wm.low) if wm is not None else None
-    policy = eviction_policy_class(tier_cfg.eviction)()
+    policy = eviction_policy(tier_cfg.eviction)()
     medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
                        "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
                        "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}
