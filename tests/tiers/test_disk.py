@@ -25,7 +25,6 @@ Invariants checked:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -35,7 +34,8 @@ import threading
 
 import numpy as np
 import pytest
-from stack_helpers import assert_no_leaks, content, flip, key, ready
+from helpers.disk_helpers import BLOCK, CHILD_OPEN, KEYS, assert_exact, config_dict, data, get, open_stack, put
+from helpers.stack_helpers import assert_no_leaks, flip, ready
 
 from kvtier.builder import build_stack, config_layout
 from kvtier.connectors.api import KVTier
@@ -44,75 +44,6 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, inspect_slab
-
-BLOCK = 16 * 1024
-LAYOUT = BlockLayout((BLOCK // 4,) * 4)
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, block_bytes=BLOCK,
-                placement="write_back", o_direct="auto", disk_watermark=None, gpu=None, **disk_options) -> dict:
-    """A stack over a disk tier at ``path``; every tier evicts in LRU order, which tests here count on.
-    ``disk_options`` are further keys of the disk tier (``shared_directory``, ``reinitialise``)."""
-    tiers = []
-    if gpu:
-        tiers.append({"medium": "gpu", "capacity_blocks": gpu})
-    if host:
-        tiers.append({"medium": "host", "capacity_blocks": host})
-    disk_cfg = {"medium": "disk", "path": str(path), "capacity_blocks": disk, "o_direct": o_direct, **disk_options}
-    if disk_watermark:
-        disk_cfg["watermark"] = {"high": disk_watermark[0], "low": disk_watermark[1]}
-    tiers.append(disk_cfg)
-    for tier in tiers:
-        tier["eviction"] = "lru"
-    return {"block_bytes": block_bytes, "fragments": fragments, "namespace": namespace,
-            "placement": placement, "tiers": tiers}
-
-
-def open_stack(path, backends=None, **kwargs):
-    return build_stack(load_config(config_dict(path, **kwargs)), backends=backends)
-
-
-def data(k: bytes, salt: bytes = b"", nbytes: int = BLOCK) -> np.ndarray:
-    """A block's bytes: a pure function of its key (and a salt naming whose block it is)."""
-    return content(hashlib.blake2b(salt + k, digest_size=16).digest() if salt else k, nbytes)
-
-
-def put(stack, keys, salt=b"", layout=LAYOUT, batch=None):
-    """Store ``keys`` in batches the first tier can hold; returns the StoreResults."""
-    batch = batch or stack.tiers[0].capacity
-    results = []
-    for i in range(0, len(keys), batch):
-        chunk = keys[i:i + batch]
-        blocks = np.stack([data(k, salt, layout.block_bytes) for k in chunk])
-        results.append(stack.store(chunk, buffer_storage(blocks, layout), range(len(chunk))).result(timeout=30))
-    return results
-
-
-def get(stack, keys, layout=LAYOUT, dst_medium=None, out=None):
-    """Load ``keys`` into a fresh zeroed buffer; returns (LoadResult, buffer)."""
-    if out is None:
-        out = np.zeros((len(keys), layout.block_bytes), np.uint8)
-    dst = buffer_storage(out, layout, writable=True)
-    result = stack.load(keys, dst, range(len(keys)), dst_medium=dst_medium).result(timeout=30)
-    return result, out
-
-
-def assert_exact(keys, result, out, salt=b"", nbytes=BLOCK):
-    """Every block loaded (a hit not reported failed) holds exactly its own bytes."""
-    for i in range(result.hits):
-        if i not in result.failed:
-            assert np.array_equal(out[i], data(keys[i], salt, nbytes)), f"block {i} came back wrong"
-
-
-
-
-
-
-KEYS = [key(i) for i in range(64)]
-
 
 # --- round trips --------------------------------------------------------------------------------
 
@@ -470,22 +401,6 @@ def test_a_geometry_change_at_reopen_discards_the_cache_and_says_why(tmp_path, c
 
 
 # --- the directory lock -----------------------------------------------------------------------------
-
-CHILD_OPEN = """
-import json, sys
-from kvtier.builder import build_stack
-from kvtier.core.config import load_config
-from kvtier.tiers.disk import DiskTierError
-try:
-    stack = build_stack(load_config(json.loads(sys.argv[1])))
-except DiskTierError as exc:
-    print("REFUSED", exc, flush=True)
-    sys.exit(3)
-print("OPENED", flush=True)
-sys.stdin.read()  # hold the directory until the parent closes our stdin
-stack.close()
-"""
-
 
 def test_a_second_open_in_this_process_fails_and_names_the_directory(tmp_path):
     stack = open_stack(tmp_path)

@@ -38,8 +38,8 @@ import threading
 import numpy as np
 import pytest
 import xxhash
-from stack_helpers import key
-from test_disk import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_dict, data, get, open_stack, put
+from helpers.disk_helpers import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_dict, data, get, open_stack, put
+from helpers.stack_helpers import key
 
 from kvtier.cli import main
 from kvtier.core.keys import MAX_KEY_BYTES

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from stack_helpers import assert_loaded_exact, key, load, make_stack, store
+from helpers.stack_helpers import assert_loaded_exact, key, load, make_stack, store
 
 from kvtier.core.tier import BlockState
 from kvtier.policies import Watermark

@@ -9,7 +9,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
-from vllm_helpers import forget_gpu, prompt
+from helpers.vllm_helpers import forget_gpu, prompt
 
 from kvtier.connectors.vllm.stats import COUNTERS
 

@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 import pytest
-from stack_helpers import assert_no_leaks, content, flip, key, ready
+from helpers.stack_helpers import assert_no_leaks, content, flip, key, ready
 
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config

@@ -1,10 +1,10 @@
-"""Steps and prompts shared by the vLLM connector tests under ``tests/vllm`` (the engine itself is
-``tests/vllm/conftest.py``'s): prompts sharing prefixes, and stepping until a load is planned or a
-request is scheduled. Plain Python, importable without vLLM."""
+"""Steps and prompts shared by the vLLM connector tests under ``tests/connectors/vllm`` (the engine
+itself is ``helpers.vllm_harness``): prompts sharing prefixes, and stepping until a load is planned or
+a request is scheduled. Plain Python, importable without vLLM."""
 
 from __future__ import annotations
 
-BLOCK = 16  # the test engine's block size (tests/vllm/conftest.py BLOCK)
+BLOCK = 16  # the test engine's block size (vLLM's --block-size there)
 
 
 def prompt(prefix_blocks: int, tail: int, seed: int, prefix: int = 0) -> list[int]:

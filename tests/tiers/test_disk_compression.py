@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from stack_helpers import assert_no_leaks, flip, key, ready
+from helpers.stack_helpers import assert_no_leaks, flip, key, ready
 
 from kvtier.builder import build_stack
 from kvtier.core.config import block_footprint, capacity_in_blocks, load_config

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_replay import chained_traces
+from helpers.replay_helpers import BB, TRACE, chained_traces
 
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
@@ -26,12 +26,6 @@ from kvtier.policies import LRUPolicy
 from kvtier.replay.cache import replay
 from kvtier.replay.stack import block_content, block_key, prefill_tokens_saved, replay_through_stack
 from kvtier.replay.trace import Request, requests_from_ids
-
-BB = 4096
-
-# The trace worked through by hand below; capacities: upper tier 2 blocks, lower tier 4 blocks.
-TRACE = [[1, 2], [1, 3], [2, 4], [1, 2, 5], [4, 5, 6], [3, 7], [1, 2]]
-
 
 def two_tier(upper: dict, lower: dict):
     """Both tiers evict in LRU order, as the hand-computed traces here assume."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers.replay_helpers import chained_traces
 
 from kvtier.core.errors import StateError
 from kvtier.policies import EVICTION_POLICIES, ARCPolicy, LRUPolicy, PrefixS3FIFOPolicy, S3FIFOPolicy
@@ -29,7 +30,7 @@ from kvtier.policies.base import EvictionPolicy
 from kvtier.replay.cache import ReplayResult, belady, replay
 from kvtier.replay.trace import load_trace, requests_from_ids
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 # --- hand-made traces --------------------------------------------------------------------------
@@ -135,23 +136,6 @@ def exhaustive_optimum(chains: list[list[int]], capacity: int) -> int:
         return gained + max(best(pos + 1, r) for r in options)
 
     return best(0, frozenset())
-
-
-@st.composite
-def chained_traces(draw, max_requests=12, max_new=4):
-    """Requests that extend a prefix of an earlier request with fresh ids, so an id is only ever
-    reused after the same prefix (as in Mooncake traces)."""
-    chains: list[list[int]] = []
-    next_id = 0
-    for _ in range(draw(st.integers(1, max_requests))):
-        prefix: list[int] = []
-        if chains and draw(st.booleans()):
-            base = chains[draw(st.integers(0, len(chains) - 1))]
-            prefix = base[:draw(st.integers(1, len(base)))]
-        new = draw(st.integers(0 if prefix else 1, max_new))
-        chains.append(prefix + list(range(next_id, next_id + new)))
-        next_id += new
-    return chains
 
 
 @settings(max_examples=60, deadline=None)

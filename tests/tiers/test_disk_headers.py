@@ -13,8 +13,8 @@ import hashlib
 import logging
 
 import pytest
-from stack_helpers import flip, ready
-from test_disk import KEYS, config_dict, open_stack, put
+from helpers.disk_helpers import KEYS, config_dict, open_stack, put
+from helpers.stack_helpers import flip, ready
 
 from kvtier.builder import config_layout
 from kvtier.core.config import load_config

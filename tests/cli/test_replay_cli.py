@@ -4,7 +4,7 @@ Invariants checked:
 - --metadata-only --json: hits, hit ratio, prefill tokens saved, Belady (--belady) as worked out by hand;
 - --sweep with --policy list and --belady: one hit ratio per policy and capacity, Belady per capacity;
 - a real stack from --config, with --capacity and --tier overriding the governed tier: per-tier hits,
-  bytes in/out, demotions and evictions as worked out by hand (tests/test_replay_stack.py); each
+  bytes in/out, demotions and evictions as worked out by hand (tests/replay/test_replay_stack.py); each
   run's disk tier starts empty in a fresh directory inside the configured path, removed afterwards;
 - --plot writes a PNG; --save-trace writes the replayed requests, and replaying that file gives
   the same figures;
@@ -17,17 +17,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_replay_stack import BB, TRACE
+from helpers.replay_helpers import BB, TRACE, write
 
 from kvtier.cli import main
 
 BY_HAND = [[1, 2], [1, 3], [4], [1, 2], [1, 3]]
-
-
-def write(path, chains, tail=12):
-    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(c) - tail, "output_length": 1,
-                                        "hash_ids": c}) + "\n" for i, c in enumerate(chains)))
-    return path
 
 
 def run_json(capsys, *argv) -> dict:
@@ -36,7 +30,7 @@ def run_json(capsys, *argv) -> dict:
 
 
 def test_metadata_only_with_belady(tmp_path, capsys):
-    # LRU, 3 blocks (see tests/test_replay.py::test_lru_and_belady_by_hand): 3 hits of 9, one
+    # LRU, 3 blocks (see tests/replay/test_replay.py::test_lru_and_belady_by_hand): 3 hits of 9, one
     # block each in requests 2, 4 and 5, each saving 512 of its 1012 tokens. Belady: 5 hits.
     trace = write(tmp_path / "t.jsonl", BY_HAND)
     s = run_json(capsys, trace, "--metadata-only", "--policy", "lru", "--capacity", 3, "--belady")

@@ -11,12 +11,13 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.config_helpers import error_of
 
 from kvtier.core.config import (GpuTierConfig, HostTierConfig, StackConfig, capacity_in_blocks,
                                 default_config_path, eviction_policy, load_config, parse_size)
 from kvtier.core.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 VALID = {
     "block_tokens": 16,
@@ -34,12 +35,6 @@ def with_changes(**top) -> dict:
     cfg = copy.deepcopy(VALID)
     cfg.update(top)
     return cfg
-
-
-def error_of(source) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(source)
-    return str(info.value)
 
 
 # --- valid configs ---------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import textwrap
 import time
 
 import pytest
-from test_config import error_of
-from test_replay_cli import write
+from helpers.config_helpers import error_of
+from helpers.replay_helpers import write
 
 from kvtier.builder import build_stack
 from kvtier.cli import main

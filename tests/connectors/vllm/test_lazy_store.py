@@ -4,7 +4,8 @@ about to be overwritten are saved first, with the right bytes."""
 
 from __future__ import annotations
 
-BLOCK = 16  # the test engine's block size (conftest.BLOCK)
+from helpers.vllm_helpers import BLOCK
+
 HOST = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
 
 

@@ -11,8 +11,8 @@ import pytest
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt, scheduled_load,
-                          step_until_scheduled)
+from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt,
+                                  scheduled_load, step_until_scheduled)
 
 from kvtier.core.keys import chain_hashes
 

@@ -1,0 +1,267 @@
+"""A test engine for the vLLM connector: vLLM's own Scheduler, KVTierConnector built by vLLM's
+KVConnectorFactory on both sides, KV caches allocated by vLLM's own ``allocate_kv_cache`` on CPU.
+
+``Engine.step()`` is one engine step the way vLLM's model runner drives a connector: schedule, then
+on every worker ``handle_preemptions``, ``start_load_kv``, a stand-in forward pass that writes each
+newly full block's KV, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``; the workers' outputs merged by vLLM's ``KVOutputAggregator``, then
+``update_from_output``. The metadata crosses a pickle round trip each way, as between processes.
+
+The stand-in forward writes a block's KV as a pure function of the tokens up to its end, so a block
+loaded back can be compared with what the model would have computed.
+
+This module imports vLLM: only tests/connectors/vllm/conftest.py imports it, once it has set vLLM's
+environment up and found vLLM installed (the tests there are skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import torch
+import xxhash
+from helpers.vllm_helpers import BLOCK
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
+# A small OPT-like model: vLLM's ModelConfig reads only this file (no weights for scheduler tests).
+MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 50272,
+              "max_position_embeddings": 2048, "torch_dtype": "float16"}
+
+
+def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) -> KVCacheConfig:
+    """Two layers of 2 KV heads x ``head_size`` dims in fp16 (1 KiB pages with 8 dims), one
+    backing buffer, layer-outer or block-outer as ``layout`` says."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
+    page = spec.page_size_bytes
+    if KVCacheLayout[layout].is_layer_compact:
+        tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
+                               layer_stride=page * num_blocks, block_stride=page)
+    else:
+        tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
+                               layer_stride=page, block_stride=page * len(LAYERS))
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+    config.kv_cache_layout = layout
+    return config
+
+
+def block_kv(tokens: list[int], block: int, page: int, layer: int) -> np.ndarray:
+    """The KV bytes a model would compute for ``block`` of a sequence: a pure function of every
+    token up to the block's end (and the layer), like real attention KV."""
+    seed = xxhash.xxh64_intdigest(np.asarray(tokens[:(block + 1) * BLOCK], dtype=np.int64).tobytes(), layer)
+    return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
+
+
+def make_vllm_config(model_dir, kvtier: dict, num_gpu_blocks: int, tp: int = 1,
+                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8,
+                     extra: dict | None = None) -> VllmConfig:
+    """A VllmConfig for the local model folder with KVTierConnector selected by module path."""
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
+                                 max_model_len=2048),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
+                                            kv_connector_module_path="kvtier.connectors.vllm",
+                                            kv_role="kv_both",
+                                            kv_connector_extra_config={"config": kvtier, **(extra or {})},
+                                            kv_load_failure_policy="recompute"),
+        device_config=DeviceConfig("cpu"))
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.world_size = tp
+    config.cache_config.num_gpu_blocks = num_gpu_blocks
+    return config
+
+
+class Worker:
+    """One rank: a worker-side KVTierConnector over vLLM-allocated CPU KV caches."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_config: KVCacheConfig) -> None:
+        self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_config)
+        self.kv_config = kv_config
+        self.kv_caches = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[kv_config.kv_cache_layout])
+        self.connector.register_kv_caches(self.kv_caches)
+        storage = next(iter(self.kv_caches.values())).untyped_storage()
+        self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        self.page = kv_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+
+    def page_view(self, block_id: int, layer: int) -> np.ndarray:
+        t = self.kv_config.kv_cache_tensors[0]
+        start = t.offset + layer * t.layer_stride + block_id * t.block_stride
+        return self.buffer[start:start + self.page]
+
+    def write_block(self, tokens: list[int], block: int, block_id: int) -> None:
+        for layer in range(len(LAYERS)):
+            self.page_view(block_id, layer)[:] = block_kv(tokens, block, self.page, layer)
+
+    def block_matches(self, tokens: list[int], block: int, block_id: int) -> bool:
+        return all(np.array_equal(self.page_view(block_id, layer), block_kv(tokens, block, self.page, layer))
+                   for layer in range(len(LAYERS)))
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.connector.worker_side.in_flight():
+            assert time.monotonic() < deadline, "worker copies did not finish"
+            time.sleep(0.002)
+
+
+class Engine:
+    """vLLM's Scheduler (or AsyncScheduler) plus ``tp`` workers, stepped by hand, one step after the other."""
+
+    def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
+                 max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
+                 async_scheduling: bool = False, head_size: int = 8) -> None:
+        self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
+                                            max_num_seqs, extra)
+        self.kv_config = kv_cache_config(num_gpu_blocks, layout, head_size)
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
+        # In vLLM's order: the workers first (they open their disk slabs and hold the directory
+        # locks), then the scheduler, whose connector reads those slabs' headers at start.
+        self.workers = []
+        for rank in range(tp):
+            self.vllm_config.parallel_config.rank = rank
+            self.workers.append(Worker(self.vllm_config, self.kv_config))
+        self.vllm_config.parallel_config.rank = 0
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=BLOCK)
+        self.connector = self.scheduler.connector
+        self.kvtier = self.connector.scheduler_side
+        self.aggregator = KVOutputAggregator(tp)
+        self.tokens: dict[str, list[int]] = {}
+        self.loaded: dict[str, list[int]] = {}
+        self.load_errors: set[int] = set()
+        self.events = []  # kvtier's KV cache events, as vLLM's scheduler publishes them
+        self.scheduler.kv_event_publisher = self
+        self.stats: list[dict] = []  # kv_connector_stats payloads vLLM put into its scheduler stats
+        self._ids = 0
+
+    def add(self, prompt: list[int], max_tokens: int = 4) -> Request:
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id=f"r{self._ids}", prompt_token_ids=list(prompt), sampling_params=params,
+                          pooling_params=None, mm_features=None,
+                          block_hasher=get_request_block_hasher(BLOCK, sha256))  # vLLM's own prefix cache
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, settle: bool = True, report_ranks: set[int] | None = None):
+        """One engine step. ``settle`` waits for the workers' copies before they report (a forward
+        pass long enough for them); ``report_ranks`` holds back the other ranks' outputs."""
+        out = self.scheduler.schedule()
+        meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            c = worker.connector
+            c.handle_preemptions(meta)
+            c.bind_connector_metadata(meta)
+            c.start_load_kv(None)
+            self._forward(worker, out)
+            c.wait_for_save()
+            if settle:
+                worker.wait_idle()
+            outputs.append(self._worker_output(worker, out, rank in (report_ranks if report_ranks is not None
+                                                                      else range(len(self.workers)))))
+            c.clear_connector_metadata()
+        merged = self.aggregator.aggregate(outputs)
+        kv_out = merged.kv_connector_output
+        if kv_out is not None:
+            self.load_errors |= kv_out.invalid_block_ids
+        engine_outputs = self.scheduler.update_from_output(out, merged)  # publishes events to self
+        for eco in engine_outputs.values():  # worker and scheduler stats as vLLM reports them
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                self.stats.append(eco.scheduler_stats.kv_connector_stats)
+        return out, engine_outputs
+
+    def publish(self, batch) -> None:
+        """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher)."""
+        self.events += [e for e in batch.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+
+    def _worker_output(self, worker: "Worker", out, reports: bool) -> ModelRunnerOutput:
+        c = worker.connector
+        if reports:
+            _, recving = c.get_finished(out.finished_req_ids)
+            errors = c.get_block_ids_with_load_errors()
+            worker_meta = c.build_connector_worker_meta()
+            stats = c.get_kv_connector_stats()
+        else:
+            recving, errors, worker_meta, stats = None, set(), None, None
+        worker_meta = pickle.loads(pickle.dumps(worker_meta))
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            done = request.num_computed_tokens >= request.num_tokens  # schedule() advanced it already
+            sampled.append([1000 + request.num_output_tokens] if done else [])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled,
+                                 kv_connector_output=KVConnectorOutput(
+                                     finished_recving=recving, invalid_block_ids=errors,
+                                     kv_connector_stats=stats, kv_connector_worker_meta=worker_meta))
+
+    def _forward(self, worker: "Worker", out) -> None:
+        """Write the KV of every block that becomes full in this step (what the model computes)."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            tokens = list(request.all_token_ids)
+            first, end = request.num_computed_tokens - n, request.num_computed_tokens  # advanced by schedule()
+            for block in range(first // BLOCK, min(end // BLOCK, len(tokens) // BLOCK)):
+                worker.write_block(tokens, block, block_ids[block])
+
+    def run(self, requests, max_steps: int = 200):
+        """Step until these requests finished; returns the steps taken."""
+        for steps in range(1, max_steps + 1):
+            self.step()
+            if all(r.request_id not in self.scheduler.requests for r in requests):
+                self.drain()
+                return steps
+        raise AssertionError("requests did not finish")
+
+    def drain(self, max_steps: int = 50) -> None:
+        """Empty steps until no kvtier job is in flight (their reports come back through steps)."""
+        for _ in range(max_steps):
+            if not self.kvtier.jobs.in_flight():
+                return
+            self.step()
+        raise AssertionError(f"kvtier jobs still in flight: {self.kvtier.leaks()}")
+
+    def blocks_match(self, request: Request, blocks) -> bool:
+        """Whether the request's GPU blocks hold, on every rank, the KV its tokens give."""
+        (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        tokens = list(request.all_token_ids)
+        return all(w.block_matches(tokens, b, block_ids[b]) for w in self.workers for b in blocks)
+
+    def assert_no_leaks(self) -> None:
+        leaks = self.kvtier.leaks()
+        assert leaks == {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}, leaks
+        for tier in self.kvtier.tiers:
+            tier.check_invariants()
+        assert all(w.connector.worker_side.in_flight() == 0 for w in self.workers)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.connector.shutdown()
+        self.connector.shutdown()
+
+
+init_none_hash(sha256)  # what the engine does at start, before requests are hashed
