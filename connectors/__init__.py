@@ -1,1 +1,2 @@
-"""Engine adapters: the plain Python API (api.py); the vLLM connector arrives in its own package."""
+"""Engine adapters: the plain Python API any engine can call (``api``: store, look up and load by token
+ids or keys) and the vLLM KV connector (the ``vllm`` package: scheduler and worker sides)."""
