@@ -73,7 +73,6 @@ import argparse
 import errno
 import itertools
 import json
-import mmap
 import os
 import re
 import shutil
@@ -438,7 +437,7 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         for op, ref_name, ref_label, fio_dir in pairs:
             c = calls[op]
             # each kvtier figure over the reference measured right after it: a pair shares the disk's mood
-            paired = sorted(ref_s / op_s for op_s, ref_s in zip(times[op], times[ref_name]))
+            paired = sorted(ref_s / op_s for op_s, ref_s in zip(times[op], times[ref_name], strict=True))
             rows.append({
                 "block_bytes": size.block_bytes,
                 "op": op,
@@ -519,17 +518,17 @@ def bench_compression(nbytes: int, repeat: int, seed: int) -> tuple[list[dict], 
     raw_bytes = raw.tobytes()
     rows = []
     for name, compress, decompress in available:
-        def pack_raw():
+        def pack_raw(compress=compress):
             return [compress(raw_bytes)]
 
-        def unpack_raw(frames):
+        def unpack_raw(frames, decompress=decompress):
             return np.frombuffer(decompress(frames[0]), dtype=np.uint8)
 
-        def pack_split():
+        def pack_split(compress=compress):
             high, low = split_planes(raw)
             return [compress(high), compress(low)]
 
-        def unpack_split(frames):
+        def unpack_split(frames, decompress=decompress):
             high = np.frombuffer(decompress(frames[0]), dtype=np.uint8)
             low = np.frombuffer(decompress(frames[1]), dtype=np.uint8)
             return merge_planes(high, low)
@@ -582,7 +581,7 @@ def print_table(rows: list[dict], header_line: str) -> None:
         lines.append((label, r["op"], str(r["blocks"]), str(r["bytes"] // MiB), calls, f"{r['gbps']:.2f}",
                       r["reference"], f"{r['reference_gbps']:.2f}", f"{r['ratio']:.2f}",
                       f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['ratio_best']:.2f}", fio))
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     left = {0, 1, 4, 6}
     fmt = "  ".join(("{:<%d}" if i in left else "{:>%d}") % w for i, w in enumerate(widths))
     print(header_line)
@@ -603,7 +602,7 @@ def print_compression(rows: list[dict], notes: list[str], nbytes: int) -> None:
     lines = [(r["codec"], r["layout"], f"{r['ratio']:.3f}", f"{r['compress_mbps']:.0f}",
               f"{r['decompress_mbps']:.0f}", f"{r['high_plane_ratio']:.3f}" if "high_plane_ratio" in r else "-",
               f"{r['low_plane_ratio']:.3f}" if "low_plane_ratio" in r else "-") for r in rows]
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(("{:<%d}" if i < 2 else "{:>%d}") % w for i, w in enumerate(widths))
     print(fmt.format(*header))
     print("  ".join("-" * w for w in widths))
@@ -619,7 +618,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default=None,
                    help="directory on the filesystem to measure; a scratch folder is made inside it and "
                         "removed afterwards (default: a temporary folder under /tmp)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)")
     p.add_argument("--io-threads", type=int, default=4, help="DiskBackend I/O threads (default 4, its default)")
     p.add_argument("--large-mib", type=int, default=512, help="bytes per measurement for 2 MiB blocks (default 512)")
     p.add_argument("--small-mib", type=int, default=256, help="bytes per measurement for 64 KiB blocks (default 256)")

@@ -233,12 +233,12 @@ def interference(rig: Rig, rng) -> dict:
         stop = threading.Event()
         jobs = [0]
 
-        def copy_forever() -> None:
+        def copy_forever(backend: CUDABackend, stop: threading.Event, jobs: list[int]) -> None:
             while not stop.is_set():
                 run_job(backend, transfers)
                 jobs[0] += 1
 
-        copier = threading.Thread(target=copy_forever)
+        copier = threading.Thread(target=copy_forever, args=(backend, stop, jobs))
         copier.start()
         time.sleep(0.05)
         before = jobs[0]

@@ -169,7 +169,7 @@ def _host_mismatch(layout: BlockLayout, tensors: list[torch.Tensor], slab: HostS
     """The first fragment whose bytes in host slots ``h`` differ from device blocks ``a``, or None."""
     host = slab.array.reshape(slab.storage.num_slots, layout.block_bytes)
     a_t = torch.from_numpy(a)
-    for f, (off, size) in enumerate(zip(layout.offsets.tolist(), layout.sizes.tolist())):
+    for f, (off, size) in enumerate(zip(layout.offsets.tolist(), layout.sizes.tolist(), strict=True)):
         expect = tensors[f].index_select(0, a_t).view(torch.uint8).reshape(len(a), size).numpy()
         if not np.array_equal(host[h, off:off + size], expect):
             return f
@@ -249,8 +249,8 @@ def print_table(rows: list[dict], threads: int, reference_note: str) -> None:
     lines = [(f"{r['fragment_bytes'] // 1024} KiB", r["layout"], r["direction"], str(r["blocks"]),
               str(r["bytes"] // MiB), str(r["memmoves"]), f"{r['gbps']:.2f}", f"{r['reference_gbps']:.2f}",
               f"{r['ratio']:.2f}") for r in rows]
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
-    fmt = "  ".join("{:<%d}" % w if i < 3 else "{:>%d}" % w for i, w in enumerate(widths))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(f"kvtier CPUBackend(threads={threads}) gather/scatter vs {reference_note}")
     print(fmt.format(*header))
     print("  ".join("-" * w for w in widths))
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         backend.close()
 
-    print_table(rows, args.threads, "one np.copyto of the same bytes (best of %d each)" % args.repeat)
+    print_table(rows, args.threads, f"one np.copyto of the same bytes (best of {args.repeat} each)")
     largest = max(args.blocks)
     head = {r["direction"]: r for r in rows if r["fragment_bytes"] == 65536 and r["blocks"] == largest}
     ref = head["store"]["reference_gbps"]  # one reference per (fragment size, batch), shared by both directions

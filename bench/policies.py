@@ -45,8 +45,8 @@ import json
 import sys
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvtier.policies import EVICTION_POLICIES
 from kvtier.replay.cache import ReplayResult, belady, prefix_hits, replay

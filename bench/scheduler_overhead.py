@@ -44,9 +44,9 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
          "get_external_cache_hit_sources")
 BLOCK = 16
 LAYERS = 8
-MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 1024, "num_hidden_layers": LAYERS,
-              "num_attention_heads": 8, "ffn_dim": 4096, "vocab_size": 50272, "max_position_embeddings": 4096,
-              "torch_dtype": "float16"}
+MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 1024,
+              "num_hidden_layers": LAYERS, "num_attention_heads": 8, "ffn_dim": 4096, "vocab_size": 50272,
+              "max_position_embeddings": 4096, "torch_dtype": "float16"}
 
 
 def kv_cache_config(num_blocks: int):
@@ -200,7 +200,8 @@ def main() -> int:
     print(f"{'connector':10} {'steps':>6} {'ms/step':>9} {'loaded':>7} {'stored':>7}  slowest hooks (ms total)")
     for name, r in best.items():
         hooks = ", ".join(f"{k} {v}" for k, v in list(r["per_hook_ms"].items())[:3])
-        print(f"{name:10} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['loaded_blocks']:>7} {r['stored_blocks']:>7}  {hooks}")
+        print(f"{name:10} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['loaded_blocks']:>7} {r['stored_blocks']:>7}"
+              f"  {hooks}")
     ratio = best["kvtier"]["ms_per_step"] / best["vllm"]["ms_per_step"]
     print(json.dumps({"ratio": round(ratio, 3), "kvtier_ms_per_step": round(best["kvtier"]["ms_per_step"], 4),
                       "vllm_ms_per_step": round(best["vllm"]["ms_per_step"], 4),

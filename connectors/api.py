@@ -13,8 +13,9 @@ keys pass a list of ``bytes`` instead. Every data call returns a ``concurrent.fu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
@@ -36,7 +37,7 @@ class KVTier:
         self.stack: TierStack = build_stack(config, self.layout)
 
     @classmethod
-    def open(cls, config: str | Path | dict | StackConfig | None = None) -> "KVTier":
+    def open(cls, config: str | Path | dict | StackConfig | None = None) -> KVTier:
         """Open a stack from a YAML path, a dict, a parsed config, or (None) the embedded default."""
         if not isinstance(config, StackConfig):
             config = load_config(default_config_path() if config is None else config)
@@ -121,7 +122,7 @@ class KVTier:
         """
         self.stack.close()
 
-    def __enter__(self) -> "KVTier":
+    def __enter__(self) -> KVTier:
         return self
 
     def __exit__(self, *exc) -> None:

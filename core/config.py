@@ -15,11 +15,10 @@ import re
 import typing
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.slots import slot_problem, slot_stride
@@ -112,7 +111,7 @@ class WatermarkConfig(_Model):
     low: float = 0.85
 
     @model_validator(mode="after")
-    def _ordered(self) -> "WatermarkConfig":
+    def _ordered(self) -> WatermarkConfig:
         if not 0.0 < self.low < self.high <= 1.0:
             raise ValueError(f"needs 0 < low < high <= 1, got high={self.high!r} low={self.low!r}")
         return self
@@ -158,7 +157,7 @@ class GpuTierConfig(_TierConfig):
     medium: Literal["gpu"]
 
     @model_validator(mode="after")
-    def _capacity(self) -> "GpuTierConfig":
+    def _capacity(self) -> GpuTierConfig:
         self._both_capacities()
         return self
 
@@ -167,7 +166,7 @@ class _SizedTierConfig(_TierConfig):
     """A tier kvtier allocates itself, so its size must be given (bytes or blocks)."""
 
     @model_validator(mode="after")
-    def _capacity(self) -> "_SizedTierConfig":
+    def _capacity(self) -> _SizedTierConfig:
         self._both_capacities()
         if self.capacity is None and self.capacity_blocks is None:
             raise ValueError("missing key 'capacity' or 'capacity_blocks'")
@@ -210,7 +209,7 @@ class DiskTierConfig(_SizedTierConfig):
 
 
 TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig}
-TierConfig = Annotated[Union[GpuTierConfig, HostTierConfig, DiskTierConfig], Field(discriminator="medium")]
+TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig, Field(discriminator="medium")]
 
 
 UPPER_TIER_EVICTION = "lru"
@@ -242,7 +241,7 @@ class StackConfig(_Model):
         return tier.name or tier.medium
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "StackConfig":
+    def _cross_field(self) -> StackConfig:
         for i, tier in enumerate(self.tiers):
             if tier.eviction is None:
                 tier.eviction = LAST_TIER_EVICTION if i == len(self.tiers) - 1 else UPPER_TIER_EVICTION

@@ -19,8 +19,8 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def hash_key(secret: bytes) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _hashers(secret: bytes | None) -> tuple["hashlib._Hash", "hashlib._Hash"]:
+def _hashers(secret: bytes | None) -> tuple[hashlib._Hash, hashlib._Hash]:
     """Root and link hashers, keyed with the secret when there is one, copied for every hash: a
     copy skips BLAKE2b's parameter setup, a good part of the cost of hashing one small block."""
     key = hash_key(secret) if secret is not None else b""

@@ -28,12 +28,12 @@ class BlockLayout:
         object.__setattr__(self, "fragment_bytes", tuple(int(n) for n in self.fragment_bytes))
 
     @classmethod
-    def contiguous(cls, block_bytes: int) -> "BlockLayout":
+    def contiguous(cls, block_bytes: int) -> BlockLayout:
         """A block that is a single run of bytes."""
         return cls((block_bytes,))
 
     @classmethod
-    def per_layer(cls, num_layers: int, fragment_bytes: int, kv_split: bool = False) -> "BlockLayout":
+    def per_layer(cls, num_layers: int, fragment_bytes: int, kv_split: bool = False) -> BlockLayout:
         """One fragment per layer, or two (K then V) when ``kv_split``."""
         per_layer = (fragment_bytes, fragment_bytes) if kv_split else (fragment_bytes,)
         return cls(per_layer * num_layers)

@@ -9,7 +9,8 @@ memory it describes, so the addresses stay valid for as long as the storage live
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

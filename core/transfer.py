@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -71,7 +71,8 @@ class Transfer:
         if self.keys is not None and len(self.keys) != len(self.src_slots):
             raise TransferError(f"{len(self.keys)} keys for {len(self.src_slots)} blocks")
         if self.src.layout.block_bytes != self.dst.layout.block_bytes:
-            raise TransferError(f"block sizes differ: {self.src.layout.block_bytes} B -> {self.dst.layout.block_bytes} B")
+            raise TransferError(f"block sizes differ: {self.src.layout.block_bytes} B -> "
+                                f"{self.dst.layout.block_bytes} B")
 
     @property
     def num_blocks(self) -> int:

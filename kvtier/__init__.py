@@ -7,8 +7,16 @@ building stacks by hand, ``load_config`` for the YAML schema, ``chain_hashes`` f
 from kvtier.builder import build_stack
 from kvtier.connectors.api import KVTier
 from kvtier.core.config import StackConfig, load_config
-from kvtier.core.errors import (CapacityError, ClosedError, ConfigError, DoubleFreeError, FenceError, KvtierError,
-                                StateError, TransferError)
+from kvtier.core.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    DoubleFreeError,
+    FenceError,
+    KvtierError,
+    StateError,
+    TransferError,
+)
 from kvtier.core.keys import Namespace, chain_hashes
 from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack

@@ -9,7 +9,7 @@ keys are parked in a list and put back at the front afterwards, which costs O(sk
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Hashable
+from collections.abc import Container, Hashable
 
 
 def pop_oldest_unprotected(queue: OrderedDict, protected: Container, parked: list) -> Hashable | None:

@@ -27,7 +27,7 @@ Every operation is O(1) amortized (protected keys skipped during one ``evict`` c
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Hashable
+from collections.abc import Container, Hashable
 
 from kvtier.policies._queues import learned_capacity, pop_oldest_unprotected, unpark
 from kvtier.policies.base import EvictionPolicy

@@ -8,7 +8,7 @@ for victims. The tier owns the lock: a policy is only ever called under it and n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Container, Iterable
+from collections.abc import Container, Iterable
 
 
 class PolicyError(ValueError):

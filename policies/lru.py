@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container
+from collections.abc import Container
 
 from kvtier.policies.base import EvictionPolicy
 

@@ -29,7 +29,7 @@ Every operation is O(1) amortized: each second chance in main is paid for by an 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Hashable
+from collections.abc import Container, Hashable
 
 from kvtier.policies._queues import learned_capacity, pop_oldest_unprotected, unpark
 from kvtier.policies.base import EvictionPolicy

@@ -20,7 +20,7 @@ Pending keys are tracked (``len``, ``in``) like any other; every operation stays
 
 from __future__ import annotations
 
-from typing import Container, Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 
 from kvtier.policies.s3fifo import S3FIFOPolicy
 

@@ -41,8 +41,8 @@ opaque hashables, and skipping 120,000 conversions keeps a replay well under a s
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from typing import Callable, Container, Sequence
 
 from kvtier.core.errors import StateError
 from kvtier.policies.base import EvictionPolicy

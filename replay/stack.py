@@ -35,8 +35,8 @@ can be checked without remembering what was written.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -160,7 +160,7 @@ def _reference_rest(tiers: Sequence[Tier], keys: Sequence[bytes], ids: Sequence[
     """Pin each key some tier holds (the fastest; a use for its policy); return those pins and the
     (key, id) pairs no tier holds, in request order."""
     pinned, missing = [], []
-    for key, block_id in zip(keys, ids):
+    for key, block_id in zip(keys, ids, strict=True):
         tier = next((t for t in tiers if t.try_pin(key)), None)
         if tier is None:
             missing.append((key, block_id))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from os import PathLike
-from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,14 @@ class BlockIO:
         data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
         assert data.nbytes == storage.layout.block_bytes
         addresses = storage.fragment_addresses([slot])[0].tolist()
-        for address, offset, size in zip(addresses, storage.layout.offsets.tolist(), storage.layout.fragment_bytes):
+        layout = storage.layout
+        for address, offset, size in zip(addresses, layout.offsets.tolist(), layout.fragment_bytes, strict=True):
             ctypes.memmove(address, data.ctypes.data + offset, size)
 
     @staticmethod
     def read(storage, slot: int) -> np.ndarray:
         addresses = storage.fragment_addresses([slot])[0].tolist()
-        raw = b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, storage.layout.fragment_bytes))
+        raw = b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, storage.layout.fragment_bytes, strict=True))
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
 

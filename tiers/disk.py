@@ -43,8 +43,16 @@ from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.compression import CODEC_IDS, CODEC_NAMES, codec
-from kvtier.tiers.disk_files import (SLAB_NAME, DiskTierError, lock_holder, open_directory, open_slab,
-                                     open_slab_for_reading, remove_slab, reopen_slab)
+from kvtier.tiers.disk_files import (
+    SLAB_NAME,
+    DiskTierError,
+    lock_holder,
+    open_directory,
+    open_slab,
+    open_slab_for_reading,
+    remove_slab,
+    reopen_slab,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +94,7 @@ class SlotHeader:
         return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(PAGE, b"\0")
 
     @classmethod
-    def unpack(cls, page: bytes) -> "SlotHeader | None":
+    def unpack(cls, page: bytes) -> SlotHeader | None:
         """The header in a slot's first page, or None when the page is empty, torn or garbage."""
         body = page[:_SLOT_HEADER.size]
         (stored,) = _CHECKSUM.unpack_from(page, _SLOT_HEADER.size)

@@ -7,7 +7,8 @@ above it works and is tested on any machine, and it says so in its description.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorag
     num_blocks = min(t.shape[0] for t in tensors)
     if num_blocks < 1:
         raise TransferError("device tensors hold no block")
-    for t, nbytes in zip(tensors, layout.fragment_bytes):
+    for t, nbytes in zip(tensors, layout.fragment_bytes, strict=True):
         if t[0].numel() * t.element_size() != nbytes or not t[0].is_contiguous():
             raise TransferError(f"a tensor's block is not one contiguous run of {nbytes} bytes")
     return StridedStorage(layout, num_blocks, [t.data_ptr() for t in tensors],
@@ -72,5 +73,8 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
         if device == "cuda" and not isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         raise MemoryError(str(exc)) from exc
-    note = f"CUDA device {torch.cuda.current_device()}" if device == "cuda" else "CPU tensors standing in for a GPU (no CUDA)"
+    if device == "cuda":
+        note = f"CUDA device {torch.cuda.current_device()}"
+    else:
+        note = "CPU tensors standing in for a GPU (no CUDA)"
     return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)

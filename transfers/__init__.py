@@ -11,7 +11,7 @@ that decides which backends a set of storages needs, for a standalone stack and 
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 from kvtier.core.config import TransferConfig
 from kvtier.core.transfer import TransferBackend

@@ -10,6 +10,7 @@ blocks whose bytes did not land.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,7 +84,7 @@ class CPUBackend(TransferBackend):
         cumulative = np.cumsum(copies.size)
         targets = cumulative[-1] * np.arange(1, self.threads) / self.threads
         cuts = sorted({0, *np.searchsorted(cumulative, targets, side="right").tolist(), count})
-        return list(zip(cuts, cuts[1:]))
+        return list(itertools.pairwise(cuts))
 
     def _run_part(self, copies: CopyList, lo: int, hi: int, num_blocks: int) -> set[int]:
         """Run copies ``lo:hi``; returns the blocks that failed. After an error each copy is retried
@@ -103,7 +104,8 @@ class CPUBackend(TransferBackend):
 
     def _copy(self, copies: CopyList, lo: int, hi: int) -> None:
         """The copy loop; a subclass may override it to inject faults in tests."""
-        for s, d, n in zip(copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist()):
+        src, dst, size = copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist()
+        for s, d, n in zip(src, dst, size, strict=True):
             (_memmove_holding_gil if n < GIL_HELD_BELOW_BYTES else ctypes.memmove)(d, s, n)
 
     def close(self) -> None:

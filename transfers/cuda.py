@@ -253,7 +253,7 @@ class CUDABackend(TransferBackend):
         """One cudaMemcpyAsync per copy; a copy the runtime refuses fails exactly the blocks it touches."""
         memcpy = self._cupy.cuda.runtime.memcpyAsync
         failed: set[int] = set()
-        for j, (s, d, n) in enumerate(zip(copies.src.tolist(), copies.dst.tolist(), copies.size.tolist())):
+        for j, (s, d, n) in enumerate(zip(copies.src.tolist(), copies.dst.tolist(), copies.size.tolist(), strict=True)):
             try:
                 memcpy(d, s, n, _MEMCPY_DEFAULT, stream.ptr)
             except self._cupy.cuda.runtime.CUDARuntimeError:

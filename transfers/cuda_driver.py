@@ -117,7 +117,7 @@ KERNEL_CHUNK_BYTES = 32 * 1024
 """Copies are cut into pieces of at most this size, so one large block still spreads over many warps."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def copy_kernel(device_id: int) -> Any:
     """The compiled fragment-copy kernel for one device (compiled once per process, cached by CuPy on disk)."""
     import cupy

@@ -138,9 +138,9 @@ class DiskBackend(TransferBackend):
         offsets = file.fragment_addresses(file_slots)[:, 0].tolist()
         sizes = memory.layout.fragment_bytes
         out = []
-        for i, (row, offset) in enumerate(zip(addresses, offsets)):
+        for i, (row, offset) in enumerate(zip(addresses, offsets, strict=True)):
             pieces: list[tuple[int, int]] = []
-            for address, size in zip(row, sizes):
+            for address, size in zip(row, sizes, strict=True):
                 if pieces and sum(pieces[-1]) == address:
                     pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
                 else:

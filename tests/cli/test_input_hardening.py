@@ -27,9 +27,9 @@ import textwrap
 import time
 
 import pytest
+
 from helpers.config_helpers import error_of
 from helpers.replay_helpers import write
-
 from kvtier.builder import build_stack
 from kvtier.cli import main
 from kvtier.core.config import load_config
@@ -42,7 +42,7 @@ from kvtier.tiers.host import physical_memory
 
 # 9 levels of 9 aliases each: 9**8 (43 million) strings in tiers[8] once expanded.
 ALIAS_BOMB = "tiers:\n  - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"  - &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi"))
+    f"  - &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 def test_an_alias_bomb_is_refused_within_a_second(tmp_path):

@@ -11,10 +11,18 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.config_helpers import error_of
 
-from kvtier.core.config import (GpuTierConfig, HostTierConfig, StackConfig, capacity_in_blocks,
-                                default_config_path, eviction_policy, load_config, parse_size)
+from helpers.config_helpers import error_of
+from kvtier.core.config import (
+    GpuTierConfig,
+    HostTierConfig,
+    StackConfig,
+    capacity_in_blocks,
+    default_config_path,
+    eviction_policy,
+    load_config,
+    parse_size,
+)
 from kvtier.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES, Namespace, chain_hashes, key_secret
@@ -51,7 +50,7 @@ def test_change_in_block_i_changes_keys_from_i_only(changed_block):
     other[changed_block * BS + 1] += 1000
     ka, kb = chain_hashes(base, BS), chain_hashes(other, BS)
     assert ka[:changed_block] == kb[:changed_block]
-    assert all(x != y for x, y in zip(ka[changed_block:], kb[changed_block:]))
+    assert all(x != y for x, y in zip(ka[changed_block:], kb[changed_block:], strict=True))
 
 
 def test_shared_prefix_gives_shared_keys():

@@ -20,8 +20,7 @@ import torch
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.storage import (SlotListStorage, StridedStorage, buffer_info, buffer_storage,
-                                 contiguous_storage)
+from kvtier.core.storage import SlotListStorage, StridedStorage, buffer_info, buffer_storage, contiguous_storage
 
 
 def _bytes_at(address: int, n: int) -> np.ndarray:
@@ -72,7 +71,7 @@ def test_contiguous_storage_addresses_point_at_each_slots_fragments(rng):
     storage = contiguous_storage(slab.ctypes.data, 5, layout, keepalive=slab)
     addresses = storage.fragment_addresses([4, 0, 2])
     assert addresses.shape == (3, 2) and addresses.dtype == np.int64
-    for row, slot in zip(addresses, [4, 0, 2]):
+    for row, slot in zip(addresses, [4, 0, 2], strict=True):
         assert np.array_equal(_bytes_at(row[0], 8), slab[slot, :8])
         assert np.array_equal(_bytes_at(row[1], 24), slab[slot, 8:])
 
@@ -82,7 +81,7 @@ def test_strided_storage_per_layer_addresses(rng):
     layers = [rng.integers(0, 256, (4, 16), dtype=np.uint8) for _ in range(3)]
     storage = StridedStorage(layout, 4, [a.ctypes.data for a in layers], [16] * 3, keepalive=layers)
     addresses = storage.fragment_addresses(np.array([3, 1]))
-    for row, slot in zip(addresses, [3, 1]):
+    for row, slot in zip(addresses, [3, 1], strict=True):
         for f in range(3):
             assert np.array_equal(_bytes_at(row[f], 16), layers[f][slot])
 
@@ -163,7 +162,7 @@ def test_buffer_storage_over_a_list_of_arrays(rng):
     assert storage.num_slots == 4
     for slot in (2, 0, 3):
         row = storage.fragment_addresses([slot])[0]
-        got = np.concatenate([_bytes_at(a, n) for a, n in zip(row, layout.fragment_bytes)])
+        got = np.concatenate([_bytes_at(a, n) for a, n in zip(row, layout.fragment_bytes, strict=True)])
         assert np.array_equal(got, blocks[slot])
 
 

@@ -4,8 +4,8 @@ stack still reports present comes back bit-exact, the counters add up, and nothi
 
 import numpy as np
 import pytest
-from helpers.stack_helpers import LAYOUT, assert_no_leaks, make_stack
 
+from helpers.stack_helpers import LAYOUT, assert_no_leaks, make_stack
 from kvtier.core.storage import buffer_storage
 from kvtier.policies import Watermark
 

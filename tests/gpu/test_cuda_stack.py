@@ -40,11 +40,11 @@ def test_blocks_round_trip_through_gpu_host_and_disk(tmp_path, copy_mode):
     with KVTier.open(config(tmp_path, copy_mode)) as kv:
         assert kv.stack.transfers.backends[0].name == "cuda"
         assert "CUDA device" in kv.describe()
-        for tokens, blocks in zip(prompts, data):
+        for tokens, blocks in zip(prompts, data, strict=True):
             assert kv.store(tokens, blocks).result(60).stored == 8
         kv.wait_idle()
         present = 0
-        for tokens, blocks in zip(prompts, data):
+        for tokens, blocks in zip(prompts, data, strict=True):
             hits = kv.lookup(tokens)
             out = torch.zeros_like(blocks)
             result = kv.load(tokens, out).result(60)

@@ -92,14 +92,14 @@ def test_store_then_load_into_other_blocks_is_bit_exact(backend, kind, fragment)
     expected = [device_block(gpu, b) for b in blocks]
 
     assert run(backend, Transfer(storage, blocks, slab.storage, slots)) == set()
-    for slot, want in zip(slots, expected):
+    for slot, want in zip(slots, expected, strict=True):
         assert np.array_equal(host_block(slab, slot, layout), want)
 
     targets = [b for b in rng.permutation(num_blocks).tolist() if b not in blocks][: len(blocks)]
     for t in gpu:
         t[targets] = 0
     assert run(backend, Transfer(slab.storage, slots, storage, targets)) == set()
-    for target, want in zip(targets, expected):
+    for target, want in zip(targets, expected, strict=True):
         assert np.array_equal(device_block(gpu, target), want)
     if backend.mode != "auto":
         assert set(backend.jobs_by_method) == {backend.mode}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from helpers.stack_helpers import content, key
 
+from helpers.stack_helpers import content, key
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout

@@ -20,12 +20,17 @@ Invariants checked:
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvtier.core.layout import BlockLayout
-from kvtier.policies import (EVICTION_POLICIES, ARCPolicy, LRUPolicy, PrefixS3FIFOPolicy, S3FIFOPolicy,
-                             eviction_policy_class)
+from kvtier.policies import (
+    EVICTION_POLICIES,
+    ARCPolicy,
+    LRUPolicy,
+    PrefixS3FIFOPolicy,
+    S3FIFOPolicy,
+    eviction_policy_class,
+)
 from kvtier.tiers.host import host_tier
 
 FACTORIES = {name: cls for name, cls in EVICTION_POLICIES.items()}

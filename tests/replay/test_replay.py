@@ -20,10 +20,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from helpers.replay_helpers import chained_traces
+from hypothesis import given, settings, strategies as st
 
+from helpers.replay_helpers import chained_traces
 from kvtier.core.errors import StateError
 from kvtier.policies import EVICTION_POLICIES, ARCPolicy, LRUPolicy, PrefixS3FIFOPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
@@ -114,7 +113,7 @@ def exhaustive_optimum(chains: list[list[int]], capacity: int) -> int:
     flat = [(i, h) for i, ids in enumerate(chains) for h in ids]
     starts = {sum(len(c) for c in chains[:i]) for i in range(len(chains))}
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(pos: int, resident: frozenset) -> int:
         if pos == len(flat):
             return 0

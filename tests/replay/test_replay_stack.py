@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-from helpers.replay_helpers import BB, TRACE, chained_traces
+from hypothesis import assume, given, settings, strategies as st
 
+from helpers.replay_helpers import BB, TRACE, chained_traces
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.tier import BlockState
@@ -26,6 +25,7 @@ from kvtier.policies import LRUPolicy
 from kvtier.replay.cache import replay
 from kvtier.replay.stack import block_content, block_key, prefill_tokens_saved, replay_through_stack
 from kvtier.replay.trace import Request, requests_from_ids
+
 
 def two_tier(upper: dict, lower: dict):
     """Both tiers evict in LRU order, as the hand-computed traces here assume."""

@@ -34,9 +34,9 @@ import threading
 
 import numpy as np
 import pytest
+
 from helpers.disk_helpers import BLOCK, CHILD_OPEN, KEYS, assert_exact, config_dict, data, get, open_stack, put
 from helpers.stack_helpers import assert_no_leaks, flip, ready
-
 from kvtier.builder import build_stack, config_layout
 from kvtier.connectors.api import KVTier
 from kvtier.core.config import load_config
@@ -352,7 +352,7 @@ def test_a_larger_capacity_at_reopen_keeps_every_block(tmp_path, caplog):
 def test_a_smaller_capacity_at_reopen_keeps_the_blocks_in_the_remaining_slots(tmp_path, caplog):
     stack = open_stack(tmp_path, host=0, disk=8)
     put(stack, KEYS[:8])
-    slot_of = dict(zip(KEYS[:8], stack.tiers[0].slots(KEYS[:8])))
+    slot_of = dict(zip(KEYS[:8], stack.tiers[0].slots(KEYS[:8]), strict=True))
     stride = stack.tiers[0].storage.slab.slot_stride
     stack.close()
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):

@@ -32,8 +32,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.stack_helpers import assert_no_leaks, flip, key, ready
 
+from helpers.stack_helpers import assert_no_leaks, flip, key, ready
 from kvtier.builder import build_stack
 from kvtier.core.config import block_footprint, capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, StateError
@@ -287,7 +287,8 @@ def test_incompressible_victims_are_dropped_from_host_instead_of_filling_it(tmp_
     stack = open_stack(tmp_path, "zstd", host=4, disk=16)
     host, disk = stack.tiers
     noisy, kv = KEYS[:12], KEYS[12:28]
-    mixed = [k for pair in zip(zip(noisy[::2], noisy[1::2]), zip(kv[:12:2], kv[1:12:2])) for k in sum(pair, ())]
+    noisy_pairs, kv_pairs = zip(noisy[::2], noisy[1::2], strict=True), zip(kv[:12:2], kv[1:12:2], strict=True)
+    mixed = [k for pair in zip(noisy_pairs, kv_pairs, strict=True) for k in sum(pair, ())]
     make = lambda k, n=BLOCK: noise(k, n) if k in noisy else bf16(k, n)  # noqa: E731
     results = put(stack, mixed + kv[12:], make=make)  # batches of 4: two noise, two bf16; then four bf16
     stack.wait_idle()
@@ -369,7 +370,7 @@ def written(request, tmp_path):
     stack = open_stack(tmp_path, request.param, host=0, disk=8)
     (disk,) = stack.tiers
     put(stack, KEYS[:6])
-    slots = dict(zip(KEYS[:6], disk.slots(KEYS[:6])))
+    slots = dict(zip(KEYS[:6], disk.slots(KEYS[:6]), strict=True))
     stride = disk.storage.slab.slot_stride
     stack.close()
     return tmp_path, request.param, stride, slots

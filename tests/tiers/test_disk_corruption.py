@@ -32,8 +32,8 @@ import os
 
 import numpy as np
 import pytest
-from helpers.stack_helpers import assert_no_leaks, content, flip, key, ready
 
+from helpers.stack_helpers import assert_no_leaks, content, flip, key, ready
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
@@ -94,7 +94,7 @@ def slab(tmp_path) -> Slab:
     stack = open_stack(tmp_path)
     (disk,) = stack.tiers
     put(stack, KEYS[:N])
-    slot_of = dict(zip(KEYS[:N], disk.slots(KEYS[:N])))
+    slot_of = dict(zip(KEYS[:N], disk.slots(KEYS[:N]), strict=True))
     assert sorted(slot_of.values()) == list(range(N))
     s = disk.storage.slab
     info = Slab(tmp_path, tmp_path / SLAB_NAME, s.slot_stride, s.file_bytes, slot_of)

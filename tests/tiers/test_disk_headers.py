@@ -13,9 +13,9 @@ import hashlib
 import logging
 
 import pytest
+
 from helpers.disk_helpers import KEYS, config_dict, open_stack, put
 from helpers.stack_helpers import flip, ready
-
 from kvtier.builder import config_layout
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout

@@ -38,9 +38,9 @@ import threading
 import numpy as np
 import pytest
 import xxhash
+
 from helpers.disk_helpers import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_dict, data, get, open_stack, put
 from helpers.stack_helpers import key
-
 from kvtier.cli import main
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.storage import buffer_storage
@@ -129,7 +129,7 @@ def returns_within(seconds: float, fn, *args):
 def forge_file_header(slab_path, **fields) -> None:
     """Rewrite a slab's file header with some fields changed and a matching checksum, as a forger would."""
     with open(slab_path, "r+b") as f:
-        values = dict(zip(FILE_HEADER_FIELDS, FILE_HEADER.unpack(f.read(FILE_HEADER.size))))
+        values = dict(zip(FILE_HEADER_FIELDS, FILE_HEADER.unpack(f.read(FILE_HEADER.size)), strict=True))
         body = FILE_HEADER.pack(*{**values, **fields}.values())
         f.seek(0)
         f.write(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))

@@ -184,7 +184,7 @@ def _fill_scattered(tier, keys, blockio, rng) -> dict[bytes, np.ndarray]:
     """Commit random blocks under ``keys``, then read a random few so that eviction leaves holes."""
     slots = tier.reserve(keys)
     data = {key: rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8) for key in keys}
-    for key, slot in zip(keys, slots):
+    for key, slot in zip(keys, slots, strict=True):
         blockio.write(tier.storage, slot, data[key])
     tier.commit(keys)
     for key in rng.permutation(keys)[:4].tolist():
@@ -205,7 +205,7 @@ def test_round_trip_gpu_host_gpu_is_bit_exact(threads, blockio, rng):
     assert len(gpu.evict(12)) == 12  # four fillers stay, scattered
     gpu_slots = gpu.reserve(keys)
     data = rng.integers(0, 256, (12, LAYOUT.block_bytes), dtype=np.uint8)
-    for slot, row in zip(gpu_slots, data):
+    for slot, row in zip(gpu_slots, data, strict=True):
         blockio.write(gpu.storage, slot, row)
     gpu.commit(keys)
 
@@ -215,7 +215,7 @@ def test_round_trip_gpu_host_gpu_is_bit_exact(threads, blockio, rng):
     assert _copy(jobs, backend, gpu, src_slots, host, host_slots) == set()
     host.commit(keys)
     gpu.unpin(keys)
-    for slot, row in zip(host.slots(keys), data):
+    for slot, row in zip(host.slots(keys), data, strict=True):
         assert np.array_equal(blockio.read(host.storage, slot), row)
 
     # the GPU copies go; other blocks take some of their slots
@@ -234,7 +234,7 @@ def test_round_trip_gpu_host_gpu_is_bit_exact(threads, blockio, rng):
     assert _copy(jobs, backend, host, src_slots, gpu, dst_slots) == set()
     gpu.commit(back)
     host.unpin(back)
-    for slot, i in zip(dst_slots, order):
+    for slot, i in zip(dst_slots, order, strict=True):
         assert np.array_equal(blockio.read(gpu.storage, slot), data[i])
     for key, slot in kept.items():  # blocks beside the loaded ones are untouched
         assert np.array_equal(blockio.read(gpu.storage, slot), others[key])

@@ -72,7 +72,7 @@ def test_contiguous_to_contiguous_random_slots(backend, rng, run_transfer):
     failed = run_transfer(backend, Transfer(buffer_storage(src, layout), src_slots,
                                             buffer_storage(dst, layout, writable=True), dst_slots))
     assert failed == set()
-    for s, d in zip(src_slots, dst_slots):
+    for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(dst[d], src[s])
     untouched = sorted(set(range(30)) - set(dst_slots))
     assert not dst[untouched].any()
@@ -86,14 +86,14 @@ def test_gather_per_layer_into_contiguous_and_scatter_back(backend, rng, run_tra
 
     gpu_slots, host_slots = pick(rng, 10, 7), pick(rng, 16, 7)
     assert run_transfer(backend, Transfer(gpu.storage, gpu_slots, host_storage, host_slots)) == set()
-    for g, h in zip(gpu_slots, host_slots):
+    for g, h in zip(gpu_slots, host_slots, strict=True):
         assert np.array_equal(host[h], original[g])
     assert not host[sorted(set(range(16)) - set(host_slots))].any()
 
     back = LayerBuffers(PER_LAYER, 12)
     back_slots = pick(rng, 12, 7)
     assert run_transfer(backend, Transfer(host_storage, host_slots, back.storage, back_slots)) == set()
-    for g, b in zip(gpu_slots, back_slots):
+    for g, b in zip(gpu_slots, back_slots, strict=True):
         assert np.array_equal(back.block(b), original[g])
     for b in set(range(12)) - set(back_slots):
         assert not back.block(b).any()
@@ -105,7 +105,8 @@ def test_contiguous_side_may_have_its_own_fragments(backend, rng, run_transfer):
     gpu = LayerBuffers(PER_LAYER, 4, rng)
     host = np.zeros((4, PER_LAYER.block_bytes), np.uint8)
     host_layout = BlockLayout((PER_LAYER.block_bytes,))
-    assert run_transfer(backend, Transfer(gpu.storage, [3, 1], buffer_storage(host, host_layout, True), [0, 2])) == set()
+    host_storage = buffer_storage(host, host_layout, True)
+    assert run_transfer(backend, Transfer(gpu.storage, [3, 1], host_storage, [0, 2])) == set()
     assert np.array_equal(host[0], gpu.block(3)) and np.array_equal(host[2], gpu.block(1))
 
 
@@ -114,7 +115,7 @@ def test_per_layer_to_per_layer(backend, rng, run_transfer):
     dst = LayerBuffers(PER_LAYER, 8)
     src_slots, dst_slots = pick(rng, 8, 8), pick(rng, 8, 8)
     assert run_transfer(backend, Transfer(src.storage, src_slots, dst.storage, dst_slots)) == set()
-    for s, d in zip(src_slots, dst_slots):
+    for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(dst.block(d), src.block(s))
 
 
@@ -135,7 +136,7 @@ def test_many_blocks_across_threads(rng, run_transfer):
     host = np.zeros((256, FLAT.block_bytes), np.uint8)
     src_slots, dst_slots = pick(rng, 200, 200), pick(rng, 256, 200)
     assert run_transfer(backend, Transfer(src.storage, src_slots, buffer_storage(host, FLAT, True), dst_slots)) == set()
-    for s, d in zip(src_slots, dst_slots):
+    for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(host[d], src.block(s))
     backend.close()
 
@@ -246,7 +247,8 @@ def test_a_device_the_backend_cannot_reach_is_refused():
     with pytest.raises(TransferError, match="cuda"):
         backend.submit(Transfer(buffer_storage(host, BlockLayout.contiguous(8)), [0], fake_gpu, [1]),
                        _never_called(calls))
-    assert backend.can_copy("cpu", "cpu") and not backend.can_copy("cuda", "cpu") and not backend.can_copy("cpu", "cuda")
+    assert backend.can_copy("cpu", "cpu")
+    assert not backend.can_copy("cuda", "cpu") and not backend.can_copy("cpu", "cuda")
     backend.close()
     assert calls == []
 
@@ -303,7 +305,7 @@ class PoisonedBackend(CPUBackend):
         self.poisoned = poisoned
 
     def _copy(self, copies, lo, hi):
-        for d, n in zip(copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist()):
+        for d, n in zip(copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist(), strict=True):
             if any(d < end and start < d + n for start, end in self.poisoned):
                 raise OSError("injected copy fault")
         super()._copy(copies, lo, hi)
@@ -350,7 +352,8 @@ def test_merged_runs_fail_every_block_they_touch_and_no_other(threads, rng, run_
     transfer = Transfer(buffer_storage(src, layout), src_slots, buffer_storage(dst, layout, True), dst_slots)
     copies = transfer.copies()
     assert len(copies.size) == 1 + 6
-    poisoned = [(dst.ctypes.data + 64 * 2, dst.ctypes.data + 64 * 3), (dst.ctypes.data + 64 * 8, dst.ctypes.data + 64 * 9)]
+    base = dst.ctypes.data
+    poisoned = [(base + 64 * 2, base + 64 * 3), (base + 64 * 8, base + 64 * 9)]
     backend = PoisonedBackend(threads, poisoned)
     failed = run_transfer(backend, transfer)
     backend.close()

@@ -21,8 +21,8 @@ def test_chunked_table_covers_every_byte_once_in_pieces_no_larger_than_a_chunk(s
     assert (piece_size >= 1).all() and (piece_size <= chunk).all()
     assert int(piece_size.sum()) == int(size.sum())
     # pieces of copy i tile [src_i, src_i + size_i) in order, with the same offsets on the destination
-    want_src = np.concatenate([np.arange(s, s + n, chunk) for s, n in zip(src, size)])
-    want_dst = np.concatenate([np.arange(d, d + n, chunk) for d, n in zip(dst, size)])
+    want_src = np.concatenate([np.arange(s, s + n, chunk) for s, n in zip(src, size, strict=True)])
+    want_dst = np.concatenate([np.arange(d, d + n, chunk) for d, n in zip(dst, size, strict=True)])
     assert np.array_equal(piece_src, want_src.astype(np.uint64))
     assert np.array_equal(piece_dst, want_dst.astype(np.uint64))
 

@@ -28,8 +28,8 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.stack_helpers import assert_no_leaks, content, key, ready
 
+from helpers.stack_helpers import assert_no_leaks, content, key, ready
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout

@@ -7,11 +7,20 @@ Uses ``test_engine.py``'s model, reference run and runner; skipped where that mo
 
 from __future__ import annotations
 
-from vllm_engine.test_engine import (NO_LEAKS, PREFIX_BLOCKS, PROMPTS, host_for_one_prefix_over_disk,  # noqa: F401
-                                     model_dir, pytestmark, reference, run)
+from vllm_engine.test_engine import (  # noqa: F401
+    NO_LEAKS,
+    PREFIX_BLOCKS,
+    PROMPTS,
+    host_for_one_prefix_over_disk,
+    model_dir,
+    pytestmark,
+    reference,
+    run,
+)
 
 
-def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):
+# model_dir and reference are test_engine's fixtures, imported above for pytest to find by name
+def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):  # noqa: F811
     config = host_for_one_prefix_over_disk(tmp_path / "disk")
     first = run(model_dir, "kvtier", config)
     assert first["tokens"] == reference
