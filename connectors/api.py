@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
@@ -25,6 +25,11 @@ from kvtier.core.storage import buffer_storage
 
 Blocks = Any  # a numpy array or torch tensor of n blocks, or a list of n such arrays
 TokensOrKeys = Sequence[int] | Sequence[bytes]
+
+
+def _are_token_ids(tokens_or_keys: TokensOrKeys) -> TypeGuard[Sequence[int]]:
+    """Token ids rather than block keys, as the first element tells (none: no block either way)."""
+    return not (len(tokens_or_keys) and isinstance(tokens_or_keys[0], (bytes, bytearray)))
 
 
 class KVTier:
@@ -49,12 +54,10 @@ class KVTier:
         """Block keys: given keys as they are, token ids hashed per full block with this stack's namespace
         (keyed with the secret of ``key_secret_env`` when set). Given keys must be 1 to MAX_KEY_BYTES
         bytes each (TypeError or ValueError otherwise), the most a tier keeps whole."""
-        if len(tokens_or_keys) and isinstance(tokens_or_keys[0], (bytes, bytearray)):
-            keys = [bytes(k) if isinstance(k, (bytes, bytearray)) else k for k in tokens_or_keys]
-            for key in keys:
-                check_key(key)
-            return keys
-        return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace, secret=self.key_secret)
+        if _are_token_ids(tokens_or_keys):
+            return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace,
+                                secret=self.key_secret)
+        return [check_key(bytes(k) if isinstance(k, (bytes, bytearray)) else k) for k in tokens_or_keys]
 
     # --- blocking calls returning futures ------------------------------------------------------
 

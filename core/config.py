@@ -240,11 +240,17 @@ class StackConfig(_Model):
         tier = self.tiers[i]
         return tier.name or tier.medium
 
+    def tier_eviction(self, i: int) -> str:
+        """Tier ``i``'s eviction policy name: its ``eviction`` key, or the default for its place."""
+        eviction = self.tiers[i].eviction
+        if eviction is not None:
+            return eviction
+        return LAST_TIER_EVICTION if i == len(self.tiers) - 1 else UPPER_TIER_EVICTION
+
     @model_validator(mode="after")
     def _cross_field(self) -> StackConfig:
         for i, tier in enumerate(self.tiers):
-            if tier.eviction is None:
-                tier.eviction = LAST_TIER_EVICTION if i == len(self.tiers) - 1 else UPPER_TIER_EVICTION
+            tier.eviction = self.tier_eviction(i)
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if self.block_bytes is not None and self.block_bytes % self.fragments:
             problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
@@ -319,7 +325,7 @@ class _StrictLoader(yaml.SafeLoader):
     and aliases (``*name``, also in merge keys ``<<: *name``): a few hundred bytes of nested aliases expand
     to billions of values, and a cache config has nothing worth sharing that way."""
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
@@ -415,9 +421,9 @@ def _import_policies(config: StackConfig, name: str) -> None:
     """Import the tiers' dotted-path eviction policies, once the whole config validated: a config can name
     code to run, and none of it runs for a config that is refused. Raises ConfigError naming each key."""
     lines = []
-    for i, tier in enumerate(config.tiers):
+    for i in range(len(config.tiers)):
         try:
-            eviction_policy(tier.eviction)
+            eviction_policy(config.tier_eviction(i))
         except ConfigError as exc:
             lines.append(f"{name}: tiers[{i}].eviction: {exc}")
     if lines:
@@ -513,8 +519,8 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
                 f" such as {{medium: host, capacity: 8GiB}} (media: {media})"
             out.append((path, f"expected a mapping{keys}, got {_show(value)}"))
         elif kind == "literal_error":
-            allowed = _literal_values(loc)
-            shown = ", ".join(map(str, allowed)) if allowed else ctx.get("expected", "?")
+            values = _literal_values(loc)
+            shown = ", ".join(map(str, values)) if values else ctx.get("expected", "?")
             out.append((path, f"{_show(value)} is not allowed; allowed: {shown}"))
         elif kind in ("value_error", "assertion_error"):
             error = ctx.get("error")

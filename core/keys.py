@@ -56,7 +56,7 @@ def hash_key(secret: bytes) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _hashers(secret: bytes | None) -> tuple[hashlib._Hash, hashlib._Hash]:
+def _hashers(secret: bytes | None) -> tuple[hashlib.blake2b, hashlib.blake2b]:
     """Root and link hashers, keyed with the secret when there is one, copied for every hash: a
     copy skips BLAKE2b's parameter setup, a good part of the cost of hashing one small block."""
     key = hash_key(secret) if secret is not None else b""
@@ -79,7 +79,7 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
     return tokens.astype("<i8", copy=False).tobytes(), tokens.size
 
 
-def _refuse(token_ids: Sequence) -> None:
+def _refuse(token_ids: Sequence[int] | np.ndarray) -> None:
     """Raise for the first token id that is not an integer within int64, naming it and its index
     (numpy turns a list mixing such ids into floats or objects, so the dtype alone would mislead)."""
     for i, token in enumerate(token_ids):
@@ -156,14 +156,16 @@ def key_secret(env_name: str | None) -> bytes | None:
     return value
 
 
-def check_key(key: object) -> None:
+def check_key(key: object) -> bytes:
     """Refuse what cannot be a block key: not ``bytes``, empty, or longer than MAX_KEY_BYTES (a disk
-    slot header keeps at most that many; a longer key would be stored and then never found)."""
+    slot header keeps at most that many; a longer key would be stored and then never found). Returns
+    the key, now known to be one."""
     if not isinstance(key, bytes):
         raise TypeError(f"a block key must be bytes, got {type(key).__name__}")
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"a block key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)} bytes "
                          f"(key {key[:16].hex()}...); hash longer identifiers down to {KEY_BYTES} bytes")
+    return key
 
 
 @dataclass(frozen=True)

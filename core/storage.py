@@ -59,7 +59,7 @@ class StridedStorage(BlockStorage):
     per-layer tensors (one base per layer tensor, its block stride).
     """
 
-    def __init__(self, layout: BlockLayout, num_slots: int, bases: Sequence[int], strides: Sequence[int],
+    def __init__(self, layout: BlockLayout, num_slots: int, bases: Sequence[int] | np.ndarray, strides: Sequence[int],
                  device: str = "cpu", keepalive: Any = None, on_close: Callable[[], None] | None = None) -> None:
         super().__init__(layout, num_slots, device, keepalive, on_close)
         self.bases = np.asarray(bases, dtype=np.int64)

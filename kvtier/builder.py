@@ -10,6 +10,8 @@ disk backend imports the disk tier. Here it sits beside the public API that expo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvtier.core.config import StackConfig, block_footprint, capacity_in_blocks, eviction_policy, format_size
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
@@ -23,7 +25,7 @@ from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
 from kvtier.transfers import backends_for
 
-TIER_FACTORIES = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
+TIER_FACTORIES: dict[str, Callable[..., Tier]] = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
 
 
 def config_layout(config: StackConfig) -> BlockLayout:
@@ -69,7 +71,7 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
                           f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
     wm = tier_cfg.watermark
     watermark = Watermark(wm.high, wm.low) if wm is not None else None
-    policy = eviction_policy(tier_cfg.eviction)()
+    policy = eviction_policy(config.tier_eviction(i))()
     medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
                        "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
                        "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}

@@ -192,7 +192,7 @@ def _fresh_disk_dirs(config: StackConfig, cleanup: ExitStack) -> StackConfig:
 
 def _policies(args: argparse.Namespace, config: StackConfig, governed_index: int) -> list[str]:
     if args.policy is None:
-        default = config.tiers[governed_index].eviction
+        default = config.tier_eviction(governed_index)
         return [default, *(p for p in EVICTION_POLICIES if p != default)] if args.sweep else [default]
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not policies:

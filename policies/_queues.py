@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-def pop_oldest_unprotected(queue: OrderedDict, protected: Container, parked: list) -> Hashable | None:
+def pop_oldest_unprotected(queue: OrderedDict[K, None], protected: Container[K], parked: list[K]) -> K | None:
     """Remove and return the oldest key of ``queue`` not in ``protected``, or None when there is none.
 
     Protected keys met on the way are removed too and appended to ``parked``; the caller must hand
@@ -27,7 +30,7 @@ def pop_oldest_unprotected(queue: OrderedDict, protected: Container, parked: lis
     return None
 
 
-def unpark(queue: OrderedDict, parked: list) -> None:
+def unpark(queue: OrderedDict[K, None], parked: list[K]) -> None:
     """Put keys taken by ``pop_oldest_unprotected`` back at the front, in their old order."""
     for key in reversed(parked):
         queue[key] = None

@@ -27,13 +27,13 @@ Every operation is O(1) amortized (protected keys skipped during one ``evict`` c
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container
 
 from kvtier.policies._queues import learned_capacity, pop_oldest_unprotected, unpark
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import EvictionPolicy, Key
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(EvictionPolicy[Key]):
     """ARC over opaque keys. Oldest first in each OrderedDict; values are unused."""
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -41,10 +41,10 @@ class ARCPolicy(EvictionPolicy):
             raise ValueError(f"ARC capacity must be >= 1 or None, not {capacity}")
         self._fixed = capacity
         self._learned = 0
-        self._t1: OrderedDict[Hashable, None] = OrderedDict()
-        self._t2: OrderedDict[Hashable, None] = OrderedDict()
-        self._b1: OrderedDict[Hashable, None] = OrderedDict()
-        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
         self._p = 0.0  # target size of T1
 
     @property
@@ -57,7 +57,7 @@ class ARCPolicy(EvictionPolicy):
         """ARC's current target for the size of T1 (0..capacity)."""
         return self._p
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Key) -> None:
         if key in self._t1 or key in self._t2:
             raise KeyError(f"key {key!r} is already tracked")
         c = self._learn(1)
@@ -73,21 +73,21 @@ class ARCPolicy(EvictionPolicy):
             self._t1[key] = None
         self._trim_ghosts()
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Key) -> None:
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
         else:
             self._t2.move_to_end(key)  # KeyError for an untracked key
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Key) -> None:
         if self._t1.pop(key, self) is self and self._t2.pop(key, self) is self:
             raise KeyError(key)
 
-    def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable]:
-        victims: list[Hashable] = []
-        parked1: list[Hashable] = []
-        parked2: list[Hashable] = []
+    def evict(self, n: int, protected: Container[Key]) -> list[Key]:
+        victims: list[Key] = []
+        parked1: list[Key] = []
+        parked2: list[Key] = []
         try:
             while len(victims) < n:
                 t1_size = len(self._t1) + len(parked1)

@@ -8,7 +8,8 @@ for victims. The tier owns the lock: a policy is only ever called under it and n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterable
+from collections.abc import Container, Hashable, Iterable
+from typing import Generic, TypeVar
 
 
 class PolicyError(ValueError):
@@ -16,29 +17,33 @@ class PolicyError(ValueError):
     Policies know nothing of configuration files; the config turns this into a ConfigError naming the key."""
 
 
-class EvictionPolicy(ABC):
-    """Orders a tier's readable blocks for eviction. Keys are opaque ``bytes``."""
+Key = TypeVar("Key", bound=Hashable)
+"""What a policy orders: a tier's block keys (``bytes``), or any hashable (the cache replay's block ids)."""
+
+
+class EvictionPolicy(ABC, Generic[Key]):
+    """Orders a tier's readable blocks for eviction. Keys are opaque: a tier's are ``bytes``."""
 
     @abstractmethod
-    def insert(self, key: bytes) -> None:
+    def insert(self, key: Key) -> None:
         """A block became readable in the tier. The key is not tracked yet."""
 
-    def restore(self, keys: Iterable[bytes]) -> None:
+    def restore(self, keys: Iterable[Key]) -> None:
         """Blocks a tier found again in persistent storage at start, oldest use first: they should
         leave in that order. Policies that reorder batches of inserts override this."""
         for key in keys:
             self.insert(key)
 
     @abstractmethod
-    def touch(self, key: bytes) -> None:
+    def touch(self, key: Key) -> None:
         """A tracked block was read."""
 
     @abstractmethod
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: Key) -> None:
         """A tracked block left the tier without being chosen by ``evict``; forget it."""
 
     @abstractmethod
-    def evict(self, n: int, protected: Container[bytes]) -> list[bytes]:
+    def evict(self, n: int, protected: Container[Key]) -> list[Key]:
         """Choose up to ``n`` tracked keys not in ``protected``, forget them, and return them in eviction order.
 
         Returns fewer than ``n`` (possibly none) when fewer unprotected keys are tracked.

@@ -29,15 +29,15 @@ Every operation is O(1) amortized: each second chance in main is paid for by an 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container
 
 from kvtier.policies._queues import learned_capacity, pop_oldest_unprotected, unpark
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import EvictionPolicy, Key
 
 _MAX_FREQ = 3
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(EvictionPolicy[Key]):
     """Small, main and ghost FIFOs (oldest first) and a saturating read counter per tracked key."""
 
     def __init__(self, capacity: int | None = None, small_fraction: float = 0.1,
@@ -55,12 +55,12 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small_fraction = small_fraction
         self._ghost_fraction = ghost_fraction
         self._promote_after = promote_after
-        self._small: OrderedDict[Hashable, None] = OrderedDict()
-        self._main: OrderedDict[Hashable, None] = OrderedDict()
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._freq: dict[Hashable, int] = {}
+        self._small: OrderedDict[Key, None] = OrderedDict()
+        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._freq: dict[Key, int] = {}
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Key) -> None:
         if key in self._freq:
             raise KeyError(f"key {key!r} is already tracked")
         self._learned = learned_capacity(self._fixed, self._learned, len(self._freq) + 1)
@@ -70,20 +70,20 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main[key] = None
         self._freq[key] = 0
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Key) -> None:
         f = self._freq[key]  # KeyError for an untracked key
         if f < _MAX_FREQ:
             self._freq[key] = f + 1
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Key) -> None:
         del self._freq[key]
         if self._small.pop(key, self) is self:
             del self._main[key]
 
-    def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable]:
-        victims: list[Hashable] = []
-        parked_small: list[Hashable] = []
-        parked_main: list[Hashable] = []
+    def evict(self, n: int, protected: Container[Key]) -> list[Key]:
+        victims: list[Key] = []
+        parked_small: list[Key] = []
+        parked_main: list[Key] = []
         c = learned_capacity(self._fixed, self._learned, len(self._freq))
         small_share = max(1, int(c * self._small_fraction))
         try:
@@ -112,7 +112,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._freq
 
-    def _from_small(self, protected: Container[Hashable], parked: list[Hashable]) -> Hashable | None:
+    def _from_small(self, protected: Container[Key], parked: list[Key]) -> Key | None:
         """Oldest unprotected key of small that was not read enough; the ones that were go to main."""
         while True:
             key = pop_oldest_unprotected(self._small, protected, parked)
@@ -126,7 +126,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self._ghost[key] = None
             return key
 
-    def _from_main(self, protected: Container[Hashable], parked: list[Hashable]) -> Hashable | None:
+    def _from_main(self, protected: Container[Key], parked: list[Key]) -> Key | None:
         """Oldest unprotected key of main not read since its last pass; the others go round again."""
         while True:
             key = pop_oldest_unprotected(self._main, protected, parked)

@@ -20,39 +20,40 @@ Pending keys are tracked (``len``, ``in``) like any other; every operation stays
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Container, Iterable
 
+from kvtier.policies.base import Key
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
 
-class PrefixS3FIFOPolicy(S3FIFOPolicy):
+class PrefixS3FIFOPolicy(S3FIFOPolicy[Key]):
     """S3-FIFO (see ``kvtier.policies.s3fifo``) fed each run of consecutive inserts in reverse."""
 
     def __init__(self, capacity: int | None = None, small_fraction: float = 0.1,
                  ghost_fraction: float = 0.9, promote_after: int = 1) -> None:
         super().__init__(capacity, small_fraction, ghost_fraction, promote_after)
-        self._pending: dict[Hashable, None] = {}  # insertion-ordered
+        self._pending: dict[Key, None] = {}  # insertion-ordered
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Key) -> None:
         if key in self:
             raise KeyError(f"key {key!r} is already tracked")
         self._pending[key] = None
 
-    def restore(self, keys: Iterable[Hashable]) -> None:
+    def restore(self, keys: Iterable[Key]) -> None:
         """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
         self._flush()
         for key in keys:
             super().insert(key)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Key) -> None:
         self._flush()
         super().touch(key)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Key) -> None:
         self._flush()
         super().remove(key)
 
-    def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable]:
+    def evict(self, n: int, protected: Container[Key]) -> list[Key]:
         self._flush()
         return super().evict(n, protected)
 

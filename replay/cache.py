@@ -76,7 +76,7 @@ def prefix_hits(ids: Sequence[int], resident: Container) -> int:
     return n
 
 
-def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy,
+def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy[int],
            on_request: Callable[[Request, int, int], None] | None = None) -> ReplayResult:
     """Run ``requests`` through a cache of ``capacity`` blocks ordered by ``policy`` (a fresh instance).
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -57,10 +58,20 @@ def merge_planes(high: np.ndarray, low: np.ndarray) -> np.ndarray:
     return out
 
 
-class Codec:
+class Codec(ABC):
     """Compresses one block (a uint8 array) into a payload and back. Safe to use from many threads."""
 
     name = ""
+    _errors: tuple[type[Exception], ...]
+    """What the codec's library (and unpacking its frame) raises for a damaged frame."""
+
+    @abstractmethod
+    def _pack(self, plane: np.ndarray) -> bytes:
+        """One plane compressed into a frame."""
+
+    @abstractmethod
+    def _unpack(self, frame, size: int) -> bytes:
+        """A frame decompressed back into its plane of ``size`` bytes."""
 
     def compress(self, raw: np.ndarray) -> bytes:
         planes = split_planes(raw)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ClosedError, ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.slots import PAGE, slot_problem, slot_room
@@ -303,7 +303,8 @@ class DiskSlab:
         self.record = lambda **counts: None  # where the backend counts incompressible blocks
         self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
         self.file_bytes = PAGE + num_slots * self.slot_stride
-        self.fd = self.direct_fd = None
+        self.fd: int | None = None  # the main descriptor, holding the lock; None once closed
+        self.direct_fd: int | None = None
         dir_fd = open_directory(self.dir, shared=shared_directory, create=True)
         try:
             self._open(dir_fd, shared_directory, reinitialise, o_direct)
@@ -316,6 +317,13 @@ class DiskSlab:
     def o_direct(self) -> bool:
         return self.direct_fd is not None
 
+    @property
+    def open_fd(self) -> int:
+        """The main descriptor, for I/O while the slab is open."""
+        if self.fd is None:
+            raise ClosedError(f"disk tier slab {str(self.path)!r} is closed")
+        return self.fd
+
     def slot_offset(self, slot: int) -> int:
         return PAGE + slot * self.slot_stride
 
@@ -324,7 +332,8 @@ class DiskSlab:
     def _open(self, dir_fd: int, shared_directory: bool, reinitialise: bool, o_direct: str) -> None:
         """Open and lock the slab in ``dir_fd`` and make it fit this geometry. On any error nothing stays
         open, and a slab this call created is removed again (no empty slab is left behind)."""
-        self.fd, created = open_slab(dir_fd, self.dir, shared=shared_directory)
+        fd, created = open_slab(dir_fd, self.dir, shared=shared_directory)
+        self.fd = fd
         try:
             try:
                 self._prepare_file(reinitialise)
@@ -335,7 +344,7 @@ class DiskSlab:
                 raise DiskTierError(f"disk tier slab {str(self.path)!r} cannot be set up: {exc.strerror}") from exc
         except BaseException:
             if created:
-                remove_slab(dir_fd, self.fd)
+                remove_slab(dir_fd, fd)
             self.close()
             raise
 
@@ -347,19 +356,20 @@ class DiskSlab:
         smaller one keeps those in the slots that remain (the file is cut first, then the header
         rewritten: a crash in between leaves a header whose geometry still describes the file)."""
         header = _pack_file_header(self.block_bytes, self.slot_stride, self.num_slots, self.codec_id)
-        first_page = os.pread(self.fd, PAGE, 0)
+        fd = self.open_fd
+        first_page = os.pread(fd, PAGE, 0)
         rewrite = first_page[:len(header)] != header
         if rewrite:
             old = _unpack_file_header(first_page)
             change = _geometry_change(old, self.block_bytes, self.slot_stride, self.codec_id)
-            if change is None:
-                self._resize(old[4])
-            else:
+            if change is not None:
                 self._discard(first_page, change, reinitialise)
+            elif old is not None:  # always, when nothing changed: a valid header, of another slot count
+                self._resize(old[4])
         self._preallocate()
         if rewrite:
-            os.pwrite(self.fd, header.ljust(PAGE, b"\0"), 0)
-            os.fdatasync(self.fd)
+            os.pwrite(fd, header.ljust(PAGE, b"\0"), 0)
+            os.fdatasync(fd)
 
     def _discard(self, first_page: bytes, change: str, reinitialise: bool) -> None:
         """Empty a file that cannot serve this geometry. A kvtier slab (its magic first, also with a
@@ -375,21 +385,22 @@ class DiskSlab:
                                     f"Move the file away, point the tier at another directory, or set "
                                     f"reinitialise: true to overwrite it")
             log.warning("disk tier %s: the file is not a kvtier slab; overwriting it (reinitialise: true)", self.path)
-        os.ftruncate(self.fd, 0)
+        os.ftruncate(self.open_fd, 0)
 
     def _preallocate(self) -> None:
         """Reserve the whole file now, so that a full filesystem shows at open rather than as failed
         stores later; sparse where the filesystem cannot preallocate. A size the filesystem or the
         platform cannot hold at all is refused, naming the tier."""
-        vfs = os.fstatvfs(self.fd)  # before: a failed fallocate may hold the space it got until the file goes
+        fd = self.open_fd
+        vfs = os.fstatvfs(fd)  # before: a failed fallocate may hold the space it got until the file goes
         free = vfs.f_bavail * vfs.f_frsize
         try:
             try:
-                os.posix_fallocate(self.fd, 0, self.file_bytes)
+                os.posix_fallocate(fd, 0, self.file_bytes)
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(self.fd, max(self.file_bytes, os.fstat(self.fd).st_size))  # sparse, where unsupported
+                os.ftruncate(fd, max(self.file_bytes, os.fstat(fd).st_size))  # sparse, where unsupported
         except OverflowError:  # more than an off_t holds
             raise self._too_large() from None
         except OSError as exc:
@@ -407,12 +418,13 @@ class DiskSlab:
     def _resize(self, old_slots: int) -> None:
         """Keep the blocks of a slab written with ``old_slots`` slots: cut the slots past the new end."""
         if old_slots > self.num_slots:
-            in_file = _slots_in_file(os.fstat(self.fd).st_size, self.slot_stride)  # a crash may have cut it already
-            cut = [slot for slot, header, _ in read_slot_headers(self.fd, min(old_slots, in_file), self.slot_stride,
+            fd = self.open_fd
+            in_file = _slots_in_file(os.fstat(fd).st_size, self.slot_stride)  # a crash may have cut it already
+            cut = [slot for slot, header, _ in read_slot_headers(fd, min(old_slots, in_file), self.slot_stride,
                                                                  start=self.num_slots) if header is not None]
             log.warning("disk tier %s: capacity shrank from %d to %d slots; dropping the %d block(s) stored "
                         "past the new end, keeping the rest", self.path, old_slots, self.num_slots, len(cut))
-            os.ftruncate(self.fd, self.file_bytes)
+            os.ftruncate(fd, self.file_bytes)
         else:
             log.info("disk tier %s: capacity grew from %d to %d slots; keeping every block",
                      self.path, old_slots, self.num_slots)
@@ -423,17 +435,19 @@ class DiskSlab:
             return None
         probe = mmap.mmap(-1, PAGE)
         try:
-            fd = reopen_slab(dir_fd, self.dir, self.fd, os.O_RDWR | os.O_DIRECT)
+            fd = reopen_slab(dir_fd, self.dir, self.open_fd, os.O_RDWR | os.O_DIRECT)
         except DiskTierError:
             raise
         except OSError as exc:
-            return self._no_direct(mode, exc)
+            self._no_direct(mode, exc)
+            return None
         try:
             os.preadv(fd, [probe], 0)  # the file header page: aligned buffer, offset and length
             return fd
         except OSError as exc:
             os.close(fd)
-            return self._no_direct(mode, exc)
+            self._no_direct(mode, exc)
+            return None
         finally:
             probe.close()
 
@@ -441,7 +455,6 @@ class DiskSlab:
         if mode == "on":
             raise DiskTierError(f"O_DIRECT was asked for but {str(self.dir)!r} refuses it: {exc.strerror}") from exc
         log.info("disk tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O", self.dir, exc.strerror)
-        return None
 
     # --- recovery ------------------------------------------------------------------------------
 
@@ -453,7 +466,7 @@ class DiskSlab:
         """
         found: dict[bytes, tuple[int, bytes, int]] = {}
         damaged = 0
-        for slot, header, blank in read_slot_headers(self.fd, self.num_slots, self.slot_stride):
+        for slot, header, blank in read_slot_headers(self.open_fd, self.num_slots, self.slot_stride):
             if header is None:
                 damaged += not blank
                 continue
@@ -500,7 +513,7 @@ class FileStorage(BlockStorage):
         return (PAGE + slots * self.slab.slot_stride + PAGE)[:, None]
 
 
-def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
               watermark: Watermark | None = None, is_fenced=None, *, path: str | os.PathLike,
               namespace: str = "", o_direct: str = "auto", compression: str = "none",
               slot_bytes: int | None = None, shared_directory: bool = False, reinitialise: bool = False) -> Tier:

@@ -24,6 +24,7 @@ import fcntl
 import os
 import stat
 from pathlib import Path
+from typing import Literal, overload
 
 from kvtier.core.errors import KvtierError
 
@@ -99,6 +100,12 @@ def _refuse_foreign_link(path: Path) -> None:
     if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
         raise DiskTierError(f"disk tier directory {str(path)!r} is a symbolic link owned by uid {st.st_uid}; "
                             f"kvtier follows only links of its own user or root. Name the real directory")
+
+
+@overload
+def open_directory(path: Path, *, shared: bool, create: Literal[True]) -> int: ...
+@overload
+def open_directory(path: Path, *, shared: bool, create: bool) -> int | None: ...
 
 
 def open_directory(path: Path, *, shared: bool, create: bool) -> int | None:

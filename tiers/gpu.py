@@ -49,7 +49,7 @@ def use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
              watermark: Watermark | None = None, is_fenced=None) -> Tier:
     """A tier over its own memory: torch tensors on the current CUDA device, or CPU stand-ins without
     CUDA (torch tensors, or numpy arrays where torch is not installed)."""

@@ -87,7 +87,7 @@ def _cuda_unregister(address: int) -> None:
     cupy.cuda.runtime.hostUnregister(address)
 
 
-def host_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy,
+def host_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
               watermark: Watermark | None = None, is_fenced=None) -> Tier:
     """A tier over a fresh host slab of ``num_slots`` blocks."""
     slab = HostSlab(num_slots, layout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ class BatchCopy:
     SLICE = 512
 
     def __init__(self) -> None:
-        self._call = None
+        self._call: Callable[..., int] | None = None
         self._with_fail_index = False
         try:
             lib = ctypes.CDLL("libcuda.so.1")
@@ -66,6 +67,8 @@ class BatchCopy:
         CUresult, or 0. The driver spends about 0.7 us of CPU per copy before it lets the copies go, so
         a long list goes in slices of ``SLICE`` copies: the copy engines start on the first slice while
         the driver reads the next."""
+        call = self._call
+        assert call is not None, "cuMemcpyBatchAsync is not available: check BatchCopy.available first"
         srcs = np.ascontiguousarray(src, dtype=np.uint64)
         dsts = np.ascontiguousarray(dst, dtype=np.uint64)
         sizes = np.ascontiguousarray(size, dtype=np.uint64)
@@ -76,7 +79,7 @@ class BatchCopy:
                                count, ctypes.byref(self._attrs), ctypes.addressof(self._attr_index), 1]
             if self._with_fail_index:
                 args.append(ctypes.byref(fail_index))
-            result = self._call(*args, stream_handle)
+            result = call(*args, stream_handle)
             if result:
                 return result
         return 0

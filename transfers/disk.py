@@ -28,6 +28,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
-from kvtier.tiers.compression import CorruptPayload
+from kvtier.tiers.compression import Codec, CorruptPayload
 from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader
 
 _ZERO_PAGE = bytes(PAGE)
@@ -108,7 +109,7 @@ class DiskBackend(TransferBackend):
         writing = transfer.dst.device == "file"
         storage = transfer.dst if writing else transfer.src
         assert isinstance(storage, FileStorage)
-        blocks = self._blocks(transfer, writing)
+        blocks = self._blocks(transfer, transfer.keys, writing)
         run = self._store if writing else self._load
         with self._lock:
             if self._closed:
@@ -127,7 +128,7 @@ class DiskBackend(TransferBackend):
     # --- planning ------------------------------------------------------------------------------
 
     @staticmethod
-    def _blocks(transfer: Transfer, writing: bool) -> list[_BlockIO]:
+    def _blocks(transfer: Transfer, keys: Sequence[bytes], writing: bool) -> list[_BlockIO]:
         """Each block's memory pieces, in the order they fill its slot (fragments that follow on in
         memory merged), and the file offset of its bytes. Planned block by block, never merged across
         blocks: a compressed slot may be exactly as long as a block, and then the next slot's bytes
@@ -145,7 +146,7 @@ class DiskBackend(TransferBackend):
                     pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
                 else:
                     pieces.append((address, size))
-            out.append(_BlockIO(i, int(file_slots[i]), transfer.keys[i], offset, tuple(pieces)))
+            out.append(_BlockIO(i, int(file_slots[i]), keys[i], offset, tuple(pieces)))
         return out
 
     def _finish(self, run, slab: DiskSlab, blocks: list[_BlockIO], on_complete: OnComplete, keep: Transfer) -> None:
@@ -187,10 +188,10 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed
 
-        def write_packed(b: _BlockIO) -> set[int]:
+        def write_packed(b: _BlockIO, codec: Codec) -> set[int]:
             raw = b.gather()
-            checksums[b.index] = xxhash.xxh3_64_intdigest(raw)
-            payload = slab.codec.compress(raw)
+            checksums[b.index] = xxhash.xxh3_64_intdigest(raw.data)
+            payload = codec.compress(raw)
             if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
                 slab.record(incompressible=1)
                 slab.refuse([b.key])
@@ -208,7 +209,7 @@ class DiskBackend(TransferBackend):
             # leave the device idle meanwhile (measured: a fifth of the store bandwidth of 2 MiB blocks).
             checksums.update((b.index, _checksum(b.views())) for b in todo)
         else:
-            futures = [self._io.submit(write_packed, b) for b in todo]
+            futures = [self._io.submit(write_packed, b, slab.codec) for b in todo]
         failed |= set().union(*(f.result() for f in futures))
         todo = [b for b in todo if b.index not in failed]
         failed |= self._sync(slab, todo)
@@ -239,7 +240,7 @@ class DiskBackend(TransferBackend):
         """Blocks in consecutive slots in one pwritev; the header pages between them are written as
         zeros (they belong to slots of this job, whose real headers come after the data is durable)."""
         zero = self._scratch("zero", PAGE)  # never written to: stays zero
-        buffers = list(run[0].views())
+        buffers: list[memoryview | mmap.mmap] = [*run[0].views()]
         for b in run[1:]:
             buffers += [zero, *b.views()]
         self._write(slab, buffers, run[0].file_offset)
@@ -268,7 +269,7 @@ class DiskBackend(TransferBackend):
         """Slot headers go through the page cache: one small O_DIRECT write each costs far more, and
         the fdatasync that follows a zeroing (or the kernel, for a new header) makes them durable. A
         later O_DIRECT read of the slot flushes the cached page first, so reads stay coherent."""
-        self._write(slab, [page], offset, slab.fd)
+        self._write(slab, [page], offset, slab.open_fd)
 
     def _write(self, slab: DiskSlab, buffers, offset: int, fd: int | None = None) -> None:
         expected = sum(len(memoryview(buf)) for buf in buffers)
@@ -294,9 +295,9 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed, read
 
-        def read_packed(b: _BlockIO) -> set[int]:
+        def read_packed(b: _BlockIO, codec: Codec) -> set[int]:
             try:
-                return set() if self._read_packed(slab, b) else {b.index}
+                return set() if self._read_packed(slab, codec, b) else {b.index}
             except OSError:
                 return {b.index}
 
@@ -309,7 +310,7 @@ class DiskBackend(TransferBackend):
                 failed |= unread
                 failed |= {b.index for b, page in read if not self._verify(slab, b, page, b.views())}
         else:
-            failed = set().union(*(f.result() for f in [self._io.submit(read_packed, b) for b in blocks]))
+            failed = set().union(*(f.result() for f in [self._io.submit(read_packed, b, slab.codec) for b in blocks]))
         self._forget(slab, [b for b in blocks if b.index in failed])
         return failed
 
@@ -358,34 +359,34 @@ class DiskBackend(TransferBackend):
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + b.nbytes} bytes")
         return page
 
-    def _read_packed(self, slab: DiskSlab, b: _BlockIO) -> bool:
+    def _read_packed(self, slab: DiskSlab, codec: Codec, b: _BlockIO) -> bool:
         """Read a whole slot, check its header, decompress and verify the raw bytes; only then copy
         them into the block's memory. False when the block fails any check."""
         bounce = self._scratch("slot", slab.slot_stride)
         got = self._preadv(_data_fd(slab), [bounce], b.file_offset - PAGE)
         header = SlotHeader.unpack(bytes(bounce[:PAGE])) if got >= PAGE else None
-        if not self._header_matches(slab, b, header):
+        if header is None or not self._header_matches(slab, b, header):
             return False
         if got < PAGE + header.payload:
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + header.payload} bytes")
         try:
-            raw = slab.codec.decompress(memoryview(bounce)[PAGE:PAGE + header.payload], b.nbytes)
+            raw = codec.decompress(memoryview(bounce)[PAGE:PAGE + header.payload], b.nbytes)
         except CorruptPayload:
             return False
-        if xxhash.xxh3_64_intdigest(raw) != header.checksum:
+        if xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
             return False
         b.scatter(raw)
         return True
 
     @staticmethod
-    def _header_matches(slab: DiskSlab, b: _BlockIO, header: SlotHeader | None) -> bool:
-        return (header is not None and header.key == b.key and header.namespace == slab.namespace
+    def _header_matches(slab: DiskSlab, b: _BlockIO, header: SlotHeader) -> bool:
+        return (header.key == b.key and header.namespace == slab.namespace
                 and header.length == b.nbytes and slab.fits(header))
 
     @classmethod
     def _verify(cls, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> bool:
         header = SlotHeader.unpack(page)
-        return cls._header_matches(slab, b, header) and header.checksum == _checksum(views)
+        return header is not None and cls._header_matches(slab, b, header) and header.checksum == _checksum(views)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -405,7 +406,7 @@ class DiskBackend(TransferBackend):
         if not blocks:
             return set()
         try:
-            self._fdatasync(slab.fd)
+            self._fdatasync(slab.open_fd)
             return set()
         except OSError:
             return {b.index for b in blocks}
@@ -434,7 +435,7 @@ class DiskBackend(TransferBackend):
 
 
 def _data_fd(slab: DiskSlab) -> int:
-    return slab.direct_fd if slab.direct_fd is not None else slab.fd
+    return slab.direct_fd if slab.direct_fd is not None else slab.open_fd
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
