@@ -101,6 +101,19 @@ class Job:
         """Indices of the blocks every report said landed (meaningful once the job is final)."""
         return [i for i in range(self.num_blocks) if i not in self.failed_blocks]
 
+    @property
+    def lost_blocks(self) -> set[int]:
+        """Indices of the blocks whose copy cannot be trusted once the job is final: every block of
+        a cancelled job (its result is discarded, whatever its reports said), else the failed ones."""
+        return set(range(self.num_blocks)) if self.state is JobState.CANCELLED else set(self.failed_blocks)
+
+    @property
+    def lost_in_first_stage(self) -> set[int]:
+        """``lost_blocks`` as far as a staged job's first copy goes: every block if cancelled, else
+        those that failed in the first stage on some report (what reached the first destination
+        whole on every rank is the rest)."""
+        return set(range(self.num_blocks)) if self.state is JobState.CANCELLED else set(self.first_stage_failed)
+
 
 @dataclass
 class WorkerReport:

@@ -10,9 +10,14 @@
 Watermarks: after a write lands in a tier above its high mark, a background thread demotes or evicts
 down to the low mark, so foreground stores seldom wait for space.
 
+What moves where is the planner's (``core/planner.py``), as under vLLM; the stack executes its plans
+in-process: one job per plan, its copies on the stack's transfer backends (``core/stages.py``). Where
+the planner says room is on its way (victims still being demoted), the stack waits for it.
+
 Thread safety: public methods may be called from any thread. Planning happens under the stack's lock
-(taken before any tier lock); copy completions never take it: they only commit, abort, unpin, and
-post follow-up work (the next write-through hop, a watermark check) to the stack's background thread.
+(taken before any tier lock); copy completions never take it: they only finish plans (commit, abort,
+unpin) and post follow-up work (the next write-through hop, a watermark check) to the stack's
+background thread.
 
 Lifetime: ``close()`` releases everything (see there), also when called from a future's done-callback.
 Threads hold only what the release needs (``_Resources``), never the stack itself, so a stack dropped
@@ -31,13 +36,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvtier.core.errors import CapacityError, ClosedError, StateError, TransferError
-from kvtier.core.jobs import Fence, Job, JobManager, JobState, mark_kvtier_thread, on_kvtier_thread
+from kvtier.core.errors import CapacityError, ClosedError, StateError
+from kvtier.core.jobs import Job, JobManager, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
+from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import Capabilities, plan_route
+from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
-from kvtier.core.tier import BlockState, Tier
-from kvtier.core.transfer import Transfer, TransferBackend, TransferRegistry
+from kvtier.core.tier import Tier
+from kvtier.core.transfer import TransferBackend, TransferRegistry
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +106,9 @@ class TierStack:
         self.jobs = jobs or JobManager()
         self.placement = placement
         self.capabilities = capabilities
-        self._route = route
+        self.planner = Planner(self.tiers, route, capabilities)
+        self._index = {t.name: i for i, t in enumerate(self.tiers)}
+        self._storages: dict[str | None, BlockStorage] = {t.name: t.storage for t in self.tiers}
         self._lock = threading.RLock()
         self._closed = False
         self._release_over = threading.Event()
@@ -117,13 +126,8 @@ class TierStack:
         """The longest prefix of ``keys`` readable in some tier, and which tier (the fastest) holds each."""
         with self._lock:
             self._check_open()
-            where = []
-            for key in keys:
-                tier = next((t for t in self.tiers if t.state(key) is BlockState.READY), None)
-                if tier is None:
-                    break
-                where.append(tier.name)
-            return StackLookup(len(where), tuple(where))
+            found = self.planner.lookup(keys)
+            return StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
 
     def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> "Future[StoreResult]":
         """Copy blocks ``src_slots`` of ``src`` into the first tier under ``keys``.
@@ -141,25 +145,25 @@ class TierStack:
             self._check_open()
             top = self.tiers[0]
             result = StoreResult(len(keys))
-            new = [(k, s) for k, s in dict(zip(keys, src_slots)).items()
-                   if all(t.state(k) is BlockState.FREE for t in self.tiers)]
+            new = {k: s for k, s in dict(zip(keys, src_slots)).items() if self.planner.is_new(k)}
             result.present = len(keys) - len(new)
             if len(new) > top.capacity:
                 raise CapacityError(f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks")
-            slots = self._reserve(0, [k for k, _ in new])
-            result.dropped = len(new) - len(slots)
-            new = new[:len(slots)]
-            if not new:
+            self._await_room(0, len(new))
+            planned = self.planner.store(list(new), list(new.values()))
+            self._run_demotions(planned.room)
+            plan = planned.plan
+            result.dropped = len(new) - plan.num_blocks
+            if not plan.num_blocks:
                 future.set_result(result)
                 return future
-            new_keys = [k for k, _ in new]
 
-            def landed(ok: list[bytes], failed: list[bytes], _refused: list[bytes]) -> None:
-                result.stored, result.failed = len(ok), failed
+            def landed(outcome: Outcome) -> None:
+                result.stored = len(outcome.stored.get(top.name, ()))
+                result.failed = [plan.keys[i] for i in sorted(outcome.lost)]
                 future.set_result(result)
-                self._after_write(0, ok)
 
-            self._copy(src, [s for _, s in new], top, new_keys, slots, landed, read_fences=())
+            self._execute(plan, landed, caller=src)
         return future
 
     def load(self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int],
@@ -176,45 +180,28 @@ class TierStack:
         future: Future[LoadResult] = Future()
         with self._lock:
             self._check_open()
-            routes = {t.name: self._route(t.medium, dst_medium, self.capabilities) for t in self.tiers}
-            for name, route in routes.items():  # refuse before pinning anything
-                if len(route) > 3:
-                    raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
-                last_hop_src = self._tier_for_medium(route[-2]) if len(route) > 2 else self._tier(name)
-                self.transfers.backend(last_hop_src.storage.device, dst.device, f"from tier {last_hop_src.name!r}")
-            by_tier: dict[str, list[int]] = {}
-            for i, key in enumerate(keys):  # find and pin in one step per block: completions may evict meanwhile
-                tier = next((t for t in self.tiers if t.try_pin(key)), None)
-                if tier is None:
-                    break
-                by_tier.setdefault(tier.name, []).append(i)
-            result = LoadResult(len(keys), sum(len(v) for v in by_tier.values()))
-            if not by_tier:
+            for index, stage in enumerate(self.planner.staging(dst_medium)):  # refuse before pinning anything
+                last_hop = self.tiers[index if stage is None else stage]
+                self.transfers.backend(last_hop.storage.device, dst.device, f"from tier {last_hop.name!r}")
+            for stage, n in self.planner.lookup(keys, dst_medium).staging.items():
+                self._await_room(stage, n)
+            planned = self.planner.load(keys, dst_slots, dst_medium)
+            self._run_demotions(planned.room)
+            plan = planned.plan
+            result = LoadResult(len(keys), plan.num_blocks)
+            for index in planned.sources:
+                name = self.tiers[index].name
+                result.per_tier[name] = result.per_tier.get(name, 0) + 1
+            if not plan.num_blocks:
                 future.set_result(result)
                 return future
-            pending = [len(by_tier)]
-            lock = threading.Lock()
 
-            def part_done(indices: list[int], failed: list[int]) -> None:
-                with lock:
-                    result.failed.extend(failed)
-                    result.loaded += len(indices) - len(failed)
-                    pending[0] -= 1
-                    last = pending[0] == 0
-                if last:
-                    result.failed.sort()
-                    future.set_result(result)
+            def loaded(outcome: Outcome) -> None:
+                result.failed = sorted(outcome.lost)
+                result.loaded = plan.num_blocks - len(outcome.lost)
+                future.set_result(result)
 
-            for name, indices in by_tier.items():
-                tier = self._tier(name)
-                tier.record(hits=len(indices), bytes_out=len(indices) * tier.block_bytes)
-                result.per_tier[name] = len(indices)
-                part = ([keys[i] for i in indices], dst, [dst_slots[i] for i in indices],
-                        lambda failed, idx=indices: part_done(idx, [idx[j] for j in failed]))
-                if len(routes[name]) == 2:
-                    self._load_direct(tier, *part)
-                else:
-                    self._load_staged(tier, self._tier_for_medium(routes[name][1]), *part)
+            self._execute(plan, loaded, caller=dst)
         return future
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -299,72 +286,30 @@ class TierStack:
                 self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
             self._resources.wait_idle(timeout)
 
-    # --- planning (under self._lock) -----------------------------------------------------------
+    # --- executing plans (planning under self._lock) -------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the tier stack is closed")
 
-    def _tier(self, name: str) -> Tier:
-        return next(t for t in self.tiers if t.name == name)
-
-    def _tier_for_medium(self, medium: str) -> Tier:
-        for tier in self.tiers:
-            if tier.medium == medium:
-                return tier
-        raise TransferError(f"the route needs a {medium} tier to stage through, and the stack has none")
-
-    def _reserve(self, index: int, keys: list[bytes]) -> list[int]:
-        """Slots for ``keys`` in tier ``index``, making room first; fewer (a prefix) when room runs out.
-
-        Victims that the next tier lacks are demoted before their slots are reused (with write-back
-        that is the only way down; with write-through it covers blocks whose eager copy is still
-        queued); victims of the last tier are dropped.
-        """
+    def _await_room(self, index: int, n: int) -> None:
+        """Make ``n`` slots of tier ``index`` free before a plan reserves them, waiting where the
+        planner says room is on its way: for the demotions it started (each round reaches one tier
+        further down), and once for copies in flight that pin the victims (a write-through copy, a
+        load). Gives up when no more room comes; the plan then takes what is free."""
         tier = self.tiers[index]
-        keys = keys[:tier.capacity]
-        demote = index + 1 < len(self.tiers)
-        for attempt in range(2):
-            short = len(keys) - tier.usage().free
-            if short > 0 and demote:
-                for job in self._make_room(index, short):
-                    self.jobs.wait(job)
-            slots = tier.reserve(keys, allow_evict=not demote)
-            if slots is not None:
-                return slots
-            if attempt == 0:
-                # Victims may be pinned only by copies in flight (an eager write-through copy, a
-                # load): once those land the blocks can go, so wait for them once before storing less.
+        n = min(n, tier.capacity)
+        flushed = False
+        for _ in range(len(self.tiers) + 1):
+            room = self.planner.make_room(index, n)
+            demotions = self._run_demotions(room)
+            for job in demotions:
+                self.jobs.wait(job)
+            if tier.usage().free >= n or (flushed and not demotions):
+                return
+            if not demotions:
                 self.jobs.flush(tier.name)
-        return tier.reserve(keys[:tier.usage().free], allow_evict=False) or []  # a full tier stores less
-
-    def _make_room(self, index: int, n: int) -> list[Job]:
-        """Start evicting ``n`` blocks from tier ``index``; returns the demotion jobs to wait for.
-
-        Clean victims (already in the next tier) and victims of the last tier are dropped at once.
-        """
-        tier = self.tiers[index]
-        victims = [key for key, _ in tier.begin_evict(n)]
-        lower = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
-        dirty = [k for k in victims if lower is not None and lower.state(k) is BlockState.FREE]
-        clean = set(victims) - set(dirty)
-        tier.end_evict([k for k in victims if k in clean])
-        if not dirty:
-            return []
-        slots = self._reserve(index + 1, dirty)
-        tier.end_evict(dirty[len(slots):])  # no room below: these are dropped
-        dirty = dirty[:len(slots)]
-        if not dirty:
-            return []
-
-        def landed(ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> None:
-            tier.end_demotion(ok, failed, refused)
-            tier.record(bytes_out=len(ok) * tier.block_bytes)
-            self._after_write(index + 1, ok)
-
-        job = self._copy(tier.storage, tier.slots(dirty), lower, dirty, slots, landed,
-                         read_fences=[Fence(tier.name, s, False) for s in tier.slots(dirty)])
-        return [job]
+                flushed = True
 
     def _copy_down(self, index: int, keys: list[bytes], closing: bool = False) -> None:
         """Copy READY blocks of tier ``index`` that the next tier lacks into it (write-through, and
@@ -372,100 +317,40 @@ class TierStack:
         with self._lock:
             if self._closed and not closing:
                 return
-            tier, lower = self.tiers[index], self.tiers[index + 1]
-            keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
-            if not keys:
-                return
-            src_slots = tier.pin(keys)
-            slots = self._reserve(index + 1, keys)
-            tier.unpin(keys[len(slots):])
-            keys, src_slots = keys[:len(slots)], src_slots[:len(slots)]
-            if not keys:
-                return
+            self._await_room(index + 1, len(keys))
+            planned = self.planner.copy_down(index, keys)
+            self._run_demotions(planned.room)
+            if planned.plan.num_blocks:
+                self._execute(planned.plan)
 
-            def landed(ok: list[bytes], failed: list[bytes], _refused: list[bytes]) -> None:
-                tier.unpin(keys)
-                tier.record(bytes_out=len(ok) * tier.block_bytes)
-                self._after_write(index + 1, ok)
+    def _run_demotions(self, room: Room) -> list[Job]:
+        """Start the demotions the planner planned to make room; returns their jobs."""
+        return [self._execute(plan) for plan in room.demotions]
 
-            self._copy(tier.storage, src_slots, lower, keys, slots, landed,
-                       read_fences=[Fence(tier.name, s, False) for s in src_slots])
+    def _execute(self, plan: Plan, then: Callable[[Outcome], None] | None = None,
+                 caller: BlockStorage | None = None) -> Job:
+        """Run ``plan`` in-process: one job holding its fences, its stages on the transfer backends
+        (``caller`` is the storage its ``ENGINE`` endpoint names). When the job ends the planner
+        finishes the plan, ``then(outcome)`` runs, and every tier that stored blocks gets its
+        follow-up work (``_after_write``). Raises (after the job has ended failed and released
+        everything) when the first stage's copies cannot start."""
 
-    def _copy(self, src: BlockStorage, src_slots: Sequence[int], dst: Tier, keys: list[bytes],
-              dst_slots: list[int], landed: Callable[[list[bytes], list[bytes], list[bytes]], None],
-              read_fences: Sequence[Fence]) -> Job:
-        """Copy into reserved slots of tier ``dst``; on completion commit what landed, abort the rest,
-        then call ``landed(ok_keys, failed_keys, refused_keys)`` (refused: failed keys ``dst`` can
-        never hold, see ``Tier.refuse``)."""
+        def finished(job: Job) -> None:
+            outcome = self.planner.finish(plan, job)
+            if then is not None:
+                then(outcome)
+            for name, keys in outcome.stored.items():
+                self._after_write(self._index[name], keys)
 
-        def on_done(job: Job) -> None:
-            failed_idx = set(range(len(keys))) if job.state is JobState.CANCELLED else job.failed_blocks
-            ok = [k for i, k in enumerate(keys) if i not in failed_idx]
-            failed = [k for i, k in enumerate(keys) if i in failed_idx]
-            dst.commit(ok)
-            landed(ok, failed, dst.abort(failed))
-
-        fences = [*read_fences, *(Fence(dst.name, s, True) for s in dst_slots)]
-        transfer = Transfer(src, src_slots, dst.storage, dst_slots, keys)
-        return self._submit(transfer, "store", fences, on_done)
-
-    def _load_direct(self, tier: Tier, keys: list[bytes], dst: BlockStorage, dst_slots: list[int],
-                     done: Callable[[list[int]], None]) -> None:
-        """Copy pinned ``keys`` of ``tier`` into ``dst``, unpin them, then ``done(failed indices into keys)``."""
-        src_slots = tier.slots(keys)
-
-        def finish(job: Job) -> None:
-            tier.unpin(keys)
-            tier.discard([keys[i] for i in job.failed_blocks])  # unreadable: a miss now and later
-            done(sorted(job.failed_blocks))
-
-        self._submit(Transfer(tier.storage, src_slots, dst, dst_slots, keys), "load",
-                     [Fence(tier.name, s, False) for s in src_slots], finish)
-
-    def _load_staged(self, tier: Tier, stage: Tier, keys: list[bytes], dst: BlockStorage, dst_slots: list[int],
-                     done: Callable[[list[int]], None]) -> None:
-        """Copy pinned ``keys`` of ``tier`` into new slots of ``stage`` (caching them there too), then on to ``dst``.
-
-        Runs under the stack lock. Blocks that cannot be staged (no room, or the staging tier is
-        already writing them) fail, and the caller recomputes them. ``done`` gets indices into ``keys``.
-        """
-        fresh = [i for i, k in enumerate(keys) if stage.state(k) is BlockState.FREE]
-        slots = self._reserve(self.tiers.index(stage), [keys[i] for i in fresh])
-        picked = fresh[:len(slots)]
-        unstaged = sorted(set(range(len(keys))) - set(picked))
-        tier.unpin([keys[i] for i in unstaged])
-        if not picked:
-            done(unstaged)
-            return
-        staged_keys = [keys[i] for i in picked]
-        src_slots = tier.slots(staged_keys)
-
-        def staged(job: Job) -> None:
-            tier.unpin(staged_keys)
-            tier.discard([staged_keys[i] for i in job.failed_blocks])
-            ok = [i for i in range(len(picked)) if i not in job.failed_blocks]
-            stage.abort([staged_keys[i] for i in sorted(job.failed_blocks)])
-            stage.commit([staged_keys[i] for i in ok], pin=True)
-            self._after_write(self.tiers.index(stage), [staged_keys[i] for i in ok])
-            lost = unstaged + [picked[i] for i in job.failed_blocks]
-            if not ok:
-                done(sorted(lost))
-                return
-            self._load_direct(stage, [staged_keys[i] for i in ok], dst, [dst_slots[picked[i]] for i in ok],
-                              lambda failed: done(sorted(lost + [picked[ok[j]] for j in failed])))
-
-        fences = [*(Fence(tier.name, s, False) for s in src_slots), *(Fence(stage.name, s, True) for s in slots)]
-        self._submit(Transfer(tier.storage, src_slots, stage.storage, slots, staged_keys), "stage", fences, staged)
-
-    def _submit(self, transfer: Transfer, kind: str, fences: Sequence[Fence], on_done: Callable[[Job], None]) -> Job:
-        job = self.jobs.create(kind, transfer.num_blocks, 1, fences, on_done)
+        job = self.jobs.create(plan.kind, plan.num_blocks, 1, plan.fences, finished)
         self.jobs.start(job.id)
-        report = functools.partial(self.jobs.report, job.id)  # not a closure over the stack: see _Resources
-        try:
-            self.transfers.submit(transfer, report)
-        except Exception:
-            self.jobs.report(job.id, range(transfer.num_blocks))  # the job ends failed and releases everything
-            raise
+        storages = self._storages if caller is None else {**self._storages, ENGINE: caller}
+        # The run reports to the job manager, not through a closure over the stack: see _Resources.
+        run = StagedRun(plan.stages, plan.num_blocks, storages, self.transfers,
+                        functools.partial(_report, self.jobs, job.id))
+        run.start()
+        if run.start_errors and job.state.final:  # nothing could start: the caller hears why
+            raise run.start_errors[0]
         return job
 
     # --- background ----------------------------------------------------------------------------
@@ -481,10 +366,14 @@ class TierStack:
         with self._lock:
             if self._closed:
                 return
-            excess = self.tiers[index].excess()
-            jobs = self._make_room(index, excess) if excess > 0 else []
+            jobs = self._run_demotions(self.planner.relieve(index))
         for job in jobs:
             self.jobs.wait(job)
+
+
+def _report(jobs: JobManager, job_id: int, run: StagedRun) -> None:
+    """A finished in-process run reports to its job, as one worker would."""
+    jobs.apply(run.report(job_id))
 
 
 class _Resources:

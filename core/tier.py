@@ -81,6 +81,7 @@ class _Entry:
 class Usage:
     used: int
     capacity: int
+    evicting: int = 0  # of ``used``: victims whose copy to the tier below is in flight (their slots free when it lands)
 
     @property
     def free(self) -> int:
@@ -108,6 +109,7 @@ class Tier:
         self._allocator = SlotAllocator(storage.num_slots)
         self._entries: dict[bytes, _Entry] = {}
         self._pinned: set[bytes] = set()
+        self._evicting = 0
         self._lock = threading.RLock()
 
     @property
@@ -163,6 +165,12 @@ class Tier:
                 return False
             self.pin([key])
             return True
+
+    def pin_leading(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the leading run of READY keys and return their slots: ``lookup`` and ``pin`` under one
+        lock, so a long run costs one call and no block of it can leave in between."""
+        with self._lock:
+            return self.pin(keys[:self.lookup(keys)])
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
@@ -289,12 +297,12 @@ class Tier:
                 self._entries[key] = _Entry(slot, BlockState.READY)
             self.policy.restore(key for key, _ in blocks)
 
-    def discard(self, keys: Iterable[bytes]) -> int:
+    def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop READY blocks that proved unreadable (a failed checksum, an I/O error) so no reader
         tries them again; blocks pinned by other readers stay until those readers are done. Returns
-        the number dropped."""
+        the keys dropped."""
         with self._lock:
-            dropped = 0
+            dropped = []
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None or entry.state is not BlockState.READY or entry.pins or entry.evicting:
@@ -303,8 +311,8 @@ class Tier:
                     continue
                 self.policy.remove(key)
                 self._free_entry(key)
-                dropped += 1
-            self.stats.read_errors += dropped
+                dropped.append(key)
+            self.stats.read_errors += len(dropped)
             return dropped
 
     # --- eviction ------------------------------------------------------------------------------
@@ -313,9 +321,7 @@ class Tier:
         """Drop up to ``n`` READY, unpinned blocks chosen by the policy; returns the keys dropped
         (a victim whose slot a job in flight still uses is kept, see ``end_evict``)."""
         with self._lock:
-            victims = [key for key, _ in self.begin_evict(n)]
-            self.end_evict(victims)
-            return [key for key in victims if key not in self._entries]
+            return self.end_evict([key for key, _ in self.begin_evict(n)])
 
     def begin_evict(self, n: int) -> list[tuple[bytes, int]]:
         """Choose up to ``n`` victims and pin them while their bytes are copied elsewhere; returns (key, slot).
@@ -331,12 +337,14 @@ class Tier:
                 entry.pins += 1
                 self._pinned.add(key)
                 out.append((key, entry.slot))
+            self._evicting += len(out)
             return out
 
-    def end_evict(self, keys: Iterable[bytes], drop: bool = True) -> int:
+    def end_evict(self, keys: Iterable[bytes], drop: bool = True) -> list[bytes]:
         """Finish ``begin_evict``: drop each victim, or keep it (back in the policy) when ``drop`` is
         False, a reader pinned it meanwhile, or a job in flight still uses its slot (a fence).
-        Returns the number dropped. Raises StateError (and finishes none) for a key not being evicted."""
+        Returns the keys dropped (what left the tier: eviction events name them). Raises StateError
+        (and finishes none) for a key not being evicted."""
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "end_evict")
@@ -344,32 +352,34 @@ class Tier:
                 entry = self._entries.get(key)
                 if entry is None or not entry.evicting:
                     raise StateError(f"block {key.hex()[:16]} is not being evicted from tier {self.name!r}")
-            dropped = 0
+            dropped = []
             for key in keys:
                 entry = self._entries[key]
                 entry.evicting = False
                 self.unpin([key])
                 if drop and entry.pins == 0 and not self._fenced(entry):
                     self._free_entry(key)
-                    dropped += 1
+                    dropped.append(key)
                 else:
                     self.policy.insert(key)
-            self.stats.evicted += dropped
+            self._evicting -= len(keys)
+            self.stats.evicted += len(dropped)
             return dropped
 
-    def end_demotion(self, ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> None:
+    def end_demotion(self, ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> list[bytes]:
         """Finish ``begin_evict`` for victims whose copy to the tier below has ended: those that
         landed there leave; those it refused for good (``refuse``) leave too, since kept they would
         be offered again and refused again until they filled this tier; those whose copy failed for
         a passing reason stay. Counts ``demoted`` and ``demotion_refused``. ``refused`` is a subset
-        of ``failed``."""
+        of ``failed``. Returns the keys that left this tier (a victim a reader pinned meanwhile stays)."""
         gone = set(refused)
         with self._lock:
-            self.end_evict(ok)
+            landed = self.end_evict(ok)
             self.end_evict([k for k in failed if k not in gone], drop=False)
             dropped = self.end_evict(refused)
             self.stats.demoted += len(ok)
-            self.stats.demotion_refused += dropped
+            self.stats.demotion_refused += len(dropped)
+            return landed + dropped
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -381,7 +391,7 @@ class Tier:
 
     def usage(self) -> Usage:
         with self._lock:
-            return Usage(self.capacity - self._allocator.num_free, self.capacity)
+            return Usage(self.capacity - self._allocator.num_free, self.capacity, self._evicting)
 
     def excess(self) -> int:
         """Blocks to free now to honour the watermark (0 without one or below the high mark)."""
@@ -407,6 +417,7 @@ class Tier:
             assert all(not self._allocator._is_free[s] for s in slots), "an owned slot is on the free list"
             assert all(e.pins >= 0 for e in self._entries.values()), "a negative pin count"
             assert self._pinned == {k for k, e in self._entries.items() if e.pins}, "pinned set out of date"
+            assert self._evicting == sum(e.evicting for e in self._entries.values()), "evicting count out of date"
             tracked = {k for k, e in self._entries.items() if e.state is BlockState.READY and not e.evicting}
             assert len(self.policy) == len(tracked) and all(k in self.policy for k in tracked), \
                 "the policy tracks other keys than the READY blocks"

@@ -198,6 +198,17 @@ def test_cancel_wins_over_failures(jobs):
     assert job.state is JobState.CANCELLED
 
 
+def test_lost_blocks_are_every_block_of_a_cancelled_job_else_the_failed_ones(jobs):
+    failed = jobs.create("store", 4)
+    jobs.apply(WorkerReport({failed.id: 1}, {failed.id: frozenset({1, 3})},
+                            first_stage_failed={failed.id: frozenset({3})}))
+    assert (failed.lost_blocks, failed.lost_in_first_stage) == ({1, 3}, {3})
+    cancelled = jobs.create("store", 3)
+    jobs.cancel(cancelled.id)
+    jobs.report(cancelled.id, failed=[0])
+    assert cancelled.lost_blocks == cancelled.lost_in_first_stage == {0, 1, 2}
+
+
 def test_cancel_of_an_unknown_job_raises(jobs):
     with pytest.raises(StateError):
         jobs.cancel(12345)

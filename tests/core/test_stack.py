@@ -191,6 +191,7 @@ def test_failed_load_reports_exactly_the_failed_blocks_and_releases_pins():
     loaded, out = load(stack, keys)
     assert loaded.failed == [1] and loaded.loaded == 3
     assert_loaded_exact(keys, loaded, out)
+    assert gpu.stats.hits == 3 and gpu.stats.read_errors == 1  # a hit is a block that arrived
     assert_no_leaks(stack)
     stack.close()
 

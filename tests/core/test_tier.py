@@ -28,7 +28,7 @@ import pytest
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.tier import BlockState, SlotAllocator, Tier
+from kvtier.core.tier import BlockState, SlotAllocator, Tier, Usage
 from kvtier.policies import LRUPolicy, Watermark
 from kvtier.tiers.host import host_tier
 
@@ -367,28 +367,36 @@ def test_begin_evict_keeps_the_victim_readable_until_end_evict(tier, blockio, rn
     with pytest.raises(StateError):
         tier.reserve([k(0)])
     assert tier.leaks()["pinned"] == 2  # victims are pinned while they are copied out
+    assert tier.usage().evicting == 2  # and their slots free once their copies land
     with pytest.raises(StateError):
         tier.close()
     tier.check_invariants()
-    assert tier.end_evict([k(0), k(1)]) == 2
-    assert tier.state(k(0)) is BlockState.FREE and tier.usage().used == 0
+    assert tier.end_evict([k(0), k(1)]) == [k(0), k(1)]
+    assert tier.state(k(0)) is BlockState.FREE and tier.usage() == Usage(0, tier.capacity, 0)
     assert tier.stats.evicted == 2
 
 
 def test_end_demotion_drops_landed_and_refused_victims_and_keeps_failed_ones(tier):
     fill(tier, [k(0), k(1), k(2)])
     assert [key for key, _ in tier.begin_evict(3)] == [k(0), k(1), k(2)]
-    tier.end_demotion(ok=[k(0)], failed=[k(1), k(2)], refused=[k(2)])
+    assert tier.end_demotion(ok=[k(0)], failed=[k(1), k(2)], refused=[k(2)]) == [k(0), k(2)]
     assert [tier.state(key) for key in (k(0), k(1), k(2))] == [BlockState.FREE, BlockState.READY, BlockState.FREE]
     assert (tier.stats.demoted, tier.stats.demotion_refused, tier.stats.evicted) == (1, 1, 2)
     assert tier.leaks()["pinned"] == 0 and tier.begin_evict(1) == [(k(1), tier.slots([k(1)])[0])]  # offered again
+
+
+def test_pin_leading_pins_the_ready_run_only(tier):
+    slots = fill(tier, [k(0), k(1), k(3)])
+    assert tier.pin_leading([k(0), k(1), k(2), k(3)]) == slots[:2]
+    assert tier.leaks()["pinned"] == 2 and tier.pin_leading([k(2), k(3)]) == []
+    tier.unpin([k(0), k(1)])
 
 
 def test_a_reader_pinning_a_victim_keeps_it(tier):
     fill(tier, [k(0), k(1)])
     tier.begin_evict(1)
     assert tier.pin([k(0)]) == tier.slots([k(0)])
-    assert tier.end_evict([k(0)]) == 0
+    assert tier.end_evict([k(0)]) == []
     assert tier.state(k(0)) is BlockState.READY
     assert tier.evict(4) == [k(1)]  # still pinned by the reader
     tier.unpin([k(0)])
@@ -400,7 +408,7 @@ def test_a_reader_pinning_a_victim_keeps_it(tier):
 def test_end_evict_without_drop_puts_the_block_back_as_most_recent(tier):
     fill(tier, [k(0), k(1), k(2)])
     assert [key for key, _ in tier.begin_evict(1)] == [k(0)]
-    assert tier.end_evict([k(0)], drop=False) == 0
+    assert tier.end_evict([k(0)], drop=False) == []
     assert tier.lookup([k(0)]) == 1
     assert tier.leaks()["pinned"] == 0
     assert tier.evict(3) == [k(1), k(2), k(0)]
@@ -417,7 +425,7 @@ def test_end_evict_of_a_block_not_being_evicted_raises_and_finishes_none(tier):
     with pytest.raises(StateError):
         tier.end_evict([k(9)])
     assert tier.state(k(0)) is BlockState.READY and tier.leaks()["pinned"] == 1
-    assert tier.end_evict([k(0)]) == 1
+    assert tier.end_evict([k(0)]) == [k(0)]
 
 
 # --- watermark, fences, close, stats ---------------------------------------------------------------
@@ -459,7 +467,7 @@ def test_a_fenced_victim_is_kept_and_stays_evictable():
     slots = fill(tier, [k(0), k(1)])
     fenced.add(slots[0])
     assert tier.begin_evict(2) == [(k(0), slots[0]), (k(1), slots[1])]
-    assert tier.end_evict([k(0), k(1)]) == 1
+    assert tier.end_evict([k(0), k(1)]) == [k(1)]
     assert tier.state(k(0)) is BlockState.READY and tier.state(k(1)) is BlockState.FREE
     assert tier.leaks() == {"pinned": 0, "writing": 0}
     tier.check_invariants()

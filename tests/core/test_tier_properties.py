@@ -279,7 +279,7 @@ class TierMachine(RuleBasedStateMachine):
             # the victim is still READY and its bytes intact until now
             assert self.tier.lookup([key]) == 1
             assert np.array_equal(self._read(self.blocks[key].slot), self.blocks[key].data)
-        assert self.tier.end_evict(keys, drop=drop) == len(dropped)
+        assert self.tier.end_evict(keys, drop=drop) == dropped
         for key in keys:
             self.blocks[key].evicting = False
             if key in dropped:
@@ -296,6 +296,7 @@ class TierMachine(RuleBasedStateMachine):
         tier.check_invariants()
         usage = tier.usage()
         assert usage.used == len(self.blocks) <= CAPACITY
+        assert usage.evicting == len(self._evicting())
         slots = [b.slot for b in self.blocks.values()]
         assert len(slots) == len(set(slots))
         for key in POOL:

@@ -1,0 +1,485 @@
+"""The planner: the one place that decides which blocks go where in a stack of tiers.
+
+It works over the ordered tiers (fastest first; under vLLM the tiers below vLLM's own GPU blocks) and
+answers each request with plain data:
+
+- ``make_room(i, n)``: victims of tier i chosen by its policy; clean ones (the tier below holds them)
+  and those of the last tier are dropped at once, dirty ones get a demotion into the tier below,
+  trimmed to the room there. Returns the keys dropped per tier (eviction events come from them), the
+  demotion plans to run, and how many slots are still on their way (``Room.pending``).
+- ``store(keys, src_slots, hops)``: reserve the first tier for the caller's blocks (a prefix when room
+  runs out: a full tier stores less), and with ``hops`` the tiers below too, as later stages.
+- ``load(keys, dst_slots, dst_medium)``: pin the longest prefix some tier holds, staging through an
+  intermediate tier where the route (``core/routes.py``) says so.
+- ``copy_down(i, keys)``: copy blocks of tier i the next tier lacks into it.
+- ``lookup(keys, dst_medium)``: which tier serves each leading key, and what a load would stage.
+- ``finish(plan, job)``: once the plan's job is final, commit what arrived, abort the rest, release
+  the sources, end demotions; returns what each tier stored and dropped (``Outcome``).
+
+A plan is one job: stages of ``Copy`` specs run one after the other (a block lost in one stage is left
+out of the later ones), with the fences that keep its slots from being reused meanwhile. The planner
+changes the tiers' index as planning must (reserve, pin, evict) but holds no bytes, starts no thread
+and never waits: where room is on its way (victims whose demotion is in flight) it says so and each
+executor decides. ``TierStack`` waits and asks again; the vLLM scheduler side, which cannot wait
+inside a hook, asks again at the next step.
+
+A copy's endpoint is a tier's slots or the caller's own blocks (``ENGINE``: vLLM's GPU blocks, a
+stack caller's buffer); its slots may be absent, for a store that is not ours and is addressed by key.
+
+Thread safety: every tier call takes that tier's lock. An executor plans from one thread at a time
+(the stack under its lock); ``finish`` may run meanwhile on a completion thread: it only commits,
+aborts, unpins, discards and ends evictions, each under the tier's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.errors import TransferError
+from kvtier.core.jobs import Fence, Job, JobState
+from kvtier.core.layout import BlockLayout
+from kvtier.core.routes import Capabilities, plan_route
+from kvtier.core.storage import BlockStorage
+from kvtier.core.tier import BlockState, Tier
+
+ENGINE: None = None
+"""The endpoint name of the caller's own blocks (vLLM's GPU blocks, a stack caller's buffer): no tier."""
+
+Row = tuple[int, bytes, int | None, int | None]
+"""One block of a copy: (its index in the plan, its key, source slot, destination slot)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One side of a copy: ``slots`` of tier ``tier`` (``ENGINE``: the caller's own blocks). ``slots``
+    None addresses the blocks by key alone, as a store that is not ours must."""
+
+    tier: str | None
+    slots: tuple[int, ...] | None
+
+    def pick(self, keep: Sequence[int]) -> "Endpoint":
+        return Endpoint(self.tier, None if self.slots is None else tuple(self.slots[i] for i in keep))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Blocks from ``src`` to ``dst``: block i has key ``keys[i]`` (a disk slot records it) and index
+    ``blocks[i]`` in its plan (a failure is reported against that index)."""
+
+    src: Endpoint
+    dst: Endpoint
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
+
+    def only(self, blocks: Collection[int]) -> "Copy | None":
+        """The part of this copy that moves the given plan blocks (None when nothing is left)."""
+        keep = [i for i, b in enumerate(self.blocks) if b in blocks]
+        if len(keep) == len(self.blocks):
+            return self
+        if not keep:
+            return None
+        return Copy(self.src.pick(keep), self.dst.pick(keep), tuple(self.keys[i] for i in keep),
+                    tuple(self.blocks[i] for i in keep))
+
+
+def copy_of(src: str | None, dst: str | None, rows: Iterable[Row]) -> Copy:
+    """The one place a ``Copy`` is built, from its rows (plan block, key, source slot, destination slot)."""
+    blocks, keys, src_slots, dst_slots = zip(*rows)
+    return Copy(Endpoint(src, _slots(src_slots)), Endpoint(dst, _slots(dst_slots)), keys, blocks)
+
+
+def _slots(slots: tuple[int | None, ...]) -> tuple[int, ...] | None:
+    """A side's slots, or None when the side has none (addressed by key)."""
+    return None if None in slots else slots  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One job: ``kind`` ("store", "load" or "demote"), block i's key, the stages of copies, and the
+    fences on every tier slot it reads or writes."""
+
+    kind: str
+    keys: tuple[bytes, ...]
+    stages: tuple[tuple[Copy, ...], ...]
+    fences: tuple[Fence, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+
+def plan_of(kind: str, keys: Sequence[bytes], stages: Sequence[Sequence[Copy]]) -> Plan:
+    """A plan with the fences its copies need: a tier slot a copy writes is fenced for writing, one
+    it only reads for reading; the caller's blocks and slots addressed by key have no fence here."""
+    writes = {(c.dst.tier, s): True for stage in stages for c in stage if c.dst.tier is not None
+              for s in c.dst.slots or ()}
+    reads = {(c.src.tier, s): False for stage in stages for c in stage if c.src.tier is not None
+             for s in c.src.slots or () if (c.src.tier, s) not in writes}
+    fences = tuple(Fence(tier, slot, write) for (tier, slot), write in {**reads, **writes}.items())
+    return Plan(kind, tuple(keys), tuple(tuple(stage) for stage in stages), fences)
+
+
+@dataclass
+class Room:
+    """What making room did: ``dropped`` keys per tier (they left it now), ``demotions`` to run (their
+    victims leave when the copies land), and ``pending``: slots of the tier asked for that are on
+    their way (victims being demoted, or kept until room below them lands)."""
+
+    dropped: dict[str, list[bytes]] = field(default_factory=dict)
+    demotions: list[Plan] = field(default_factory=list)
+    pending: int = 0
+
+    def drop(self, tier: Tier, keys: list[bytes]) -> None:
+        if keys:
+            self.dropped.setdefault(tier.name, []).extend(keys)
+
+
+@dataclass
+class Planned:
+    """A request's answer: its ``plan`` (no blocks when nothing could be planned), the ``room`` made
+    for it, and for a load the tier index each planned block is read from."""
+
+    plan: Plan
+    room: Room
+    sources: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The leading keys some tier holds: the index of the tier serving each (the fastest holding it
+    READY), and per staging tier how many of them a load would stage through it. ``hits`` None means
+    "not known yet, ask again": a block of the prefix is being written into its staging tier."""
+
+    hits: int | None
+    sources: tuple[int, ...]
+    staging: dict[int, int]
+
+
+@dataclass
+class Outcome:
+    """What a finished plan did: the plan blocks ``lost`` (the caller recomputes them), the keys each
+    tier ``stored`` and ``dropped``, and the blocks each tier served a load (``hits``)."""
+
+    lost: set[int]
+    stored: dict[str, list[bytes]] = field(default_factory=dict)
+    dropped: dict[str, list[bytes]] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+class SlotCount(BlockStorage):
+    """The slots of a tier whose bytes live elsewhere (the vLLM scheduler side's tiers: the workers
+    hold the bytes): only the count and the geometry; asking for an address is a bug and raises."""
+
+    def __init__(self, layout: BlockLayout, num_slots: int) -> None:
+        super().__init__(layout, num_slots, "elsewhere")
+
+    def _addresses(self, slots):
+        raise TransferError("this storage holds no KV bytes; whoever holds them addresses the slots")
+
+
+class Planner:
+    """The brain over ``tiers`` (fastest first); ``route`` and ``capabilities`` decide which loads stage."""
+
+    def __init__(self, tiers: Sequence[Tier], route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
+                 capabilities: Capabilities = Capabilities()) -> None:
+        self.tiers = list(tiers)
+        self._by_name = {tier.name: tier for tier in self.tiers}
+        self._route = route
+        self._capabilities = capabilities
+        self._staging: dict[str, tuple[int | None, ...]] = {}
+
+    def tier(self, name: str) -> Tier:
+        return self._by_name[name]
+
+    # --- what is where -------------------------------------------------------------------------
+
+    def is_new(self, key: bytes) -> bool:
+        """No tier holds the block or is writing it: a store of it would add something."""
+        return all(tier.state(key) is BlockState.FREE for tier in self.tiers)
+
+    def lookup(self, keys: Sequence[bytes], dst_medium: str | None = None) -> Lookup:
+        """The leading keys some tier holds READY (touching nothing), and with ``dst_medium`` what a
+        load there would stage, per staging tier. The first tier's run is found in one call."""
+        stage_of = self.staging(dst_medium) if dst_medium is not None else (None,) * len(self.tiers)
+        sources = [0] * (self.tiers[0].lookup(keys) if stage_of[0] is None else 0)
+        staging: dict[int, int] = {}
+        for key in keys[len(sources):]:
+            index = next((i for i, t in enumerate(self.tiers) if t.state(key) is BlockState.READY), None)
+            if index is None:
+                break
+            stage = stage_of[index]
+            if stage is not None:
+                if self.tiers[stage].state(key) is BlockState.WRITING:
+                    return Lookup(None, tuple(sources), staging)
+                staging[stage] = staging.get(stage, 0) + 1
+            sources.append(index)
+        return Lookup(len(sources), tuple(sources), staging)
+
+    def staging(self, dst_medium: str) -> tuple[int | None, ...]:
+        """Per tier, the index of the tier a load into ``dst_medium`` stages through (None: it copies
+        there directly). Raises TransferError for a route with more than one staging hop or through
+        a medium no tier has, before anything is pinned."""
+        stage_of = self._staging.get(dst_medium)
+        if stage_of is None:
+            stage_of = self._staging[dst_medium] = tuple(self._stage_for(t, dst_medium) for t in self.tiers)
+        return stage_of
+
+    def _stage_for(self, tier: Tier, dst_medium: str) -> int | None:
+        route = self._route(tier.medium, dst_medium, self._capabilities)
+        if len(route) > 3:
+            raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
+        if len(route) == 2:
+            return None
+        index = next((i for i, t in enumerate(self.tiers) if t.medium == route[1]), None)
+        if index is None:
+            raise TransferError(f"the route needs a {route[1]} tier to stage through, and the stack has none")
+        return index
+
+    # --- room ----------------------------------------------------------------------------------
+
+    def make_room(self, index: int, n: int) -> Room:
+        """Make ``n`` slots of tier ``index`` free, counting slots whose demotion is in flight as
+        free (a retry before they land evicts nothing more). See ``_make_room``."""
+        room = Room()
+        room.pending = self._make_room(index, n, room)
+        return room
+
+    def relieve(self, index: int) -> Room:
+        """Bring tier ``index`` from above its watermark's high mark down to the low mark: the
+        excess, less the victims already being demoted (they leave when their copies land)."""
+        tier = self.tiers[index]
+        excess = tier.excess()
+        return self.make_room(index, tier.usage().free + excess) if excess > 0 else Room()
+
+    def _make_room(self, index: int, n: int, room: Room) -> int:
+        """Evict what ``n`` free slots of tier ``index`` still lack, into ``room``; returns the slots
+        of the tier on their way.
+
+        Victims come from the tier's policy. Those the next tier holds (clean), and those of the last
+        tier, are dropped at once; the others (dirty) get slots below (making room there the same
+        way) and a demotion plan, trimmed to those slots. Dirty victims that found no slot are kept
+        when room below is on its way (write-back loses nothing a lower tier could take), dropped
+        otherwise ("a full tier stores less").
+        """
+        tier = self.tiers[index]
+        usage = tier.usage()
+        short = n - usage.free - usage.evicting
+        if short <= 0:
+            return usage.evicting
+        if index + 1 == len(self.tiers):
+            room.drop(tier, tier.evict(short))
+            return tier.usage().evicting
+        lower = self.tiers[index + 1]
+        victims = [key for key, _ in tier.begin_evict(short)]
+        dirty = [key for key in victims if lower.state(key) is BlockState.FREE]
+        room.drop(tier, tier.end_evict([key for key in victims if lower.state(key) is not BlockState.FREE]))
+        slots, below_pending = self._reserve(index + 1, dirty, room)
+        rest = dirty[len(slots):]
+        if rest and below_pending:
+            tier.end_evict(rest, drop=False)
+        else:
+            room.drop(tier, tier.end_evict(rest))
+        if slots:
+            room.demotions.append(self._demotion(index, dirty[:len(slots)], slots))
+        return tier.usage().evicting + (len(rest) if below_pending else 0)
+
+    def _reserve(self, index: int, keys: list[bytes], room: Room) -> tuple[list[int], int]:
+        """Slots of tier ``index`` for a prefix of ``keys`` (room made first; as many as are free
+        then), and the slots of the tier still on their way."""
+        pending = self._make_room(index, len(keys), room) if keys else 0
+        return self._take_free(index, keys), pending
+
+    def _take_free(self, index: int, keys: list[bytes]) -> list[int]:
+        """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing."""
+        tier = self.tiers[index]
+        fit = min(len(keys), tier.usage().free)
+        return (tier.reserve(keys[:fit], allow_evict=False) or []) if fit else []
+
+    def _demotion(self, index: int, keys: list[bytes], dst_slots: list[int]) -> Plan:
+        """Copy victims of tier ``index`` (kept readable while they move) into reserved slots below."""
+        tier, lower = self.tiers[index], self.tiers[index + 1]
+        rows = zip(range(len(keys)), keys, tier.slots(keys), dst_slots)
+        return plan_of("demote", keys, [[copy_of(tier.name, lower.name, rows)]])
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[bytes], src_slots: Sequence[int], hops: int = 0) -> Planned:
+        """Copy the caller's blocks ``src_slots`` into the first tier under ``keys``, which no tier
+        may hold (``is_new``), and on into the next ``hops`` tiers as later stages (write-through in
+        one job). A full tier stores less: the plan covers the prefix the first tier has room for,
+        each hop the prefix of that which the tier below has room for."""
+        room = Room()
+        slots, _ = self._reserve(0, list(keys), room)
+        keys = keys[:len(slots)]
+        stages = [[copy_of(ENGINE, self.tiers[0].name, zip(range(len(keys)), keys, src_slots, slots))]] if slots else []
+        for index in range(1, min(hops, len(self.tiers) - 1) + 1):
+            below, _ = self._reserve(index, list(keys[:len(slots)]), room)
+            if not below:
+                break
+            rows = zip(range(len(below)), keys, slots, below)
+            stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, rows)])
+            slots = below
+        return Planned(plan_of("store", keys, stages), room)
+
+    def copy_down(self, index: int, keys: Sequence[bytes]) -> Planned:
+        """Copy the READY blocks of tier ``index`` that the next tier lacks into it (a write-through
+        hop of its own, and the copy to disk at close); they stay pinned until the plan finishes.
+        The next tier takes a prefix when its room runs out."""
+        tier, lower = self.tiers[index], self.tiers[index + 1]
+        keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
+        room = Room()
+        if not keys:
+            return Planned(plan_of("store", [], []), room)
+        src_slots = tier.pin(keys)
+        slots, _ = self._reserve(index + 1, keys, room)
+        tier.unpin(keys[len(slots):])
+        keys = keys[:len(slots)]
+        stages = [[copy_of(tier.name, lower.name, zip(range(len(keys)), keys, src_slots, slots))]] if keys else []
+        return Planned(plan_of("store", keys, stages), room)
+
+    def load(self, keys: Sequence[bytes], dst_slots: Sequence[int], dst_medium: str) -> Planned:
+        """Bring the longest prefix of ``keys`` some tier holds into the caller's blocks ``dst_slots``
+        (of medium ``dst_medium``).
+
+        Each source is pinned in the fastest tier holding it. A block whose route stages through
+        another tier gets a slot there (committed when it arrives, so it stays cached there), and
+        the plan has two stages: into the staging tiers, then everything into ``dst_slots``. The plan
+        stops at the first block it cannot bring: absent everywhere, already being written into its
+        staging tier, or left without a staging slot; the caller recomputes from there.
+        """
+        stage_of = self.staging(dst_medium)
+        sources = self._pin_prefix(keys)
+        stop = len(sources)
+        wanted: dict[int, list[int]] = {}  # staging tier -> plan blocks staged through it
+        for i, (index, _) in enumerate(sources):
+            stage = stage_of[index]
+            if stage is not None:
+                if self.tiers[stage].state(keys[i]) is not BlockState.FREE:
+                    stop = i
+                    break
+                wanted.setdefault(stage, []).append(i)
+        room = Room()
+        staged: dict[int, dict[int, int]] = {}  # staging tier -> plan block -> its slot there
+        for stage, blocks in wanted.items():
+            blocks = [b for b in blocks if b < stop]
+            slots, _ = self._reserve(stage, [keys[b] for b in blocks], room)
+            staged[stage] = dict(zip(blocks, slots))
+            if len(slots) < len(blocks):
+                stop = blocks[len(slots)]
+        self._release_past(keys, sources, staged, stop)
+        sources = sources[:stop]
+        stages = self._load_stages(keys, dst_slots, sources, stage_of, staged)
+        return Planned(plan_of("load", keys[:stop], stages), room, tuple(index for index, _ in sources))
+
+    def _pin_prefix(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Pin the longest prefix of ``keys`` held READY somewhere, each block in the fastest tier that
+        holds it (found and pinned in one step: completions may evict meanwhile); (tier index, slot)."""
+        pinned = [(0, slot) for slot in self.tiers[0].pin_leading(keys)]
+        for key in keys[len(pinned):]:
+            index = next((i for i, tier in enumerate(self.tiers) if tier.try_pin(key)), None)
+            if index is None:
+                break
+            pinned.append((index, self.tiers[index].slots([key])[0]))
+        return pinned
+
+    def _release_past(self, keys: Sequence[bytes], sources: list[tuple[int, int]], staged: dict[int, dict[int, int]],
+                      stop: int) -> None:
+        """Unpin the sources, and abort the staging slots, of the blocks from ``stop`` on (not loaded)."""
+        for stage, slots in staged.items():
+            past = [b for b in slots if b >= stop]
+            self.tiers[stage].abort([keys[b] for b in past])
+            for b in past:
+                del slots[b]
+        for i in range(stop, len(sources)):
+            self.tiers[sources[i][0]].unpin([keys[i]])
+
+    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[tuple[int, int]],
+                     stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int]]) -> list[list[Copy]]:
+        """A load's copies: first into the staging tiers (per source and staging tier), then from the
+        tier each block ends up in (its source or its staging tier) into the caller's blocks."""
+        into_stage: dict[tuple[int, int], list[Row]] = {}
+        out: dict[int, list[Row]] = {}
+        for i, (index, slot) in enumerate(sources):
+            stage = stage_of[index]
+            if stage is None:
+                out.setdefault(index, []).append((i, keys[i], slot, dst_slots[i]))
+            else:
+                into_stage.setdefault((index, stage), []).append((i, keys[i], slot, staged[stage][i]))
+                out.setdefault(stage, []).append((i, keys[i], staged[stage][i], dst_slots[i]))
+        first = [copy_of(self.tiers[src].name, self.tiers[dst].name, rows) for (src, dst), rows in into_stage.items()]
+        last = [copy_of(self.tiers[src].name, ENGINE, rows) for src, rows in out.items()]
+        return [stage for stage in (first, last) if stage]
+
+    # --- outcomes ------------------------------------------------------------------------------
+
+    def finish(self, plan: Plan, job: Job) -> Outcome:
+        """Apply a final job's result to the tiers and say what changed.
+
+        Every tier a copy wrote commits the blocks that arrived there and aborts the others (naming
+        first those the job reports refused for good, see ``Tier.refuse``). Then the tiers the plan
+        read from let go: sources pinned for a store or a load are unpinned, a demotion's victims end
+        (``Tier.end_demotion``), and a load drops, from each tier it read, the blocks whose copy out
+        of it failed (unreadable: a miss now and later). Bytes read out of a source for blocks that
+        reached the end count as ``bytes_out``; for a load, also as ``hits``.
+
+        A block arrived at stage k unless it was lost by then: the job's first-stage failures tell
+        the first stage of a staged job apart; later stages count every failure (exact for the two
+        stages of every route and write-through hop today, conservative beyond).
+        """
+        lost = job.lost_blocks
+        last = len(plan.stages) - 1
+        lost_by_stage = [lost] if last <= 0 else [job.lost_in_first_stage] + [lost - job.lost_in_first_stage] * last
+        refused = set() if job.state is JobState.CANCELLED else job.refused_blocks
+        outcome = Outcome(lost)
+        named: set[bytes] = set()  # keys a destination refused for good
+        written: set[tuple[str, int]] = set()
+        for k, stage in enumerate(plan.stages):
+            gone = lost_by_stage[0] if k == 0 else lost
+            for copy in stage:
+                if copy.dst.tier is not None:
+                    named |= self._land(copy, gone, refused, outcome)
+                    written.update((copy.dst.tier, b) for b in copy.blocks)
+        for k, stage in enumerate(plan.stages):
+            for copy in stage:
+                if copy.src.tier is not None:
+                    self._let_go(plan.kind, copy, written, lost, lost_by_stage[k], named, outcome)
+        return outcome
+
+    def _land(self, copy: Copy, gone: set[int], refused: set[int], outcome: Outcome) -> set[bytes]:
+        """Commit the blocks of ``copy`` that arrived in its destination tier, abort the others;
+        returns the aborted keys the tier can never hold."""
+        tier = self.tier(copy.dst.tier)
+        arrived = [key for key, b in zip(copy.keys, copy.blocks) if b not in gone]
+        failed = [key for key, b in zip(copy.keys, copy.blocks) if b in gone]
+        never = [key for key, b in zip(copy.keys, copy.blocks) if b in gone and b in refused]
+        if never:
+            tier.refuse(never)
+            tier.record(incompressible=len(never))
+        tier.commit(arrived)
+        _add(outcome.stored, tier.name, arrived)
+        return set(tier.abort(failed))
+
+    def _let_go(self, kind: str, copy: Copy, written: set[tuple[str, int]], lost: set[int], lost_here: set[int],
+                refused: set[bytes], outcome: Outcome) -> None:
+        """Release the sources ``copy`` read: those the plan held (pinned or being evicted), not
+        the slots an earlier stage of it wrote; a load also drops what failed to copy out."""
+        tier = self.tier(copy.src.tier)
+        held = [(key, b) for key, b in zip(copy.keys, copy.blocks) if (tier.name, b) not in written]
+        served = [key for key, b in held if b not in lost]
+        if kind == "demote":
+            failed = [key for key, b in held if b in lost]
+            _add(outcome.dropped, tier.name, tier.end_demotion(served, failed, [k for k in failed if k in refused]))
+        else:
+            tier.unpin(key for key, _ in held)
+        if kind == "load":
+            _add(outcome.dropped, tier.name, tier.discard([k for k, b in zip(copy.keys, copy.blocks) if b in lost_here]))
+            if served:
+                outcome.hits[tier.name] = outcome.hits.get(tier.name, 0) + len(served)
+            tier.record(hits=len(served))
+        tier.record(bytes_out=len(served) * tier.block_bytes)
+
+
+def _add(per_tier: dict[str, list[bytes]], name: str, keys: list[bytes]) -> None:
+    if keys:
+        per_tier.setdefault(name, []).extend(keys)
