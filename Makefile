@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine lint bench bench-ttft clean
+.PHONY: demo test test-vllm test-vllm-engine lint wheel-check bench bench-ttft clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ $(LINT_VENV)/.installed: pyproject.toml requirements/lint.txt requirements/vllm-
 
 lint: $(LINT_VENV)/.installed
 	bash scripts/lint.sh $(LINT_VENV)
+
+# The wheel as users get it: built, checked for every module and the package data, installed into a fresh
+# venv and run as `kvtier demo` from outside the checkout (scripts/wheel-check.sh).
+wheel-check:
+	bash scripts/wheel-check.sh build/venv-wheel
 
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
