@@ -105,7 +105,7 @@ def time_hooks(connector) -> dict[str, float]:
 def worker_answer(meta) -> tuple[set[str], object, int, int]:
     """What finished workers report for this step's metadata: (finished loads, worker metadata,
     blocks loaded, blocks stored), in the connector's own formats."""
-    from kvtier.connectors.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+    from kvtier.connectors.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
     from kvtier.core.jobs import WorkerReport
 
     if isinstance(meta, KVTierMetadata):

@@ -16,22 +16,24 @@ hands the blocks back at once, and a store still reading them is flushed before 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm.geometry import block_layout
-from kvtier.connectors.vllm.metadata import KVTierMetadata
+from kvtier.connectors.vllm.metadata import StepJobs
 from kvtier.connectors.vllm.namespace import engine_namespace
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 from kvtier.connectors.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
+from kvtier.core.jobs import WorkerReport
 from kvtier.core.keys import key_secret
 
 if TYPE_CHECKING:
@@ -80,6 +82,24 @@ def connector_config(vllm_config: "VllmConfig") -> StackConfig:
         raise ConfigError(f"block_tokens: {config.block_tokens} differs from vLLM's block size {block_size}; "
                           f"leave it out under vLLM or set it to {block_size}")
     return config
+
+
+@dataclass
+class KVTierMetadata(StepJobs, KVConnectorMetadata):
+    """One step's jobs (``StepJobs``) as vLLM carries them from the scheduler to every worker."""
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Job completions from workers. vLLM merges the ranks' objects of one step with ``aggregate``;
+    the scheduler's JobManager adds up steps, so a job ends once every rank has reported it."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+        if not isinstance(other, KVTierWorkerMetadata):
+            raise TypeError(f"cannot aggregate kvtier worker metadata with {type(other).__name__}")
+        return KVTierWorkerMetadata(self.report.aggregate(other.report))
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -144,12 +164,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
 
-    def build_connector_worker_meta(self):
-        return self.worker_side.take_report() if self.worker_side is not None else None
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        report = self.worker_side.take_report() if self.worker_side is not None else None
+        return KVTierWorkerMetadata(report) if report is not None else None
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
-        side = self.worker_side or self.scheduler_side
-        return side.take_stats()
+        if self.worker_side is not None:
+            moved = self.worker_side.take_stats()
+            return KVTierConnectorStats(data=moved) if moved is not None else None
+        return self._sched.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
@@ -184,10 +207,16 @@ class KVTierConnector(KVConnectorBase_V1):
         return {source: n for source, n in tokens.items() if n > 0}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        jobs = self._sched.build_connector_meta(scheduler_output)
+        return KVTierMetadata(jobs.loads, jobs.stores, jobs.flush)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self._sched.update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KVTierWorkerMetadata):
+            raise TypeError(f"kvtier got worker metadata of type {type(meta).__name__}")
+        self._sched.apply_reports(meta.report)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
@@ -206,7 +235,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker_side.shutdown()
 
 
-def _meta(metadata: KVConnectorMetadata) -> KVTierMetadata:
-    if not isinstance(metadata, KVTierMetadata):
+def _meta(metadata: KVConnectorMetadata) -> StepJobs:
+    if not isinstance(metadata, StepJobs):
         raise TypeError(f"kvtier got connector metadata of type {type(metadata).__name__}")
     return metadata

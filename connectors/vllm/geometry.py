@@ -6,12 +6,17 @@ b * block_stride`` bytes into the buffer, one page of ``page_size_bytes``. kvtie
 one fragment per layer (its page), back to back in host and disk slots, so the same block can be
 copied into any other block id later. Views may subdivide a block into kernel blocks or order their
 dimensions any way: the pages, not the view shapes, are what is copied.
+
+How many such blocks each kvtier tier holds (``tier_slots``) is geometry too: the scheduler side and
+every worker derive it here, so they agree on every tier's slot count. Nothing here imports vLLM
+(the worker side runs without it); ``kv_cache_config`` is read by its fields.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage
@@ -45,12 +50,11 @@ def _placements(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int, int]]:
 
 
 def _check_pages_contiguous(kv_cache_config: "KVCacheConfig") -> None:
-    """A page must be one run of bytes: true when layer and block are the outermost dimensions."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
+    """A page must be one run of bytes: true when layer and block are the outermost dimensions, the
+    first two letters of vLLM's layout name (``KVCacheLayout.is_block_compact``)."""
     name = kv_cache_config.kv_cache_layout
     name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)  # the older names vLLM still accepts
-    if name is not None and not KVCacheLayout[name].is_block_compact:
+    if name is not None and set(name[:2]) != {"L", "B"}:
         raise ConfigError(f"KV cache layout {name} interleaves other dimensions between blocks; kvtier needs "
                           f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)")
 
@@ -89,3 +93,21 @@ def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: "KVCacheConfig"
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         views.append(torch.as_strided(raw, (num_blocks, page), (block_stride, 1), offset))
     return device_storage(views, layout)
+
+
+def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, int]]:
+    """(name, medium, number of slots) of every tier kvtier keeps under vLLM (the GPU is vLLM's own),
+    fastest first; ``block_bytes`` is one rank's share of a vLLM block."""
+    out = []
+    for i, tier_cfg in enumerate(config.tiers):
+        if tier_cfg.medium == "gpu":
+            continue
+        blocks = capacity_in_blocks(tier_cfg, block_bytes)
+        if blocks is None or blocks < 1:
+            raise ConfigError(f"tiers[{i}] ({config.tier_name(i)}): capacity holds no block of {block_bytes} "
+                              f"bytes (one rank's share of a vLLM block)")
+        out.append((config.tier_name(i), tier_cfg.medium, blocks))
+    if not out or out[0][1] != "host":
+        raise ConfigError("under vLLM the first tier below the GPU must be a host tier (disk blocks are loaded "
+                          "through host memory)")
+    return out

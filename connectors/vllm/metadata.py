@@ -1,48 +1,30 @@
-"""What the scheduler-side connector tells the workers each step, and what the workers report back.
+"""What the scheduler-side connector tells the workers each step: the planner's plans, as jobs.
 
 vLLM runs the scheduler side and the workers in different processes (one worker per tensor-parallel
-rank); these objects, pickled once per step, are all that passes between them. Every copy names
-slots the scheduler chose, the same on every rank, so the ranks need no coordination of their own:
-each rank holds its own shard of every block in its own host slab and disk file.
+rank); these objects, pickled once per step, are all that passes from one to the others (the workers
+answer with a ``WorkerReport``, ``core/jobs.py``). Every copy names slots the scheduler chose, the
+same on every rank, so the ranks need no coordination of their own: each rank holds its own shard of
+every block in its own host slab and disk file.
+
+Nothing here imports vLLM: the worker side runs, and is tested, without it. The classes vLLM itself
+carries (``KVConnectorMetadata`` subclasses) wrap these in ``connector.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvtier.core.planner import ENGINE, Copy, Plan
 
-from kvtier.core.jobs import WorkerReport
+GPU = ENGINE
+"""Copies name vLLM's own KV blocks (addressed by block id) as the planner's caller endpoint."""
 
-GPU = "gpu"
-"""The name copies use for vLLM's own KV blocks (addressed by block id) instead of a tier name."""
-
-
-@dataclass(frozen=True)
-class Copy:
-    """Blocks ``src_slots[i]`` of ``src`` to ``dst_slots[i]`` of ``dst``; ``blocks[i]`` is block i's
-    index in its job (a failure is reported against that index), ``keys[i]`` its key (disk records it)."""
-
-    src: str
-    src_slots: tuple[int, ...]
-    dst: str
-    dst_slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-    blocks: tuple[int, ...]
-
-    def only(self, blocks: set[int]) -> "Copy | None":
-        """The part of this copy that moves the given job blocks (None when nothing is left)."""
-        keep = [i for i, b in enumerate(self.blocks) if b in blocks]
-        if not keep:
-            return None
-        pick = lambda xs: tuple(xs[i] for i in keep)  # noqa: E731
-        return Copy(self.src, pick(self.src_slots), self.dst, pick(self.dst_slots), pick(self.keys),
-                    pick(self.blocks))
+__all__ = ["GPU", "Copy", "StepJobs", "TransferJob"]
 
 
 @dataclass(frozen=True)
 class TransferJob:
-    """One job of the scheduler's JobManager, as a worker runs it.
+    """One plan of the scheduler's planner, as a worker runs it: job ``job_id`` of the JobManager.
 
     ``stages`` run one after the other and the copies inside a stage at once: a block that failed in
     one stage is left out of the later ones (a staged disk load: disk -> host, then host -> GPU; a
@@ -60,9 +42,15 @@ class TransferJob:
     gpu_blocks: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
 
+    @classmethod
+    def of(cls, job_id: int, plan: Plan, req_id: str | None = None, gpu_blocks: tuple[int, ...] = (),
+           missing: tuple[int, ...] = ()) -> "TransferJob":
+        """The job that runs ``plan`` (its copies; the fences and what to commit stay with the scheduler)."""
+        return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing)
+
 
 @dataclass
-class KVTierMetadata(KVConnectorMetadata):
+class StepJobs:
     """One step's work: ``loads`` start before the forward pass, ``stores`` (and demotions) after it,
     once the KV they read is computed. ``flush`` names jobs that still read GPU blocks vLLM hands out
     again in this step (or that belong to a preempted request): workers wait for them first."""
@@ -70,16 +58,3 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     flush: set[int] = field(default_factory=set)
-
-
-@dataclass
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Job completions from workers. vLLM merges the ranks' objects of one step with ``aggregate``;
-    the scheduler's JobManager adds up steps, so a job ends once every rank has reported it."""
-
-    report: WorkerReport = field(default_factory=WorkerReport)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
-        if not isinstance(other, KVTierWorkerMetadata):
-            raise TypeError(f"cannot aggregate kvtier worker metadata with {type(other).__name__}")
-        return KVTierWorkerMetadata(self.report.aggregate(other.report))

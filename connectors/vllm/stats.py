@@ -1,9 +1,10 @@
 """Connector statistics in vLLM's ``KVConnectorStats`` form: counters that add up across ranks and steps.
 
 The scheduler side counts blocks (hits per tier, failed loads, stored blocks); the workers count bytes
-and seconds per direction (into vLLM's KV blocks: load; out of them: store). vLLM aggregates both
-through ``aggregate``, logs ``reduce()``, and feeds each step's figures to ``KVTierPromMetrics``,
-which exposes them as Prometheus counters on vLLM's own /metrics endpoint.
+and seconds per direction (into vLLM's KV blocks: load; out of them: store), which the connector
+wraps here (``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs ``reduce()``,
+and feeds each step's figures to ``KVTierPromMetrics``, which exposes them as Prometheus counters on
+vLLM's own /metrics endpoint.
 """
 
 from __future__ import annotations
@@ -41,11 +42,6 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def record_store(self, blocks: int) -> None:
         self.data["stored_blocks"] += blocks
-
-    def record_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
-        """``direction`` is "load" (into vLLM's blocks) or "store" (out of them)."""
-        self.data[f"{direction}_bytes"] += nbytes
-        self.data[f"{direction}_seconds"] += seconds
 
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTERS, 0)

@@ -7,6 +7,10 @@ backend on CUDA devices (ordered after the compute stream current at submit) and
 on CPU tensors; host <-> disk through the disk backend. Every job ends with a report, also on a rank
 whose copies failed, so the scheduler's JobManager can count one report per rank.
 
+Each job is a plan of the scheduler's planner (``core/planner.py``); its stages run through the same
+loop as the in-process stack's (``core/stages.py``). Nothing here imports vLLM: the connector in
+``connector.py`` hands the hooks' metadata over and wraps what comes back.
+
 Thread safety: copies complete on the transfer backends' threads; everything they touch here is
 under ``_lock``, and vLLM's hooks run on the worker's main thread.
 """
@@ -17,16 +21,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage
-from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
+from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, tier_slots
+from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
-from kvtier.connectors.vllm.scheduler import tier_slots
-from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import StackConfig
-from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
+from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import Transfer, TransferRegistry
+from kvtier.core.transfer import TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
 from kvtier.transfers import backends_for
@@ -38,18 +41,19 @@ FLUSH_TIMEOUT_S = 300.0
 
 
 class _RunningJob:
-    """A job on this rank: which blocks failed so far (which of those a disk slot can never hold,
-    which in the first stage), and when it stops reading vLLM's blocks."""
+    """A job on this rank: its run of copies, when it started, and when it stops reading vLLM's blocks."""
 
     def __init__(self, job: TransferJob) -> None:
         self.job = job
-        self.failed: set[int] = set()
-        self.refused: set[int] = set()
-        self.first_stage_failed: set[int] = set()
         self.started = time.perf_counter()
         self.gpu_released = threading.Event()  # set once no later stage reads vLLM's KV blocks
-        self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src == GPU for c in stage)),
+        self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src.tier == GPU for c in stage)),
                                  default=-1)
+
+    def stage_starts(self, k: int) -> None:
+        """Stages from ``k`` on run now: past the last one reading vLLM's blocks, those may be reused."""
+        if k > self.last_gpu_read:
+            self.gpu_released.set()
 
 
 class WorkerSide:
@@ -59,7 +63,7 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
         self.layout = block_layout(kv_cache_config)
-        self.stats = KVTierConnectorStats()
+        self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._running: dict[int, _RunningJob] = {}
         self._report = WorkerReport()
@@ -67,7 +71,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._reported_errors: set[int] = set()
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
-        self.storages: dict[str, BlockStorage] = {}
+        self.storages: dict[str | None, BlockStorage] = {}  # by tier name, vLLM's own blocks under GPU
         self.transfers = TransferRegistry([])  # the backends come once vLLM's KV caches name their device
         try:
             slots = {name: n for name, _, n in tier_slots(config, self.layout.block_bytes)}
@@ -102,9 +106,9 @@ class WorkerSide:
 
     # --- running jobs --------------------------------------------------------------------------
 
-    def flush(self, meta: KVTierMetadata) -> None:
+    def flush(self, step: StepJobs) -> None:
         """Wait until the named jobs no longer read vLLM's blocks (vLLM reuses them this step)."""
-        for job_id in meta.flush:
+        for job_id in step.flush:
             with self._lock:
                 running = self._running.get(job_id)
             if running is not None and not running.gpu_released.wait(FLUSH_TIMEOUT_S):
@@ -115,49 +119,8 @@ class WorkerSide:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
-            self._run_stage(running, 0)
-
-    def _run_stage(self, running: _RunningJob, k: int) -> None:
-        """Start stage ``k`` (skipping stages whose blocks all failed); finish the job after the last."""
-        job = running.job
-        copies: list[Copy] = []
-        while k < len(job.stages):
-            alive = set(range(job.num_blocks)) - running.failed
-            copies = [part for c in job.stages[k] if (part := c.only(alive)) is not None]
-            if copies:
-                break
-            k += 1
-        if k > running.last_gpu_read:
-            running.gpu_released.set()
-        if k >= len(job.stages):
-            self._finish(running)
-            return
-        pending = [len(copies)]
-        lock = threading.Lock()
-
-        def copied(copy: Copy, lost: set[int]) -> None:
-            refused = self._take_refused([copy.keys[j] for j in lost])
-            with lock:
-                running.failed.update(copy.blocks[j] for j in lost)
-                running.refused.update(copy.blocks[j] for j in lost if copy.keys[j] in refused)
-                if k == 0:
-                    running.first_stage_failed.update(copy.blocks[j] for j in lost)
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                self._run_stage(running, k + 1)
-
-        for copy in copies:
-            self._submit(copy, lambda lost, c=copy: copied(c, lost))
-
-    def _submit(self, copy: Copy, on_complete: Callable[[set[int]], None]) -> None:
-        """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""
-        try:
-            transfer = Transfer(self.storages[copy.src], copy.src_slots, self.storages[copy.dst], copy.dst_slots,
-                                copy.keys)
-            self.transfers.submit(transfer, on_complete)
-        except (TransferError, ClosedError, KeyError):
-            on_complete(set(range(len(copy.blocks))))
+            StagedRun(job.stages, job.num_blocks, self.storages, self.transfers,
+                      lambda run, r=running: self._finish(r, run), self._take_refused, running.stage_starts).start()
 
     def _note_refused(self, keys: list[bytes]) -> None:
         """The disk slab's ``refuse`` hook: these blocks' compressed bytes can never fit a slot. The
@@ -173,18 +136,23 @@ class WorkerSide:
             self._refused_keys -= refused
             return refused
 
-    def _finish(self, running: _RunningJob) -> None:
+    def _finish(self, running: _RunningJob, run: StagedRun) -> None:
         job = running.job
         seconds = time.perf_counter() - running.started
         with self._lock:
             self._running.pop(job.job_id, None)
-            self._report.add(job.job_id, running.failed - running.refused, running.refused, running.first_stage_failed)
+            self._report = self._report.aggregate(run.report(job.job_id))
             if job.kind in ("load", "store"):
-                moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src, c.dst))
-                self.stats.record_transfer(job.kind, (moved - len(running.failed)) * self.layout.block_bytes, seconds)
+                moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src.tier, c.dst.tier))
+                self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
             if job.kind == "load":
                 self._finished_loads.add(job.req_id)
-                self._load_errors |= {job.gpu_blocks[i] for i in running.failed} | set(job.missing)
+                self._load_errors |= {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
+
+    def _count(self, direction: str, nbytes: int, seconds: float) -> None:
+        """Bytes and seconds per direction: "load" (into vLLM's blocks) or "store" (out of them)."""
+        for name, value in ((f"{direction}_bytes", nbytes), (f"{direction}_seconds", seconds)):
+            self._transferred[name] = self._transferred.get(name, 0) + value
 
     # --- what vLLM collects after the step -----------------------------------------------------
 
@@ -202,19 +170,21 @@ class WorkerSide:
             errors, self._reported_errors = self._reported_errors, set()
             return errors
 
-    def take_report(self) -> KVTierWorkerMetadata | None:
+    def take_report(self) -> WorkerReport | None:
+        """The job completions of this rank since the last call (None when there are none)."""
         with self._lock:
             if not self._report.finished:
                 return None
             report, self._report = self._report, WorkerReport()
-            return KVTierWorkerMetadata(report)
+            return report
 
-    def take_stats(self) -> KVTierConnectorStats | None:
+    def take_stats(self) -> dict[str, float] | None:
+        """Bytes and seconds moved per direction since the last call (None when nothing moved)."""
         with self._lock:
-            if self.stats.is_empty():
+            if not self._transferred:
                 return None
-            stats, self.stats = self.stats, KVTierConnectorStats()
-            return stats
+            counts, self._transferred = self._transferred, {}
+            return counts
 
     def in_flight(self) -> int:
         with self._lock:

@@ -12,6 +12,15 @@ def prompt(prefix_blocks: int, tail: int, seed: int, prefix: int = 0) -> list[in
     return [100_000 * prefix + 7 + i for i in range(prefix_blocks * BLOCK)] + [10_000 * seed + i for i in range(tail)]
 
 
+def held_by(engine, keys: list[bytes]) -> list[str | None]:
+    """The name of the fastest tier holding each key readable on the scheduler side (None: no tier)."""
+    names = []
+    for key in keys:
+        found = engine.kvtier.planner.lookup([key])
+        names.append(engine.kvtier.tiers[found.sources[0]].name if found.hits else None)
+    return names
+
+
 def forget_gpu(engine) -> None:
     """Empty vLLM's own prefix cache and scribble over the KV memory, so only kvtier can supply a hit."""
     assert engine.scheduler.reset_prefix_cache()

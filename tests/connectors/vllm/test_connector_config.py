@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.connectors.vllm.connector import connector_config
-from kvtier.connectors.vllm.scheduler import tier_slots
+from kvtier.connectors.vllm.geometry import tier_slots
 from kvtier.core.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "kvtier.yaml"
@@ -26,7 +26,7 @@ def test_loaded_by_module_path_from_a_yaml_file(make_config, kv_config, tmp_path
     path.write_text("tiers:\n  - medium: host\n    capacity: 64KiB\n")
     connector = scheduler_connector(make_config, kv_config, str(path))
     assert isinstance(connector, KVTierConnector) and connector.worker_side is None
-    assert connector.scheduler_side.host.capacity == 32  # 64 KiB of 2 KiB blocks (2 layers x 1 KiB pages)
+    assert connector.scheduler_side.tier("host").capacity == 32  # 64 KiB of 2 KiB blocks (2 layers x 1 KiB pages)
 
 
 def test_example_config_is_valid_and_sized_per_rank(make_config):

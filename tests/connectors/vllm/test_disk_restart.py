@@ -7,7 +7,7 @@ hit whose load fails and is recomputed; another namespace, layout or TP size fin
 from __future__ import annotations
 
 import pytest
-from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt,
+from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, held_by, prompt,
                                   scheduled_load, step_until_scheduled)
 
 from kvtier.core.keys import chain_hashes
@@ -25,18 +25,14 @@ def prefix_keys(engine, prefix: int) -> list[bytes]:
     return chain_hashes(prompt(4, 0, seed=0, prefix=prefix), BLOCK, engine.kvtier.request_namespace())
 
 
-def held_by(engine, keys: list[bytes]) -> list[str | None]:
-    return [tier.name if (tier := engine.kvtier._tier_holding(k)) else None for k in keys]
-
-
 def on_disk(engine, keys: list[bytes]) -> list[bool]:
-    return [engine.kvtier.disk.state(k) is BlockState.READY for k in keys]
+    return [engine.kvtier.tier("disk").state(k) is BlockState.READY for k in keys]
 
 
 def slot_place(engine, key: bytes, rank: int) -> tuple:
     """(slab file path, file offset of the slot) where ``rank`` keeps ``key``."""
     slab = engine.workers[rank].connector.worker_side.storages["disk"].slab
-    return slab.path, slab.slot_offset(engine.kvtier.disk.slots([key])[0])
+    return slab.path, slab.slot_offset(engine.kvtier.tier("disk").slots([key])[0])
 
 
 def overwrite(path, offset: int, data: bytes) -> None:
@@ -54,12 +50,12 @@ def test_disk_blocks_are_loaded_after_a_restart_bit_exact(make_engine, tmp_path,
     # write-through puts every prefix on disk, write-back what was pushed out of the host tier
     kept = {p for p in (1, 2, 3) if on_disk(before, prefix_keys(before, p)) == [True] * 4}
     assert (kept == {1, 2, 3}) if placement == "write_through" else (1 in kept and 3 not in kept)
-    assert before.kvtier.disk.usage().used == 4 * len(kept)
+    assert before.kvtier.tier("disk").usage().used == 4 * len(kept)
     before.assert_no_leaks()
     before.shutdown()
 
     after = make_engine(config)
-    assert after.kvtier.disk.usage().used == 4 * len(kept) and after.kvtier.host.usage().used == 0
+    assert after.kvtier.tier("disk").usage().used == 4 * len(kept) and after.kvtier.tier("host").usage().used == 0
     for p in (1, 2, 3):
         assert held_by(after, prefix_keys(after, p)) == ["disk" if p in kept else None] * 4
     forget_gpu(after)
@@ -67,7 +63,7 @@ def test_disk_blocks_are_loaded_after_a_restart_bit_exact(make_engine, tmp_path,
     assert after.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, True)
     job = scheduled_load(after, again.request_id)
     assert job.num_blocks == 4 and job.missing == ()
-    assert [c.src for stage in job.stages for c in stage] == ["disk", "host"]
+    assert [c.src.tier for stage in job.stages for c in stage] == ["disk", "host"]
     out = step_until_scheduled(after, again)
     assert out.num_scheduled_tokens[again.request_id] == 11  # the tail only: 4 blocks came from disk
     assert after.blocks_match(again, range(4))
@@ -99,7 +95,7 @@ def test_a_block_one_rank_lacks_is_not_kept(make_engine, tmp_path, damage):
 
     after = make_engine(config, tp=2)
     assert held_by(after, keys) == ["disk", "disk", None, "disk"]  # block 3 is whole on both ranks
-    assert after.kvtier.disk.usage().used == 3
+    assert after.kvtier.tier("disk").usage().used == 3
     forget_gpu(after)
     again = after.add(prompt(4, 7, seed=2, prefix=1), max_tokens=2)
     assert after.connector.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, True)
@@ -112,7 +108,7 @@ def test_a_block_one_rank_lacks_is_not_kept(make_engine, tmp_path, damage):
     after.shutdown()
 
     third = make_engine(config, tp=2)  # the recomputed block 2 is kept too now, on both ranks
-    assert on_disk(third, keys) == [True] * 4 and third.kvtier.disk.usage().used == 4
+    assert on_disk(third, keys) == [True] * 4 and third.kvtier.tier("disk").usage().used == 4
     assert_loads_back(third, prompt(4, 3, seed=3, prefix=1), computed=3, blocks=4)
     assert not third.load_errors
 
@@ -133,7 +129,7 @@ def test_a_kept_block_whose_bytes_are_damaged_is_recomputed(make_engine, tmp_pat
     again = assert_recomputed_from(after, prompt(4, 7, seed=2, prefix=1), damaged=2, blocks=4, computed=2 * BLOCK + 7)
     after.run([again])
     assert sum(s["failed_load_blocks"] for s in after.stats) == 1
-    assert after.kvtier.disk.stats.read_errors == 1
+    assert after.kvtier.tier("disk").stats.read_errors == 1
     after.assert_no_leaks()
 
 
@@ -142,14 +138,14 @@ def test_another_namespace_layout_or_tp_size_finds_nothing(make_engine, tmp_path
     config = disk_config(tmp_path / "disk")
     before = make_engine(config, tp=2 if change == "tp" else 1)
     before.run([before.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
-    assert before.kvtier.disk.usage().used == 4
+    assert before.kvtier.tier("disk").usage().used == 4
     before.shutdown()
 
     kwargs = {"namespace": {"config": disk_config(tmp_path / "disk", namespace="other")},
               "layout": {"layout": "BLHNC"},  # the same page size, other bytes per block id
               "tp": {}}[change]
     after = make_engine(kwargs.pop("config", config), **kwargs)
-    assert after.kvtier.disk.usage().used == 0
+    assert after.kvtier.tier("disk").usage().used == 0
     forget_gpu(after)
     again = after.add(prompt(4, 7, seed=2, prefix=1), max_tokens=2)
     assert after.connector.get_num_new_matched_tokens(again, 0) == (0, False)
@@ -157,7 +153,7 @@ def test_another_namespace_layout_or_tp_size_finds_nothing(make_engine, tmp_path
     assert out.num_scheduled_tokens[again.request_id] == 4 * BLOCK + 7
     assert after.blocks_match(again, range(4))
     after.run([again])
-    assert after.kvtier.disk.usage().used == 4  # its own blocks, written over the foreign ones' slots
+    assert after.kvtier.tier("disk").usage().used == 4  # its own blocks, written over the foreign ones' slots
     after.assert_no_leaks()
 
 
@@ -169,11 +165,11 @@ def test_kept_blocks_are_evicted_oldest_first_when_the_disk_fills(make_engine, t
     before = make_engine(config)
     for p in (1, 2):
         before.run([before.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
-    assert before.kvtier.disk.usage().used == 8
+    assert before.kvtier.tier("disk").usage().used == 8
     before.shutdown()
 
     after = make_engine(config)
-    assert after.kvtier.disk.usage().used == 8
+    assert after.kvtier.tier("disk").usage().used == 8
     after.run([after.add(prompt(4, 5, seed=3, prefix=3), max_tokens=2)])  # written through: 4 disk slots
     assert [on_disk(after, prefix_keys(after, p)) for p in (1, 2, 3)] == [[False] * 4, [True] * 4, [True] * 4]
     removed = {h for e in after.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"

@@ -48,7 +48,7 @@ def fill_and_restart(make_engine, config: dict, between=lambda: None):
     tokens = prompt(4, 5, seed=1, prefix=1)
     before = make_engine(config)
     before.run([before.add(tokens, max_tokens=2)])
-    assert before.kvtier.disk.usage().used == 4
+    assert before.kvtier.tier("disk").usage().used == 4
     before.shutdown()
     between()
     after = make_engine(config)
@@ -93,7 +93,7 @@ def test_model_revision_and_quantization_change_the_namespace(make_config, kv_co
 
 def test_the_same_weights_are_found_after_a_restart(make_engine, tmp_path):
     after, tokens = fill_and_restart(make_engine, disk_config(tmp_path / "disk"))
-    assert after.kvtier.disk.usage().used == 4
+    assert after.kvtier.tier("disk").usage().used == 4
     assert_loads_back(after, tokens, computed=5, blocks=4)
 
 
@@ -112,7 +112,7 @@ def test_new_weights_under_the_same_path_give_no_hit_after_a_restart(make_engine
             os.utime(weights, ns=(old.st_atime_ns, old.st_mtime_ns + 1_000_000_000))
 
     after, tokens = fill_and_restart(make_engine, disk_config(tmp_path / "disk"), new_weights)
-    assert after.kvtier.disk.usage().used == 0
+    assert after.kvtier.tier("disk").usage().used == 0
     assert matched_blocks(after, tokens) == 0
 
 
@@ -124,8 +124,8 @@ def test_keys_are_keyed_with_the_secret_and_only_it_finds_them(make_engine, tmp_
     after, tokens = fill_and_restart(make_engine, config)
     namespace = after.kvtier.request_namespace()
     keyed = chain_hashes(tokens, BLOCK, namespace, secret=b"first deployment secret")
-    assert [after.kvtier.disk.state(k).value for k in keyed] == ["ready"] * 4
-    assert not any(after.kvtier.disk.state(k).value == "ready" for k in chain_hashes(tokens, BLOCK, namespace))
+    assert [after.kvtier.tier("disk").state(k).value for k in keyed] == ["ready"] * 4
+    assert not any(after.kvtier.tier("disk").state(k).value == "ready" for k in chain_hashes(tokens, BLOCK, namespace))
     assert matched_blocks(after, tokens) == 4
     after.shutdown()
 

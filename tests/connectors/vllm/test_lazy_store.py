@@ -18,7 +18,7 @@ def test_blocks_far_from_reuse_are_not_copied(make_engine):
     engine.run([engine.add(prompt(4, 5, prefix=1), max_tokens=2)])
     for _ in range(3):
         engine.step()
-    assert engine.kvtier.host.usage().used == 0  # 64 free blocks, the request's 5 are far from the front
+    assert engine.kvtier.tier("host").usage().used == 0  # 64 free blocks, the request's 5 are far from the front
     engine.assert_no_leaks()
 
 
@@ -28,7 +28,7 @@ def test_blocks_about_to_be_reused_are_stored_first_and_load_back_exact(make_eng
     engine.run([first])
     engine.step()  # the first request's blocks are free now, and everything free is about to be reused
     engine.drain()
-    assert engine.kvtier.host.usage().used == 4
+    assert engine.kvtier.tier("host").usage().used == 4
     # another prefix takes most GPU blocks: the first prefix's GPU copies are overwritten
     engine.run([engine.add(prompt(8, 5, prefix=2), max_tokens=2)])
     assert engine.scheduler.reset_prefix_cache()  # and vLLM forgets whatever of it survived
@@ -53,7 +53,7 @@ def test_the_same_prompt_computed_twice_in_one_step_is_stored_once(make_engine):
     engine.run([engine.add(prompt(1, 0, prefix=3), max_tokens=1) for _ in range(3)])
     engine.step()
     engine.drain()
-    assert engine.kvtier.host.usage().used == 1
+    assert engine.kvtier.tier("host").usage().used == 1
     engine.assert_no_leaks()
 
 

@@ -42,4 +42,4 @@ def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
         assert scraped == totals[f"hit_blocks_{tier}"], tier
     for name in ("failed_load_blocks", "stored_blocks", "load_bytes", "load_seconds", "store_bytes", "store_seconds"):
         assert registry.get_sample_value(f"vllm:kvtier_{name}_total", labels) == totals[name], name
-    assert totals["load_bytes"] == 8 * engine.kvtier.host.block_bytes
+    assert totals["load_bytes"] == 8 * engine.kvtier.tier("host").block_bytes

@@ -106,8 +106,8 @@ def test_random_runs_keep_kv_exact_and_leave_nothing_behind(make_engine, stack, 
             for key, n in totals.items():
                 event(f"{key} > 0" if n else f"{key} = 0")
             event("load errors" if engine.load_errors else "no load errors")
-            event(f"host evictions > 0: {engine.kvtier.host.stats.evicted > 0}")
-            event(f"demotions refused > 0: {engine.kvtier.host.stats.demotion_refused > 0}")
+            event(f"host evictions > 0: {engine.kvtier.tier('host').stats.evicted > 0}")
+            event(f"demotions refused > 0: {engine.kvtier.tier('host').stats.demotion_refused > 0}")
             assert all(r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)
                        for r in added)
         finally:

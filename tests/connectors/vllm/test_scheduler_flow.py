@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, prompt,
+from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, held_by, prompt,
                                   scheduled_load, step_until_scheduled)
 
 from kvtier.core.keys import chain_hashes
@@ -23,7 +23,7 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
     engine = make_engine(HOST_ONLY)
     first = engine.add(prompt(4, 5, seed=1), max_tokens=3)
     engine.run([first])
-    assert engine.kvtier.host.usage().used == 4  # 4 full prompt blocks; the 5-token tail has no key
+    assert engine.kvtier.tier("host").usage().used == 4  # 4 full prompt blocks; the 5-token tail has no key
     forget_gpu(engine)
 
     second = engine.add(prompt(4, 9, seed=2), max_tokens=2)
@@ -37,7 +37,7 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
     assert engine.blocks_match(second, range(4))
     engine.run([second])
     totals = {k: sum(s[k] for s in engine.stats) for k in engine.stats[0]}
-    block_bytes = engine.kvtier.host.block_bytes
+    block_bytes = engine.kvtier.tier("host").block_bytes
     assert totals["hit_blocks_host"] == 4 and totals["stored_blocks"] == 4  # the second prompt's tail is not full
     assert totals["load_bytes"] == 4 * block_bytes and totals["store_bytes"] == 4 * block_bytes
     assert totals["load_seconds"] > 0 and totals["store_seconds"] > 0
@@ -60,7 +60,7 @@ def test_lookup_counts_whole_blocks_and_leaves_the_last_token(make_engine):
     # another prefix: a miss, and no state was changed by asking (asking twice gives the same)
     other = engine.add(prompt(4, 3, seed=6, prefix=9), max_tokens=1)
     assert lookup(other, 0) == lookup(other, 0) == (0, False)
-    assert engine.kvtier.host.leaks() == {"pinned": 0, "writing": 0}
+    assert engine.kvtier.tier("host").leaks() == {"pinned": 0, "writing": 0}
 
 
 @pytest.mark.parametrize("placement", ["write_through", "write_back"])
@@ -74,12 +74,12 @@ def test_prefix_from_disk_once_host_is_full(make_engine, tmp_path, placement):
     for p in (2, 3):  # two more prefixes push the first out of the 4-block host tier
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
-    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["disk"] * 4
+    assert held_by(engine, keys) == ["disk"] * 4
     forget_gpu(engine)
 
     again = engine.add(prompt(4, 11, seed=4, prefix=1), max_tokens=2)
     job = scheduled_load(engine, again.request_id)
-    assert job.num_blocks == 4 and [c.src for stage in job.stages for c in stage] == ["disk", "host"]
+    assert job.num_blocks == 4 and [c.src.tier for stage in job.stages for c in stage] == ["disk", "host"]
     assert engine.connector.get_external_cache_hit_sources(again, 4 * BLOCK) == {CacheHitSource.DISK: 4 * BLOCK}
     out = step_until_scheduled(engine, again)
     assert out.num_scheduled_tokens[again.request_id] == 11
@@ -87,7 +87,7 @@ def test_prefix_from_disk_once_host_is_full(make_engine, tmp_path, placement):
     engine.run([again])
     assert sum(s["hit_blocks_disk"] for s in engine.stats) == 4
     assert sum(s["hit_blocks_host"] for s in engine.stats) == 0
-    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["host"] * 4  # staged blocks stay cached
+    assert held_by(engine, keys) == ["host"] * 4  # staged blocks stay cached
     engine.assert_no_leaks()
 
 
@@ -102,7 +102,7 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
     first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
     engine.run([first])
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
-    damaged_slot = engine.kvtier.disk.slots([keys[2]])[0]
+    damaged_slot = engine.kvtier.tier("disk").slots([keys[2]])[0]
     slab = engine.workers[0].connector.worker_side.storages["disk"].slab
     with open(slab.path, "r+b") as f:  # flip bytes inside block 2's data on disk
         f.seek(slab.slot_offset(damaged_slot) + 4096 + 100)
@@ -113,8 +113,38 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
                                    computed=2 * BLOCK + 7)  # recomputed from block 2 on
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
-    assert engine.kvtier.disk.stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
+    assert engine.kvtier.tier("disk").stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
+    removed = [h for e in engine.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
+               for h in e.block_hashes]
+    assert keys[2] in removed  # and its event says so
     engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("names", [["host"], ["host", "disk"]])
+def test_one_planner_serves_one_tier_or_two(make_engine, tmp_path, names):
+    """The scheduler side works over the tiers the configuration lists, through one planner: with a
+    host tier alone a prefix pushed out of it is gone; with a disk tier below, it is demoted there
+    (the bytes read out of host memory counted, as the stack counts them) and loads back through
+    host memory, bit-exact."""
+    tiers = [{"medium": "host", "capacity_blocks": 4}, {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path)}]
+    engine = make_engine({"tiers": tiers[:len(names)]})
+    side = engine.kvtier
+    assert [t.name for t in side.tiers] == names and side.planner.tiers == side.tiers
+    for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier
+        engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, side.request_namespace())
+    host = side.tier("host")
+    assert host.stats.evicted == 4
+    if names == ["host"]:
+        assert held_by(engine, keys) == [None] * 4 and (host.stats.demoted, host.stats.bytes_out) == (0, 0)
+        again = engine.add(prompt(4, 9, seed=3, prefix=1), max_tokens=2)
+        assert engine.connector.get_num_new_matched_tokens(again, 0) == (0, False)
+        engine.run([again])
+        engine.assert_no_leaks()
+    else:
+        assert held_by(engine, keys) == ["disk"] * 4
+        assert (host.stats.demoted, host.stats.bytes_out) == (4, 4 * host.block_bytes)
+        assert_loads_back(engine, prompt(4, 9, seed=3, prefix=1), computed=9, blocks=4)
 
 
 def test_events_name_blocks_stored_and_removed_per_tier(make_engine):
@@ -164,7 +194,7 @@ def test_abort_mid_load_releases_everything(make_engine):
     second = engine.add(prompt(4, 9, seed=2), max_tokens=4)
     out, _ = engine.step(report_ranks=set())  # the load ran on the worker; its report is held back
     assert [j.req_id for j in out.kv_connector_metadata.loads] == [second.request_id]
-    assert engine.kvtier.host.leaks()["pinned"] == 4
+    assert engine.kvtier.tier("host").leaks()["pinned"] == 4
     engine.scheduler.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
     for _ in range(3):
         engine.step()
@@ -180,14 +210,14 @@ def test_abort_mid_store_releases_everything(make_engine):
     first = engine.add(prompt(4, 5, seed=1), max_tokens=8)
     out, _ = engine.step(report_ranks=set())  # prefill: the store ran, its report is held back
     assert [j.kind for j in out.kv_connector_metadata.stores] == ["store"]
-    assert engine.kvtier.host.leaks()["writing"] == 4
+    assert engine.kvtier.tier("host").leaks()["writing"] == 4
     engine.scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
     reuse = engine.add(prompt(8, 5, seed=7, prefix=7), max_tokens=1)  # needs the freed blocks too
     out, _ = engine.step()
     assert out.kv_connector_metadata.flush  # the store still read blocks handed out again
     engine.run([reuse])
     engine.assert_no_leaks()
-    assert engine.kvtier.host.usage().used == 12  # the aborted request's 4 blocks landed, then reuse's 8
+    assert engine.kvtier.tier("host").usage().used == 12  # the aborted request's 4 blocks landed, then reuse's 8
 
 
 def test_reset_drops_every_block_not_in_use(make_engine):
@@ -197,10 +227,10 @@ def test_reset_drops_every_block_not_in_use(make_engine):
     loading = engine.add(prompt(4, 9, seed=2), max_tokens=2)
     engine.step(report_ranks=set())  # a load holds 4 host blocks
     assert engine.connector.reset_cache() is False  # pinned blocks stay until the load reports
-    assert engine.kvtier.host.usage().used == 4
+    assert engine.kvtier.tier("host").usage().used == 4
     engine.run([loading])
     assert engine.scheduler.reset_prefix_cache(reset_connector=True)
-    assert engine.kvtier.host.usage().used == 0
+    assert engine.kvtier.tier("host").usage().used == 0
     assert len([h for e in engine.connector.take_events() for h in e.block_hashes]) == 4
     assert engine.connector.get_num_new_matched_tokens(engine.add(prompt(4, 9, seed=3), max_tokens=1), 0) == (0, False)
     engine.assert_no_leaks()
@@ -213,15 +243,15 @@ def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
     (store,) = out.kv_connector_metadata.stores
     job = engine.kvtier.jobs.get(store.job_id)
     assert (job.reports, job.expected_reports) == (1, 2) and job.state.value == "running"
-    assert engine.kvtier.host.leaks()["writing"] == 4  # not readable before every rank has its shard
+    assert engine.kvtier.tier("host").leaks()["writing"] == 4  # not readable before every rank has its shard
     engine.step()
-    assert job.state.value == "done" and engine.kvtier.host.usage().used == 4
+    assert job.state.value == "done" and engine.kvtier.tier("host").usage().used == 4
     engine.run([first])
     forget_gpu(engine)
     second = engine.add(prompt(4, 9, seed=2), max_tokens=2)
     out, _ = engine.step(report_ranks={1})
     (load,) = out.kv_connector_metadata.loads
-    assert engine.kvtier.jobs.get(load.job_id).reports == 1 and engine.kvtier.host.leaks()["pinned"] == 4
+    assert engine.kvtier.jobs.get(load.job_id).reports == 1 and engine.kvtier.tier("host").leaks()["pinned"] == 4
     step_until_scheduled(engine, second)
     assert engine.blocks_match(second, range(4))  # both ranks' shards arrived
     engine.run([second])
@@ -240,7 +270,7 @@ def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
 
     def lookup_then_lose_two(request, num_computed_tokens):
         result = lookup(request, num_computed_tokens)
-        host = engine.kvtier.host
+        host = engine.kvtier.tier("host")
         chosen = [k for k, _ in host.begin_evict(4)]
         host.end_evict([k for k in chosen if k in keys[2:]])               # dropped
         host.end_evict([k for k in chosen if k not in keys[2:]], drop=False)  # kept
@@ -269,17 +299,16 @@ def test_disk_refusing_a_block_drops_it_from_host(make_engine, tmp_path, placeme
         {"medium": "host", "capacity_blocks": 4},
         {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk"), "compression": "zstd"}]}
     engine = make_engine(config, head_size=64)
-    assert engine.kvtier.host.block_bytes == 16 * 1024
+    assert engine.kvtier.tier("host").block_bytes == 16 * 1024
     for p in (1, 2, 3):  # each prefix pushes the previous one out of the 4-block host tier
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
     namespace = engine.kvtier.request_namespace()
-    holding = lambda p: [getattr(engine.kvtier._tier_holding(k), "name", None)  # noqa: E731
-                         for k in chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace)]
+    holding = lambda p: held_by(engine, chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace))  # noqa: E731
     assert holding(1) == [None] * 4  # refused by the disk, dropped from host
     assert holding(3) == ["host"] * 4  # room was made: the newest prefix is stored
-    host, disk = engine.kvtier.host.stats, engine.kvtier.disk.stats
+    host, disk = engine.kvtier.tier("host").stats, engine.kvtier.tier("disk").stats
     assert host.demotion_refused == host.evicted >= 4 and host.demoted == 0
-    assert disk.incompressible >= 4 and disk.committed == 0 and engine.kvtier.disk.usage().used == 0
+    assert disk.incompressible >= 4 and disk.committed == 0 and engine.kvtier.tier("disk").usage().used == 0
     forget_gpu(engine)
 
     again = engine.add(prompt(4, 11, seed=4, prefix=1), max_tokens=2)
@@ -303,8 +332,8 @@ def test_blocks_that_find_no_host_room_are_stored_at_a_later_step(make_engine, t
     namespace = engine.kvtier.request_namespace()
     for p, tier in ((1, "disk"), (2, "host")):
         keys = chain_hashes(prompt(4, 0, seed=0, prefix=p), BLOCK, namespace)
-        assert [engine.kvtier._tier_holding(k).name for k in keys] == [tier] * 4
-    assert (engine.kvtier.host.stats.evicted, engine.kvtier.host.stats.demoted) == (4, 4)
+        assert held_by(engine, keys) == [tier] * 4
+    assert (engine.kvtier.tier("host").stats.evicted, engine.kvtier.tier("host").stats.demoted) == (4, 4)
     assert_loads_back(engine, prompt(4, 9, seed=3, prefix=2), computed=9, blocks=4)
 
 
@@ -327,6 +356,6 @@ def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_
         os.close(saved)
         os.close(full)
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
-    assert [engine.kvtier._tier_holding(k).name for k in keys] == ["host"] * 4
-    assert engine.kvtier.disk.usage().used == 0 and engine.kvtier.disk.stats.aborted == 4
+    assert held_by(engine, keys) == ["host"] * 4
+    assert engine.kvtier.tier("disk").usage().used == 0 and engine.kvtier.tier("disk").stats.aborted == 4
     assert_loads_back(engine, prompt(4, 9, seed=2, prefix=1), computed=9, blocks=4)

@@ -11,9 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.connectors.vllm.metadata import GPU, Copy, KVTierMetadata, KVTierWorkerMetadata, TransferJob
+from kvtier.connectors.vllm.connector import KVTierWorkerMetadata
+from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager, WorkerReport
+from kvtier.core.planner import Copy, copy_of
 from kvtier.core.transfer import TransferRegistry
 from kvtier.transfers.cpu import CPUBackend
 
@@ -31,16 +33,15 @@ def job(job_id: int, kind: str, *stages: Copy, req_id: str | None = None, gpu_bl
     return TransferJob(job_id, kind, num, tuple(stages), req_id, tuple(gpu_blocks), tuple(missing))
 
 
-def copy(src: str, src_slots, dst: str, dst_slots) -> Copy:
+def copy(src: str | None, src_slots, dst: str | None, dst_slots) -> Copy:
     """Job block i moves from ``src_slots[i]`` to ``dst_slots[i]`` under key ``bytes([i]) * 16`` (disk
     slot headers record it, and a load checks it)."""
-    n = len(src_slots)
-    return Copy(src, tuple(src_slots), dst, tuple(dst_slots), tuple(bytes([i]) * 16 for i in range(n)), tuple(range(n)))
+    return copy_of(src, dst, [(i, bytes([i]) * 16, s, d) for i, (s, d) in enumerate(zip(src_slots, dst_slots))])
 
 
 def run(worker, loads=(), stores=(), flush=()) -> None:
     """One step's worker hooks, as vLLM's model runner calls them."""
-    meta = KVTierMetadata(list(loads), list(stores), set(flush))
+    meta = StepJobs(list(loads), list(stores), set(flush))
     c = worker.connector
     c.handle_preemptions(meta)
     c.bind_connector_metadata(meta)
@@ -119,11 +120,11 @@ def test_flush_waits_until_stores_stop_reading_reused_blocks(make_worker):
     gated = GatedCPUBackend()
     side.transfers, plain = TransferRegistry([gated]), side.transfers
     original = fill(worker, [5], seed=5)
-    meta = KVTierMetadata([], [job(1, "store", (copy(GPU, [5], "host", [2]),))], set())
+    meta = StepJobs([], [job(1, "store", (copy(GPU, [5], "host", [2]),))], set())
     worker.connector.bind_connector_metadata(meta)
     worker.connector.wait_for_save()  # the store starts and blocks on the gate
     flushed = threading.Event()
-    flusher = threading.Thread(target=lambda: (worker.connector.handle_preemptions(KVTierMetadata(flush={1})),
+    flusher = threading.Thread(target=lambda: (worker.connector.handle_preemptions(StepJobs(flush={1})),
                                                flushed.set()))
     flusher.start()
     assert not flushed.wait(0.2)  # the next step may not reuse block 5 yet
