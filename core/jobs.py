@@ -23,9 +23,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from kvtier.core.errors import FenceError, StateError
 
@@ -93,7 +93,7 @@ class Job:
     cancel_requested: bool = False
     callback_errors: list[BaseException] = field(default_factory=list)
     _errors: set[int] = field(default_factory=set, repr=False)  # blocks some report failed with an error
-    _callbacks: list[Callable[["Job"], None]] = field(default_factory=list, repr=False)
+    _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -139,12 +139,12 @@ class WorkerReport:
         self._merge(WorkerReport({job_id: 1}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)},
                                  {job_id: frozenset(first_stage_failed)}))
 
-    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
         merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused), dict(self.first_stage_failed))
         merged._merge(other)
         return merged
 
-    def _merge(self, other: "WorkerReport") -> None:
+    def _merge(self, other: WorkerReport) -> None:
         for job_id, count in other.finished.items():
             self.finished[job_id] = self.finished.get(job_id, 0) + count
         for ours, theirs in ((self.failed, other.failed), (self.refused, other.refused),

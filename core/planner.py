@@ -33,7 +33,7 @@ aborts, unpins, discards and ends evictions, each under the tier's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.errors import TransferError
@@ -58,7 +58,7 @@ class Endpoint:
     tier: str | None
     slots: tuple[int, ...] | None
 
-    def pick(self, keep: Sequence[int]) -> "Endpoint":
+    def pick(self, keep: Sequence[int]) -> Endpoint:
         return Endpoint(self.tier, None if self.slots is None else tuple(self.slots[i] for i in keep))
 
 
@@ -72,7 +72,11 @@ class Copy:
     keys: tuple[bytes, ...]
     blocks: tuple[int, ...]
 
-    def only(self, blocks: Collection[int]) -> "Copy | None":
+    def entries(self) -> Iterator[tuple[bytes, int]]:
+        """(key, plan block) of each block the copy moves."""
+        return zip(self.keys, self.blocks, strict=True)
+
+    def only(self, blocks: Collection[int]) -> Copy | None:
         """The part of this copy that moves the given plan blocks (None when nothing is left)."""
         keep = [i for i, b in enumerate(self.blocks) if b in blocks]
         if len(keep) == len(self.blocks):
@@ -85,8 +89,13 @@ class Copy:
 
 def copy_of(src: str | None, dst: str | None, rows: Iterable[Row]) -> Copy:
     """The one place a ``Copy`` is built, from its rows (plan block, key, source slot, destination slot)."""
-    blocks, keys, src_slots, dst_slots = zip(*rows)
+    blocks, keys, src_slots, dst_slots = zip(*rows, strict=True)
     return Copy(Endpoint(src, _slots(src_slots)), Endpoint(dst, _slots(dst_slots)), keys, blocks)
+
+
+def numbered(keys: Sequence[bytes], src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[Row]:
+    """Rows for plan blocks 0, 1, ... as far as all three go (a prefix: a full tier stores less)."""
+    return list(zip(range(len(keys)), keys, src_slots, dst_slots, strict=False))
 
 
 def _slots(slots: tuple[int | None, ...]) -> tuple[int, ...] | None:
@@ -182,11 +191,11 @@ class Planner:
     """The brain over ``tiers`` (fastest first); ``route`` and ``capabilities`` decide which loads stage."""
 
     def __init__(self, tiers: Sequence[Tier], route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
-                 capabilities: Capabilities = Capabilities()) -> None:
+                 capabilities: Capabilities | None = None) -> None:
         self.tiers = list(tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
         self._route = route
-        self._capabilities = capabilities
+        self._capabilities = capabilities or Capabilities()
         self._staging: dict[str, tuple[int | None, ...]] = {}
 
     def tier(self, name: str) -> Tier:
@@ -299,8 +308,7 @@ class Planner:
     def _demotion(self, index: int, keys: list[bytes], dst_slots: list[int]) -> Plan:
         """Copy victims of tier ``index`` (kept readable while they move) into reserved slots below."""
         tier, lower = self.tiers[index], self.tiers[index + 1]
-        rows = zip(range(len(keys)), keys, tier.slots(keys), dst_slots)
-        return plan_of("demote", keys, [[copy_of(tier.name, lower.name, rows)]])
+        return plan_of("demote", keys, [[copy_of(tier.name, lower.name, numbered(keys, tier.slots(keys), dst_slots))]])
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -312,13 +320,12 @@ class Planner:
         room = Room()
         slots, _ = self._reserve(0, list(keys), room)
         keys = keys[:len(slots)]
-        stages = [[copy_of(ENGINE, self.tiers[0].name, zip(range(len(keys)), keys, src_slots, slots))]] if slots else []
+        stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
             below, _ = self._reserve(index, list(keys[:len(slots)]), room)
             if not below:
                 break
-            rows = zip(range(len(below)), keys, slots, below)
-            stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, rows)])
+            stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
             slots = below
         return Planned(plan_of("store", keys, stages), room)
 
@@ -335,7 +342,7 @@ class Planner:
         slots, _ = self._reserve(index + 1, keys, room)
         tier.unpin(keys[len(slots):])
         keys = keys[:len(slots)]
-        stages = [[copy_of(tier.name, lower.name, zip(range(len(keys)), keys, src_slots, slots))]] if keys else []
+        stages = [[copy_of(tier.name, lower.name, numbered(keys, src_slots, slots))]] if keys else []
         return Planned(plan_of("store", keys, stages), room)
 
     def load(self, keys: Sequence[bytes], dst_slots: Sequence[int], dst_medium: str) -> Planned:
@@ -364,7 +371,7 @@ class Planner:
         for stage, blocks in wanted.items():
             blocks = [b for b in blocks if b < stop]
             slots, _ = self._reserve(stage, [keys[b] for b in blocks], room)
-            staged[stage] = dict(zip(blocks, slots))
+            staged[stage] = dict(zip(blocks, slots, strict=False))  # the blocks that got a slot
             if len(slots) < len(blocks):
                 stop = blocks[len(slots)]
         self._release_past(keys, sources, staged, stop)
@@ -438,21 +445,22 @@ class Planner:
             gone = lost_by_stage[0] if k == 0 else lost
             for copy in stage:
                 if copy.dst.tier is not None:
-                    named |= self._land(copy, gone, refused, outcome)
+                    named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, outcome)
                     written.update((copy.dst.tier, b) for b in copy.blocks)
         for k, stage in enumerate(plan.stages):
             for copy in stage:
                 if copy.src.tier is not None:
-                    self._let_go(plan.kind, copy, written, lost, lost_by_stage[k], named, outcome)
+                    self._let_go(self.tier(copy.src.tier), plan.kind, copy, written, lost, lost_by_stage[k], named,
+                                 outcome)
         return outcome
 
-    def _land(self, copy: Copy, gone: set[int], refused: set[int], outcome: Outcome) -> set[bytes]:
-        """Commit the blocks of ``copy`` that arrived in its destination tier, abort the others;
+    @staticmethod
+    def _land(tier: Tier, copy: Copy, gone: set[int], refused: set[int], outcome: Outcome) -> set[bytes]:
+        """Commit the blocks of ``copy`` that arrived in its destination ``tier``, abort the others;
         returns the aborted keys the tier can never hold."""
-        tier = self.tier(copy.dst.tier)
-        arrived = [key for key, b in zip(copy.keys, copy.blocks) if b not in gone]
-        failed = [key for key, b in zip(copy.keys, copy.blocks) if b in gone]
-        never = [key for key, b in zip(copy.keys, copy.blocks) if b in gone and b in refused]
+        arrived = [key for key, b in copy.entries() if b not in gone]
+        failed = [key for key, b in copy.entries() if b in gone]
+        never = [key for key, b in copy.entries() if b in gone and b in refused]
         if never:
             tier.refuse(never)
             tier.record(incompressible=len(never))
@@ -460,12 +468,12 @@ class Planner:
         _add(outcome.stored, tier.name, arrived)
         return set(tier.abort(failed))
 
-    def _let_go(self, kind: str, copy: Copy, written: set[tuple[str, int]], lost: set[int], lost_here: set[int],
-                refused: set[bytes], outcome: Outcome) -> None:
-        """Release the sources ``copy`` read: those the plan held (pinned or being evicted), not
-        the slots an earlier stage of it wrote; a load also drops what failed to copy out."""
-        tier = self.tier(copy.src.tier)
-        held = [(key, b) for key, b in zip(copy.keys, copy.blocks) if (tier.name, b) not in written]
+    @staticmethod
+    def _let_go(tier: Tier, kind: str, copy: Copy, written: set[tuple[str, int]], lost: set[int],
+                lost_here: set[int], refused: set[bytes], outcome: Outcome) -> None:
+        """Release the sources ``copy`` read in ``tier``: those the plan held (pinned or being
+        evicted), not the slots an earlier stage of it wrote; a load also drops what failed to copy out."""
+        held = [(key, b) for key, b in copy.entries() if (tier.name, b) not in written]
         served = [key for key, b in held if b not in lost]
         if kind == "demote":
             failed = [key for key, b in held if b in lost]
@@ -473,7 +481,7 @@ class Planner:
         else:
             tier.unpin(key for key, _ in held)
         if kind == "load":
-            _add(outcome.dropped, tier.name, tier.discard([k for k, b in zip(copy.keys, copy.blocks) if b in lost_here]))
+            _add(outcome.dropped, tier.name, tier.discard([key for key, b in copy.entries() if b in lost_here]))
             if served:
                 outcome.hits[tier.name] = outcome.hits.get(tier.name, 0) + len(served)
             tier.record(hits=len(served))

@@ -27,14 +27,15 @@ without ``close()`` is collected and a finalizer releases its threads, memory an
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import threading
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from kvtier.core.errors import CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, mark_kvtier_thread, on_kvtier_thread
@@ -85,7 +86,7 @@ class TierStack:
     """Tiers ordered fastest first, the transfer backends that move bytes between them, one job manager."""
 
     def __init__(self, tiers: Sequence[Tier], backends: Sequence[TransferBackend], jobs: JobManager | None = None,
-                 placement: str = "write_back", capabilities: Capabilities = Capabilities(),
+                 placement: str = "write_back", capabilities: Capabilities | None = None,
                  route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route) -> None:
         if not tiers:
             raise ValueError("a stack needs at least one tier")
@@ -98,15 +99,15 @@ class TierStack:
         if len(block_bytes) != 1:
             raise ValueError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
-        for upper, lower in zip(tiers, tiers[1:]):
+        for upper, lower in itertools.pairwise(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
                 self.transfers.backend(src.storage.device, dst.storage.device,
                                        f"between tier {upper.name!r} and tier {lower.name!r}")
         self.tiers = list(tiers)
         self.jobs = jobs or JobManager()
         self.placement = placement
-        self.capabilities = capabilities
-        self.planner = Planner(self.tiers, route, capabilities)
+        self.capabilities = capabilities or Capabilities()
+        self.planner = Planner(self.tiers, route, self.capabilities)
         self._index = {t.name: i for i, t in enumerate(self.tiers)}
         self._storages: dict[str | None, BlockStorage] = {t.name: t.storage for t in self.tiers}
         self._lock = threading.RLock()
@@ -129,11 +130,12 @@ class TierStack:
             found = self.planner.lookup(keys)
             return StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
 
-    def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> "Future[StoreResult]":
+    def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> Future[StoreResult]:
         """Copy blocks ``src_slots`` of ``src`` into the first tier under ``keys``.
 
-        Keys already present in any tier (or being written to one) are skipped. The future resolves once ``src`` is no longer read and the
-        blocks are readable in the first tier; write-through copies further down continue afterwards.
+        Keys already present in any tier (or being written to one) are skipped. The future resolves once
+        ``src`` is no longer read and the blocks are readable in the first tier; write-through copies
+        further down continue afterwards.
         Raises CapacityError when the new blocks outnumber the first tier.
         """
         if len(keys) != len(src_slots):
@@ -145,10 +147,11 @@ class TierStack:
             self._check_open()
             top = self.tiers[0]
             result = StoreResult(len(keys))
-            new = {k: s for k, s in dict(zip(keys, src_slots)).items() if self.planner.is_new(k)}
+            new = {k: s for k, s in dict(zip(keys, src_slots, strict=True)).items() if self.planner.is_new(k)}
             result.present = len(keys) - len(new)
             if len(new) > top.capacity:
-                raise CapacityError(f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks")
+                raise CapacityError(f"{len(new)} new blocks can never fit in tier {top.name!r} of "
+                                    f"{top.capacity} blocks")
             self._await_room(0, len(new))
             planned = self.planner.store(list(new), list(new.values()))
             self._run_demotions(planned.room)
@@ -167,7 +170,7 @@ class TierStack:
         return future
 
     def load(self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int],
-             dst_medium: str | None = None) -> "Future[LoadResult]":
+             dst_medium: str | None = None) -> Future[LoadResult]:
         """Copy the longest present prefix of ``keys`` into blocks ``dst_slots`` of ``dst``.
 
         Only the prefix that ``lookup`` would report is loaded; the result says how many blocks that
@@ -257,7 +260,7 @@ class TierStack:
             out[tier.name] = {**tier.stats.as_dict(), "used": usage.used, "capacity": usage.capacity}
         return out
 
-    def __enter__(self) -> "TierStack":
+    def __enter__(self) -> TierStack:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -443,7 +446,7 @@ def _release_dropped(resources: _Resources, what: str) -> None:
     blocks that only memory tiers hold down to disk: those are lost, so it warns."""
     warnings.warn(f"{what} was dropped without close(); its threads and files are released now, but blocks only "
                   f"its memory tiers held are not written to disk: call close() or use it in a with block",
-                  ResourceWarning)
+                  ResourceWarning, stacklevel=2)
 
     def release() -> None:
         resources.wait_idle(60.0)

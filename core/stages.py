@@ -10,6 +10,7 @@ failed in the first stage (what landed there is whole).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,7 +32,7 @@ class StagedRun:
     """
 
     def __init__(self, stages: Sequence[Sequence[Copy]], num_blocks: int, storages: Mapping[str | None, BlockStorage],
-                 transfers: TransferRegistry, done: Callable[["StagedRun"], None],
+                 transfers: TransferRegistry, done: Callable[[StagedRun], None],
                  refused: Callable[[list[bytes]], set[bytes]] = lambda keys: set(),
                  on_stage: Callable[[int], None] = lambda k: None) -> None:
         self.stages = stages
@@ -85,7 +86,7 @@ class StagedRun:
                 self._run(k + 1)
 
         for copy in copies:
-            self._submit(copy, lambda lost, c=copy: copied(c, lost))
+            self._submit(copy, functools.partial(copied, copy))
 
     def _submit(self, copy: Copy, on_complete: Callable[[set[int]], None]) -> None:
         """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""

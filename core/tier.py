@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
 from kvtier.core.keys import check_key
@@ -149,7 +149,7 @@ class Tier:
         """
         with self._lock:
             entries = [self._ready_entry(key) for key in keys]
-            for key, entry in zip(keys, entries):
+            for key, entry in zip(keys, entries, strict=True):
                 entry.pins += 1
                 self._pinned.add(key)
                 if not entry.evicting:
@@ -176,13 +176,15 @@ class Tier:
         """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
         with self._lock:
             keys = list(keys)
-            entries = [self._entries.get(key) for key in keys]
+            entries = []
             counts: dict[bytes, int] = {}
-            for key, entry in zip(keys, entries):
+            for key in keys:
                 counts[key] = counts.get(key, 0) + 1
+                entry = self._entries.get(key)
                 if entry is None or entry.pins < counts[key]:
                     raise StateError(f"unpin of block {key.hex()[:16]} which is not pinned")
-            for key, entry in zip(keys, entries):
+                entries.append(entry)
+            for key, entry in zip(keys, entries, strict=True):
                 entry.pins -= 1
                 if entry.pins == 0:
                     self._pinned.discard(key)
@@ -233,7 +235,7 @@ class Tier:
             slots = self._allocator.allocate(len(keys))
             if slots is None:
                 return None
-            for key, slot in zip(keys, slots):
+            for key, slot in zip(keys, slots, strict=True):
                 self._entries[key] = _Entry(slot, BlockState.WRITING)
             return slots
 

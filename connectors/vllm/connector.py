@@ -16,13 +16,17 @@ hands the blocks back at once, and a store still reading them is flushed before 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm.geometry import block_layout
@@ -62,8 +66,9 @@ class ConnectorSettings(BaseModel):
     lazy_ahead: float = Field(0.1, gt=0, le=1)
 
 
-def connector_settings(vllm_config: "VllmConfig") -> ConnectorSettings:
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
+    transfer = vllm_config.kv_transfer_config
+    extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
     if "config" not in extra:
         raise ConfigError('kv_connector_extra_config needs "config": the path of a kvtier YAML file or an inline '
                           'dict, e.g. {"config": "/etc/kvtier.yaml"}')
@@ -74,7 +79,7 @@ def connector_settings(vllm_config: "VllmConfig") -> ConnectorSettings:
         raise ConfigError(f"kv_connector_extra_config: {problems}") from None
 
 
-def connector_config(vllm_config: "VllmConfig") -> StackConfig:
+def connector_config(vllm_config: VllmConfig) -> StackConfig:
     """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict)."""
     config = load_config(connector_settings(vllm_config).config)
     block_size = vllm_config.cache_config.block_size
@@ -96,7 +101,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     report: WorkerReport = field(default_factory=WorkerReport)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate kvtier worker metadata with {type(other).__name__}")
         return KVTierWorkerMetadata(self.report.aggregate(other.report))
@@ -105,7 +110,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 class KVTierConnector(KVConnectorBase_V1):
     """Tiered KV cache (host memory, local disk) below vLLM's GPU prefix cache."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = connector_config(vllm_config)
         settings = connector_settings(vllm_config)
@@ -117,7 +122,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             lazy_ahead = (max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks))
                           if settings.store == "lazy" else None)
-            self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config), vllm_config.cache_config.block_size,
+            self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config),
+                                                vllm_config.cache_config.block_size,
                                                 vllm_config.parallel_config.world_size, ns, lazy_ahead, secret)
         else:
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
@@ -179,25 +185,25 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side ------------------------------------------------------------------------
 
-    def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self._sched.bind_gpu_block_pool(gpu_block_pool)
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
         sources = self._sched.hit_sources(request)
@@ -206,11 +212,11 @@ class KVTierConnector(KVConnectorBase_V1):
         tokens[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(tokens.values())
         return {source: n for source, n in tokens.items() if n > 0}
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         jobs = self._sched.build_connector_meta(scheduler_output)
         return KVTierMetadata(jobs.loads, jobs.stores, jobs.flush)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -218,10 +224,10 @@ class KVTierConnector(KVConnectorBase_V1):
             raise TypeError(f"kvtier got worker metadata of type {type(meta).__name__}")
         self._sched.apply_reports(meta.report)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
 
-    def take_events(self) -> Iterable["KVCacheEvent"]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched.take_events()
 
     def has_pending_push_work(self) -> bool:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def _group(kv_cache_config: "KVCacheConfig"):
+def _group(kv_cache_config: KVCacheConfig):
     """The one KV cache group kvtier serves; models with several groups (hybrid attention) are refused."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -35,38 +35,40 @@ def _group(kv_cache_config: "KVCacheConfig"):
     return groups[0]
 
 
-def _placements(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int, int]]:
+def _placements(kv_cache_config: KVCacheConfig) -> list[tuple[str, int, int]]:
     """(layer name, byte offset of its block 0 in the buffer, block stride) for every layer, in order."""
     layers = set(_group(kv_cache_config).layer_names)
     out = []
     for tensor in kv_cache_config.kv_cache_tensors:
-        for l, name in enumerate(tensor.layers):
+        for index, name in enumerate(tensor.layers):
             if name in layers:
-                out.append((name, tensor.offset + l * tensor.layer_stride, tensor.block_stride))
+                out.append((name, tensor.offset + index * tensor.layer_stride, tensor.block_stride))
     if {name for name, _, _ in out} != layers:
         raise ConfigError(f"kv_cache_config places layers {sorted({n for n, _, _ in out})} but the group "
                           f"has {sorted(layers)}")
     return out
 
 
-def _check_pages_contiguous(kv_cache_config: "KVCacheConfig") -> None:
+def _check_pages_contiguous(kv_cache_config: KVCacheConfig) -> None:
     """A page must be one run of bytes: true when layer and block are the outermost dimensions, the
     first two letters of vLLM's layout name (``KVCacheLayout.is_block_compact``)."""
-    name = kv_cache_config.kv_cache_layout
-    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)  # the older names vLLM still accepts
-    if name is not None and set(name[:2]) != {"L", "B"}:
+    layout = kv_cache_config.kv_cache_layout
+    if layout is None:
+        return
+    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(layout, layout)  # the older names vLLM still accepts
+    if set(name[:2]) != {"L", "B"}:
         raise ConfigError(f"KV cache layout {name} interleaves other dimensions between blocks; kvtier needs "
                           f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)")
 
 
-def block_layout(kv_cache_config: "KVCacheConfig") -> BlockLayout:
+def block_layout(kv_cache_config: KVCacheConfig) -> BlockLayout:
     """One fragment per layer (its page of one block); ``block_bytes`` is what one rank stores per block."""
     page = _group(kv_cache_config).kv_cache_spec.page_size_bytes
     _check_pages_contiguous(kv_cache_config)
     return BlockLayout((page,) * len(_placements(kv_cache_config)))
 
 
-def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: "KVCacheConfig") -> StridedStorage:
+def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig) -> StridedStorage:
     """vLLM's KV blocks as a storage whose slot ids are vLLM's block ids.
 
     Each layer's pages are addressed through a byte view of the shared buffer (block dimension first,
@@ -98,7 +100,7 @@ def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: "KVCacheConfig"
 def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, int]]:
     """(name, medium, number of slots) of every tier kvtier keeps under vLLM (the GPU is vLLM's own),
     fastest first; ``block_bytes`` is one rank's share of a vLLM block."""
-    out = []
+    out: list[tuple[str, str, int]] = []
     for i, tier_cfg in enumerate(config.tiers):
         if tier_cfg.medium == "gpu":
             continue

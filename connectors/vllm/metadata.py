@@ -44,7 +44,7 @@ class TransferJob:
 
     @classmethod
     def of(cls, job_id: int, plan: Plan, req_id: str | None = None, gpu_blocks: tuple[int, ...] = (),
-           missing: tuple[int, ...] = ()) -> "TransferJob":
+           missing: tuple[int, ...] = ()) -> TransferJob:
         """The job that runs ``plan`` (its copies; the fences and what to commit stay with the scheduler)."""
         return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing)
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def engine_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: StackConfig) -> bytes:
+def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StackConfig) -> bytes:
     """The namespace of one engine's blocks (one rank's share of them): model and its revision, a
     fingerprint of the weights of a local model folder, quantization, dtypes, layout, TP size, block
     size and the kvtier config's own ``namespace``. Reads the model folder: call it once per process."""

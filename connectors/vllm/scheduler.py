@@ -26,8 +26,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -70,7 +71,7 @@ class BlockRef(NamedTuple):
 class _RequestState:
     """What the scheduler side knows about one live request."""
 
-    request: "Request"
+    request: Request
     namespace: bytes
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
@@ -96,11 +97,12 @@ class SchedulerSide:
         self.num_workers = num_workers
         self.namespace = namespace
         self.jobs = JobManager()
-        tier_cfgs = {config.tier_name(j): t for j, t in enumerate(config.tiers)}
+        position = {config.tier_name(j): j for j in range(len(config.tiers))}
         self.tiers: list[Tier] = []
         for name, medium, slots in tier_slots(config, layout.block_bytes):
-            wm = tier_cfgs[name].watermark
-            self.tiers.append(Tier(name, medium, SlotCount(layout, slots), eviction_policy(tier_cfgs[name].eviction)(),
+            wm = config.tiers[position[name]].watermark
+            policy = eviction_policy(config.tier_eviction(position[name]))()
+            self.tiers.append(Tier(name, medium, SlotCount(layout, slots), policy,
                                    Watermark(wm.high, wm.low) if wm else None, self.jobs.is_fenced))
         self.planner = Planner(self.tiers)
         # Write-through: a store's job also copies on into every tier below, stage after stage.
@@ -109,15 +111,16 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._events: list[KVCacheEvent] = []
         for tier in self.tiers:
-            if isinstance(tier_cfgs[tier.name], DiskTierConfig):
-                self._recover(tier, tier_cfgs[tier.name], layout)
+            tier_cfg = config.tiers[position[tier.name]]
+            if isinstance(tier_cfg, DiskTierConfig):
+                self._recover(tier, tier_cfg, layout)
         self._step_loads: list[TransferJob] = []
         self._step_demotions: list[TransferJob] = []
         self._step_allocated: set[int] = set()
         self._gpu_readers: dict[int, set[int]] = {}   # GPU block id -> store jobs reading it
         self._gpu_loading: dict[int, int] = {}        # GPU block id -> the load job writing it
         self._gpu_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # lazy: GPU block -> key and tokens it holds
-        self._block_pool: "BlockPool | None" = None
+        self._block_pool: BlockPool | None = None
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
         """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``)."""
@@ -132,14 +135,14 @@ class SchedulerSide:
 
     # --- requests and keys ---------------------------------------------------------------------
 
-    def bind_gpu_block_pool(self, block_pool: "BlockPool") -> None:
+    def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         """vLLM's GPU block pool: lazy mode walks its free queue for blocks about to be reused."""
         self._block_pool = block_pool
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._state(request)
 
-    def _state(self, request: "Request") -> _RequestState | None:
+    def _state(self, request: Request) -> _RequestState | None:
         """The request's state, created on first sight; None for requests kvtier does not cache
         (prompt embeddings or multimodal inputs: token ids alone do not name their KV)."""
         state = self._requests.get(request.request_id)
@@ -171,7 +174,7 @@ class SchedulerSide:
 
     # --- lookup and load -----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens of the leading blocks after ``num_computed_tokens`` that some tier holds; always leaves
         the last prompt token to compute. Pins and touches nothing (vLLM may ask again and again); the
         one thing it may start is making room for the blocks the load would stage. None (ask again
@@ -200,7 +203,7 @@ class SchedulerSide:
                 return False
         return True
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of the blocks counted as hits into the GPU blocks vLLM allocated.
 
         The planner pins the sources now; a disk block gets a host staging slot (where it stays
@@ -212,6 +215,8 @@ class SchedulerSide:
         if num_external_tokens == 0:
             return
         state = self._state(request)
+        if state is None:  # a request kvtier does not cache counted no hits
+            return
         count = num_external_tokens // self.block_tokens
         start = state.lookup_start
         keys = self._keys(state)[start:start + count]
@@ -225,7 +230,8 @@ class SchedulerSide:
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
             hits = self._per_medium(outcome.hits)
-            self.stats.record_load(hits.get("host", 0), hits.get("disk", 0), len(outcome.lost) + count - plan.num_blocks)
+            failed = len(outcome.lost) + count - plan.num_blocks  # lost on the way, or never planned
+            self.stats.record_load(hits.get("host", 0), hits.get("disk", 0), failed)
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
         job = self._start(plan, done)
@@ -263,6 +269,8 @@ class SchedulerSide:
     def _lazy_candidates(self) -> list[BlockRef]:
         """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
         one per key (requests with the same prompt computed in one step hold the same KV twice)."""
+        if self._block_pool is None:
+            raise RuntimeError("lazy stores walk vLLM's GPU block pool, which vLLM has not bound (bind_gpu_block_pool)")
         picked: dict[bytes, BlockRef] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
             known = self._gpu_keys.get(block.block_id)
@@ -349,7 +357,7 @@ class SchedulerSide:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StepJobs:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepJobs:
         """This step's loads, stores, demotions and fence; resets the step's state."""
         allocated = self._step_allocated
         for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):
@@ -368,21 +376,21 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:
                 flush |= {j for j in state.jobs if j not in {t.job_id for t in self._step_loads}}
-        stores = []
+        planned = []
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
             num_tokens = state.request.num_computed_tokens + scheduled
             if self.lazy_ahead is None:
-                stores.append(self._store_full(state, num_tokens))
+                planned.append(self._store_full(state, num_tokens))
             else:
                 full = self._unstored_full(state, num_tokens)
                 self._gpu_keys.update((b.gpu_block, (b.key, b.tokens)) for b in full)
                 state.stored += len(full)
         if self.lazy_ahead is not None:
-            stores.append(self._store(self._lazy_candidates(), None))
-        stores = [job for job in stores if job is not None]
+            planned.append(self._store(self._lazy_candidates(), None))
+        stores = [job for job in planned if job is not None]
         for index in range(len(self.tiers)):  # above a high mark: demote or evict down to the low mark
             self._ship(self.planner.relieve(index))
         meta = StepJobs(self._step_loads, stores + self._step_demotions, flush)
@@ -394,7 +402,7 @@ class SchedulerSide:
         rank has now reported are finished (their callbacks commit, release and count)."""
         self.jobs.apply(report)
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Blocks go back to vLLM at once: stores still reading them are flushed when they are reused."""
         self._requests.pop(request.request_id, None)
         return False, None
@@ -420,7 +428,7 @@ class SchedulerSide:
         events, self._events = self._events, []
         return events
 
-    def hit_sources(self, request: "Request") -> dict[str, int]:
+    def hit_sources(self, request: Request) -> dict[str, int]:
         """Blocks of the request's planned load per medium ("host", "disk")."""
         state = self._requests.get(request.request_id)
         return dict(state.load_sources) if state is not None else {}

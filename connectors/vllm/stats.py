@@ -46,7 +46,7 @@ class KVTierConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTERS, 0)
 
-    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         if not isinstance(other, KVTierConnectorStats):
             raise TypeError(f"cannot aggregate kvtier stats with {type(other).__name__}")
         return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in COUNTERS})

@@ -17,9 +17,10 @@ under ``_lock``, and vLLM's hooks run on the worker's main thread.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, tier_slots
 from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
@@ -59,7 +60,7 @@ class _RunningJob:
 class WorkerSide:
     """One rank's host slab and disk file, its transfer backends, and the reports it owes the scheduler."""
 
-    def __init__(self, config: StackConfig, kv_cache_config: "KVCacheConfig", rank: int, namespace: str) -> None:
+    def __init__(self, config: StackConfig, kv_cache_config: KVCacheConfig, rank: int, namespace: str) -> None:
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
         self.layout = block_layout(kv_cache_config)
@@ -120,7 +121,7 @@ class WorkerSide:
             with self._lock:
                 self._running[job.job_id] = running
             StagedRun(job.stages, job.num_blocks, self.storages, self.transfers,
-                      lambda run, r=running: self._finish(r, run), self._take_refused, running.stage_starts).start()
+                      functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
 
     def _note_refused(self, keys: list[bytes]) -> None:
         """The disk slab's ``refuse`` hook: these blocks' compressed bytes can never fit a slot. The
@@ -145,7 +146,7 @@ class WorkerSide:
             if job.kind in ("load", "store"):
                 moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src.tier, c.dst.tier))
                 self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
-            if job.kind == "load":
+            if job.kind == "load" and job.req_id is not None:
                 self._finished_loads.add(job.req_id)
                 self._load_errors |= {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
 

@@ -16,6 +16,7 @@ Invariants checked:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -55,7 +56,7 @@ def test_ids_increase_strictly(jobs):
         jobs.create("load", 1, fences=[Fence("host", 0, True)])
     ids.append(jobs.create("load", 1).id)
     assert ids == sorted(set(ids)) and len(ids) == 6
-    assert all(b > a for a, b in zip(ids, ids[1:]))
+    assert all(b > a for a, b in itertools.pairwise(ids))
 
 
 def test_a_job_moves_pending_running_done(jobs):

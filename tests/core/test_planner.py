@@ -77,7 +77,7 @@ def test_clean_victims_drop_at_once_and_dirty_ones_get_one_demotion(jobs):
     (demotion,) = room.demotions
     disk_slot = disk.slots([k(0)])[0]
     assert demotion.kind == "demote" and demotion.keys == (k(0),)
-    assert demotion.stages == ((Copy(Endpoint("host", (host_slots[0],)), Endpoint("disk", (disk_slot,)), (k(0),), (0,)),),)
+    assert demotion.stages == ((copy_of("host", "disk", [(0, k(0), host_slots[0], disk_slot)]),),)
     assert set(demotion.fences) == {Fence("host", host_slots[0], False), Fence("disk", disk_slot, True)}
     assert host.usage() == Usage(3, 4, evicting=1) and room.pending == 1
     assert host.lookup([k(0)]) == 1  # a victim stays readable while it moves
@@ -232,8 +232,9 @@ def test_a_staged_load_stages_through_host_and_stops_where_it_cannot(jobs):
     assert plan.keys == (k(0), k(1), k(2)) and planned.sources == (0, 1, 1)  # two host slots to stage into
     (to_host,), (to_gpu,) = plan.stages
     staging = host.slots([k(1), k(2)])
-    assert to_host == copy_of("disk", "host", zip((1, 2), (k(1), k(2)), disk_slots[:2], staging))
-    assert to_gpu == copy_of("host", ENGINE, zip((0, 1, 2), plan.keys, [host_slot, *staging], (20, 21, 22)))
+    assert to_host == copy_of("disk", "host", zip((1, 2), (k(1), k(2)), disk_slots[:2], staging, strict=True))
+    rows = zip((0, 1, 2), plan.keys, [host_slot, *staging], (20, 21, 22), strict=True)
+    assert to_gpu == copy_of("host", ENGINE, rows)
     assert disk.leaks()["pinned"] == 2  # k(3) was let go
 
     outcome = planner.finish(plan, run(jobs, plan, failed=[0, 1]))

@@ -7,9 +7,18 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.stack_helpers import (LAYOUT, assert_loaded_exact, assert_no_leaks, blocks_for, content, key, load,
-                                   make_stack, store)
 
+from helpers.stack_helpers import (
+    LAYOUT,
+    assert_loaded_exact,
+    assert_no_leaks,
+    blocks_for,
+    content,
+    key,
+    load,
+    make_stack,
+    store,
+)
 from kvtier.core.errors import CapacityError, ClosedError, TransferError
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import buffer_storage

@@ -3,12 +3,10 @@ small GPU-over-host stack, in both placements, with watermarks. After every step
 allocator and policy agree; usage never exceeds capacity; a block pinned by a reader stays readable
 until it is unpinned; everything lookup reports present loads back bit-exact; after close nothing leaks."""
 
-import numpy as np
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from helpers.stack_helpers import assert_loaded_exact, key, load, make_stack, store
 
+from helpers.stack_helpers import assert_loaded_exact, key, load, make_stack, store
 from kvtier.core.tier import BlockState
 from kvtier.policies import Watermark
 

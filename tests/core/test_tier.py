@@ -149,12 +149,12 @@ def test_reserve_commit_publishes_and_counts(tier, blockio, rng):
     assert [tier.state(key) for key in keys] == [BlockState.WRITING] * 3
     assert tier.slots(keys) == slots
     data = rng.integers(0, 256, (3, LAYOUT.block_bytes), dtype=np.uint8)
-    for slot, row in zip(slots, data):
+    for slot, row in zip(slots, data, strict=True):
         blockio.write(tier.storage, slot, row)
     tier.commit(keys)
     assert [tier.state(key) for key in keys] == [BlockState.READY] * 3
     assert tier.pin(keys) == slots
-    for slot, row in zip(slots, data):
+    for slot, row in zip(slots, data, strict=True):
         assert np.array_equal(blockio.read(tier.storage, slot), row)
     tier.unpin(keys)
     assert tier.stats.committed == 3

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.core.errors import FenceError, StateError
@@ -64,12 +63,12 @@ class TierMachine(RuleBasedStateMachine):
 
     def _read(self, slot: int) -> np.ndarray:
         addresses = self.tier.storage.fragment_addresses([slot])[0].tolist()
-        return np.frombuffer(b"".join(ctypes.string_at(a, n) for a, n in zip(addresses, LAYOUT.fragment_bytes)),
-                             np.uint8)
+        fragments = zip(addresses, LAYOUT.fragment_bytes, strict=True)
+        return np.frombuffer(b"".join(ctypes.string_at(a, n) for a, n in fragments), np.uint8)
 
     def _write(self, slot: int, data: np.ndarray) -> None:
         addresses = self.tier.storage.fragment_addresses([slot])[0].tolist()
-        for a, off, n in zip(addresses, LAYOUT.offsets.tolist(), LAYOUT.fragment_bytes):
+        for a, off, n in zip(addresses, LAYOUT.offsets.tolist(), LAYOUT.fragment_bytes, strict=True):
             ctypes.memmove(a, data.ctypes.data + off, n)
 
     def _evict_model(self, n: int) -> list[bytes]:
@@ -139,7 +138,7 @@ class TierMachine(RuleBasedStateMachine):
         owned = {b.slot for b in self.blocks.values()}
         assert len(set(slots)) == len(slots) and not owned & set(slots)
         assert all(0 <= s < CAPACITY for s in slots)
-        for key, slot in zip(keys, slots):
+        for key, slot in zip(keys, slots, strict=True):
             self.blocks[key] = Block(slot)
 
     @precondition(lambda self: self.blocks)
@@ -171,8 +170,10 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), what=st.sampled_from(["commit", "abort"]))
     def commit_or_abort_not_reserved(self, data, what):
-        wrong = data.draw(st.sampled_from([key for key in POOL if not (key in self.blocks and self.blocks[key].writing)]))
-        others = data.draw(st.lists(st.sampled_from(self._writing()), max_size=2, unique=True)) if self._writing() else []
+        wrong = data.draw(st.sampled_from([key for key in POOL
+                                           if not (key in self.blocks and self.blocks[key].writing)]))
+        others = (data.draw(st.lists(st.sampled_from(self._writing()), max_size=2, unique=True))
+                  if self._writing() else [])
         keys = data.draw(st.permutations([wrong, *others]))
         snapshot = self._snapshot()
         with pytest.raises(StateError):
@@ -238,7 +239,8 @@ class TierMachine(RuleBasedStateMachine):
     def unpin_below_zero(self, data):
         key = data.draw(st.sampled_from(POOL))
         held = self.blocks[key].pins if key in self.blocks else 0
-        others = data.draw(st.lists(st.sampled_from(self._reader_pinned()), max_size=1)) if self._reader_pinned() else []
+        others = (data.draw(st.lists(st.sampled_from(self._reader_pinned()), max_size=1))
+                  if self._reader_pinned() else [])
         keys = data.draw(st.permutations([key] * (held + 1) + [o for o in others if o != key]))
         snapshot = self._snapshot()
         with pytest.raises(StateError):

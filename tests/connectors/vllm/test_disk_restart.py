@@ -7,9 +7,17 @@ hit whose load fails and is recomputed; another namespace, layout or TP size fin
 from __future__ import annotations
 
 import pytest
-from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, held_by, prompt,
-                                  scheduled_load, step_until_scheduled)
 
+from helpers.vllm_helpers import (
+    BLOCK,
+    assert_loads_back,
+    assert_recomputed_from,
+    forget_gpu,
+    held_by,
+    prompt,
+    scheduled_load,
+    step_until_scheduled,
+)
 from kvtier.core.keys import chain_hashes
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk import PAGE

@@ -15,8 +15,8 @@ import pytest
 from huggingface_hub import ResolvedRevision
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from helpers.vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt
 
+from helpers.vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt
 from kvtier.connectors.vllm.namespace import engine_namespace
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError

@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from helpers.vllm_helpers import forget_gpu, prompt
-
 from kvtier.connectors.vllm.stats import COUNTERS
 
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import tempfile
 
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from vllm.v1.request import RequestStatus
 
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt
-
 from kvtier.tiers.disk import PAGE
 
 stacks = st.fixed_dictionaries({

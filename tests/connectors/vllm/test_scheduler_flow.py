@@ -7,13 +7,19 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from helpers.vllm_helpers import (BLOCK, assert_loads_back, assert_recomputed_from, forget_gpu, held_by, prompt,
-                                  scheduled_load, step_until_scheduled)
-
+from helpers.vllm_helpers import (
+    BLOCK,
+    assert_loads_back,
+    assert_recomputed_from,
+    forget_gpu,
+    held_by,
+    prompt,
+    scheduled_load,
+    step_until_scheduled,
+)
 from kvtier.core.keys import chain_hashes
 
 HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
@@ -113,7 +119,8 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
                                    computed=2 * BLOCK + 7)  # recomputed from block 2 on
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
-    assert engine.kvtier.tier("disk").stats.read_errors == 1  # the damaged copy was dropped (the recomputed block is stored anew)
+    # the damaged copy was dropped (the recomputed block is stored anew)
+    assert engine.kvtier.tier("disk").stats.read_errors == 1
     removed = [h for e in engine.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
                for h in e.block_hashes]
     assert keys[2] in removed  # and its event says so

@@ -36,7 +36,8 @@ def job(job_id: int, kind: str, *stages: Copy, req_id: str | None = None, gpu_bl
 def copy(src: str | None, src_slots, dst: str | None, dst_slots) -> Copy:
     """Job block i moves from ``src_slots[i]`` to ``dst_slots[i]`` under key ``bytes([i]) * 16`` (disk
     slot headers record it, and a load checks it)."""
-    return copy_of(src, dst, [(i, bytes([i]) * 16, s, d) for i, (s, d) in enumerate(zip(src_slots, dst_slots))])
+    pairs = zip(src_slots, dst_slots, strict=True)
+    return copy_of(src, dst, [(i, bytes([i]) * 16, s, d) for i, (s, d) in enumerate(pairs)])
 
 
 def run(worker, loads=(), stores=(), flush=()) -> None:
@@ -80,8 +81,9 @@ def test_round_trip_through_host_into_other_blocks(make_worker, layout):
     original = fill(worker, [3, 7, 8], seed=1)
     run(worker, stores=[job(1, "store", (copy(GPU, [3, 7, 8], "host", [5, 0, 1]),))])
     fill(worker, range(32), seed=2)  # vLLM reuses every block for other requests
-    run(worker, loads=[job(2, "load", (copy("host", [0, 5, 1], GPU, [20, 11, 12]),), req_id="r", gpu_blocks=(20, 11, 12))])
-    assert all(np.array_equal(a, b) for a, b in zip(read(worker, [11, 20, 12]), original))
+    run(worker, loads=[job(2, "load", (copy("host", [0, 5, 1], GPU, [20, 11, 12]),), req_id="r",
+                           gpu_blocks=(20, 11, 12))])
+    assert all(np.array_equal(a, b) for a, b in zip(read(worker, [11, 20, 12]), original, strict=True))
     _, recving = worker.connector.get_finished(set())
     assert recving == {"r"} and worker.connector.get_block_ids_with_load_errors() == set()
     report = worker.connector.build_connector_worker_meta().report
@@ -97,7 +99,7 @@ def test_round_trip_through_disk_after_host_eviction(make_worker, tmp_path, layo
     fill(worker, range(32), seed=4)
     run(worker, loads=[job(2, "load", (copy("disk", [6, 3], "host", [4, 5]),), (copy("host", [4, 5], GPU, [30, 9]),),
                            req_id="r", gpu_blocks=(30, 9))])
-    assert all(np.array_equal(a, b) for a, b in zip(read(worker, [30, 9]), original))
+    assert all(np.array_equal(a, b) for a, b in zip(read(worker, [30, 9]), original, strict=True))
     assert worker.connector.get_finished(set())[1] == {"r"}
     assert worker.connector.get_block_ids_with_load_errors() == set()
 

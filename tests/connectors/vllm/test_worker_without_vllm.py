@@ -49,7 +49,8 @@ kv_cache_config = SimpleNamespace(
     kv_cache_tensors=[SimpleNamespace(offset=0, layers=list(LAYERS), layer_stride=PAGE * BLOCKS, block_stride=PAGE,
                                       size=PAGE * BLOCKS * len(LAYERS))])
 buffer = torch.zeros(PAGE * BLOCKS * len(LAYERS), dtype=torch.uint8)
-kv_caches = {name: buffer[l * PAGE * BLOCKS:(l + 1) * PAGE * BLOCKS].view(BLOCKS, PAGE) for l, name in enumerate(LAYERS)}
+kv_caches = {name: buffer[i * PAGE * BLOCKS:(i + 1) * PAGE * BLOCKS].view(BLOCKS, PAGE)
+             for i, name in enumerate(LAYERS)}
 config = load_config({"tiers": [{"medium": "host", "capacity_blocks": 8},
                                 {"medium": "disk", "capacity_blocks": 8, "path": sys.argv[1], "o_direct": "off"}]})
 side = WorkerSide(config, kv_cache_config, rank=0, namespace="no-vllm")
