@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.core.errors import FenceError, StateError
 
@@ -69,9 +70,9 @@ class JobState(enum.Enum):
         return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 
 
-@dataclass(frozen=True)
-class Fence:
-    """Job access to one slot of one tier (or of an engine's storage, named like a tier)."""
+class Fence(NamedTuple):
+    """Job access to one slot of one tier (or of an engine's storage, named like a tier). A named
+    tuple: plans carry one per slot they touch, built every engine step."""
 
     tier: str
     slot: int

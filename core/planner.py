@@ -33,8 +33,9 @@ aborts, unpins, discards and ends evictions, each under the tier's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, Job, JobState
@@ -50,10 +51,10 @@ Row = tuple[int, bytes, int | None, int | None]
 """One block of a copy: (its index in the plan, its key, source slot, destination slot)."""
 
 
-@dataclass(frozen=True)
-class Endpoint:
+class Endpoint(NamedTuple):
     """One side of a copy: ``slots`` of tier ``tier`` (``ENGINE``: the caller's own blocks). ``slots``
-    None addresses the blocks by key alone, as a store that is not ours must."""
+    None addresses the blocks by key alone, as a store that is not ours must. (The plan types are
+    named tuples: the vLLM scheduler side builds and pickles them every step.)"""
 
     tier: str | None
     slots: tuple[int, ...] | None
@@ -62,8 +63,7 @@ class Endpoint:
         return Endpoint(self.tier, None if self.slots is None else tuple(self.slots[i] for i in keep))
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """Blocks from ``src`` to ``dst``: block i has key ``keys[i]`` (a disk slot records it) and index
     ``blocks[i]`` in its plan (a failure is reported against that index)."""
 
@@ -72,9 +72,17 @@ class Copy:
     keys: tuple[bytes, ...]
     blocks: tuple[int, ...]
 
-    def entries(self) -> Iterator[tuple[bytes, int]]:
-        """(key, plan block) of each block the copy moves."""
-        return zip(self.keys, self.blocks, strict=True)
+    def keys_in(self, blocks: set[int]) -> list[bytes]:
+        """Keys of the blocks this copy moves that are among ``blocks``."""
+        if not blocks:
+            return []
+        return [key for key, b in zip(self.keys, self.blocks, strict=True) if b in blocks]
+
+    def keys_not_in(self, blocks: set[int]) -> list[bytes]:
+        """Keys of the blocks this copy moves that are not among ``blocks`` (all of them, at once, for none)."""
+        if not blocks:
+            return list(self.keys)
+        return [key for key, b in zip(self.keys, self.blocks, strict=True) if b not in blocks]
 
     def only(self, blocks: Collection[int]) -> Copy | None:
         """The part of this copy that moves the given plan blocks (None when nothing is left)."""
@@ -103,8 +111,7 @@ def _slots(slots: tuple[int | None, ...]) -> tuple[int, ...] | None:
     return None if None in slots else slots  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """One job: ``kind`` ("store", "load" or "demote"), block i's key, the stages of copies, and the
     fences on every tier slot it reads or writes."""
 
@@ -121,12 +128,20 @@ class Plan:
 def plan_of(kind: str, keys: Sequence[bytes], stages: Sequence[Sequence[Copy]]) -> Plan:
     """A plan with the fences its copies need: a tier slot a copy writes is fenced for writing, one
     it only reads for reading; the caller's blocks and slots addressed by key have no fence here."""
-    writes = {(c.dst.tier, s): True for stage in stages for c in stage if c.dst.tier is not None
-              for s in c.dst.slots or ()}
-    reads = {(c.src.tier, s): False for stage in stages for c in stage if c.src.tier is not None
-             for s in c.src.slots or () if (c.src.tier, s) not in writes}
-    fences = tuple(Fence(tier, slot, write) for (tier, slot), write in {**reads, **writes}.items())
-    return Plan(kind, tuple(keys), tuple(tuple(stage) for stage in stages), fences)
+    copies = [c for stage in stages for c in stage]
+    written: dict[str, set[int]] = {}
+    fences: list[Fence] = []
+    for copy in copies:
+        tier, slots = copy.dst
+        if tier is not None and slots is not None:
+            fences.extend([Fence(tier, slot, True) for slot in slots])
+            written.setdefault(tier, set()).update(slots)
+    for copy in copies:
+        tier, slots = copy.src
+        if tier is not None and slots is not None:
+            also = written.get(tier, ())
+            fences.extend([Fence(tier, slot, False) for slot in slots if slot not in also])
+    return Plan(kind, tuple(keys), tuple(tuple(stage) for stage in stages), tuple(fences))
 
 
 @dataclass
@@ -205,7 +220,10 @@ class Planner:
 
     def is_new(self, key: bytes) -> bool:
         """No tier holds the block or is writing it: a store of it would add something."""
-        return all(tier.state(key) is BlockState.FREE for tier in self.tiers)
+        for tier in self.tiers:
+            if tier.state(key) is not BlockState.FREE:
+                return False
+        return True
 
     def lookup(self, keys: Sequence[bytes], dst_medium: str | None = None) -> Lookup:
         """The leading keys some tier holds READY (touching nothing), and with ``dst_medium`` what a
@@ -293,13 +311,13 @@ class Planner:
             room.demotions.append(self._demotion(index, dirty[:len(slots)], slots))
         return tier.usage().evicting + (len(rest) if below_pending else 0)
 
-    def _reserve(self, index: int, keys: list[bytes], room: Room) -> tuple[list[int], int]:
+    def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int], int]:
         """Slots of tier ``index`` for a prefix of ``keys`` (room made first; as many as are free
         then), and the slots of the tier still on their way."""
         pending = self._make_room(index, len(keys), room) if keys else 0
         return self._take_free(index, keys), pending
 
-    def _take_free(self, index: int, keys: list[bytes]) -> list[int]:
+    def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int]:
         """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing."""
         tier = self.tiers[index]
         fit = min(len(keys), tier.usage().free)
@@ -318,11 +336,11 @@ class Planner:
         one job). A full tier stores less: the plan covers the prefix the first tier has room for,
         each hop the prefix of that which the tier below has room for."""
         room = Room()
-        slots, _ = self._reserve(0, list(keys), room)
+        slots, _ = self._reserve(0, keys, room)
         keys = keys[:len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
-            below, _ = self._reserve(index, list(keys[:len(slots)]), room)
+            below, _ = self._reserve(index, keys[:len(slots)], room)
             if not below:
                 break
             stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
@@ -356,11 +374,11 @@ class Planner:
         staging tier, or left without a staging slot; the caller recomputes from there.
         """
         stage_of = self.staging(dst_medium)
-        sources = self._pin_prefix(keys)
+        run, sources, slots = self._pin_prefix(keys)
         stop = len(sources)
         wanted: dict[int, list[int]] = {}  # staging tier -> plan blocks staged through it
-        for i, (index, _) in enumerate(sources):
-            stage = stage_of[index]
+        for i in range(0 if stage_of[0] is not None else run, len(sources)):
+            stage = stage_of[sources[i]]
             if stage is not None:
                 if self.tiers[stage].state(keys[i]) is not BlockState.FREE:
                     stop = i
@@ -370,27 +388,31 @@ class Planner:
         staged: dict[int, dict[int, int]] = {}  # staging tier -> plan block -> its slot there
         for stage, blocks in wanted.items():
             blocks = [b for b in blocks if b < stop]
-            slots, _ = self._reserve(stage, [keys[b] for b in blocks], room)
-            staged[stage] = dict(zip(blocks, slots, strict=False))  # the blocks that got a slot
-            if len(slots) < len(blocks):
-                stop = blocks[len(slots)]
+            got, _ = self._reserve(stage, [keys[b] for b in blocks], room)
+            staged[stage] = dict(zip(blocks, got, strict=False))  # the blocks that got a slot
+            if len(got) < len(blocks):
+                stop = blocks[len(got)]
         self._release_past(keys, sources, staged, stop)
-        sources = sources[:stop]
-        stages = self._load_stages(keys, dst_slots, sources, stage_of, staged)
-        return Planned(plan_of("load", keys[:stop], stages), room, tuple(index for index, _ in sources))
+        sources, slots = sources[:stop], slots[:stop]
+        stages = self._load_stages(keys, dst_slots, sources, slots, min(run, stop), stage_of, staged)
+        return Planned(plan_of("load", keys[:stop], stages), room, tuple(sources))
 
-    def _pin_prefix(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+    def _pin_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
         """Pin the longest prefix of ``keys`` held READY somewhere, each block in the fastest tier that
-        holds it (found and pinned in one step: completions may evict meanwhile); (tier index, slot)."""
-        pinned = [(0, slot) for slot in self.tiers[0].pin_leading(keys)]
-        for key in keys[len(pinned):]:
+        holds it (found and pinned in one step: completions may evict meanwhile). Returns how many
+        lead from the first tier (pinned in one call), and each block's tier index and slot there."""
+        slots = self.tiers[0].pin_leading(keys)
+        run = len(slots)
+        sources = [0] * run
+        for key in keys[run:]:
             index = next((i for i, tier in enumerate(self.tiers) if tier.try_pin(key)), None)
             if index is None:
                 break
-            pinned.append((index, self.tiers[index].slots([key])[0]))
-        return pinned
+            sources.append(index)
+            slots.append(self.tiers[index].slots([key])[0])
+        return run, sources, slots
 
-    def _release_past(self, keys: Sequence[bytes], sources: list[tuple[int, int]], staged: dict[int, dict[int, int]],
+    def _release_past(self, keys: Sequence[bytes], sources: list[int], staged: dict[int, dict[int, int]],
                       stop: int) -> None:
         """Unpin the sources, and abort the staging slots, of the blocks from ``stop`` on (not loaded)."""
         for stage, slots in staged.items():
@@ -399,15 +421,21 @@ class Planner:
             for b in past:
                 del slots[b]
         for i in range(stop, len(sources)):
-            self.tiers[sources[i][0]].unpin([keys[i]])
+            self.tiers[sources[i]].unpin([keys[i]])
 
-    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[tuple[int, int]],
-                     stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int]]) -> list[list[Copy]]:
+    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[int], slots: list[int],
+                     run: int, stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int]]) -> list[list[Copy]]:
         """A load's copies: first into the staging tiers (per source and staging tier), then from the
-        tier each block ends up in (its source or its staging tier) into the caller's blocks."""
+        tier each block ends up in (its source or its staging tier) into the caller's blocks. The
+        first ``run`` blocks come from the first tier, in one piece unless that tier stages."""
         into_stage: dict[tuple[int, int], list[Row]] = {}
         out: dict[int, list[Row]] = {}
-        for i, (index, slot) in enumerate(sources):
+        if run and stage_of[0] is None:
+            out[0] = numbered(keys, slots[:run], dst_slots)
+        else:
+            run = 0
+        for i in range(run, len(sources)):
+            index, slot = sources[i], slots[i]
             stage = stage_of[index]
             if stage is None:
                 out.setdefault(index, []).append((i, keys[i], slot, dst_slots[i]))
@@ -440,52 +468,52 @@ class Planner:
         refused = set() if job.state is JobState.CANCELLED else job.refused_blocks
         outcome = Outcome(lost)
         named: set[bytes] = set()  # keys a destination refused for good
-        written: set[tuple[str, int]] = set()
+        written: dict[str, set[int]] = {}  # tier -> plan blocks a copy of this plan wrote there
         for k, stage in enumerate(plan.stages):
             gone = lost_by_stage[0] if k == 0 else lost
             for copy in stage:
                 if copy.dst.tier is not None:
                     named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, outcome)
-                    written.update((copy.dst.tier, b) for b in copy.blocks)
+                    written.setdefault(copy.dst.tier, set()).update(copy.blocks)
         for k, stage in enumerate(plan.stages):
             for copy in stage:
                 if copy.src.tier is not None:
-                    self._let_go(self.tier(copy.src.tier), plan.kind, copy, written, lost, lost_by_stage[k], named,
-                                 outcome)
+                    self._let_go(self.tier(copy.src.tier), plan.kind, copy, written.get(copy.src.tier, set()), lost,
+                                 lost_by_stage[k], named, outcome)
         return outcome
 
     @staticmethod
     def _land(tier: Tier, copy: Copy, gone: set[int], refused: set[int], outcome: Outcome) -> set[bytes]:
         """Commit the blocks of ``copy`` that arrived in its destination ``tier``, abort the others;
         returns the aborted keys the tier can never hold."""
-        arrived = [key for key, b in copy.entries() if b not in gone]
-        failed = [key for key, b in copy.entries() if b in gone]
-        never = [key for key, b in copy.entries() if b in gone and b in refused]
+        arrived, failed, never = copy.keys_not_in(gone), copy.keys_in(gone), copy.keys_in(gone & refused)
         if never:
             tier.refuse(never)
             tier.record(incompressible=len(never))
         tier.commit(arrived)
         _add(outcome.stored, tier.name, arrived)
-        return set(tier.abort(failed))
+        return set(tier.abort(failed)) if failed else set()
 
     @staticmethod
-    def _let_go(tier: Tier, kind: str, copy: Copy, written: set[tuple[str, int]], lost: set[int],
-                lost_here: set[int], refused: set[bytes], outcome: Outcome) -> None:
+    def _let_go(tier: Tier, kind: str, copy: Copy, wrote: set[int], lost: set[int], lost_here: set[int],
+                refused: set[bytes], outcome: Outcome) -> None:
         """Release the sources ``copy`` read in ``tier``: those the plan held (pinned or being
-        evicted), not the slots an earlier stage of it wrote; a load also drops what failed to copy out."""
-        held = [(key, b) for key, b in copy.entries() if (tier.name, b) not in written]
-        served = [key for key, b in held if b not in lost]
+        evicted), not the blocks an earlier stage of it wrote there (``wrote``); a load also drops
+        what failed to copy out."""
+        served = copy.keys_not_in(wrote | lost)
         if kind == "demote":
-            failed = [key for key, b in held if b in lost]
+            failed = copy.keys_in(lost - wrote)
             _add(outcome.dropped, tier.name, tier.end_demotion(served, failed, [k for k in failed if k in refused]))
         else:
-            tier.unpin(key for key, _ in held)
+            tier.unpin(copy.keys_not_in(wrote))
+        counts = {"bytes_out": len(served) * tier.block_bytes}
         if kind == "load":
-            _add(outcome.dropped, tier.name, tier.discard([key for key, b in copy.entries() if b in lost_here]))
+            if lost_here:
+                _add(outcome.dropped, tier.name, tier.discard(copy.keys_in(lost_here)))
             if served:
                 outcome.hits[tier.name] = outcome.hits.get(tier.name, 0) + len(served)
-            tier.record(hits=len(served))
-        tier.record(bytes_out=len(served) * tier.block_bytes)
+            counts["hits"] = len(served)
+        tier.record(**counts)
 
 
 def _add(per_tier: dict[str, list[bytes]], name: str, keys: list[bytes]) -> None:

@@ -16,6 +16,7 @@ import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
 from kvtier.core.keys import check_key
@@ -77,8 +78,9 @@ class _Entry:
     refused: bool = False   # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(NamedTuple):
+    """Slots in use of the tier's capacity (a named tuple: planners ask for it at every decision)."""
+
     used: int
     capacity: int
     evicting: int = 0  # of ``used``: victims whose copy to the tier below is in flight (their slots free when it lands)

@@ -119,7 +119,7 @@ class SchedulerSide:
         self._step_allocated: set[int] = set()
         self._gpu_readers: dict[int, set[int]] = {}   # GPU block id -> store jobs reading it
         self._gpu_loading: dict[int, int] = {}        # GPU block id -> the load job writing it
-        self._gpu_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # lazy: GPU block -> key and tokens it holds
+        self._gpu_keys: dict[int, BlockRef] = {}      # lazy: GPU block -> the block of a request it holds
         self._block_pool: BlockPool | None = None
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
@@ -225,7 +225,7 @@ class SchedulerSide:
         self._ship(planned.room)
         plan = planned.plan
         loading = gpu_blocks[:plan.num_blocks]
-        state.load_sources = self._per_medium(Counter(self.tiers[i].name for i in planned.sources))
+        state.load_sources = self._per_medium({self.tiers[i].name: n for i, n in Counter(planned.sources).items()})
 
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
@@ -242,29 +242,31 @@ class SchedulerSide:
 
     # --- stores --------------------------------------------------------------------------------
 
-    def _unstored_full(self, state: _RequestState, num_tokens: int) -> list[BlockRef]:
-        """The request's blocks full with ``num_tokens`` tokens that no store has taken yet
-        (``state.stored`` counts those taken, from the first block on)."""
-        keys = self._keys(state)
-        full = min(num_tokens // self.block_tokens, len(state.block_ids), len(keys))
-        tokens = state.request.all_token_ids
-        return [BlockRef(keys[i], state.block_ids[i], tuple(tokens[i * self.block_tokens:(i + 1) * self.block_tokens]))
-                for i in range(state.stored, full)]
+    def _unstored_full(self, state: _RequestState, num_tokens: int) -> range:
+        """Indices of the request's blocks full with ``num_tokens`` tokens that no store has taken
+        yet (``state.stored`` counts those taken, from the first block on)."""
+        full = min(num_tokens // self.block_tokens, len(state.block_ids), len(self._keys(state)))
+        return range(state.stored, full)
+
+    def _block(self, state: _RequestState, i: int) -> BlockRef:
+        """Block ``i`` of the request (its tokens sliced only for blocks about to be stored)."""
+        tokens = state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens]
+        return BlockRef(state.keys[i], state.block_ids[i], tuple(tokens))
 
     def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
         """Store the request's full blocks no tier holds yet. Those that find no room now (the first
         tier's victims are still being demoted) are tried again at the request's next step, in chain
         order."""
         full = self._unstored_full(state, num_tokens)
-        todo = [b for b in full if self._storable(b)]
-        job = self._store(todo, state)
+        todo = [i for i in full if self._storable(state.keys[i], state.block_ids[i])]
+        job = self._store([self._block(state, i) for i in todo], state)
         taken = job.num_blocks if job is not None else 0
-        state.stored += len(full) if taken == len(todo) else full.index(todo[taken])
+        state.stored = todo[taken] if taken < len(todo) else state.stored + len(full)
         return job
 
-    def _storable(self, block: BlockRef) -> bool:
+    def _storable(self, key: bytes, gpu_block: int) -> bool:
         """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
-        return block.gpu_block not in self._gpu_loading and self.planner.is_new(block.key)
+        return gpu_block not in self._gpu_loading and self.planner.is_new(key)
 
     def _lazy_candidates(self) -> list[BlockRef]:
         """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
@@ -273,11 +275,9 @@ class SchedulerSide:
             raise RuntimeError("lazy stores walk vLLM's GPU block pool, which vLLM has not bound (bind_gpu_block_pool)")
         picked: dict[bytes, BlockRef] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
-            known = self._gpu_keys.get(block.block_id)
-            if block.block_hash is None or known is None or known[0] in picked:
-                continue
-            ref = BlockRef(known[0], block.block_id, known[1])
-            if self._storable(ref):
+            ref = self._gpu_keys.get(block.block_id)
+            if (block.block_hash is not None and ref is not None and ref.key not in picked
+                    and self._storable(ref.key, ref.gpu_block)):
                 picked[ref.key] = ref
         return list(picked.values())
 
@@ -386,13 +386,14 @@ class SchedulerSide:
                 planned.append(self._store_full(state, num_tokens))
             else:
                 full = self._unstored_full(state, num_tokens)
-                self._gpu_keys.update((b.gpu_block, (b.key, b.tokens)) for b in full)
+                self._gpu_keys.update((state.block_ids[i], self._block(state, i)) for i in full)
                 state.stored += len(full)
         if self.lazy_ahead is not None:
             planned.append(self._store(self._lazy_candidates(), None))
         stores = [job for job in planned if job is not None]
-        for index in range(len(self.tiers)):  # above a high mark: demote or evict down to the low mark
-            self._ship(self.planner.relieve(index))
+        for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
+            if tier.watermark is not None:
+                self._ship(self.planner.relieve(index))
         meta = StepJobs(self._step_loads, stores + self._step_demotions, flush)
         self._step_loads, self._step_demotions, self._step_allocated = [], [], set()
         return meta
