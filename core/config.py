@@ -17,6 +17,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from urllib.parse import urlsplit
+
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -79,6 +81,16 @@ def format_size(n: int) -> str:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _size_or_zero(value: Any) -> int:
+    """A size, or 0 (``0`` or ``"0"``) for "none at all"."""
+    return 0 if value is not False and value in (0, "0") else parse_size(value)
+
+
+SizeOrZero = Annotated[int, BeforeValidator(_size_or_zero)]
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+"""The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -208,8 +220,90 @@ class DiskTierConfig(_SizedTierConfig):
         return value
 
 
-TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig}
-TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig, Field(discriminator="medium")]
+class MooncakeConfig(_Model):
+    """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
+
+    master: str = Field(pattern=r"^[^\s:/]+:\d{1,5}$")  # host:port of mooncake_master's RPC service
+    metadata_server: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://\S+$")  # e.g. http://host:8080/metadata
+    # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
+    # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
+    segment_size: SizeOrZero = 0
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
+
+
+class RedisConfig(_Model):
+    """How to reach a Redis or Valkey server. The password comes from the environment (``password_env``)."""
+
+    url: str = Field(pattern=r"^rediss?://\S+$")  # redis://host:port/db, or rediss:// for TLS
+    password_env: EnvName | None = None
+    pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
+    ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
+
+    @field_validator("url")
+    @classmethod
+    def _no_password(cls, value: str) -> str:
+        if urlsplit(value).password is not None:
+            raise ValueError("the URL carries a password; remove it and name an environment variable holding "
+                             "it in password_env (a secret never belongs in a config file)")
+        return value
+
+    @model_validator(mode="after")
+    def _ca_for_tls(self) -> RedisConfig:
+        if self.ca_file is not None and not self.url.startswith("rediss://"):
+            raise ValueError("ca_file applies to TLS connections only; use a rediss:// URL or remove ca_file")
+        return self
+
+
+REMOTE_BACKENDS = ("mooncake", "redis")
+
+
+class RemoteTierConfig(_TierConfig):
+    """A store shared with other engines (Mooncake Store, Redis/Valkey): always the last tier.
+
+    It has no capacity, eviction policy or watermark: the store manages its own memory and evicts by
+    itself. ``placement`` is its own, whatever the stack's: ``write_through`` (default) copies every
+    block to the store as soon as it is in host memory; ``write_back`` sends only the host tier's
+    victims. Secrets come from environment variables named here (``auth_key_env``, the backend's
+    ``password_env``), never from the file.
+    """
+
+    medium: Literal["remote"]
+    backend: Literal["mooncake", "redis"]
+    timeout: float = Field(2.0, gt=0)  # seconds any call to the store may take; then it is a miss or a drop
+    prefix: str = Field("kvtier", pattern=r"^\S+$")  # record names start with it
+    auth_key_env: EnvName | None = None  # a MAC secret: records without a valid MAC are misses
+    placement: Literal["write_through", "write_back"] = "write_through"
+    mooncake: MooncakeConfig | None = None
+    redis: RedisConfig | None = None
+
+    @model_validator(mode="after")
+    def _store_owns_its_memory(self) -> RemoteTierConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for key, what in (("capacity", "capacity"), ("capacity_blocks", "capacity"), ("eviction", "eviction policy"),
+                          ("watermark", "watermark")):
+            if getattr(self, key) is not None:
+                problems.append(((key,), f"a remote tier has no {what}: the store manages its own memory and "
+                                         f"evicts by itself (size it on the server); remove {key}"))
+        for backend in REMOTE_BACKENDS:
+            given = getattr(self, backend) is not None
+            if backend == self.backend and not given:
+                problems.append(((), f"missing key {backend!r}: the {backend} backend's settings "
+                                     f"({', '.join(_BACKEND_CONFIGS[backend].model_fields)})"))
+            if backend != self.backend and given:
+                problems.append(((backend,), f"settings for {backend} but the backend is {self.backend}; remove "
+                                             f"them or set backend: {backend}"))
+        if problems:
+            raise _Problems(problems)
+        return self
+
+
+_BACKEND_CONFIGS: dict[str, type[_Model]] = {"mooncake": MooncakeConfig, "redis": RedisConfig}
+
+TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig,
+                                              "remote": RemoteTierConfig}
+TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig | RemoteTierConfig,
+                       Field(discriminator="medium")]
 
 
 UPPER_TIER_EVICTION = "lru"
@@ -230,7 +324,7 @@ class StackConfig(_Model):
     namespace: str = ""
     # The name of an environment variable holding a per-deployment secret that keys the block hash
     # (kvtier.core.keys): keys then cannot be computed from a guessed prompt by anyone without it.
-    key_secret_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    key_secret_env: EnvName | None = None
     tiers: list[TierConfig] = Field(min_length=1)
     placement: Literal["write_through", "write_back"] = "write_back"
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -241,17 +335,33 @@ class StackConfig(_Model):
         return tier.name or tier.medium
 
     def tier_eviction(self, i: int) -> str:
-        """Tier ``i``'s eviction policy name: its ``eviction`` key, or the default for its place."""
+        """Tier ``i``'s eviction policy name: its ``eviction`` key, or the default for its place (the last
+        tier kvtier evicts from is the last one above a remote tier, whose store evicts by itself).
+        Raises ConfigError for a remote tier."""
+        if isinstance(self.tiers[i], RemoteTierConfig):
+            raise ConfigError(f"tiers[{i}] is a remote tier: its store evicts by itself, kvtier has no policy for it")
         eviction = self.tiers[i].eviction
         if eviction is not None:
             return eviction
-        return LAST_TIER_EVICTION if i == len(self.tiers) - 1 else UPPER_TIER_EVICTION
+        return LAST_TIER_EVICTION if i == self.last_local_tier else UPPER_TIER_EVICTION
+
+    @property
+    def last_local_tier(self) -> int:
+        """The index of the last tier that is not a remote store (-1: none is)."""
+        return max((i for i, tier in enumerate(self.tiers) if not isinstance(tier, RemoteTierConfig)), default=-1)
+
+    @property
+    def remote(self) -> RemoteTierConfig | None:
+        """The remote tier's settings, if the stack has one (it is the last tier)."""
+        last = self.tiers[-1]
+        return last if isinstance(last, RemoteTierConfig) else None
 
     @model_validator(mode="after")
     def _cross_field(self) -> StackConfig:
-        for i, tier in enumerate(self.tiers):
-            tier.eviction = self.tier_eviction(i)
         problems: list[tuple[tuple[str | int, ...], str]] = []
+        for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, RemoteTierConfig):
+                tier.eviction = self.tier_eviction(i)
         if self.block_bytes is not None and self.block_bytes % self.fragments:
             problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
                                               f"bytes) cannot be cut into {self.fragments} equal fragments; "
@@ -262,6 +372,8 @@ class StackConfig(_Model):
             if tier.medium == "gpu" and i != 0:
                 problems.append((("tiers", i, "medium"), "a gpu tier may only be the first tier (tiers[0]), "
                                                          "since the engine reads KV from GPU memory"))
+            if isinstance(tier, RemoteTierConfig):
+                problems.extend(self._remote_problems(i, tier))
             if tier.medium in first_of_medium:
                 problems.append((("tiers", i, "medium"), f"a second {tier.medium!r} tier (tiers["
                                                          f"{first_of_medium[tier.medium]}] is one); "
@@ -289,6 +401,26 @@ class StackConfig(_Model):
         if problems:
             raise _Problems(problems)
         return self
+
+    def _remote_problems(self, i: int, tier: RemoteTierConfig) -> list[tuple[tuple[str | int, ...], str]]:
+        """Where a remote tier may sit: last (nothing of ours lies below a store others evict from), with
+        a host tier above it (blocks reach the store from host memory and come back through it), and
+        with ``write_back`` directly below the host tier (a disk tier's victims would need a copy
+        through host memory to reach the store)."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if i != len(self.tiers) - 1:
+            problems.append((("tiers", i, "medium"), "a remote tier may only be the last tier: the store evicts "
+                                                     "and loses blocks by itself, so no tier of kvtier's can sit "
+                                                     "below it"))
+        if not any(t.medium == "host" for t in self.tiers):
+            problems.append((("tiers", i, "medium"), "a remote tier needs a host tier above it: blocks reach the "
+                                                     "store from host memory and come back through it"))
+        elif tier.placement == "write_back" and i > 0 and self.tiers[i - 1].medium != "host":
+            problems.append((("tiers", i, "placement"), f"write_back needs the host tier directly above the remote "
+                                                        f"tier (tiers[{i - 1}] is {self.tiers[i - 1].medium}): its "
+                                                        f"victims would need a copy through host memory to reach "
+                                                        f"the store; use write_through"))
+        return problems
 
 
 def block_footprint(tier_cfg: _TierConfig, block_bytes: int) -> int:
@@ -421,7 +553,7 @@ def _import_policies(config: StackConfig, name: str) -> None:
     """Import the tiers' dotted-path eviction policies, once the whole config validated: a config can name
     code to run, and none of it runs for a config that is refused. Raises ConfigError naming each key."""
     lines = []
-    for i in range(len(config.tiers)):
+    for i in range(config.last_local_tier + 1):
         try:
             eviction_policy(config.tier_eviction(i))
         except ConfigError as exc:
@@ -490,7 +622,14 @@ def _literal_values(loc: tuple[str | int, ...]) -> list[Any] | None:
 
 _TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
                "bool_type": "true or false", "list_type": "a list", "int_from_float": "an integer"}
-_PATTERN_MEANINGS = {"key_secret_env": "the name of an environment variable, e.g. KVTIER_KEY_SECRET"}
+_ENV_NAME = "the name of an environment variable, e.g. {}"
+_PATTERN_MEANINGS = {"key_secret_env": _ENV_NAME.format("KVTIER_KEY_SECRET"),
+                     "auth_key_env": _ENV_NAME.format("KVTIER_REMOTE_MAC_KEY"),
+                     "password_env": _ENV_NAME.format("KVTIER_REDIS_PASSWORD"),
+                     "url": "a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0",
+                     "master": "host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)",
+                     "metadata_server": "a URL, e.g. http://127.0.0.1:8080/metadata",
+                     "prefix": "a name without spaces, e.g. kvtier"}
 _BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "at least"),
            "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
 
@@ -539,7 +678,7 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
         elif kind == "string_too_short":
             out.append((path, f"{_show(value)} is empty; give a non-empty string"))
         elif kind == "string_pattern_mismatch":
-            wanted = _PATTERN_MEANINGS.get(path, f"a string matching {ctx.get('pattern')}")
+            wanted = _PATTERN_MEANINGS.get(str(loc[-1]), f"a string matching {ctx.get('pattern')}")
             out.append((path, f"{_show(value)} is not {wanted}"))
         else:
             out.append((path, f"{err['msg']} (got {_show(value)})"))
@@ -547,7 +686,7 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig",
+    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "MooncakeConfig", "RedisConfig", "RemoteTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig",
     "TransferConfig", "WatermarkConfig", "block_footprint", "capacity_in_blocks", "default_config_path",
     "format_size", "load_config", "parse_size",
 ]
