@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/kvtier replay
 
+# The remote tier's tests run real servers: the test extra brings the Python clients, and as root make test
+# installs the system packages they need when missing (libibverbs1, redis-server: scripts/install-remote-test-deps.sh);
+# elsewhere those tests skip, naming the install line (KVTIER_REQUIRE_REMOTE=1, as .ci/run sets it, fails them).
 test: $(VENV)/.installed
+	bash scripts/install-remote-test-deps.sh
 	$(VENV)/bin/pytest -q
 
 # The vLLM connector tests for real: vLLM 0.33.0 installed into .venv by the measured CPU recipe
