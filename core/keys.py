@@ -134,24 +134,25 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, namespa
     return keys
 
 
-def key_secret(env_name: str | None) -> bytes | None:
-    """The key secret from the environment variable ``env_name`` (a config's ``key_secret_env``), or
-    None when no variable is named (unkeyed keys).
+def key_secret(env_name: str | None, setting: str = "key_secret_env") -> bytes | None:
+    """The secret in the environment variable ``env_name`` (the config's ``setting`` names it: the key
+    secret's ``key_secret_env``, a remote tier's ``auth_key_env``), or None when no variable is named.
 
     A named variable that is unset, empty or shorter than 16 bytes is a ConfigError rather than a
-    silent fall-back to unkeyed keys. Keys depend on the secret: a secret that changes between
-    restarts leaves every block on disk unreachable (they are never served under the new keys).
+    silent fall-back to unkeyed keys (or unauthenticated records). Keys depend on the secret: a secret
+    that changes between restarts leaves every block on disk unreachable (they are never served under
+    the new keys).
     """
     if env_name is None:
         return None
     value = os.environb.get(os.fsencode(env_name), b"")
     if not value:
-        raise ConfigError(f"key_secret_env: the environment variable {env_name} is unset or empty; set it to a "
-                          f"secret of at least {MIN_SECRET_BYTES} bytes (e.g. the output of `openssl rand -hex 32`), "
-                          f"the same in every process that shares the cache, or remove key_secret_env")
+        raise ConfigError(f"{setting}: the environment variable {env_name} is unset or empty; set it to a secret "
+                          f"of at least {MIN_SECRET_BYTES} bytes (e.g. the output of `openssl rand -hex 32`), the "
+                          f"same in every process that shares the cache, or remove {setting}")
     if len(value) < MIN_SECRET_BYTES:
-        raise ConfigError(f"key_secret_env: the environment variable {env_name} holds {len(value)} bytes, fewer "
-                          f"than the {MIN_SECRET_BYTES} a key secret needs; set it to a longer random value "
+        raise ConfigError(f"{setting}: the environment variable {env_name} holds {len(value)} bytes, fewer "
+                          f"than the {MIN_SECRET_BYTES} a secret needs; set it to a longer random value "
                           f"(e.g. the output of `openssl rand -hex 32`)")
     return value
 
