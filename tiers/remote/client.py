@@ -1,0 +1,65 @@
+"""What kvtier needs from a shared store, whatever the backend (Mooncake Store, Redis/Valkey).
+
+A remote tier keeps each block as one record under a name (``record_name``) in a store that is not
+ours: other engines write into it, it evicts or loses any record at any moment, a restart empties it.
+So a ``StoreClient`` offers only batched, per-record calls whose every failure is per record, and
+kvtier never trusts what comes back until the record's own header says it is the block asked for
+(``kvtier.tiers.remote.record``).
+
+Buffers are given as (address, size) pieces of host memory, so a backend that can (Mooncake's
+zero-copy batch calls on the registered host slab) moves bytes without a copy; a record is the
+concatenation of its pieces (a small header, then the block's bytes in a host slot).
+
+Calls block the calling thread and may hang (a stalled server): the transfer backend runs them on
+threads of its own with kvtier's deadline, and never hands a client that is stuck in a call a new
+one. A backend whose abandoned reads may still write into the buffers after the call returned
+(``late_writes``: Mooncake's transfer engine does) is closed and replaced before those buffers are
+reused.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+Piece = tuple[int, int]
+"""(address, size) of a piece of host memory."""
+
+Record = Sequence[Piece]
+"""One record's bytes: its pieces, in order."""
+
+
+class StoreError(Exception):
+    """The store could not be asked at all (unreachable, timed out, refused): no per-record answer."""
+
+
+class StoreClient(ABC):
+    """One connection to the shared store. Not shared between threads that call it at the same time."""
+
+    name: str
+    late_writes: bool = False
+    """True when a read that failed or was abandoned may still write into its buffers after the call
+    returned, until ``close()`` (Mooncake's TCP transfer engine). Such buffers stay fenced until then."""
+
+    @abstractmethod
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        """Which records exist now (one batched query). Raises StoreError when the store cannot say."""
+
+    @abstractmethod
+    def put(self, names: Sequence[str], records: Sequence[Record]) -> list[bool]:
+        """Write each record whole under its name, replacing any record of that name (a reader never
+        sees half of one); True per record that was stored. Raises StoreError when nothing could be sent."""
+
+    @abstractmethod
+    def get(self, names: Sequence[str], records: Sequence[Record]) -> list[bool]:
+        """Read each named record into its pieces; True only where a record of exactly the pieces'
+        total size arrived whole (a missing, shorter or longer record is False, its pieces garbage).
+        Raises StoreError when nothing could be asked."""
+
+    @abstractmethod
+    def remove(self, names: Sequence[str]) -> None:
+        """Remove records (those missing are ignored); for tests and ``reset``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop the connection; afterwards no call of this client writes into any buffer."""
