@@ -16,7 +16,6 @@ import typing
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
-
 from urllib.parse import urlsplit
 
 import yaml
@@ -686,7 +685,8 @@ def _explain(exc: ValidationError) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "MooncakeConfig", "RedisConfig", "RemoteTierConfig", "Size", "StackConfig", "TIER_CONFIGS", "TierConfig",
+    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "MooncakeConfig", "RedisConfig", "RemoteTierConfig", "Size",
+    "StackConfig", "TIER_CONFIGS", "TierConfig",
     "TransferConfig", "WatermarkConfig", "block_footprint", "capacity_in_blocks", "default_config_path",
     "format_size", "load_config", "parse_size",
 ]

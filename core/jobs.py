@@ -10,6 +10,12 @@ Fences: each job names the slots it reads and writes, per tier. A slot written b
 not be read or written by another job, and a slot read by one may not be written; ``create`` refuses
 such a job, ``flush`` waits until a slot's jobs are over, and tiers ask ``is_fenced`` before freeing.
 
+Quarantine: a report may name failed blocks whose memory a remote store's call, still running past
+its deadline, may yet touch (``quarantined``). The job still ends, and its fences drop, but whoever
+finishes its plan keeps that memory out of use (``Planner.finish``) until every report that
+quarantined something has been followed by one that lifts it (``lifted``, at a later step under vLLM);
+``when_lifted`` callbacks then run.
+
 Thread safety: all methods may be called from any thread; completion callbacks run exactly once,
 outside the manager's lock, on the thread that delivered the last report. While they run, that thread
 counts as one of kvtier's own (``on_kvtier_thread``): a callback must not wait for kvtier's jobs, the
@@ -91,11 +97,15 @@ class Job:
     failed_blocks: set[int] = field(default_factory=set)  # did not land: an error or a refusal, on any report
     refused_blocks: set[int] = field(default_factory=set)  # failed only because the destination can never hold them
     first_stage_failed: set[int] = field(default_factory=set)  # failed in a staged job's first copy, on some report
+    quarantined_blocks: set[int] = field(default_factory=set)  # failed, their memory still touched (see module doc)
+    holds: int = 0  # reports that quarantined blocks and have not been lifted yet
     cancel_requested: bool = False
     callback_errors: list[BaseException] = field(default_factory=list)
     _errors: set[int] = field(default_factory=set, repr=False)  # blocks some report failed with an error
     _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
+    _lift_callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lifted: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def ok_blocks(self) -> list[int]:
@@ -128,28 +138,45 @@ class WorkerReport:
     block sets are united, so a job completes exactly when all its expected reports are in. The
     sets stay apart because they mean different things to the tiers: a refusal tells the tier
     above to drop its copy, an error in a later stage that its copy is still good.
+
+    ``quarantined`` names failed blocks whose memory a call past its deadline may still touch, and
+    ``holds`` counts the reports that quarantined any; ``lifted`` counts, per job that ended
+    already, reports whose quarantine is over (see the module doc).
     """
 
     finished: dict[int, int] = field(default_factory=dict)
     failed: dict[int, frozenset[int]] = field(default_factory=dict)
     refused: dict[int, frozenset[int]] = field(default_factory=dict)
     first_stage_failed: dict[int, frozenset[int]] = field(default_factory=dict)
+    quarantined: dict[int, frozenset[int]] = field(default_factory=dict)
+    holds: dict[int, int] = field(default_factory=dict)
+    lifted: dict[int, int] = field(default_factory=dict)
 
     def add(self, job_id: int, failed: Iterable[int] = (), refused: Iterable[int] = (),
-            first_stage_failed: Iterable[int] = ()) -> None:
-        self._merge(WorkerReport({job_id: 1}, {job_id: frozenset(failed)}, {job_id: frozenset(refused)},
-                                 {job_id: frozenset(first_stage_failed)}))
+            first_stage_failed: Iterable[int] = (), quarantined: Iterable[int] = ()) -> None:
+        quarantined = frozenset(quarantined)
+        self._merge(WorkerReport({job_id: 1}, {job_id: frozenset(failed) | quarantined}, {job_id: frozenset(refused)},
+                                 {job_id: frozenset(first_stage_failed)}, {job_id: quarantined},
+                                 {job_id: 1} if quarantined else {}))
+
+    def lift(self, job_id: int) -> None:
+        """One earlier report's quarantine for ``job_id`` is over."""
+        self._merge(WorkerReport(lifted={job_id: 1}))
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
-        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused), dict(self.first_stage_failed))
+        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused), dict(self.first_stage_failed),
+                              dict(self.quarantined), dict(self.holds), dict(self.lifted))
         merged._merge(other)
         return merged
 
     def _merge(self, other: WorkerReport) -> None:
-        for job_id, count in other.finished.items():
-            self.finished[job_id] = self.finished.get(job_id, 0) + count
+        for ours_count, theirs_count in ((self.finished, other.finished), (self.holds, other.holds),
+                                         (self.lifted, other.lifted)):
+            for job_id, count in theirs_count.items():
+                ours_count[job_id] = ours_count.get(job_id, 0) + count
         for ours, theirs in ((self.failed, other.failed), (self.refused, other.refused),
-                             (self.first_stage_failed, other.first_stage_failed)):
+                             (self.first_stage_failed, other.first_stage_failed),
+                             (self.quarantined, other.quarantined)):
             for job_id, blocks in theirs.items():
                 if blocks:
                     ours[job_id] = ours.get(job_id, frozenset()) | blocks
@@ -162,6 +189,7 @@ class JobManager:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._jobs: dict[int, Job] = {}
+        self._held: dict[int, Job] = {}  # ended jobs whose quarantined blocks are not lifted yet
         self._fences: dict[tuple[str, int], dict[int, bool]] = {}  # (tier, slot) -> {job id: writes}
 
     def create(self, kind: str, num_blocks: int, expected_reports: int = 1, fences: Iterable[Fence] = (),
@@ -221,6 +249,8 @@ class JobManager:
                 job.failed_blocks |= job._errors | job.refused_blocks
                 job.refused_blocks -= job._errors  # an error anywhere: not known to be a refusal alone
                 job.first_stage_failed |= report.first_stage_failed.get(job_id, frozenset())
+                job.quarantined_blocks |= report.quarantined.get(job_id, frozenset())
+                job.holds += report.holds.get(job_id, 0)
                 job.reports += count
                 job.state = JobState.RUNNING
                 if job.reports == job.expected_reports:
@@ -228,6 +258,26 @@ class JobManager:
                     finished.append(job)
         for job in finished:
             self._run_callbacks(job)
+        if report.lifted:
+            self._lift(report.lifted)
+
+    def _lift(self, lifted: dict[int, int]) -> None:
+        """Count quarantines that are over; jobs left with none run their ``when_lifted`` callbacks."""
+        over: list[Job] = []
+        with self._lock:
+            for job_id, count in lifted.items():
+                job = self._held.get(job_id)
+                if job is None or count > job.holds:
+                    raise StateError(f"job {job_id} got {count} lifted quarantine(s) but holds "
+                                     f"{0 if job is None else job.holds}")
+            for job_id, count in lifted.items():
+                job = self._held[job_id]
+                job.holds -= count
+                if not job.holds:
+                    del self._held[job_id]
+                    over.append(job)
+        for job in over:
+            self._run_lift_callbacks(job)
 
     def cancel(self, job_id: int) -> None:
         """Ask for a job's result to be discarded; it still waits for its reports before its fences drop."""
@@ -243,6 +293,20 @@ class JobManager:
                 job._callbacks.append(callback)
                 return
         callback(job)
+
+    def when_lifted(self, job: Job, callback: Callable[[Job], None]) -> None:
+        """Run ``callback(job)`` once the job is final and no memory of it is quarantined any more (at
+        once if that is so already)."""
+        with self._lock:
+            if not job._lifted.is_set():
+                job._lift_callbacks.append(callback)
+                return
+        callback(job)
+
+    def held(self) -> list[Job]:
+        """Jobs that ended with quarantined blocks not yet lifted (their lifts are still to come)."""
+        with self._lock:
+            return list(self._held.values())
 
     def wait(self, job: Job, timeout: float | None = None) -> Job:
         """Block until the job is final and its callbacks ran; TimeoutError if it does not end in time."""
@@ -266,10 +330,16 @@ class JobManager:
         self._wait_all(jobs, timeout)
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait until every job is final."""
+        """Wait until every job is final and nothing of any is quarantined any more."""
         with self._lock:
-            jobs = list(self._jobs.values())
+            jobs = list(self._jobs.values()) + list(self._held.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._wait_all(jobs, timeout)
+        for job in jobs:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job._lifted.wait(remaining):
+                raise TimeoutError(f"job {job.id} ({job.kind}) still holds {job.holds} quarantine(s) after "
+                                   f"{timeout} s: a store call past its deadline has not returned")
 
     def in_flight(self) -> list[Job]:
         """Jobs not yet final (or whose callbacks are still running)."""
@@ -289,6 +359,8 @@ class JobManager:
             job.state = JobState.CANCELLED
         else:
             job.state = JobState.FAILED if job.failed_blocks else JobState.DONE
+        if job.holds:
+            self._held[job.id] = job
         for fence in job.fences:
             holders = self._fences.get((fence.tier, fence.slot))
             if holders is not None:
@@ -303,7 +375,18 @@ class JobManager:
                 self._run_callback(job, callbacks.pop(0))
         with self._lock:
             del self._jobs[job.id]  # the table holds jobs in flight only; callers keep their Job objects
+            held = job.id in self._held
         job._done.set()
+        if not held:
+            self._run_lift_callbacks(job)
+
+    def _run_lift_callbacks(self, job: Job) -> None:
+        with kvtier_work():
+            with self._lock:
+                job._lifted.set()
+                callbacks, job._lift_callbacks = job._lift_callbacks, []
+            for callback in callbacks:
+                self._run_callback(job, callback)
 
     @staticmethod
     def _run_callback(job: Job, callback: Callable[[Job], None]) -> None:

@@ -11,10 +11,20 @@ answers each request with plain data:
   runs out: a full tier stores less), and with ``hops`` the tiers below too, as later stages.
 - ``load(keys, dst_slots, dst_medium)``: pin the longest prefix some tier holds, staging through an
   intermediate tier where the route (``core/routes.py``) says so.
-- ``copy_down(i, keys)``: copy blocks of tier i the next tier lacks into it.
+- ``copy_down(i, keys, target)``: copy blocks of tier i the target tier (the next by default) lacks
+  into it; ``copy_targets(i, write_through)`` says which tiers get such copies after a write to i.
 - ``lookup(keys, dst_medium)``: which tier serves each leading key, and what a load would stage.
 - ``finish(plan, job)``: once the plan's job is final, commit what arrived, abort the rest, release
-  the sources, end demotions; returns what each tier stored and dropped (``Outcome``).
+  the sources, end demotions; returns what each tier stored and dropped (``Outcome``), and the
+  memory a store call past its deadline may still touch, kept out of use until ``lift``.
+
+A remote tier (``Tier.by_key``: a store shared with other engines, the last tier) has no slots and
+evicts by itself. Its copies name keys; loads from it always stage through the host tier, never into
+the caller's blocks, because a read that outlived its deadline may still write into its destination
+and only a tier's slot can be kept out of use until it no longer can; it never gives up victims, and
+takes demotions only when placed write-back (``Tier.takes_demotions``). Placed write-through, blocks
+reach it from the host tier by a plan of their own once they are there (``copy_targets``): a store's
+job never waits on the network.
 
 A plan is one job: stages of ``Copy`` specs run one after the other (a block lost in one stage is left
 out of the later ones), with the fences that keep its slots from being reused meanwhile. The planner
@@ -48,7 +58,9 @@ ENGINE: None = None
 """The endpoint name of the caller's own blocks (vLLM's GPU blocks, a stack caller's buffer): no tier."""
 
 Row = tuple[int, bytes, int | None, int | None]
-"""One block of a copy: (its index in the plan, its key, source slot, destination slot)."""
+"""One block of a copy: (its index in the plan, its key, source slot, destination slot; None for a side
+addressed by key)."""
+Slots = Sequence[int | None]
 
 
 class Endpoint(NamedTuple):
@@ -101,7 +113,7 @@ def copy_of(src: str | None, dst: str | None, rows: Iterable[Row]) -> Copy:
     return Copy(Endpoint(src, _slots(src_slots)), Endpoint(dst, _slots(dst_slots)), keys, blocks)
 
 
-def numbered(keys: Sequence[bytes], src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[Row]:
+def numbered(keys: Sequence[bytes], src_slots: Slots, dst_slots: Slots) -> list[Row]:
     """Rows for plan blocks 0, 1, ... as far as all three go (a prefix: a full tier stores less)."""
     return list(zip(range(len(keys)), keys, src_slots, dst_slots, strict=False))
 
@@ -183,12 +195,24 @@ class Lookup:
 @dataclass
 class Outcome:
     """What a finished plan did: the plan blocks ``lost`` (the caller recomputes them), the keys each
-    tier ``stored`` and ``dropped``, and the blocks each tier served a load (``hits``)."""
+    tier ``stored`` and ``dropped``, and the blocks each tier served a load (``hits``).
+
+    Blocks the job quarantined (a remote store's call past its deadline may still touch their memory)
+    are lost too, and their memory stays out of use until ``Planner.lift(outcome)``: the slots a read
+    may still write into (``quarantined``, per tier: taken, holding no key) and the source blocks a
+    write may still read (``held``, per tier: kept pinned)."""
 
     lost: set[int]
     stored: dict[str, list[bytes]] = field(default_factory=dict)
     dropped: dict[str, list[bytes]] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
+    quarantined: dict[str, list[int]] = field(default_factory=dict)
+    held: dict[str, list[bytes]] = field(default_factory=dict)
+
+    @property
+    def holds(self) -> bool:
+        """Whether memory stays out of use until ``Planner.lift``."""
+        return bool(self.quarantined or self.held)
 
 
 class SlotCount(BlockStorage):
@@ -256,6 +280,8 @@ class Planner:
         route = self._route(tier.medium, dst_medium, self._capabilities)
         if len(route) > 3:
             raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
+        if len(route) == 2 and tier.by_key:
+            route = (route[0], "host", route[1])  # into a slot kvtier can keep out of use, never the caller's
         if len(route) == 2:
             return None
         index = next((i for i, t in enumerate(self.tiers) if t.medium == route[1]), None)
@@ -284,17 +310,19 @@ class Planner:
         of the tier on their way.
 
         Victims come from the tier's policy. Those the next tier holds (clean), and those of the last
-        tier, are dropped at once; the others (dirty) get slots below (making room there the same
-        way) and a demotion plan, trimmed to those slots. Dirty victims that found no slot are kept
-        when room below is on its way (write-back loses nothing a lower tier could take), dropped
-        otherwise ("a full tier stores less").
+        tier or of one whose next tier takes no demotions, are dropped at once; the others (dirty)
+        get slots below (making room there the same way) and a demotion plan, trimmed to those slots.
+        Dirty victims that found no slot are kept when room below is on its way (write-back loses
+        nothing a lower tier could take), dropped otherwise ("a full tier stores less").
         """
         tier = self.tiers[index]
+        if tier.by_key:
+            return 0  # a store evicts by itself
         usage = tier.usage()
         short = n - usage.free - usage.evicting
         if short <= 0:
             return usage.evicting
-        if index + 1 == len(self.tiers):
+        if index + 1 == len(self.tiers) or not self.tiers[index + 1].takes_demotions:
             room.drop(tier, tier.evict(short))
             return tier.usage().evicting
         lower = self.tiers[index + 1]
@@ -311,19 +339,26 @@ class Planner:
             room.demotions.append(self._demotion(index, dirty[:len(slots)], slots))
         return tier.usage().evicting + (len(rest) if below_pending else 0)
 
-    def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int], int]:
+    def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int | None], int]:
         """Slots of tier ``index`` for a prefix of ``keys`` (room made first; as many as are free
         then), and the slots of the tier still on their way."""
         pending = self._make_room(index, len(keys), room) if keys else 0
         return self._take_free(index, keys), pending
 
-    def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int]:
-        """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing."""
+    def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int | None]:
+        """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing (all of
+        them in a tier addressed by key: it has no slots, its store makes room by itself)."""
         tier = self.tiers[index]
+        if tier.by_key:
+            return [None] * len(keys) if keys and tier.reserve(keys) is not None else []
         fit = min(len(keys), tier.usage().free)
-        return (tier.reserve(keys[:fit], allow_evict=False) or []) if fit else []
+        return list(tier.reserve(keys[:fit], allow_evict=False) or []) if fit else []
 
-    def _demotion(self, index: int, keys: list[bytes], dst_slots: list[int]) -> Plan:
+    def _slots_of(self, tier: Tier, keys: Sequence[bytes]) -> Slots:
+        """The slots of blocks present in ``tier`` (None each in a tier addressed by key)."""
+        return [None] * len(keys) if tier.by_key else tier.slots(keys)
+
+    def _demotion(self, index: int, keys: list[bytes], dst_slots: Slots) -> Plan:
         """Copy victims of tier ``index`` (kept readable while they move) into reserved slots below."""
         tier, lower = self.tiers[index], self.tiers[index + 1]
         return plan_of("demote", keys, [[copy_of(tier.name, lower.name, numbered(keys, tier.slots(keys), dst_slots))]])
@@ -334,12 +369,15 @@ class Planner:
         """Copy the caller's blocks ``src_slots`` into the first tier under ``keys``, which no tier
         may hold (``is_new``), and on into the next ``hops`` tiers as later stages (write-through in
         one job). A full tier stores less: the plan covers the prefix the first tier has room for,
-        each hop the prefix of that which the tier below has room for."""
+        each hop the prefix of that which the tier below has room for. Hops end above a tier addressed
+        by key: a remote store gets its copies by plans of their own (``copy_targets``)."""
         room = Room()
         slots, _ = self._reserve(0, keys, room)
         keys = keys[:len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
+            if self.tiers[index].by_key:
+                break
             below, _ = self._reserve(index, keys[:len(slots)], room)
             if not below:
                 break
@@ -347,17 +385,31 @@ class Planner:
             slots = below
         return Planned(plan_of("store", keys, stages), room)
 
-    def copy_down(self, index: int, keys: Sequence[bytes]) -> Planned:
-        """Copy the READY blocks of tier ``index`` that the next tier lacks into it (a write-through
-        hop of its own, and the copy to disk at close); they stay pinned until the plan finishes.
-        The next tier takes a prefix when its room runs out."""
-        tier, lower = self.tiers[index], self.tiers[index + 1]
+    def copy_targets(self, index: int, write_through: bool) -> list[int]:
+        """The tiers that blocks just written into tier ``index`` are copied on to, each by a plan of its
+        own (``copy_down``): under ``write_through`` the next tier, unless it is addressed by key; and
+        a remote tier that takes no demotions (placed write-through) from the host tier, so blocks
+        reach the shared store as soon as they are in host memory, whatever the stack's placement."""
+        targets = []
+        below = index + 1
+        if write_through and below < len(self.tiers) and not self.tiers[below].by_key:
+            targets.append(below)
+        if self.tiers[index].medium == "host":
+            targets += [i for i, t in enumerate(self.tiers) if t.by_key and not t.takes_demotions and i > index]
+        return targets
+
+    def copy_down(self, index: int, keys: Sequence[bytes], target: int | None = None) -> Planned:
+        """Copy the READY blocks of tier ``index`` that tier ``target`` (the next one by default) lacks
+        into it (a write-through hop of its own, and the copy to disk at close); they stay pinned
+        until the plan finishes. The target takes a prefix when its room runs out."""
+        target = index + 1 if target is None else target
+        tier, lower = self.tiers[index], self.tiers[target]
         keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
         room = Room()
         if not keys:
             return Planned(plan_of("store", [], []), room)
         src_slots = tier.pin(keys)
-        slots, _ = self._reserve(index + 1, keys, room)
+        slots, _ = self._reserve(target, keys, room)
         tier.unpin(keys[len(slots):])
         keys = keys[:len(slots)]
         stages = [[copy_of(tier.name, lower.name, numbered(keys, src_slots, slots))]] if keys else []
@@ -385,7 +437,7 @@ class Planner:
                     break
                 wanted.setdefault(stage, []).append(i)
         room = Room()
-        staged: dict[int, dict[int, int]] = {}  # staging tier -> plan block -> its slot there
+        staged: dict[int, dict[int, int | None]] = {}  # staging tier -> plan block -> its slot there
         for stage, blocks in wanted.items():
             blocks = [b for b in blocks if b < stop]
             got, _ = self._reserve(stage, [keys[b] for b in blocks], room)
@@ -397,11 +449,11 @@ class Planner:
         stages = self._load_stages(keys, dst_slots, sources, slots, min(run, stop), stage_of, staged)
         return Planned(plan_of("load", keys[:stop], stages), room, tuple(sources))
 
-    def _pin_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
+    def _pin_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[int | None]]:
         """Pin the longest prefix of ``keys`` held READY somewhere, each block in the fastest tier that
         holds it (found and pinned in one step: completions may evict meanwhile). Returns how many
         lead from the first tier (pinned in one call), and each block's tier index and slot there."""
-        slots = self.tiers[0].pin_leading(keys)
+        slots: list[int | None] = list(self.tiers[0].pin_leading(keys))
         run = len(slots)
         sources = [0] * run
         for key in keys[run:]:
@@ -409,10 +461,10 @@ class Planner:
             if index is None:
                 break
             sources.append(index)
-            slots.append(self.tiers[index].slots([key])[0])
+            slots.append(self._slots_of(self.tiers[index], [key])[0])
         return run, sources, slots
 
-    def _release_past(self, keys: Sequence[bytes], sources: list[int], staged: dict[int, dict[int, int]],
+    def _release_past(self, keys: Sequence[bytes], sources: list[int], staged: dict[int, dict[int, int | None]],
                       stop: int) -> None:
         """Unpin the sources, and abort the staging slots, of the blocks from ``stop`` on (not loaded)."""
         for stage, slots in staged.items():
@@ -423,8 +475,9 @@ class Planner:
         for i in range(stop, len(sources)):
             self.tiers[sources[i]].unpin([keys[i]])
 
-    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[int], slots: list[int],
-                     run: int, stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int]]) -> list[list[Copy]]:
+    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[int], slots: Slots,
+                     run: int, stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int | None]]
+                     ) -> list[list[Copy]]:
         """A load's copies: first into the staging tiers (per source and staging tier), then from the
         tier each block ends up in (its source or its staging tier) into the caller's blocks. The
         first ``run`` blocks come from the first tier, in one piece unless that tier stages."""
@@ -473,39 +526,64 @@ class Planner:
             gone = lost_by_stage[0] if k == 0 else lost
             for copy in stage:
                 if copy.dst.tier is not None:
-                    named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, outcome)
+                    held = self._held_by(copy, copy.src.tier, job)
+                    named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, held, outcome)
                     written.setdefault(copy.dst.tier, set()).update(copy.blocks)
         for k, stage in enumerate(plan.stages):
             for copy in stage:
                 if copy.src.tier is not None:
+                    held = self._held_by(copy, copy.dst.tier, job)
                     self._let_go(self.tier(copy.src.tier), plan.kind, copy, written.get(copy.src.tier, set()), lost,
-                                 lost_by_stage[k], named, outcome)
+                                 lost_by_stage[k], named, held, outcome)
         return outcome
 
+    def lift(self, outcome: Outcome) -> None:
+        """Put back into use the memory a finished plan's quarantine kept out of it (``Outcome``): once
+        the store calls that might have touched it have really returned."""
+        for name, slots in outcome.quarantined.items():
+            self.tier(name).release(slots)
+        for name, keys in outcome.held.items():
+            self.tier(name).unpin(keys)
+
+    def _held_by(self, copy: Copy, other: str | None, job: Job) -> set[int]:
+        """The blocks of ``copy`` whose memory on this side stays out of use: those the job quarantined,
+        when the other side is a store addressed by key (its call may still touch them)."""
+        if not job.quarantined_blocks or other is None or not self.tier(other).by_key:
+            return set()
+        return job.quarantined_blocks & set(copy.blocks)
+
     @staticmethod
-    def _land(tier: Tier, copy: Copy, gone: set[int], refused: set[int], outcome: Outcome) -> set[bytes]:
-        """Commit the blocks of ``copy`` that arrived in its destination ``tier``, abort the others;
-        returns the aborted keys the tier can never hold."""
-        arrived, failed, never = copy.keys_not_in(gone), copy.keys_in(gone), copy.keys_in(gone & refused)
+    def _land(tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int],
+              outcome: Outcome) -> set[bytes]:
+        """Commit the blocks of ``copy`` that arrived in its destination ``tier``, quarantine the slots
+        of those a read may still write into (``held``), abort the others; returns the aborted keys
+        the tier can never hold."""
+        arrived, failed, never = copy.keys_not_in(gone), copy.keys_in(gone - held), copy.keys_in(gone & refused)
         if never:
             tier.refuse(never)
             tier.record(incompressible=len(never))
         tier.commit(arrived)
         _add(outcome.stored, tier.name, arrived)
+        if held:
+            outcome.quarantined.setdefault(tier.name, []).extend(tier.quarantine(copy.keys_in(held)))
         return set(tier.abort(failed)) if failed else set()
 
     @staticmethod
     def _let_go(tier: Tier, kind: str, copy: Copy, wrote: set[int], lost: set[int], lost_here: set[int],
-                refused: set[bytes], outcome: Outcome) -> None:
+                refused: set[bytes], held: set[int], outcome: Outcome) -> None:
         """Release the sources ``copy`` read in ``tier``: those the plan held (pinned or being
-        evicted), not the blocks an earlier stage of it wrote there (``wrote``); a load also drops
-        what failed to copy out."""
+        evicted), not the blocks an earlier stage of it wrote there (``wrote``), and not those a write
+        may still read (``held``: they stay pinned until ``lift``); a load also drops what failed to
+        copy out."""
         served = copy.keys_not_in(wrote | lost)
+        kept = copy.keys_in(held - wrote)
+        _add(outcome.held, tier.name, kept)
         if kind == "demote":
+            tier.pin(kept)  # a victim whose copy failed stays; this pin keeps it in place until ``lift``
             failed = copy.keys_in(lost - wrote)
             _add(outcome.dropped, tier.name, tier.end_demotion(served, failed, [k for k in failed if k in refused]))
         else:
-            tier.unpin(copy.keys_not_in(wrote))
+            tier.unpin(copy.keys_not_in(wrote | held))
         counts = {"bytes_out": len(served) * tier.block_bytes}
         if kind == "load":
             if lost_here:

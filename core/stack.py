@@ -10,6 +10,11 @@
 Watermarks: after a write lands in a tier above its high mark, a background thread demotes or evicts
 down to the low mark, so foreground stores seldom wait for space.
 
+A remote tier (a store shared with other engines; the last tier) is asked only for the keys past what
+the local tiers hold, in one batched query bounded by its timeout (a dead store answers "miss"); its
+loads stage through host memory, and blocks reach it from the host tier by background copies of their
+own. Slots a store call past its deadline may still touch stay out of use until it has returned.
+
 What moves where is the planner's (``core/planner.py``), as under vLLM; the stack executes its plans
 in-process: one job per plan, its copies on the stack's transfer backends (``core/stages.py``). Where
 the planner says room is on its way (victims still being demoted), the stack waits for it.
@@ -38,7 +43,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvtier.core.errors import CapacityError, ClosedError, StateError
-from kvtier.core.jobs import Job, JobManager, mark_kvtier_thread, on_kvtier_thread
+from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import Capabilities, plan_route
@@ -99,11 +104,12 @@ class TierStack:
         if len(block_bytes) != 1:
             raise ValueError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
-        for upper, lower in itertools.pairwise(tiers):
+        for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
                 self.transfers.backend(src.storage.device, dst.storage.device,
                                        f"between tier {upper.name!r} and tier {lower.name!r}")
         self.tiers = list(tiers)
+        self._remote = next((t for t in self.tiers if t.by_key), None)
         self.jobs = jobs or JobManager()
         self.placement = placement
         self.capabilities = capabilities or Capabilities()
@@ -124,7 +130,9 @@ class TierStack:
     # --- the engine's questions ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> StackLookup:
-        """The longest prefix of ``keys`` readable in some tier, and which tier (the fastest) holds each."""
+        """The longest prefix of ``keys`` readable in some tier, and which tier (the fastest) holds each.
+        A remote tier is asked for the keys past the local hit (waiting at most its timeout)."""
+        self._ask_remote(keys)
         with self._lock:
             self._check_open()
             found = self.planner.lookup(keys)
@@ -181,6 +189,7 @@ class TierStack:
             raise ValueError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
         dst_medium = dst_medium or ("gpu" if dst.device == "cuda" else "host")
         future: Future[LoadResult] = Future()
+        self._ask_remote(keys)
         with self._lock:
             self._check_open()
             for index, stage in enumerate(self.planner.staging(dst_medium)):  # refuse before pinning anything
@@ -295,6 +304,18 @@ class TierStack:
         if self._closed:
             raise ClosedError("the tier stack is closed")
 
+    def _ask_remote(self, keys: Sequence[bytes]) -> None:
+        """Ask the remote tier, if any, which of the keys past the local hit its store holds (one batched
+        query, outside the stack's lock: it may take up to the tier's timeout); the planner then sees
+        them READY there for a few seconds."""
+        if self._remote is None:
+            return
+        with self._lock:
+            self._check_open()
+            start = len(self.planner.lookup(keys).sources)
+        if start < len(keys):
+            self._remote.query(keys[start:])
+
     def _await_room(self, index: int, n: int) -> None:
         """Make ``n`` slots of tier ``index`` free before a plan reserves them, waiting where the
         planner says room is on its way: for the demotions it started (each round reaches one tier
@@ -314,14 +335,15 @@ class TierStack:
                 self.jobs.flush(tier.name)
                 flushed = True
 
-    def _copy_down(self, index: int, keys: list[bytes], closing: bool = False) -> None:
-        """Copy READY blocks of tier ``index`` that the next tier lacks into it (write-through, and
-        the flush at close)."""
+    def _copy_down(self, index: int, keys: list[bytes], target: int | None = None, closing: bool = False) -> None:
+        """Copy READY blocks of tier ``index`` that tier ``target`` (the next one by default) lacks into
+        it (write-through, the copies to a remote store, and the flush at close)."""
+        target = index + 1 if target is None else target
         with self._lock:
             if self._closed and not closing:
                 return
-            self._await_room(index + 1, len(keys))
-            planned = self.planner.copy_down(index, keys)
+            self._await_room(target, len(keys))
+            planned = self.planner.copy_down(index, keys, target)
             self._run_demotions(planned.room)
             if planned.plan.num_blocks:
                 self._execute(planned.plan)
@@ -340,6 +362,8 @@ class TierStack:
 
         def finished(job: Job) -> None:
             outcome = self.planner.finish(plan, job)
+            if outcome.holds:
+                self.jobs.when_lifted(job, lambda job: self.planner.lift(outcome))
             if then is not None:
                 then(outcome)
             for name, keys in outcome.stored.items():
@@ -359,9 +383,10 @@ class TierStack:
     # --- background ----------------------------------------------------------------------------
 
     def _after_write(self, index: int, keys: list[bytes]) -> None:
-        """Called from completions: queue the next write-through hop and a watermark check."""
-        if self.placement == "write_through" and keys and index + 1 < len(self.tiers):
-            self._work.put(lambda: self._copy_down(index, keys))
+        """Called from completions: queue the copies on (the next write-through hop, a remote store's
+        copy from the host tier) and a watermark check."""
+        for target in self.planner.copy_targets(index, self.placement == "write_through") if keys else ():
+            self._work.put(functools.partial(self._copy_down, index, keys, target))
         if self.tiers[index].excess() > 0:
             self._work.put(lambda: self._enforce_watermark(index))
 
@@ -375,8 +400,25 @@ class TierStack:
 
 
 def _report(jobs: JobManager, job_id: int, run: StagedRun) -> None:
-    """A finished in-process run reports to its job, as one worker would."""
+    """A finished in-process run reports to its job, as one worker would, and reports again once the
+    quarantine of its blocks, if any, is lifted."""
     jobs.apply(run.report(job_id))
+    if run.quarantined:
+        run.when_lifted(functools.partial(_lifted, jobs, job_id))
+
+
+def _lifted(jobs: JobManager, job_id: int) -> None:
+    report = WorkerReport()
+    report.lift(job_id)
+    jobs.apply(report)
+
+
+def _neighbours(tiers: Sequence[Tier]) -> list[tuple[Tier, Tier]]:
+    """The pairs of tiers blocks move between: each local tier and the next, and a remote tier (by
+    key) and the host tier its blocks come from and stage through."""
+    local = [t for t in tiers if not t.by_key]
+    host = next((t for t in local if t.medium == "host"), None)
+    return list(itertools.pairwise(local)) + [(host or t, t) for t in tiers if t.by_key]
 
 
 class _Resources:

@@ -4,8 +4,9 @@ A plan's stages run one after the other and the copies inside a stage at once. A
 stage is left out of the later ones (a staged load: into host memory, then into the caller's blocks;
 a write-through store: into host memory, then on to disk). A copy that cannot start (no backend for
 its devices, a closed backend, a storage this process lacks) fails whole, so every run ends with a
-result for every block: which failed, which of those a destination refused for good, and which
-failed in the first stage (what landed there is whole).
+result for every block: which failed, which of those a destination refused for good, which failed
+in the first stage (what landed there is whole), and which a backend quarantined (a remote store's
+call past its deadline may still touch their memory; ``when_lifted`` says when it no longer can).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.planner import Copy
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import Transfer, TransferRegistry
+from kvtier.core.transfer import Quarantine, Transfer, TransferRegistry
 
 
 class StagedRun:
@@ -42,7 +43,9 @@ class StagedRun:
         self.failed: set[int] = set()              # lost in some stage (an error or a refusal)
         self.refused: set[int] = set()             # of those, refused for good by their destination
         self.first_stage_failed: set[int] = set()
+        self.quarantined: set[int] = set()         # of the failed, those whose memory may still be touched
         self.start_errors: list[Exception] = []    # why copies could not start (their blocks failed)
+        self._quarantines: list[Quarantine] = []
         self._done = done
         self._refused = refused
         self._on_stage = on_stage
@@ -55,8 +58,24 @@ class StagedRun:
     def report(self, job_id: int) -> WorkerReport:
         """The run's result as the report of one worker for job ``job_id``."""
         report = WorkerReport()
-        report.add(job_id, self.failed - self.refused, self.refused, self.first_stage_failed)
+        report.add(job_id, self.failed - self.refused, self.refused, self.first_stage_failed, self.quarantined)
         return report
+
+    def when_lifted(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once no quarantine of this run holds any more: only for a run that reported
+        quarantined blocks, after its report (see ``WorkerReport.lift``)."""
+        pending = [len(self._quarantines)]
+        lock = threading.Lock()
+
+        def one_lifted() -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                callback()
+
+        for quarantine in self._quarantines:
+            quarantine.when_lifted(one_lifted)
 
     def _run(self, k: int) -> None:
         """Start stage ``k`` (skipping stages whose blocks all failed); finish after the last."""
@@ -73,9 +92,13 @@ class StagedRun:
             return
         pending = [len(copies)]
 
-        def copied(copy: Copy, lost: set[int]) -> None:
+        def copied(copy: Copy, lost: set[int], quarantine: Quarantine | None = None) -> None:
             refused = self._refused([copy.keys[j] for j in lost]) if lost else set()
             with self._lock:
+                if quarantine is not None:
+                    self._quarantines.append(quarantine)
+                    self.quarantined.update(copy.blocks[j] for j in quarantine.blocks)
+                    lost = lost | quarantine.blocks
                 self.failed.update(copy.blocks[j] for j in lost)
                 self.refused.update(copy.blocks[j] for j in lost if copy.keys[j] in refused)
                 if k == 0:
@@ -88,7 +111,7 @@ class StagedRun:
         for copy in copies:
             self._submit(copy, functools.partial(copied, copy))
 
-    def _submit(self, copy: Copy, on_complete: Callable[[set[int]], None]) -> None:
+    def _submit(self, copy: Copy, on_complete: Callable[..., None]) -> None:
         """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""
         try:
             transfer = Transfer(self.storages[copy.src.tier], copy.src.slots or (), self.storages[copy.dst.tier],

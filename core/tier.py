@@ -97,6 +97,13 @@ class Usage(NamedTuple):
 class Tier:
     """One level of the stack: ``name`` and ``medium`` ("gpu", "host", ...) over a ``storage`` of slots."""
 
+    by_key = False
+    """True for a tier whose blocks are addressed by key alone (a store shared with other engines): it
+    has no slots, and copies to or from it name keys (``Endpoint.slots`` None)."""
+    takes_demotions = True
+    """Whether the tier above demotes its victims into this one (a remote tier placed write-through does
+    not: blocks reach it from host memory as soon as they are there, by plans of their own)."""
+
     def __init__(self, name: str, medium: str, storage: BlockStorage, policy: EvictionPolicy,
                  watermark: Watermark | None = None,
                  is_fenced: Callable[[str, int], bool] | None = None, note: str = "") -> None:
@@ -111,6 +118,7 @@ class Tier:
         self._allocator = SlotAllocator(storage.num_slots)
         self._entries: dict[bytes, _Entry] = {}
         self._pinned: set[bytes] = set()
+        self._quarantined: set[int] = set()  # slots a failed write may still land in (see ``quarantine``)
         self._evicting = 0
         self._lock = threading.RLock()
 
@@ -137,6 +145,11 @@ class Tier:
                 if entry is None or entry.state is not BlockState.READY:
                     return i
             return len(keys)
+
+    def query(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the medium itself says it holds: for a local tier its index, ``lookup``;
+        a remote tier asks its store (a network round trip, bounded by its timeout)."""
+        return self.lookup(keys)
 
     def state(self, key: bytes) -> BlockState:
         with self._lock:
@@ -280,6 +293,34 @@ class Tier:
             self.stats.aborted += len(keys)
             return refused
 
+    def quarantine(self, keys: Iterable[bytes]) -> list[int]:
+        """Release reserved blocks whose write failed but may still land: a store call that outlived
+        its deadline can write into their slots later. The keys leave the tier (a later load or store
+        of them is not held up); the slots stay taken, out of every reader's and writer's reach, until
+        ``release``. Returns the slots. Raises StateError (and quarantines none) for a key not reserved."""
+        with self._lock:
+            keys = list(keys)
+            self._check_distinct(keys, "quarantine")
+            slots = [self._writing_entry(key, "quarantine").slot for key in keys]
+            for key in keys:
+                del self._entries[key]
+            self._quarantined.update(slots)
+            self.stats.aborted += len(keys)
+            return slots
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Free quarantined slots: nothing can write into them any more. Raises StateError (and frees
+        none) for a slot that is not quarantined."""
+        with self._lock:
+            slots = list(slots)
+            stray = [slot for slot in slots if slot not in self._quarantined]
+            if stray or len(set(slots)) != len(slots):
+                raise StateError(f"release of slots {sorted(stray) or slots} of tier {self.name!r} that are not "
+                                 f"quarantined (once each)")
+            for slot in slots:
+                self._quarantined.remove(slot)
+                self._allocator.free(slot)
+
     def refuse(self, keys: Iterable[bytes]) -> None:
         """Mark reserved blocks that this tier's storage can never hold (a compressing disk tier whose
         slot is too small for their payload), as opposed to a write that failed for a passing reason
@@ -405,17 +446,19 @@ class Tier:
         return self.watermark.excess(u.used, u.capacity)
 
     def leaks(self) -> dict[str, int]:
-        """What would leak if the tier were closed now: pinned blocks and blocks still being written."""
+        """What would leak if the tier were closed now: pinned blocks, and blocks still being written
+        (quarantined slots among them: a late write may still land there)."""
         with self._lock:
             return {
                 "pinned": sum(1 for e in self._entries.values() if e.pins),
-                "writing": sum(1 for e in self._entries.values() if e.state is BlockState.WRITING),
+                "writing": sum(1 for e in self._entries.values() if e.state is BlockState.WRITING)
+                + len(self._quarantined),
             }
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the index, the allocator and the policy disagree (for tests and debugging)."""
         with self._lock:
-            slots = [e.slot for e in self._entries.values()]
+            slots = [e.slot for e in self._entries.values()] + list(self._quarantined)
             assert len(slots) == len(set(slots)), "a slot is owned twice"
             assert len(slots) + self._allocator.num_free == self.capacity, "slots leaked or double counted"
             assert all(not self._allocator._is_free[s] for s in slots), "an owned slot is on the free list"

@@ -3,26 +3,71 @@
 A ``Transfer`` copies blocks from one storage's slots to another's. It compiles to (source address,
 destination address, byte count) triples, one per fragment, merged where consecutive fragments are
 adjacent on both sides (``CopyList``). A ``TransferBackend`` runs those copies and reports, once per
-transfer and asynchronously, the indices of the blocks that failed. The backends themselves live in
-``kvtier.transfers`` (CPU memmove, CUDA, disk I/O): this module holds only what the stack needs to
-drive any of them (``TransferRegistry`` picks one per device pair), so core/ never imports an
-implementation.
+transfer and asynchronously, the indices of the blocks that failed, and any it must ``Quarantine``:
+blocks whose memory a call that outlived its deadline may still touch (a remote store's). The
+backends themselves live in ``kvtier.transfers`` (CPU memmove, CUDA, disk I/O, remote stores): this
+module holds only what the stack needs to drive any of them (``TransferRegistry`` picks one per
+device pair), so core/ never imports an implementation.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvtier.core.errors import TransferError
 from kvtier.core.storage import BlockStorage
 
-OnComplete = Callable[[set[int]], None]
-"""Called once per submitted transfer with the indices (into the transfer's block list) that failed."""
+KEYED_DEVICE = "remote"
+"""The device of a storage addressed by key alone (a remote store's records): it has no slots."""
+
+class Quarantine:
+    """Blocks of a finished transfer (indices into its block list) whose memory on kvtier's side a call
+    that outlived its deadline may still touch: a read from a remote store may still write into them,
+    a write may still read them. They failed; their memory must not be reused until ``lift`` (by the
+    backend, once that call has really returned and nothing it started can touch them any more)."""
+
+    def __init__(self, blocks: Iterable[int]) -> None:
+        self.blocks = frozenset(blocks)
+        self._lock = threading.Lock()
+        self._lifted = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def lifted(self) -> bool:
+        with self._lock:
+            return self._lifted
+
+    def lift(self) -> None:
+        """The memory is safe to reuse; runs the ``when_lifted`` callbacks (once)."""
+        with self._lock:
+            if self._lifted:
+                return
+            self._lifted = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def when_lifted(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once lifted (at once if it is)."""
+        with self._lock:
+            if not self._lifted:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
+class OnComplete(Protocol):
+    """Called once per submitted transfer with the indices (into the transfer's block list) that failed,
+    and with the quarantine of those whose memory may still be touched, if any."""
+
+    def __call__(self, failed: set[int], quarantine: Quarantine | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +102,10 @@ class CopyList:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Copy block ``src_slots[i]`` of ``src`` to block ``dst_slots[i]`` of ``dst`` for every i."""
+    """Copy block ``src_slots[i]`` of ``src`` to block ``dst_slots[i]`` of ``dst`` for every i.
+
+    A side whose storage is addressed by key (a remote store: its device is ``KEYED_DEVICE``) has no
+    slots; ``keys`` then name the blocks."""
 
     src: BlockStorage
     src_slots: Sequence[int]
@@ -66,17 +114,24 @@ class Transfer:
     keys: Sequence[bytes] | None = None  # the blocks' keys, for backends that record or verify them (disk)
 
     def __post_init__(self) -> None:
-        if len(self.src_slots) != len(self.dst_slots):
-            raise TransferError(f"{len(self.src_slots)} source slots but {len(self.dst_slots)} destination slots")
-        if self.keys is not None and len(self.keys) != len(self.src_slots):
-            raise TransferError(f"{len(self.keys)} keys for {len(self.src_slots)} blocks")
+        for side, slots, what in ((self.src, self.src_slots, "source"), (self.dst, self.dst_slots, "destination")):
+            if side.device == KEYED_DEVICE:
+                if slots:
+                    raise TransferError(f"{len(slots)} {what} slots for a storage addressed by key")
+                if self.keys is None:
+                    raise TransferError(f"a {what} addressed by key needs the blocks' keys")
+            elif len(slots) != self.num_blocks:
+                raise TransferError(f"{len(self.src_slots)} source slots but {len(self.dst_slots)} destination "
+                                    f"slots")
+        if self.keys is not None and len(self.keys) != self.num_blocks:
+            raise TransferError(f"{len(self.keys)} keys for {self.num_blocks} blocks")
         if self.src.layout.block_bytes != self.dst.layout.block_bytes:
             raise TransferError(f"block sizes differ: {self.src.layout.block_bytes} B -> "
                                 f"{self.dst.layout.block_bytes} B")
 
     @property
     def num_blocks(self) -> int:
-        return len(self.src_slots)
+        return len(self.src_slots if self.src.device != KEYED_DEVICE else self.dst_slots)
 
     @property
     def nbytes(self) -> int:

@@ -11,7 +11,12 @@ Invariants checked:
   first block it cannot bring;
 - copies and fences are derived from one spec: every tier slot read or written is fenced once;
 - ``finish`` commits what arrived, aborts the rest, unpins, ends demotions, drops unreadable sources,
-  and returns the keys each tier stored and dropped (events come from them) and the hits per tier.
+  and returns the keys each tier stored and dropped (events come from them) and the hits per tier;
+- a remote tier (addressed by key, the last tier) is never a source of victims, gives and takes no
+  slots, is read only through the host tier (also for a host destination), takes demotions only when
+  placed write-back, gets write-through copies from the host tier by plans of their own (never as a
+  hop of a store's job); memory a quarantined block's store call may still touch (host slots a read
+  may write, sources a write may read) stays out of use until the job's quarantine is lifted.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import pytest
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, JobManager, WorkerReport
 from kvtier.core.layout import BlockLayout
-from kvtier.core.planner import ENGINE, Copy, Endpoint, Planner, SlotCount, copy_of, plan_of
+from kvtier.core.planner import ENGINE, Copy, Endpoint, Planner, Room, SlotCount, copy_of, numbered, plan_of
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.policies import LRUPolicy, Watermark
+from kvtier.tiers.remote.link import Connector, StoreLink
+from kvtier.tiers.remote.record import RecordFormat
+from kvtier.tiers.remote.tier import RemoteTier
 
 LAYOUT = BlockLayout((64,))
 
@@ -54,14 +62,36 @@ def fill(tier: Tier, keys: list[bytes]) -> list[int]:
     return slots
 
 
-def run(jobs: JobManager, plan, failed=(), first_stage_failed=(), refused=(), cancel: bool = False):
+def run(jobs: JobManager, plan, failed=(), first_stage_failed=(), refused=(), cancel: bool = False,
+        quarantined=()):
     """The plan's job, ended with one report (what an executor gets back)."""
     job = jobs.create(plan.kind, plan.num_blocks, 1, plan.fences)
     if cancel:
         jobs.cancel(job.id)
-    jobs.apply(WorkerReport({job.id: 1}, {job.id: frozenset(failed)}, {job.id: frozenset(refused)},
-                            {job.id: frozenset(first_stage_failed)}))
+    report = WorkerReport()
+    report.add(job.id, failed, refused, first_stage_failed, quarantined)
+    jobs.apply(report)
     return job
+
+
+def remote_tier(placement: str = "write_through") -> RemoteTier:
+    """A remote tier the planner can plan over without a store: nothing here asks it anything."""
+
+    def unreachable():
+        raise AssertionError("the planner never calls the store")
+
+    link = StoreLink(Connector(unreachable, 1, "no store"), 1.0, "lookups")
+    return RemoteTier("remote", LAYOUT, [RecordFormat("t", bytes(16), LAYOUT.block_bytes)], link, placement)
+
+
+def with_remote(jobs: JobManager, *local: tuple[str, str, int], placement: str = "write_through") -> Planner:
+    return Planner([*tiers(jobs, *local), remote_tier(placement)])
+
+
+def known(tier: Tier, keys: list[bytes]) -> None:
+    """Make the remote tier hold ``keys`` READY, as a store of this process would."""
+    tier.reserve(keys)
+    tier.commit(keys)
 
 
 # --- making room ---------------------------------------------------------------------------------
@@ -286,3 +316,121 @@ def test_a_copy_keeps_only_the_blocks_asked_for_and_key_addressed_sides_have_no_
     assert remote.only({0, 1, 2}) is remote and remote.only(set()) is None
     plan = plan_of("store", [k(0), k(1), k(2)], [[remote]])
     assert plan.fences == tuple(Fence("host", s, False) for s in (4, 5, 6))
+
+
+# --- a remote tier -------------------------------------------------------------------------------
+
+
+def test_a_load_from_the_store_stages_through_host_even_into_host_memory(jobs):
+    planner = with_remote(jobs, ("host", "host", 4))
+    host, remote = planner.tiers
+    host_slot = fill(host, [k(0)])[0]
+    known(remote, [k(1), k(2)])
+    assert planner.lookup([k(0), k(1), k(2), k(3)], "host").staging == {0: 2}
+    planned = planner.load([k(0), k(1), k(2), k(3)], [7, 8, 9, 10], "host")
+    plan = planned.plan
+    assert plan.keys == (k(0), k(1), k(2)) and planned.sources == (0, 1, 1)
+    (from_store,), (to_caller,) = plan.stages
+    staging = host.slots([k(1), k(2)])
+    assert from_store == copy_of("remote", "host", zip((1, 2), (k(1), k(2)), (None, None), staging, strict=True))
+    rows = zip((0, 1, 2), plan.keys, [host_slot, *staging], (7, 8, 9), strict=True)
+    assert to_caller == copy_of("host", ENGINE, rows)
+    assert {f.tier for f in plan.fences} == {"host"}  # nothing to fence in a store addressed by key
+
+    outcome = planner.finish(plan, run(jobs, plan, failed=[2], first_stage_failed=[2]))
+    assert outcome.hits == {"host": 1, "remote": 1} and outcome.stored == {"host": [k(1)]}
+    assert remote.state(k(2)) is BlockState.FREE and remote.stats.read_errors == 1  # failed: not known any more
+    assert remote.state(k(1)) is BlockState.READY and host.leaks() == {"pinned": 0, "writing": 0}
+
+
+def test_the_store_gives_no_victims_and_takes_none_when_placed_write_through(jobs):
+    planner = with_remote(jobs, ("host", "host", 2))
+    host, remote = planner.tiers
+    fill(host, [k(0), k(1)])
+    room = planner.make_room(0, 1)
+    assert (room.dropped, room.demotions, room.pending) == ({"host": [k(0)]}, [], 0)
+    assert planner.make_room(1, 100) == Room()  # the store evicts by itself
+    assert remote.usage() == Usage(0, 0) and remote.ready_keys() == []
+
+
+def test_placed_write_back_the_store_takes_the_host_tiers_victims(jobs):
+    planner = with_remote(jobs, ("host", "host", 2), placement="write_back")
+    host, remote = planner.tiers
+    host_slots = fill(host, [k(0), k(1)])
+    known(remote, [k(1)])  # the store holds k(1): clean
+    room = planner.make_room(0, 2)
+    assert room.dropped == {"host": [k(1)]}
+    (demotion,) = room.demotions
+    assert demotion.stages == ((copy_of("host", "remote", [(0, k(0), host_slots[0], None)]),),)
+    assert remote.state(k(0)) is BlockState.WRITING
+    outcome = planner.finish(demotion, run(jobs, demotion))
+    assert outcome.stored == {"remote": [k(0)]} and outcome.dropped == {"host": [k(0)]}
+    assert remote.state(k(0)) is BlockState.READY and host.usage().used == 0
+
+
+def test_write_through_hops_stop_above_the_store_and_copies_reach_it_from_host(jobs):
+    planner = with_remote(jobs, ("host", "host", 4), ("disk", "disk", 4))
+    host, disk, remote = planner.tiers
+    plan = planner.store([k(0), k(1)], [3, 4], hops=2).plan
+    assert [c.dst.tier for stage in plan.stages for c in stage] == ["host", "disk"]  # not the store
+    assert planner.copy_targets(0, write_through=True) == [1, 2]
+    assert planner.copy_targets(0, write_through=False) == [2]  # the store's own placement
+    assert planner.copy_targets(1, write_through=True) == []  # the store is reached from host memory only
+    planner.finish(plan, run(jobs, plan))
+    copy = planner.copy_down(0, [k(0), k(1)], 2).plan
+    rows = numbered([k(0), k(1)], host.slots([k(0), k(1)]), [None] * 2)
+    assert copy.stages == ((copy_of("host", "remote", rows),),)
+    assert remote.leaks()["writing"] == 2 and host.leaks()["pinned"] == 2
+    outcome = planner.finish(copy, run(jobs, copy, failed=[1]))
+    assert outcome.stored == {"remote": [k(0)]} and remote.stats.aborted == 1  # a counted drop
+    assert planner.copy_down(0, [k(0), k(1)], 2).plan.keys == (k(1),)  # k(0) is known present: not sent again
+    assert with_remote(jobs, ("host", "host", 4), placement="write_back").copy_targets(0, True) == []
+
+
+def test_slots_a_late_read_may_write_are_quarantined_until_lifted(jobs):
+    planner = with_remote(jobs, ("host", "host", 3))
+    host, remote = planner.tiers
+    known(remote, [k(0), k(1), k(2)])
+    plan = planner.load([k(0), k(1), k(2)], [0, 1, 2], "gpu").plan
+    staging = host.slots([k(0), k(1), k(2)])
+    job = run(jobs, plan, failed=[1, 2], first_stage_failed=[1, 2], quarantined=[1, 2])
+    assert job.quarantined_blocks == {1, 2} and jobs.held() == [job]
+    outcome = planner.finish(plan, job)
+    assert outcome.lost == {1, 2} and outcome.quarantined == {"host": staging[1:]} and outcome.holds
+    # the keys left (a later load of them is not held up), the slots did not: nobody gets them
+    assert host.state(k(1)) is BlockState.FREE and host.usage() == Usage(3, 3)
+    assert host.leaks()["writing"] == 2 and host.reserve([k(5)], allow_evict=False) is None
+    host.check_invariants()
+    lifted = []
+    jobs.when_lifted(job, lambda j: (planner.lift(outcome), lifted.append(j.id)))
+    report = WorkerReport()
+    report.lift(job.id)
+    jobs.apply(report)
+    assert lifted == [job.id] and jobs.held() == [] and host.usage() == Usage(1, 3)
+    assert host.leaks() == {"pinned": 0, "writing": 0}
+    host.check_invariants()
+
+
+def test_sources_a_late_write_may_read_stay_pinned_until_lifted(jobs):
+    planner = with_remote(jobs, ("host", "host", 3))
+    host, remote = planner.tiers
+    fill(host, [k(0), k(1)])
+    plan = planner.copy_down(0, [k(0), k(1)], 1).plan
+    outcome = planner.finish(plan, run(jobs, plan, failed=[0, 1], quarantined=[0, 1]))
+    assert outcome.held == {"host": [k(0), k(1)]} and remote.stats.aborted == 2
+    assert host.leaks()["pinned"] == 2 and planner.make_room(0, 3).dropped == {}  # pinned: not victims
+    planner.lift(outcome)
+    assert host.leaks()["pinned"] == 0 and planner.make_room(0, 3).dropped == {"host": [k(0), k(1)]}
+
+
+def test_a_quarantined_demotion_keeps_its_victim_until_lifted(jobs):
+    planner = with_remote(jobs, ("host", "host", 1), placement="write_back")
+    host, remote = planner.tiers
+    fill(host, [k(0)])
+    (demotion,) = planner.make_room(0, 1).demotions
+    outcome = planner.finish(demotion, run(jobs, demotion, failed=[0], quarantined=[0]))
+    assert outcome.held == {"host": [k(0)]} and host.state(k(0)) is BlockState.READY
+    assert remote.state(k(0)) is BlockState.FREE and host.leaks()["pinned"] == 1
+    planner.lift(outcome)
+    assert host.leaks()["pinned"] == 0 and host.usage().evicting == 0
+    host.check_invariants()

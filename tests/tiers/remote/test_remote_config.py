@@ -97,7 +97,8 @@ def test_write_back_needs_the_host_tier_directly_above():
 
 
 def test_timeout_must_be_positive():
-    assert error_of(stack(HOST, remote(timeout=0))) == "config: tiers[1].timeout: 0 is too small; must be greater than 0.0"
+    assert error_of(stack(HOST, remote(timeout=0))) == \
+        "config: tiers[1].timeout: 0 is too small; must be greater than 0.0"
 
 
 def test_secrets_only_through_environment_variable_names():
