@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.core.config import StackConfig, block_footprint, capacity_in_blocks, eviction_policy, format_size
+from kvtier.core.config import (
+    RemoteTierConfig,
+    StackConfig,
+    block_footprint,
+    capacity_in_blocks,
+    eviction_policy,
+    format_size,
+)
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
@@ -23,6 +30,7 @@ from kvtier.policies import Watermark
 from kvtier.tiers.disk import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
+from kvtier.tiers.remote.factory import remote_tier
 from kvtier.transfers import backends_for
 
 TIER_FACTORIES: dict[str, Callable[..., Tier]] = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
@@ -46,7 +54,7 @@ def build_stack(config: StackConfig, layout: BlockLayout | None = None,
         for i in range(len(config.tiers)):
             tiers.append(_build_tier(config, i, layout, jobs))
         if backends is None:
-            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers})
+            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, config.remote)
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for backend in made:
@@ -62,6 +70,8 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
     tier_cfg = config.tiers[i]
     name = config.tier_name(i)
     where = f"tiers[{i}] ({name})"
+    if isinstance(tier_cfg, RemoteTierConfig):
+        return remote_tier(name, tier_cfg, layout, config.namespace)
     blocks = capacity_in_blocks(tier_cfg, layout.block_bytes)
     if blocks is None:
         raise ConfigError(f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the "

@@ -2,7 +2,8 @@
 
 - ``cpu``: memmove on a thread pool, host memory to host memory (and CPU tensors standing in for a GPU);
 - ``cuda`` (with ``cuda_driver``): GPU <-> host copies on CUDA streams, batched or by a copy kernel;
-- ``disk``: positioned reads and writes between host memory and a disk tier's slab file.
+- ``disk``: positioned reads and writes between host memory and a disk tier's slab file;
+- ``remote``: records of a shared store (Mooncake Store, Redis/Valkey) to and from host memory.
 
 Every backend implements ``kvtier.core.transfer.TransferBackend`` and names the device pairs it
 serves; a ``TransferRegistry`` over them picks the one for each copy. ``backends_for`` is the one place
@@ -13,17 +14,23 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvtier.core.config import TransferConfig
-from kvtier.core.transfer import TransferBackend
+from kvtier.core.config import RemoteTierConfig, TransferConfig
+from kvtier.core.transfer import KEYED_DEVICE, TransferBackend
+from kvtier.tiers.remote.factory import connector
+from kvtier.tiers.remote.link import StoreLink
 from kvtier.transfers.cpu import CPUBackend
 from kvtier.transfers.cuda import CUDABackend
 from kvtier.transfers.disk import DiskBackend
+from kvtier.transfers.remote import RemoteBackend
 
 
-def backends_for(transfer: TransferConfig, devices: Collection[str]) -> list[TransferBackend]:
-    """The backends that copies between storages on ``devices`` ("cpu", "cuda", "file") need, configured
-    by ``transfer``: the CUDA backend where a storage is on a CUDA device, the CPU backend always (host
-    memory is every route's middle), the disk backend where one is a slab file.
+def backends_for(transfer: TransferConfig, devices: Collection[str],
+                 remote: RemoteTierConfig | None = None) -> list[TransferBackend]:
+    """The backends that copies between storages on ``devices`` ("cpu", "cuda", "file", "remote") need,
+    configured by ``transfer``: the CUDA backend where a storage is on a CUDA device, the CPU backend
+    always (host memory is every route's middle), the disk backend where one is a slab file, and the
+    remote backend, with a link of its own to the store ``remote`` configures, where one is a store's
+    records.
 
     The CUDA backend is built first: it is the one that can fail (no CuPy, no device), and then no
     other backend has started threads that would have to be stopped again.
@@ -34,4 +41,8 @@ def backends_for(transfer: TransferConfig, devices: Collection[str]) -> list[Tra
     backends.append(CPUBackend(transfer.threads))
     if "file" in devices:
         backends.append(DiskBackend(transfer.io_threads))
+    if KEYED_DEVICE in devices:
+        if remote is None:
+            raise ValueError("a remote store's records need the remote tier's configuration")
+        backends.append(RemoteBackend(StoreLink(connector(remote), remote.timeout, "loads and stores")))
     return backends

@@ -3,9 +3,11 @@
 The store is not ours: another engine adds records, the store evicts or loses any of them at any
 moment, a restart empties it. So this tier keeps no mirror of it. A key is READY only for a few
 seconds after the store said it holds the record (``query``, one batched existence query) or after
-this process stored it, and no longer once a load of it failed; WRITING while this process puts it;
-FREE otherwise. It has no slots (``by_key``: copies name keys), no pins (a record may vanish under a
-load anyway: that load then fails exactly that block) and no eviction (the store evicts by itself).
+this process stored it; WRITING while this process puts it; FREE otherwise. A key whose load failed
+(missing by then, damaged, foreign, unsigned) is FREE for those few seconds whatever the store says,
+so lookups stop promising a record that cannot be read, until this process stores the block again.
+It has no slots (``by_key``: copies name keys), no pins (a record may vanish under a load anyway:
+that load then fails exactly that block) and no eviction (the store evicts by itself).
 
 ``RemoteStorage`` is what transfers see: the store's records for one stack, or for one rank of one
 (``RecordFormat``: names, headers, MAC). Bytes move through ``kvtier.transfers.remote``.
@@ -31,8 +33,8 @@ from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.record import RecordFormat
 
 KNOWN_FOR_S = 5.0
-"""How long the store's "present" answer (or this process's own store) counts: short, because other
-engines and the store's eviction change what it holds without telling anyone."""
+"""How long an answer counts (the store's "present", this process's own store, a failed load): short,
+because other engines and the store's eviction change what it holds without telling anyone."""
 
 
 class RemoteStorage(BlockStorage):
@@ -72,7 +74,7 @@ class RemoteTier(Tier):
         self.takes_demotions = placement == "write_back"
         self.stats = RemoteStats()
         self._known_for = known_for
-        self._present: OrderedDict[bytes, float] = OrderedDict()  # key -> when the answer expires
+        self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
         self._writing: set[bytes] = set()
 
     def __repr__(self) -> str:
@@ -96,24 +98,24 @@ class RemoteTier(Tier):
             return 0
         ranks = len(self.records)
         present = [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
-        expiry = time.monotonic() + self._known_for
         with self._lock:
+            now = time.monotonic()
             for key, here in zip(keys, present, strict=True):
-                if here:
-                    self._know(key, expiry)
-        return next((i for i, here in enumerate(present) if not here), len(keys))
+                if here and self._answer(key, now) is not False:  # not after a failed load of it
+                    self._remember(key, True, now)
+            return self.lookup(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store was found to hold recently (no network)."""
         with self._lock:
             now = time.monotonic()
-            return next((i for i, key in enumerate(keys) if self._present.get(key, 0.0) <= now), len(keys))
+            return next((i for i, key in enumerate(keys) if not self._answer(key, now)), len(keys))
 
     def state(self, key: bytes) -> BlockState:
         with self._lock:
             if key in self._writing:
                 return BlockState.WRITING
-            return BlockState.READY if self._present.get(key, 0.0) > time.monotonic() else BlockState.FREE
+            return BlockState.READY if self._answer(key, time.monotonic()) else BlockState.FREE
 
     def try_pin(self, key: bytes) -> bool:
         """Whether the key is READY; nothing is pinned: a record may vanish under a load anyway."""
@@ -143,9 +145,9 @@ class RemoteTier(Tier):
         """Stored: the store holds them now, as far as anyone can tell for a while."""
         with self._lock:
             keys = self._end_writing(keys, "commit")
-            expiry = time.monotonic() + self._known_for
+            now = time.monotonic()
             for key in keys:
-                self._know(key, expiry)
+                self._remember(key, True, now)
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
 
@@ -157,12 +159,13 @@ class RemoteTier(Tier):
             return []
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
-        """A load of these failed: forget that the store holds them (a miss from now on, until the
-        store says otherwise). Returns no keys: nothing of kvtier's left any tier."""
+        """A load of these failed: a miss for a while, whatever the store says (see the module doc).
+        Returns no keys: nothing of kvtier's left any tier."""
         with self._lock:
             keys = list(keys)
+            now = time.monotonic()
             for key in keys:
-                self._present.pop(key, None)
+                self._remember(key, False, now)
             self.stats.read_errors += len(keys)
             return []
 
@@ -185,17 +188,21 @@ class RemoteTier(Tier):
 
     # --- helpers (under self._lock) ------------------------------------------------------------
 
-    def _know(self, key: bytes, expiry: float) -> None:
-        """Record that the store holds ``key`` until ``expiry``, forgetting answers that have expired
-        (the oldest first: every answer lives equally long)."""
-        self._present[key] = expiry
-        self._present.move_to_end(key)
-        now = time.monotonic()
-        while self._present:
-            oldest, until = next(iter(self._present.items()))
+    def _answer(self, key: bytes, now: float) -> bool | None:
+        """Whether ``key`` is readable as far as a recent answer says; None when there is none."""
+        answer = self._answers.get(key)
+        return None if answer is None or answer[0] <= now else answer[1]
+
+    def _remember(self, key: bytes, readable: bool, now: float) -> None:
+        """Remember an answer for ``key`` for a while, forgetting those that have expired (the oldest
+        first: every answer lives equally long)."""
+        self._answers[key] = (now + self._known_for, readable)
+        self._answers.move_to_end(key)
+        while self._answers:
+            oldest, (until, _) = next(iter(self._answers.items()))
             if until > now:
                 break
-            del self._present[oldest]
+            del self._answers[oldest]
 
     def _end_writing(self, keys: Iterable[bytes], what: str) -> list[bytes]:
         keys = list(keys)

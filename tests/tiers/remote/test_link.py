@@ -1,0 +1,125 @@
+"""The link's rules, on real Redis clients against a real server: calls return in time or are abandoned
+at the deadline; an abandoned call settles only once it has really returned; a failure makes the link
+refuse calls at once for a backoff, then reconnect; clients are reused, at most ``clients`` open, and a
+client whose result says it may still write late (``late_writes``) is closed before its call settles."""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.core.errors import ClosedError
+from kvtier.tiers.remote import link as link_module
+from kvtier.tiers.remote.client import StoreError
+from kvtier.tiers.remote.link import Connector, StoreLink
+from kvtier.tiers.remote.redis_client import RedisClient
+
+TIMEOUT = 0.5
+
+
+class LateWriting(RedisClient):
+    """A real Redis client that declares late writes (as Mooncake's does), counting its closes."""
+
+    late_writes = True
+    closed: list[LateWriting] = []
+
+    def close(self) -> None:
+        super().close()
+        LateWriting.closed.append(self)
+
+
+def make_link(server, clients: int = 2, client_class: type[RedisClient] = RedisClient,
+              timeout: float = TIMEOUT) -> StoreLink:
+    connect = functools.partial(client_class, server.url, timeout=timeout)
+    return StoreLink(Connector(connect, clients, "redis under test"), timeout, "tests")
+
+
+def connections(server) -> int:
+    return len(server.client().client_list()) - 1  # less the one asking
+
+
+def test_calls_reuse_their_clients_and_open_at_most_the_limit(server):
+    link = make_link(server, clients=2, timeout=10)
+    for _ in range(5):
+        assert link.ask(lambda c: c.exists(["a", "b"])) == [False, False]
+    assert connections(server) == 1
+    release = threading.Event()
+    results: list[list[bool]] = []
+
+    def held(client):
+        answer = client.exists(["a"])
+        release.wait(10)  # holds its client until the test lets go
+        return answer
+
+    threads = [threading.Thread(target=lambda: results.append(link.ask(held))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while connections(server) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert connections(server) == 2  # the third call waits for a client to come free...
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert results == [[False]] * 3 and connections(server) == 2  # ...and gets one within its deadline
+    assert link.close(timeout=5) and connections(server) == 0
+    with pytest.raises(ClosedError):
+        link.ask(lambda c: c.exists(["a"]))
+
+
+def test_a_hung_call_is_abandoned_at_the_deadline_and_settles_when_it_returns(server):
+    link = make_link(server)
+    link.ask(lambda c: c.exists(["a"]))
+    server.stop()
+    started = time.monotonic()
+    call = link.run(lambda c: c.exists(["a"]))
+    assert call.abandoned and not call.ok and TIMEOUT - 0.05 < time.monotonic() - started < TIMEOUT + 0.3
+    assert not call.settled
+    settled = threading.Event()
+    call.when_settled(settled.set)
+    with pytest.raises(StoreError, match="failed recently; the next try for tests is in"):
+        link.ask(lambda c: c.exists(["a"]))  # down: refused at once
+    server.cont()
+    assert settled.wait(2) and call.settled
+    time.sleep(link_module.FIRST_BACKOFF_S)
+    assert link.ask(lambda c: c.exists(["a"])) == [False]  # reconnected after the backoff
+    assert link.failures == 1
+
+
+def test_the_backoff_doubles_while_the_store_stays_down_and_ends_with_a_success(server):
+    link = make_link(server)
+    server.kill()
+    waits = []
+    for _ in range(3):
+        with pytest.raises(StoreError, match="refused"):
+            link.ask(lambda c: c.exists(["a"]))
+        with pytest.raises(StoreError, match="the next try for tests is in") as info:
+            link.ask(lambda c: c.exists(["a"]))
+        waits.append(float(re.search(r"is in (\S+) s", str(info.value)).group(1)))
+        time.sleep(waits[-1] + 0.01)
+    assert waits[0] <= link_module.FIRST_BACKOFF_S < waits[1] < waits[2]
+    server.start()
+    assert link.ask(lambda c: c.exists(["a"])) == [False]
+    assert link.ask(lambda c: c.exists(["a"])) == [False]  # no backoff left after a success
+
+
+def test_a_late_writing_client_with_failed_records_is_closed_before_its_call_settles(server):
+    LateWriting.closed = []
+    link = make_link(server, client_class=LateWriting)
+    buffer = np.zeros(16, np.uint8)
+    record = [[(buffer.ctypes.data, 16)]]
+    server.client().set("present", b"x" * 16)
+    call = link.run(lambda c: c.get(["present"], record), dirty=lambda ok: not all(ok))
+    assert call.ok and call.result == [True] and LateWriting.closed == []  # clean: kept
+    call = link.run(lambda c: c.get(["missing"], record), dirty=lambda ok: not all(ok))
+    assert call.ok and call.result == [False]
+    settled = threading.Event()
+    call.when_settled(settled.set)
+    assert settled.wait(2) and len(LateWriting.closed) == 1  # dropped: closed, then settled
+    assert link.ask(lambda c: c.exists(["present"])) == [True]  # on a new client

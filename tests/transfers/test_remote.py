@@ -1,0 +1,145 @@
+"""The remote transfer backend against a real redis-server: host slots go to records and come back
+bit-exact, a record that is missing or not the block asked for fails exactly its block, and a call
+that outlives the deadline fails its blocks at the deadline, quarantined until the call has really
+returned (a hung server resumed), while later transfers fail at once during the backoff."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers.redis_server import redis_server
+from kvtier.core.layout import BlockLayout
+from kvtier.core.transfer import Quarantine, Transfer
+from kvtier.tiers.host import HostSlab
+from kvtier.tiers.remote.link import Connector, StoreLink
+from kvtier.tiers.remote.record import RecordFormat, namespace_digest
+from kvtier.tiers.remote.redis_client import RedisClient
+from kvtier.tiers.remote.tier import RemoteStorage
+from kvtier.transfers.remote import RemoteBackend
+
+LAYOUT = BlockLayout((16 * 1024, 16 * 1024))
+TIMEOUT = 1.0
+KEYS = [bytes([i]) * 16 for i in range(6)]
+
+
+@pytest.fixture
+def server(tmp_path):
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+class Rig:
+    """A host slab, the store's records and a backend between them."""
+
+    def __init__(self, url: str) -> None:
+        self.slab = HostSlab(len(KEYS), LAYOUT)
+        self.records = RecordFormat("t", namespace_digest("m", LAYOUT), LAYOUT.block_bytes)
+        self.remote = RemoteStorage(LAYOUT, self.records)
+        connect = functools.partial(RedisClient, url, timeout=TIMEOUT)
+        self.backend = RemoteBackend(StoreLink(Connector(connect, 2, "redis"), TIMEOUT, "loads and stores"))
+        self.data = np.random.default_rng(7).integers(0, 256, (len(KEYS), LAYOUT.block_bytes), dtype=np.uint8)
+
+    def slots(self) -> np.ndarray:
+        return self.slab.array.reshape(len(KEYS), LAYOUT.block_bytes)
+
+    def run(self, storing: bool) -> tuple[set[int], Quarantine | None, float]:
+        """One transfer of every block; (failed, quarantine, seconds until it completed)."""
+        slots = list(range(len(KEYS)))
+        transfer = (Transfer(self.slab.storage, slots, self.remote, (), KEYS) if storing
+                    else Transfer(self.remote, (), self.slab.storage, slots, KEYS))
+        done = threading.Event()
+        calls: list[tuple[set[int], Quarantine | None]] = []
+
+        def on_complete(failed, quarantine=None):
+            calls.append((set(failed), quarantine))
+            done.set()
+
+        started = time.monotonic()
+        self.backend.submit(transfer, on_complete)
+        assert done.wait(30), "the transfer never completed"
+        took = time.monotonic() - started
+        assert len(calls) == 1
+        return (*calls[0], took)
+
+    def store(self) -> tuple[set[int], Quarantine | None, float]:
+        self.slots()[:] = self.data
+        return self.run(storing=True)
+
+    def load(self) -> tuple[set[int], Quarantine | None, float]:
+        self.slots()[:] = 0
+        return self.run(storing=False)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.slab.close()
+
+
+@pytest.fixture
+def rig(server):
+    rig = Rig(server.url)
+    yield rig
+    rig.close()
+
+
+def test_blocks_round_trip_bit_exact(rig, server):
+    assert rig.store()[:2] == (set(), None)
+    assert server.client().dbsize() == len(KEYS)
+    assert rig.load()[:2] == (set(), None)
+    assert np.array_equal(rig.slots(), rig.data)
+
+
+def test_a_missing_damaged_or_foreign_record_fails_exactly_its_block(rig, server):
+    rig.store()
+    raw = server.client()
+    names = [rig.records.name(key) for key in KEYS]
+    raw.delete(names[0])
+    value = raw.get(names[1])
+    raw.set(names[1], value[:-1])  # truncated
+    raw.set(names[2], value[:100] + bytes([value[100] ^ 1]) + value[101:])  # one bit of the header flipped
+    raw.set(names[3], value)  # another block's record under this name: another key in its header
+    failed, quarantine, _ = rig.load()
+    assert (failed, quarantine) == ({0, 1, 2, 3}, None)
+    assert rig.backend.refused_records == 2  # the truncated one never arrived whole
+    assert np.array_equal(rig.slots()[4:], rig.data[4:])
+
+
+def test_a_hung_store_fails_a_load_at_the_deadline_and_quarantines_its_slots_until_the_call_returns(rig, server):
+    rig.store()
+    server.stop()
+    failed, quarantine, took = rig.load()
+    assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+    assert quarantine is not None and quarantine.blocks == failed
+    time.sleep(0.3)
+    assert not quarantine.lifted  # the GET is still waiting for its replies
+    lifted = threading.Event()
+    quarantine.when_lifted(lifted.set)
+    resumed = time.monotonic()
+    server.cont()
+    assert lifted.wait(TIMEOUT) and time.monotonic() - resumed < TIMEOUT  # the resumed server answered it
+
+
+def test_after_a_failure_transfers_fail_at_once_until_the_backoff_ends(rig, server):
+    rig.store()
+    server.kill()
+    failed, _, took = rig.load()
+    assert failed == set(range(len(KEYS))) and took < 0.5
+    failed, quarantine, took = rig.store()
+    assert failed == set(range(len(KEYS))) and quarantine is None and took < 0.05  # refused by the link itself
+    assert rig.backend.link.failures >= 1
+
+
+def test_a_hung_store_fails_a_store_at_the_deadline_and_keeps_its_sources_until_the_call_returns(rig, server):
+    rig.store()
+    server.stop()
+    failed, quarantine, took = rig.store()
+    assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+    assert quarantine is not None and not quarantine.lifted
+    lifted = threading.Event()
+    quarantine.when_lifted(lifted.set)
+    server.cont()
+    assert lifted.wait(TIMEOUT)

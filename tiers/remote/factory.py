@@ -1,0 +1,81 @@
+"""A remote tier, its clients and its record format, from a stack's configuration.
+
+Everything that can be checked without the store is checked here, when the stack is built: the
+backend's client package, the secrets the configuration names (a MAC key, a password). Connections
+are made later, on a call's thread within its deadline, so a store that is down when an engine
+starts makes misses, not a failed start.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+from kvtier.core.config import MooncakeConfig, RedisConfig, RemoteTierConfig
+from kvtier.core.errors import ConfigError
+from kvtier.core.layout import BlockLayout
+from kvtier.tiers.remote.link import Connector, StoreLink
+from kvtier.tiers.remote.record import RecordFormat, mac_key, namespace_digest
+from kvtier.tiers.remote.tier import RemoteTier
+
+INSTALL = "pip install 'kvtier[remote]'"
+LOOKUP_CLIENTS = 1
+"""Lookups are one batched query each, asked by one executor thread at a time."""
+
+
+def connector(config: RemoteTierConfig) -> Connector:
+    """How to open clients of the configured store, with up to how many open at once (Redis: the
+    configured pool; Mooncake: one client per process, its calls one at a time)."""
+    if config.redis is not None:
+        return _redis(config.redis, config.timeout)
+    assert config.mooncake is not None  # the config's validation: one backend mapping, the chosen one
+    return _mooncake(config.mooncake, config.timeout)
+
+
+def _redis(options: RedisConfig, timeout: float) -> Connector:
+    try:
+        from kvtier.tiers.remote.redis_client import RedisClient
+    except ImportError as exc:
+        raise ConfigError(f"backend: redis needs the redis and hiredis packages ({exc}); {INSTALL}") from None
+    connect = functools.partial(RedisClient, options.url, timeout=timeout, password=_password(options.password_env),
+                                ca_file=options.ca_file)
+    return Connector(connect, options.pool_size, f"redis at {options.url}")
+
+
+def _mooncake(options: MooncakeConfig, timeout: float) -> Connector:
+    from kvtier.tiers.remote.mooncake_client import MooncakeClient
+
+    connect = functools.partial(MooncakeClient, master=options.master, metadata_server=options.metadata_server,
+                                timeout=timeout, segment_size=options.segment_size, protocol=options.protocol,
+                                local_hostname=options.local_hostname)
+    return Connector(connect, 1, f"Mooncake master {options.master}")
+
+
+def record_format(config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes,
+                  rank: int | None = None) -> RecordFormat:
+    """The records of a stack with this ``namespace`` and ``layout`` (of one tensor-parallel ``rank``
+    under vLLM); raises ConfigError when ``auth_key_env`` names a missing or short secret."""
+    return RecordFormat(config.prefix, namespace_digest(namespace, layout, rank), layout.block_bytes,
+                        mac_key(config.auth_key_env), rank)
+
+
+def remote_tier(name: str, config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes,
+                ranks: Sequence[int | None] = (None,)) -> RemoteTier:
+    """The tier, with a link of its own for lookups; a block is present when every one of ``ranks``
+    has its record (one rank, None, for a standalone stack)."""
+    records = [record_format(config, layout, namespace, rank) for rank in ranks]
+    wired = connector(config)
+    link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
+    return RemoteTier(name, layout, records, link, config.placement)
+
+
+def _password(env_name: str | None) -> str | None:
+    """The server's password from the environment variable ``env_name``; never a config value."""
+    if env_name is None:
+        return None
+    value = os.environ.get(env_name, "")
+    if not value:
+        raise ConfigError(f"password_env: the environment variable {env_name} is unset or empty; set it to the "
+                          f"server's password, or remove password_env")
+    return value

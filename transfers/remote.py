@@ -1,0 +1,170 @@
+"""The remote transfer backend: blocks between host memory and a shared store's records.
+
+A store moves one record per block: its header (``RecordFormat``: key, namespace digest, lengths,
+checksum, MAC), then the block's bytes straight out of or into the host slot, with no staging copy
+where the client allows. Each transfer is one batched call of the store's client, run by the link
+(``StoreLink``) on a thread of its own with the tier's deadline, so a hung store costs a job its
+deadline, never more:
+
+- a store (host -> remote) reports the blocks the store did not take; they are counted drops;
+- a load (remote -> host) accepts a block only when its record arrived whole and its header, data
+  checksum and (with ``auth_key_env``) MAC say it is exactly that block, checked here before the job
+  reports; every other block fails, and the engine recomputes it;
+- where a call failed or outlived its deadline and has not settled yet (it may still write into its
+  destination slots, or read its source slots), the failed blocks are reported in a ``Quarantine``
+  that the link lifts once nothing of that call can touch them any more.
+
+While the store is down after a failure the link refuses calls at once (reconnecting with backoff),
+so every job in that time fails without waiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.storage import BlockStorage
+from kvtier.core.transfer import KEYED_DEVICE, OnComplete, Quarantine, Transfer, TransferBackend
+from kvtier.tiers.remote.client import Piece, StoreClient, StoreError
+from kvtier.tiers.remote.link import Call, StoreLink
+from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat
+from kvtier.tiers.remote.tier import RemoteStorage
+
+log = logging.getLogger(__name__)
+
+
+class RemoteBackend(TransferBackend):
+    """Stores and loads blocks between host memory ("cpu") and a shared store, through ``link``: as many
+    transfers at once as the link has clients."""
+
+    name = "remote"
+    pairs = frozenset({("cpu", KEYED_DEVICE), (KEYED_DEVICE, "cpu")})
+
+    def __init__(self, link: StoreLink) -> None:
+        self.link = link
+        self.refused_records = 0  # records that arrived whole but were not the block asked for
+        self._pool = ThreadPoolExecutor(link.connector.clients, thread_name_prefix="kvtier-remote",
+                                        initializer=mark_kvtier_thread)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        if not self.can_copy(transfer.src.device, transfer.dst.device):
+            raise TransferError(f"the remote backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
+        storing = transfer.dst.device == KEYED_DEVICE
+        remote, memory, slots = ((transfer.dst, transfer.src, transfer.src_slots) if storing
+                                 else (transfer.src, transfer.dst, transfer.dst_slots))
+        if not isinstance(remote, RemoteStorage):
+            raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
+        assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
+        job = _Job(remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the remote transfer backend is closed")
+            try:
+                self._pool.submit(self._run, self._store if storing else self._load, job)
+            except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
+                raise ClosedError(f"the remote transfer backend takes no more copies: {exc}") from None
+
+    def close(self) -> None:
+        """Wait for the transfers in flight (each ends by its deadline), then close the link's clients;
+        a call still past its deadline closes its client when it returns."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self.link.close(timeout=0)
+
+    # --- the two directions (on the pool's threads) --------------------------------------------
+
+    @staticmethod
+    def _run(direction: Callable[[_Job], None], job: _Job) -> None:
+        try:
+            direction(job)
+        except Exception:  # a bug must fail the job, not lose its completion
+            log.exception("kvtier remote transfer failed")
+            job.on_complete(set(range(len(job.keys))))
+
+    def _store(self, job: _Job) -> None:
+        for i, key in enumerate(job.keys):
+            job.headers[i] = np.frombuffer(job.records.header(key, job.data(i)), np.uint8)
+        self._finish(job, self._call(job, lambda client: client.put(job.names, job.pieces)))
+
+    def _load(self, job: _Job) -> None:
+        call, ok = self._call(job, lambda client: client.get(job.names, job.pieces))
+        for i, key in enumerate(job.keys):
+            if ok[i]:
+                problem = job.records.problem(job.headers[i].data, key, job.data(i))
+                if problem is not None:
+                    ok[i] = False
+                    with self._lock:
+                        self.refused_records += 1
+                    log.warning("kvtier refused record %s from %s: %s", job.names[i], self.link.connector.where,
+                                problem)
+        self._finish(job, (call, ok))
+
+    def _call(self, job: _Job, fn: Callable[[StoreClient], list[bool]]) -> tuple[Call[list[bool]] | None, list[bool]]:
+        """Run a batched call through the link: the call (None when the link refused it at once) and
+        which records it handled, all False unless it returned in time. ``fn`` holds ``job``, and so
+        the header buffers and host memory its pieces point into, for as long as the call runs: an
+        abandoned call may still write into them."""
+        n = len(job.keys)
+        try:
+            call = self.link.run(fn, dirty=lambda ok: not all(ok))
+        except (StoreError, ClosedError):
+            return None, [False] * n
+        return call, list(call.result) if call.ok and call.result is not None else [False] * n
+
+    @staticmethod
+    def _finish(job: _Job, answer: tuple[Call[list[bool]] | None, list[bool]]) -> None:
+        """Report the failed blocks; those of a call that has not settled yet are quarantined until it has."""
+        call, ok = answer
+        failed = {i for i, good in enumerate(ok) if not good}
+        quarantine = None
+        if failed and call is not None and not call.settled:
+            quarantine = Quarantine(failed)
+            call.when_settled(quarantine.lift)
+        job.on_complete(failed, quarantine)
+
+
+class _Job:
+    """One transfer's blocks as the store sees them: keys, record names, and each record's pieces (its
+    header in ``headers``, then the block's host memory)."""
+
+    def __init__(self, records: RecordFormat, keys: list[bytes], memory: list[list[Piece]], on_complete: OnComplete,
+                 keep: Transfer) -> None:
+        self.records = records
+        self.keys = keys
+        self.names = [records.name(key) for key in keys]
+        self.memory = memory
+        self.on_complete = on_complete
+        self.headers = np.zeros((len(keys), HEADER_BYTES), np.uint8)
+        base = self.headers.ctypes.data
+        self.pieces = [[(base + i * HEADER_BYTES, HEADER_BYTES), *pieces] for i, pieces in enumerate(memory)]
+        self._keep = keep  # holds the transfer, and so both storages' memory, while the job runs
+
+    def data(self, i: int) -> list[memoryview]:
+        """Block ``i``'s bytes in host memory, as views (for checksums and MACs)."""
+        return [memoryview((ctypes.c_char * size).from_address(address)).cast("B") for address, size in self.memory[i]]
+
+
+def block_pieces(storage: BlockStorage, slots: Sequence[int]) -> list[list[Piece]]:
+    """Each slot's bytes as (address, size) pieces in layout order, fragments that follow on in memory
+    merged (a host slot is one piece)."""
+    sizes = storage.layout.fragment_bytes
+    out = []
+    for row in storage.fragment_addresses(slots).tolist():
+        pieces: list[Piece] = []
+        for address, size in zip(row, sizes, strict=True):
+            if pieces and sum(pieces[-1]) == address:
+                pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
+            else:
+                pieces.append((address, size))
+        out.append(pieces)
+    return out
