@@ -35,6 +35,8 @@ from redis.retry import Retry
 from kvtier.tiers.remote.client import Piece, Record, StoreClient, StoreError
 
 SOCKET_TIMEOUT_FACTOR = 3
+CLIENT_NAME = "kvtier"
+"""What ``CLIENT LIST`` shows for kvtier's connections."""
 _COALESCE_BELOW = 64 * 1024
 """Chunks smaller than this are joined before they are sent (a small copy instead of one send each)."""
 
@@ -49,7 +51,8 @@ class RedisClient(StoreClient):
         options: dict[str, Any] = parse_url(url)
         connection_class = options.pop("connection_class", Connection)
         options.update(password=password, socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
-                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), protocol=2)
+                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), protocol=2,
+                       client_name=CLIENT_NAME)
         if ca_file is not None:
             options["ssl_ca_certs"] = ca_file
         self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"

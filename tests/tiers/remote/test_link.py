@@ -17,7 +17,7 @@ from kvtier.core.errors import ClosedError
 from kvtier.tiers.remote import link as link_module
 from kvtier.tiers.remote.client import StoreError
 from kvtier.tiers.remote.link import Connector, StoreLink
-from kvtier.tiers.remote.redis_client import RedisClient
+from kvtier.tiers.remote.redis_client import CLIENT_NAME, RedisClient
 
 TIMEOUT = 0.5
 
@@ -40,7 +40,8 @@ def make_link(server, clients: int = 2, client_class: type[RedisClient] = RedisC
 
 
 def connections(server) -> int:
-    return len(server.client().client_list()) - 1  # less the one asking
+    """kvtier's connections to the server (they carry its client name)."""
+    return sum(1 for entry in server.client().client_list() if entry["name"] == CLIENT_NAME)
 
 
 def test_calls_reuse_their_clients_and_open_at_most_the_limit(server):
