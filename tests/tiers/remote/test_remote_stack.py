@@ -45,11 +45,12 @@ def config(server, tmp_path):
     """``config(**options)``: a stack config dict over the test's server."""
 
     def make(host: int = 16, disk: str | None = None, namespace: str = "model-a", auth_env: str | None = None,
-             timeout: float = TIMEOUT) -> dict:
+             timeout: float = TIMEOUT, placement: str = "write_through") -> dict:
         tiers: list[dict] = [{"medium": "host", "capacity_blocks": host}]
         if disk is not None:
             tiers.append({"medium": "disk", "path": str(tmp_path / disk), "capacity_blocks": 32})
-        remote = {"medium": "remote", "backend": "redis", "timeout": timeout, "redis": {"url": server.url}}
+        remote = {"medium": "remote", "backend": "redis", "timeout": timeout, "placement": placement,
+                  "redis": {"url": server.url}}
         if auth_env is not None:
             remote["auth_key_env"] = auth_env
         return {"block_bytes": BLOCK, "namespace": namespace, "tiers": [*tiers, remote]}
@@ -118,6 +119,22 @@ def test_blocks_round_trip_between_stacks_through_the_store(config, server, disk
         assert exists_calls(server) == asked  # a local hit never asks the store
         assert kv.stats()["remote"]["hits"] == 8
         assert_clean(kv)
+
+
+def test_placed_write_back_the_store_gets_the_host_tiers_victims_only(config, server):
+    first, second = prompt(4), prompt(4, start=1)
+    blocks = data(4)
+    with KVTier.open(config(host=4, placement="write_back")) as kv:
+        kv.store(first, blocks).result(30)
+        kv.wait_idle()
+        assert server.client().dbsize() == 0  # nothing is copied while the host tier keeps it
+        kv.store(second, data(4, seed=1)).result(30)  # pushes the first prompt out of host memory
+        kv.wait_idle()
+        assert kv.stats()["host"]["demoted"] == 4 and kv.stats()["remote"]["committed"] == 4
+    with KVTier.open(config()) as fresh:
+        assert fresh.lookup(second) == 0
+        result, out = load(fresh, first, 4)
+        assert result.loaded == 4 and np.array_equal(out, blocks)
 
 
 CHILD = """
