@@ -108,7 +108,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 class KVTierConnector(KVConnectorBase_V1):
-    """Tiered KV cache (host memory, local disk) below vLLM's GPU prefix cache."""
+    """Tiered KV cache (host memory, local disk, a shared remote store) below vLLM's GPU prefix cache."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -239,6 +239,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
 
 def _meta(metadata: KVConnectorMetadata) -> StepJobs:

@@ -98,11 +98,11 @@ def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig) 
 
 
 def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, int]]:
-    """(name, medium, number of slots) of every tier kvtier keeps under vLLM (the GPU is vLLM's own),
-    fastest first; ``block_bytes`` is one rank's share of a vLLM block."""
+    """(name, medium, number of slots) of every tier of slots kvtier keeps under vLLM, fastest first (the
+    GPU is vLLM's own; a remote store has no slots); ``block_bytes`` is one rank's share of a vLLM block."""
     out: list[tuple[str, str, int]] = []
     for i, tier_cfg in enumerate(config.tiers):
-        if tier_cfg.medium == "gpu":
+        if tier_cfg.medium in ("gpu", "remote"):
             continue
         blocks = capacity_in_blocks(tier_cfg, block_bytes)
         if blocks is None or blocks < 1:

@@ -19,14 +19,25 @@ vLLM's own offloading connector does it: a running request's blocks are held by 
 still reading blocks that vLLM hands out again (after a finish or a preemption) is flushed by the
 workers before the forward pass. At start, each disk tier takes back the blocks every rank's slab
 still holds (``recovery.py``).
+
+A remote tier (a store shared with other engines, ``tiers/remote``) is asked with a client of this
+side's own, never through the workers, and never while a hook waits: the lookup asks the store only
+for the blocks past the local (host, disk) hit, in one batched existence query on a thread of its own,
+and answers "ask again" until it has answered (at most the tier's timeout; a store that is down is a
+miss). Each rank's shard of a block is a record of its own, so a block is a hit only when every
+rank's record exists. Blocks reach the store from the host tier (write-through, by default: a copy
+job once they are stored there), loads stage through host slots, and slots that a store call past
+its deadline may still write stay out of use until the workers report that call over.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -39,12 +50,14 @@ from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import blocks_on_every_rank
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import DiskTierConfig, StackConfig, eviction_policy
-from kvtier.core.jobs import Job, JobManager, WorkerReport
+from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
 from kvtier.policies import Watermark
+from kvtier.tiers.remote.factory import remote_tier
+from kvtier.tiers.remote.tier import KNOWN_FOR_S, RemoteTier
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -57,6 +70,16 @@ log = logging.getLogger(__name__)
 EVENT_MEDIUM = {"host": "CPU", "disk": "STORAGE"}
 LOAD_MEDIUM = "gpu"
 """What loads copy into: vLLM's KV blocks (routes from disk stage through host memory)."""
+
+
+class _StoreQuery(NamedTuple):
+    """A batched existence query of the remote store for blocks ``first`` to ``end`` of a request; its
+    answers count until ``expires`` (``time.monotonic``)."""
+
+    first: int
+    end: int
+    expires: float
+    future: Future[int]
 
 
 class BlockRef(NamedTuple):
@@ -79,6 +102,7 @@ class _RequestState:
     lookup_start: int = 0    # first block past vLLM's own prefix hit, from the last lookup
     load_sources: dict[str, int] = field(default_factory=dict)  # medium -> blocks of the planned load
     jobs: set[int] = field(default_factory=set)  # store and load jobs in flight
+    store_query: _StoreQuery | None = None  # the last question to the remote store about its blocks
 
 
 class SchedulerSide:
@@ -104,7 +128,16 @@ class SchedulerSide:
             policy = eviction_policy(config.tier_eviction(position[name]))()
             self.tiers.append(Tier(name, medium, SlotCount(layout, slots), policy,
                                    Watermark(wm.high, wm.low) if wm else None, self.jobs.is_fenced))
+        self.remote: RemoteTier | None = None
+        self._lookups: ThreadPoolExecutor | None = None
+        remote = config.remote
+        if remote is not None:  # the last tier; its records are the workers' (namespace as WorkerSide gets it)
+            self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(),
+                                      range(num_workers))
+            self.tiers.append(self.remote)
+            self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
         self.planner = Planner(self.tiers)
+        self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Write-through: a store's job also copies on into every tier below, stage after stage.
         self.hops = len(self.tiers) - 1 if config.placement == "write_through" else 0
         self.stats = KVTierConnectorStats()
@@ -115,7 +148,7 @@ class SchedulerSide:
             if isinstance(tier_cfg, DiskTierConfig):
                 self._recover(tier, tier_cfg, layout)
         self._step_loads: list[TransferJob] = []
-        self._step_demotions: list[TransferJob] = []
+        self._step_copies: list[TransferJob] = []  # demotions and copies to a remote store: no GPU block
         self._step_allocated: set[int] = set()
         self._gpu_readers: dict[int, set[int]] = {}   # GPU block id -> store jobs reading it
         self._gpu_loading: dict[int, int] = {}        # GPU block id -> the load job writing it
@@ -178,8 +211,8 @@ class SchedulerSide:
         """Tokens of the leading blocks after ``num_computed_tokens`` that some tier holds; always leaves
         the last prompt token to compute. Pins and touches nothing (vLLM may ask again and again); the
         one thing it may start is making room for the blocks the load would stage. None (ask again
-        next step) while a block of the prefix is being staged by another load, or room for staging
-        is being demoted."""
+        next step) while a block of the prefix is being staged by another load, room for staging is
+        being demoted, or the remote store has not answered yet for the blocks past the local hit."""
         state = self._state(request)
         if state is None:
             return 0, False
@@ -187,10 +220,26 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_tokens
         limit = min(len(keys), (request.num_tokens - 1) // self.block_tokens)
         found = self.planner.lookup(keys[start:limit], LOAD_MEDIUM)
+        if found.hits is not None and start + found.hits < limit and self.remote is not None:
+            if not self._store_answered(state, start + found.hits, limit):
+                return None, False
+            found = self.planner.lookup(keys[start:limit], LOAD_MEDIUM)  # now with the store's answers
         if found.hits is None or not self._room_to_stage(found.staging):
             return None, False
         state.lookup_start = start
         return found.hits * self.block_tokens, found.hits > 0
+
+    def _store_answered(self, state: _RequestState, first: int, end: int) -> bool:
+        """Whether the remote store answered recently which of the request's blocks ``first`` to ``end``
+        it holds (its answers are then the remote tier's READY keys); else asks it, one batched query
+        on the lookup thread, and says False until the answer is in."""
+        assert self.remote is not None and self._lookups is not None
+        query = state.store_query
+        if query is None or query.first > first or query.end < end or query.expires <= time.monotonic():
+            future = self._lookups.submit(self.remote.query, state.keys[first:end])
+            future.add_done_callback(_log_failure)
+            query = state.store_query = _StoreQuery(first, end, time.monotonic() + KNOWN_FOR_S, future)
+        return query.future.done()
 
     def _room_to_stage(self, staging: dict[int, int]) -> bool:
         """Make room for the blocks a load would stage (disk blocks load through host slots). Clean
@@ -229,9 +278,8 @@ class SchedulerSide:
 
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
-            hits = self._per_medium(outcome.hits)
             failed = len(outcome.lost) + count - plan.num_blocks  # lost on the way, or never planned
-            self.stats.record_load(hits.get("host", 0), hits.get("disk", 0), failed)
+            self.stats.record_load(self._per_medium(outcome.hits), failed)
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
         job = self._start(plan, done)
@@ -322,20 +370,35 @@ class SchedulerSide:
         for name, keys in room.dropped.items():
             self._removed_events(keys, self.tier(name))
         for plan in room.demotions:
-            job = self._start(plan, lambda job, p=plan: self._finish(p, job))
-            self._step_demotions.append(TransferJob.of(job.id, plan))
+            self._ship_copy(plan)
+
+    def _ship_copy(self, plan: Plan) -> None:
+        """A copy between tiers (a demotion, a copy to the remote store) as a job of the next step's."""
+        job = self._start(plan, lambda job: self._finish(plan, job))
+        self._step_copies.append(TransferJob.of(job.id, plan))
 
     def _finish(self, plan: Plan, job: Job, tokens: dict[bytes, tuple[int, ...]] | None = None) -> Outcome:
-        """Let the planner finish a plan whose job every rank reported; events for what changed."""
+        """Let the planner finish a plan whose job every rank reported; events for what changed. Blocks
+        now in host memory are copied on to a remote store placed write-through; host slots a store
+        call may still write stay out of use until the workers report that call over."""
         outcome = self.planner.finish(plan, job)
+        if outcome.holds:
+            self.jobs.when_lifted(job, lambda job: self.planner.lift(outcome))
         for name, keys in outcome.stored.items():
             self._stored_events(keys, self.tier(name), tokens)
+            index = self._index[name]
+            for target in self.planner.copy_targets(index, write_through=False):  # write-through hops: in the plan
+                copied = self.planner.copy_down(index, keys, target)
+                self._ship(copied.room)
+                if copied.plan.num_blocks:
+                    self._ship_copy(copied.plan)
         for name, keys in outcome.dropped.items():
             self._removed_events(keys, self.tier(name))
         return outcome
 
     def _per_medium(self, per_tier: dict[str, int]) -> dict[str, int]:
-        """Counts per tier as counts per medium ("host", "disk"): what vLLM's hit sources and our stats name."""
+        """Counts per tier as counts per medium ("host", "disk", "remote"): what vLLM's hit sources and our
+        stats name."""
         out: dict[str, int] = {}
         for name, n in per_tier.items():
             medium = self.tier(name).medium
@@ -394,8 +457,8 @@ class SchedulerSide:
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
             if tier.watermark is not None:
                 self._ship(self.planner.relieve(index))
-        meta = StepJobs(self._step_loads, stores + self._step_demotions, flush)
-        self._step_loads, self._step_demotions, self._step_allocated = [], [], set()
+        meta = StepJobs(self._step_loads, stores + self._step_copies, flush)
+        self._step_loads, self._step_copies, self._step_allocated = [], [], set()
         return meta
 
     def apply_reports(self, report: WorkerReport) -> None:
@@ -409,12 +472,24 @@ class SchedulerSide:
         return False, None
 
     def has_pending_work(self) -> bool:
-        """Jobs in flight keep the engine stepping, so their reports come back and their pins end."""
-        return bool(self.jobs.in_flight())
+        """Jobs in flight, and jobs whose quarantined slots await the workers' lift, keep the engine
+        stepping, so their reports come back and their pins end."""
+        return bool(self.jobs.in_flight() or self.jobs.held())
+
+    def shutdown(self) -> None:
+        """Stop asking the remote store (a query in flight ends by its deadline, unread)."""
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self.remote is not None:
+            self.remote.link.close(timeout=0)
 
     # --- events, stats, reset ------------------------------------------------------------------
 
     def _stored_events(self, keys: list[bytes], tier: Tier, tokens: dict[bytes, Any] | None = None) -> None:
+        """BlockStored per key; none for a remote store: what it holds changes without this engine (other
+        engines add, the store evicts), so this engine's events could only mislead about it."""
+        if tier.by_key:
+            return
         for key in keys:
             block = list(tokens[key]) if tokens else []
             self._events.append(BlockStored(block_hashes=[key], parent_block_hash=None, token_ids=block,
@@ -422,7 +497,7 @@ class SchedulerSide:
                                             medium=EVENT_MEDIUM[tier.medium], lora_name=None))
 
     def _removed_events(self, keys: list[bytes], tier: Tier) -> None:
-        if keys:
+        if keys and not tier.by_key:
             self._events.append(BlockRemoved(block_hashes=list(keys), medium=EVENT_MEDIUM[tier.medium]))
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -430,7 +505,7 @@ class SchedulerSide:
         return events
 
     def hit_sources(self, request: Request) -> dict[str, int]:
-        """Blocks of the request's planned load per medium ("host", "disk")."""
+        """Blocks of the request's planned load per medium ("host", "disk", "remote")."""
         state = self._requests.get(request.request_id)
         return dict(state.load_sources) if state is not None else {}
 
@@ -441,13 +516,21 @@ class SchedulerSide:
         return stats
 
     def reset_cache(self) -> bool:
-        """Drop every block no job is using; True when every tier is empty afterwards."""
-        for tier in self.tiers:
+        """Drop every block no job is using; True when every tier is empty afterwards. A remote store is
+        left as it is: it is shared, and its records are not this engine's to drop."""
+        local = [t for t in self.tiers if not t.by_key]
+        for tier in local:
             self._removed_events(tier.evict(tier.capacity), tier)
-        return all(t.usage().used == 0 for t in self.tiers)
+        return all(t.usage().used == 0 for t in local)
 
     def leaks(self) -> dict[str, Any]:
         """Pins, writes, jobs and GPU fences still held (all empty when kvtier is idle)."""
         return {"tiers": {t.name: t.leaks() for t in self.tiers if any(t.leaks().values())},
                 "jobs": [j.id for j in self.jobs.in_flight()], "gpu_readers": dict(self._gpu_readers),
                 "gpu_loading": dict(self._gpu_loading)}
+
+
+def _log_failure(query: Future[int]) -> None:
+    """A store query that raised (not a store failure, which is a miss: a bug) is logged, never lost."""
+    if not query.cancelled() and query.exception() is not None:
+        log.error("kvtier remote lookup failed", exc_info=query.exception())

@@ -1,10 +1,10 @@
 """Connector statistics in vLLM's ``KVConnectorStats`` form: counters that add up across ranks and steps.
 
-The scheduler side counts blocks (hits per tier, failed loads, stored blocks); the workers count bytes
-and seconds per direction (into vLLM's KV blocks: load; out of them: store), which the connector
-wraps here (``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs ``reduce()``,
-and feeds each step's figures to ``KVTierPromMetrics``, which exposes them as Prometheus counters on
-vLLM's own /metrics endpoint.
+The scheduler side counts blocks (hits per medium: host, disk, remote; failed loads; stored blocks); the
+workers count bytes and seconds per direction (into vLLM's KV blocks: load; out of them: store), which
+the connector wraps here (``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs
+``reduce()``, and feeds each step's figures to ``KVTierPromMetrics``, which exposes them as Prometheus
+counters on vLLM's own /metrics endpoint.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-COUNTERS = ("hit_blocks_host", "hit_blocks_disk", "failed_load_blocks", "stored_blocks",
+HIT_TIERS = ("host", "disk", "remote")
+COUNTERS = (*(f"hit_blocks_{medium}" for medium in HIT_TIERS), "failed_load_blocks", "stored_blocks",
             "load_bytes", "load_seconds", "store_bytes", "store_seconds")
-HIT_TIERS = ("host", "disk")
 PROMETHEUS_HELP = {
     "hit_blocks": "Prompt blocks kvtier loaded into vLLM's KV cache instead of vLLM computing them, by tier.",
     "failed_load_blocks": "Blocks kvtier planned to load that did not arrive intact (vLLM recomputed them).",
@@ -35,9 +35,10 @@ class KVTierConnectorStats(KVConnectorStats):
         for name in COUNTERS:
             self.data.setdefault(name, 0)
 
-    def record_load(self, host_hits: int, disk_hits: int, failed: int) -> None:
-        self.data["hit_blocks_host"] += host_hits
-        self.data["hit_blocks_disk"] += disk_hits
+    def record_load(self, hits: dict[str, int], failed: int) -> None:
+        """A finished load: blocks that arrived per medium of the tier they came from, and those that did not."""
+        for medium in HIT_TIERS:
+            self.data[f"hit_blocks_{medium}"] += hits.get(medium, 0)
         self.data["failed_load_blocks"] += failed
 
     def record_store(self, blocks: int) -> None:

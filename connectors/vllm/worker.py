@@ -4,8 +4,11 @@ Each rank (one process per GPU) keeps its own host slab and disk file, addressed
 scheduler side chose, and runs the copies the step's metadata names: loads before the forward pass,
 stores after it (the KV they read is computed by then). GPU <-> host copies go through the CUDA
 backend on CUDA devices (ordered after the compute stream current at submit) and the CPU backend
-on CPU tensors; host <-> disk through the disk backend. Every job ends with a report, also on a rank
-whose copies failed, so the scheduler's JobManager can count one report per rank.
+on CPU tensors; host <-> disk through the disk backend; host <-> a remote store through the remote
+backend, with this rank's records (``RecordFormat`` of this rank) and clients of its own. Every job
+ends with a report, also on a rank whose copies failed, so the scheduler's JobManager can count one
+report per rank; a job whose store call outlived its deadline reports again, at a later step, once
+that call can no longer touch the host slots it was given (``WorkerReport.lift``).
 
 Each job is a plan of the scheduler's planner (``core/planner.py``); its stages run through the same
 loop as the in-process stack's (``core/stages.py``). Nothing here imports vLLM: the connector in
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, tier_slots
 from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
-from kvtier.core.config import StackConfig
+from kvtier.core.config import RemoteTierConfig, StackConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.stages import StagedRun
@@ -33,6 +36,8 @@ from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
+from kvtier.tiers.remote.factory import record_format
+from kvtier.tiers.remote.tier import RemoteStorage
 from kvtier.transfers import backends_for
 
 if TYPE_CHECKING:
@@ -63,6 +68,7 @@ class WorkerSide:
     def __init__(self, config: StackConfig, kv_cache_config: KVCacheConfig, rank: int, namespace: str) -> None:
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
+        self.remote = config.remote
         self.layout = block_layout(kv_cache_config)
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
@@ -90,6 +96,9 @@ class WorkerSide:
                     slab.scan()
                     slab.refuse = self._note_refused
                     self.storages[name] = FileStorage(slab, self.layout)
+                elif isinstance(tier_cfg, RemoteTierConfig):
+                    records = record_format(tier_cfg, self.layout, namespace, rank)
+                    self.storages[name] = RemoteStorage(self.layout, records)
         except BaseException:
             self.shutdown()
             raise
@@ -100,7 +109,7 @@ class WorkerSide:
         transfer backend reaches from host memory."""
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
         devices = {gpu.device, *(storage.device for storage in self.storages.values())}
-        self.transfers = TransferRegistry(backends_for(self.transfer, devices))
+        self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.remote))
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
@@ -149,6 +158,13 @@ class WorkerSide:
             if job.kind == "load" and job.req_id is not None:
                 self._finished_loads.add(job.req_id)
                 self._load_errors |= {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
+        if run.quarantined:
+            run.when_lifted(functools.partial(self._lifted, job.job_id))
+
+    def _lifted(self, job_id: int) -> None:
+        """The quarantine of a finished job is over: said in the next report."""
+        with self._lock:
+            self._report.lift(job_id)
 
     def _count(self, direction: str, nbytes: int, seconds: float) -> None:
         """Bytes and seconds per direction: "load" (into vLLM's blocks) or "store" (out of them)."""
@@ -172,9 +188,10 @@ class WorkerSide:
             return errors
 
     def take_report(self) -> WorkerReport | None:
-        """The job completions of this rank since the last call (None when there are none)."""
+        """The job completions and lifted quarantines of this rank since the last call (None when there
+        are none)."""
         with self._lock:
-            if not self._report.finished:
+            if not (self._report.finished or self._report.lifted):
                 return None
             report, self._report = self._report, WorkerReport()
             return report

@@ -230,13 +230,21 @@ class Engine:
             for block in range(first // BLOCK, min(end // BLOCK, len(tokens) // BLOCK)):
                 worker.write_block(tokens, block, block_ids[block])
 
-    def run(self, requests, max_steps: int = 200):
-        """Step until these requests finished; returns the steps taken."""
-        for steps in range(1, max_steps + 1):
-            self.step()
+    def run(self, requests, max_steps: int = 200, timeout: float = 30.0):
+        """Step until these requests finished; returns the steps taken. A step that schedules nothing
+        (a lookup said "ask again": a remote store's answer is on its way) is not counted: the next
+        one comes a millisecond later, as long as ``timeout`` allows."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while steps < max_steps and time.monotonic() < deadline:
+            out, _ = self.step()
             if all(r.request_id not in self.scheduler.requests for r in requests):
                 self.drain()
-                return steps
+                return steps + 1
+            if out.total_num_scheduled_tokens:
+                steps += 1
+            else:
+                time.sleep(0.001)
         raise AssertionError("requests did not finish")
 
     def drain(self, max_steps: int = 50) -> None:

@@ -1,0 +1,249 @@
+"""The connector over a shared remote store, under vLLM's real Scheduler: engines share prefixes
+through a real redis-server (and once a real Mooncake Store), each with a host tier of its own.
+
+A second engine finds the first one's blocks in the store: its lookup answers "ask again" (None)
+while the one batched existence query is in flight and the hit once it is in; the load stages the
+records through its host tier into vLLM's blocks bit-exact. Under tensor parallelism each rank's
+shard is a record of its own and a block is a hit only when every rank's record exists. A store
+that is down answers "miss" within the tier's timeout, and a load it fails is recomputed by vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+from helpers.redis_server import redis_server
+from helpers.vllm_harness import MODEL_JSON, Engine
+from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, step_until_scheduled
+from kvtier.core.keys import chain_hashes
+
+TIMEOUT = 1.0
+WAIT = 10.0
+
+
+def redis_config(server) -> dict:
+    return {"tiers": [{"medium": "host", "capacity_blocks": 32},
+                      {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "redis": {"url": server.url}}]}
+
+
+def mooncake_config(master: MooncakeMaster) -> dict:
+    return {"tiers": [{"medium": "host", "capacity_blocks": 32},
+                      {"medium": "remote", "backend": "mooncake", "timeout": TIMEOUT,
+                       "mooncake": {"master": master.address, "metadata_server": master.metadata_url}}]}
+
+
+@pytest.fixture
+def redis(tmp_path):
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+def publish(make_engine, config: dict, tokens: list[int], **kwargs):
+    """A first engine computes ``tokens`` and its blocks reach the store (host tier, then a copy on)."""
+    writer = make_engine(config, **kwargs)
+    request = writer.add(tokens, max_tokens=2)
+    assert answer(writer, request) == (0, False)  # the store holds none yet (a first client may take a while)
+    writer.run([request])
+    assert writer.kvtier.remote.stats.committed == len(tokens) // BLOCK
+    writer.assert_no_leaks()
+    return writer
+
+
+def answer(engine, request, computed: int = 0) -> tuple[int | None, bool]:
+    """The lookup once the store has answered (None, "ask again", while the query is in flight)."""
+    lookup = engine.connector.get_num_new_matched_tokens
+    deadline = time.monotonic() + WAIT
+    while (found := lookup(request, computed))[0] is None:
+        assert time.monotonic() < deadline, "the store's answer never came"
+        time.sleep(0.01)
+    return found
+
+
+def record_names(engine, tokens: list[int], rank: int) -> list[str]:
+    keys = chain_hashes(tokens[:len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
+    return [engine.kvtier.remote.records[rank].name(key) for key in keys]
+
+
+def assert_remote_hit(make_engine, config: dict) -> None:
+    shared = prompt(4, 5, seed=1)
+    publish(make_engine, config, shared)
+    reader = make_engine(config)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    assert reader.connector.get_external_cache_hit_sources(again, 4 * BLOCK) == {
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9  # the tail only: 4 blocks came from the store
+    assert reader.blocks_match(again, range(4)) and not reader.load_errors
+    reader.run([again])
+    totals = {k: sum(s.get(k, 0) for s in reader.stats) for k in ("hit_blocks_remote", "hit_blocks_host")}
+    assert totals == {"hit_blocks_remote": 4, "hit_blocks_host": 0}
+    assert reader.kvtier.tier("host").usage().used >= 4  # staged through the host tier, where they stay
+    reader.assert_no_leaks()
+
+
+def test_a_second_engine_loads_the_first_ones_prefix_from_redis(make_engine, redis):
+    assert_remote_hit(make_engine, redis_config(redis))
+
+
+def test_a_second_engine_loads_the_first_ones_prefix_from_mooncake(make_engine):
+    with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
+        assert_remote_hit(make_engine, mooncake_config(master))
+
+
+def test_a_host_hit_never_asks_the_store(make_engine, redis):
+    engine = make_engine(redis_config(redis))
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    redis.stop()  # a question to the store now would wait for its deadline and count a lookup error
+    try:
+        start = time.monotonic()
+        assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, True)  # at once: no None
+        assert time.monotonic() - start < TIMEOUT / 2
+        assert engine.kvtier._requests[again.request_id].store_query is None
+        out = step_until_scheduled(engine, again)
+        assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
+    finally:
+        redis.cont()
+    engine.run([again])
+    assert engine.kvtier.remote.stats.lookup_errors == 0
+    engine.assert_no_leaks()
+
+
+def test_only_the_blocks_past_the_local_hit_are_asked_for(make_engine, redis):
+    config = redis_config(redis)
+    shared = prompt(6, 5, seed=1)
+    publish(make_engine, config, shared)
+    reader = make_engine(config)
+    reader.run([reader.add(prompt(2, 3, seed=3), max_tokens=2)])  # the first 2 blocks now in its host tier
+    forget_gpu(reader)
+    before = sum(s.get("hit_blocks_remote", 0) for s in reader.stats)
+    again = reader.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (6 * BLOCK, True)
+    query = reader.kvtier._requests[again.request_id].store_query
+    assert (query.first, query.end) == (2, 6)
+    job = next(_loads(reader, again))
+    # the 4 blocks past the host hit staged from the store, then all 6 from the host tier into vLLM's blocks
+    assert [[(c.src.tier, c.dst.tier, len(c.blocks)) for c in stage] for stage in job.stages] == [
+        [("remote", "host", 4)], [("host", None, 6)]]
+    assert reader.connector.get_external_cache_hit_sources(again, 6 * BLOCK) == {
+        CacheHitSource.HOST: 2 * BLOCK, CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9 and reader.blocks_match(again, range(6))
+    reader.run([again])
+    assert sum(s.get("hit_blocks_remote", 0) for s in reader.stats) - before == 4
+    reader.assert_no_leaks()
+
+
+def _loads(engine, request):
+    """Steps until the request's load is planned; yields it as the workers received it."""
+    for _ in range(5):
+        out, _ = engine.step()
+        yield from (job for job in out.kv_connector_metadata.loads if job.req_id == request.request_id)
+
+
+def test_another_model_finds_nothing(make_engine, redis, tmp_path):
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    other_model = tmp_path / "another-model"
+    other_model.mkdir()
+    (other_model / "config.json").write_text(json.dumps(MODEL_JSON))  # same shapes, another model
+    other = Engine(other_model, config)
+    try:
+        request = other.add(prompt(4, 9, seed=2), max_tokens=2)
+        assert answer(other, request) == (0, False)
+        other.run([request])
+        other.assert_no_leaks()
+    finally:
+        other.shutdown()
+
+
+def test_tp2_a_block_is_a_hit_only_when_every_ranks_record_exists(make_engine, redis):
+    import redis as redis_py
+
+    config = redis_config(redis)
+    shared = prompt(4, 5, seed=1)
+    writer = publish(make_engine, config, shared, tp=2)
+    assert writer.kvtier.remote.stats.committed == 4
+    client = redis_py.Redis.from_url(redis.url)
+    try:
+        for rank in (0, 1):
+            assert client.exists(*record_names(writer, shared, rank)) == 4
+        client.delete(record_names(writer, shared, 1)[2])  # rank 1's shard of block 2
+    finally:
+        client.close()
+    reader = make_engine(config, tp=2)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (2 * BLOCK, True)  # blocks 0 and 1 only: rank 1 lacks block 2
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 9
+    assert reader.blocks_match(again, range(4)) and not reader.load_errors
+    reader.run([again])
+    reader.assert_no_leaks()
+
+
+def test_a_dead_store_is_a_miss_within_the_timeout(make_engine, redis):
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    reader = make_engine(config)
+    redis.stop()  # hung: the query waits for its deadline
+    try:
+        request = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+        start = time.monotonic()
+        assert answer(reader, request) == (0, False)
+        assert time.monotonic() - start < TIMEOUT + 1.0
+        assert reader.kvtier.remote.stats.lookup_errors == 1
+        out = step_until_scheduled(reader, request)
+        assert out.num_scheduled_tokens[request.request_id] == 4 * BLOCK + 9  # computed from scratch
+        assert reader.blocks_match(request, range(4)) and not reader.load_errors
+    finally:
+        redis.cont()
+    reader.run([request])
+    reader.assert_no_leaks()
+
+
+def test_the_lookup_says_ask_again_until_the_store_answers(make_engine, redis):
+    """vLLM's scheduler steps on meanwhile: the request waits, nothing blocks on the network."""
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    reader = make_engine(config)
+    request = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    redis.stop()  # the query hangs until the server runs again
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            out, _ = reader.step()
+            assert time.monotonic() - start < TIMEOUT / 2 and request.request_id not in out.num_scheduled_tokens
+            assert reader.connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    finally:
+        redis.cont()
+    assert answer(reader, request) == (4 * BLOCK, True)
+    out = step_until_scheduled(reader, request)
+    assert out.num_scheduled_tokens[request.request_id] == 9 and reader.blocks_match(request, range(4))
+    reader.run([request])
+    assert reader.kvtier.remote.stats.lookup_errors == 0
+    reader.assert_no_leaks()
+
+
+def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_engine, redis):
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    reader = make_engine(config)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    redis.kill()
+    out = step_until_scheduled(reader, again)
+    (block_ids,) = reader.scheduler.kv_cache_manager.get_block_ids(again.request_id)
+    assert set(block_ids[:4]) <= reader.load_errors
+    assert out.num_scheduled_tokens[again.request_id] == 4 * BLOCK + 9  # vLLM computes it all
+    assert reader.blocks_match(again, range(4))
+    reader.run([again])
+    assert sum(s.get("failed_load_blocks", 0) for s in reader.stats) == 4
+    assert reader.kvtier.tier("host").usage().used == 4  # its own blocks, computed and stored again
+    reader.assert_no_leaks()
