@@ -247,3 +247,52 @@ def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_e
     assert sum(s.get("failed_load_blocks", 0) for s in reader.stats) == 4
     assert reader.kvtier.tier("host").usage().used == 4  # its own blocks, computed and stored again
     reader.assert_no_leaks()
+
+
+def test_host_slots_a_hung_load_may_write_stay_out_of_use_until_the_worker_lifts_them(make_engine, redis):
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    reader = make_engine(config)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    host = reader.kvtier.tier("host")
+    redis.stop()  # the load's GET hangs past its deadline: it could still write into its staging slots
+    try:
+        out = step_until_scheduled(reader, again)
+        assert out.num_scheduled_tokens[again.request_id] == 4 * BLOCK + 9  # failed: vLLM computes it all
+        assert reader.blocks_match(again, range(4))
+        assert [job.kind for job in reader.kvtier.jobs.held()] == ["load"]
+        assert host.leaks()["writing"] == 4  # the 4 staging slots, quarantined
+        for _ in range(5):  # steps while the server hangs lift nothing
+            reader.step()
+        assert host.leaks()["writing"] == 4
+    finally:
+        redis.cont()
+    deadline = time.monotonic() + WAIT
+    while reader.kvtier.jobs.held():  # the GET returns, its client is closed: the next steps report the lift
+        assert time.monotonic() < deadline, "the quarantine was never lifted"
+        reader.step()
+        time.sleep(0.01)
+    reader.run([again])
+    reader.assert_no_leaks()
+
+
+def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, redis):
+    config = {"tiers": [{"medium": "host", "capacity_blocks": 4},
+                        {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "placement": "write_back",
+                         "redis": {"url": redis.url}}]}
+    writer = make_engine(config)
+    first = prompt(4, 5, seed=1, prefix=1)
+    for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier, into the store
+        request = writer.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)
+        answer(writer, request)
+        writer.run([request])
+    assert writer.kvtier.remote.stats.committed == 4
+    writer.assert_no_leaks()
+    reader = make_engine(config)
+    again = reader.add(first, max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 5 and reader.blocks_match(again, range(4))
+    reader.run([again])
+    reader.assert_no_leaks()
