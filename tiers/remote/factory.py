@@ -24,13 +24,15 @@ LOOKUP_CLIENTS = 1
 """Lookups are one batched query each, asked by one executor thread at a time."""
 
 
-def connector(config: RemoteTierConfig) -> Connector:
+def connector(config: RemoteTierConfig, lends_memory: bool = True) -> Connector:
     """How to open clients of the configured store, with up to how many open at once (Redis: the
-    configured pool; Mooncake: one client per process, its calls one at a time)."""
+    configured pool; Mooncake: one client per process, its calls one at a time). A Mooncake client
+    that does not ``lends_memory`` mounts no segment whatever ``segment_size`` says: lookup clients
+    (the vLLM scheduler's among them) only ask, so the memory an engine lends is its workers' alone."""
     if config.redis is not None:
         return _redis(config.redis, config.timeout)
     assert config.mooncake is not None  # the config's validation: one backend mapping, the chosen one
-    return _mooncake(config.mooncake, config.timeout)
+    return _mooncake(config.mooncake, config.timeout, config.mooncake.segment_size if lends_memory else 0)
 
 
 def _redis(options: RedisConfig, timeout: float) -> Connector:
@@ -43,11 +45,11 @@ def _redis(options: RedisConfig, timeout: float) -> Connector:
     return Connector(connect, options.pool_size, f"redis at {options.url}")
 
 
-def _mooncake(options: MooncakeConfig, timeout: float) -> Connector:
+def _mooncake(options: MooncakeConfig, timeout: float, segment_size: int) -> Connector:
     from kvtier.tiers.remote.mooncake_client import MooncakeClient
 
     connect = functools.partial(MooncakeClient, master=options.master, metadata_server=options.metadata_server,
-                                timeout=timeout, segment_size=options.segment_size, protocol=options.protocol,
+                                timeout=timeout, segment_size=segment_size, protocol=options.protocol,
                                 local_hostname=options.local_hostname)
     return Connector(connect, 1, f"Mooncake master {options.master}")
 
@@ -65,7 +67,7 @@ def remote_tier(name: str, config: RemoteTierConfig, layout: BlockLayout, namesp
     """The tier, with a link of its own for lookups; a block is present when every one of ``ranks``
     has its record (one rank, None, for a standalone stack)."""
     records = [record_format(config, layout, namespace, rank) for rank in ranks]
-    wired = connector(config)
+    wired = connector(config, lends_memory=False)
     link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
     return RemoteTier(name, layout, records, link, config.placement)
 

@@ -193,3 +193,19 @@ def test_after_a_master_restart_loads_miss_and_new_stores_land():
         with KVTier.open(config(master)) as reader:
             result, out = load(reader, new, 4)
             assert result.loaded == 4 and np.array_equal(out, data)
+
+
+def test_only_the_transfer_client_lends_memory_lookups_mount_no_segment(store):
+    """``segment_size`` is the memory an engine lends the store: its transfer client mounts it, its lookup
+    client (the vLLM scheduler's, in an engine) never does, so the store gets one segment, not two."""
+    owners = len(store.segments())
+    lending = config(store)
+    lending["tiers"][1]["mooncake"]["segment_size"] = "32MB"
+    ids = tokens(2, start=4000)
+    with KVTier.open(lending) as kv:
+        stored(kv, ids, blocks(2, seed=9))  # the transfer client connects
+        assert kv.lookup(tokens(2, start=4100)) == 0  # and so does the lookup client
+        assert len(store.segments()) == owners + 1
+    with KVTier.open(config(store)) as reader:  # the lender's records left with its segment, or stayed elsewhere:
+        result, _ = load(reader, ids, 2)         # whatever the store answers, never wrong bytes
+        assert result.loaded + len(result.failed) == result.hits
