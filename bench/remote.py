@@ -6,7 +6,8 @@ What is measured
     blocks of 2 MiB and 256 KiB, ``--blocks`` blocks per batch:
 
     - kvtier: the remote transfer backend (``kvtier.transfers.remote.RemoteBackend``) running one
-      ``Transfer`` per batch between a host slab (``kvtier.tiers.host.HostSlab``) and the store's
+      ``Transfer`` per batch between a host slab (``kvtier.tiers.host.HostSlab``, with the page of
+      header room before each slot that a host tier above a remote one keeps) and the store's
       records (``RemoteStorage``), from ``submit`` until ``on_complete``: a store is each record's
       header (its checksum; the MAC when on) and one batched put through the link's deadline-bound
       thread; a load is one batched get, then each header, checksum (and MAC) checked.
@@ -62,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier import KVTier
-from kvtier.core.config import RemoteTierConfig
+from kvtier.core.config import HEADER_ROOM, RemoteTierConfig
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.host import HostSlab
@@ -214,10 +215,11 @@ class Rig:
         self.backend_name = backend
         self.layout = BlockLayout.contiguous(block_bytes)
         self.blocks = blocks
-        self.slab = HostSlab(blocks, self.layout)
-        self.slab.array[:] = np.random.default_rng(block_bytes).integers(0, 256, self.slab.nbytes, dtype=np.uint8)
-        self.data = self.slab.array.copy()
-        self.pieces = [(self.slab.address + i * block_bytes, block_bytes) for i in range(blocks)]
+        self.slab = HostSlab(blocks, self.layout, HEADER_ROOM)  # as a host tier above a remote one has it
+        self.slots = self.slab.array.reshape(blocks, HEADER_ROOM + block_bytes)[:, HEADER_ROOM:]
+        self.slots[:] = np.random.default_rng(block_bytes).integers(0, 256, self.slots.shape, dtype=np.uint8)
+        self.data = self.slots.copy()
+        self.pieces = [(address, block_bytes) for address in self.slab.storage.fragment_addresses(range(blocks))[:, 0]]
         self.reference = reference
         reference.register(self.slab)
         plain = RemoteTierConfig.model_validate(tier_config(backend, options, mac=False))
@@ -235,6 +237,7 @@ class Rig:
             kv.close()
         self.tier.close()
         self.backend.close()
+        del self.slots  # a view of the slab's memory, which cannot be unmapped while views of it exist
         self.slab.close()
 
     def keys(self, tag: str) -> list[bytes]:
@@ -277,7 +280,7 @@ class Rig:
     def stack_round(self) -> tuple[float, float]:
         """Seconds of the writer stack's store (until the store holds the blocks) and of the reader
         stack's load of them into a buffer of the caller's, checked bit-exact."""
-        data = self.data.reshape(self.blocks, -1)
+        data = self.data
         tokens = list(range(self.round * 1_000_000, self.round * 1_000_000 + self.blocks * TOKENS))
         start = time.perf_counter()
         stored = self.writer.store(tokens, data).result(4 * TIMEOUT)
@@ -301,9 +304,9 @@ class Rig:
         return time.perf_counter() - start
 
     def check_bit_exact(self, load: Callable[[], object], what: str) -> None:
-        self.slab.array[:] = 0
+        self.slots[:] = 0
         load()
-        if not np.array_equal(self.slab.array, self.data):
+        if not np.array_equal(self.slots, self.data):
             raise RuntimeError(f"{what} did not bring the blocks back bit-exact")
 
 

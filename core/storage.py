@@ -26,6 +26,7 @@ class BlockStorage:
         self.layout = layout
         self.num_slots = int(num_slots)
         self.device = device
+        self.header_room = 0  # bytes free right before each slot, contiguous with it (``contiguous_storage``)
         self._keepalive = keepalive
         self._on_close = on_close
 
@@ -84,10 +85,16 @@ class SlotListStorage(BlockStorage):
 
 
 def contiguous_storage(base: int, num_slots: int, layout: BlockLayout, device: str = "cpu",
-                       keepalive: Any = None, on_close: Callable[[], None] | None = None) -> StridedStorage:
-    """A slab of ``num_slots`` back-to-back blocks starting at address ``base``."""
-    return StridedStorage(layout, num_slots, base + layout.offsets, [layout.block_bytes] * layout.num_fragments,
-                          device, keepalive, on_close)
+                       keepalive: Any = None, on_close: Callable[[], None] | None = None,
+                       header_room: int = 0) -> StridedStorage:
+    """A slab of ``num_slots`` back-to-back blocks starting at address ``base``, each after
+    ``header_room`` bytes of its own: room where a transfer may put a header that then moves with the
+    block as one piece (a remote store's record)."""
+    stride = layout.block_bytes + header_room
+    storage = StridedStorage(layout, num_slots, base + header_room + layout.offsets, [stride] * layout.num_fragments,
+                             device, keepalive, on_close)
+    storage.header_room = header_room
+    return storage
 
 
 def buffer_info(array: Any, writable: bool) -> tuple[int, int, str]:

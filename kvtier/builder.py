@@ -72,7 +72,7 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
     where = f"tiers[{i}] ({name})"
     if isinstance(tier_cfg, RemoteTierConfig):
         return remote_tier(name, tier_cfg, layout, config.namespace)
-    blocks = capacity_in_blocks(tier_cfg, layout.block_bytes)
+    blocks = capacity_in_blocks(tier_cfg, layout.block_bytes, config.header_room)
     if blocks is None:
         raise ConfigError(f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the "
                           f"engine owns GPU memory)")
@@ -82,17 +82,20 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
     wm = tier_cfg.watermark
     watermark = Watermark(wm.high, wm.low) if wm is not None else None
     policy = eviction_policy(config.tier_eviction(i))()
-    medium_options = ({"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
-                       "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
-                       "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}
-                      if tier_cfg.medium == "disk" else {})
+    medium_options: dict[str, object] = {}
+    if tier_cfg.medium == "disk":
+        medium_options = {"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
+                          "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
+                          "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}
+    elif tier_cfg.medium == "host":
+        medium_options = {"header_room": config.header_room}
     try:
         return TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
                                                **medium_options)
     except KvtierError:
         raise  # names what failed already (a disk tier's path, say)
     except (MemoryError, OverflowError, OSError) as exc:
-        asked = blocks * block_footprint(tier_cfg, layout.block_bytes)
+        asked = blocks * block_footprint(tier_cfg, layout.block_bytes, config.header_room)
         raise ConfigError(f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(asked)} "
                           f"in all) cannot be allocated: {str(exc) or type(exc).__name__}; lower its capacity or "
                           f"block_bytes") from exc

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class HostSlab:
-    """``num_slots * block_bytes`` bytes of anonymous, page-aligned memory, pinned when CUDA allows."""
+    """``num_slots`` blocks of anonymous, page-aligned memory, pinned when CUDA allows; each slot after
+    ``header_room`` bytes of its own (``contiguous_storage``; a page-multiple keeps slots aligned)."""
 
-    def __init__(self, num_slots: int, layout: BlockLayout) -> None:
-        self.nbytes = num_slots * layout.block_bytes
+    def __init__(self, num_slots: int, layout: BlockLayout, header_room: int = 0) -> None:
+        self.nbytes = num_slots * (layout.block_bytes + header_room)
         refuse_more_than_memory(self.nbytes)
         self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -35,7 +36,7 @@ class HostSlab:
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
         self.address = self.array.ctypes.data
         self.pinned = _cuda_register(self.address, self.nbytes)
-        self.storage = contiguous_storage(self.address, num_slots, layout, "cpu", self, self.close)
+        self.storage = contiguous_storage(self.address, num_slots, layout, "cpu", self, self.close, header_room)
 
     def close(self) -> None:
         if self._map.closed:
@@ -88,8 +89,8 @@ def _cuda_unregister(address: int) -> None:
 
 
 def host_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
-              watermark: Watermark | None = None, is_fenced=None) -> Tier:
-    """A tier over a fresh host slab of ``num_slots`` blocks."""
-    slab = HostSlab(num_slots, layout)
+              watermark: Watermark | None = None, is_fenced=None, header_room: int = 0) -> Tier:
+    """A tier over a fresh host slab of ``num_slots`` blocks (``HostSlab``)."""
+    slab = HostSlab(num_slots, layout, header_room)
     note = "pinned host memory" if slab.pinned else "pageable host memory (no CUDA)"
     return Tier(name, "host", slab.storage, policy, watermark, is_fenced, note)

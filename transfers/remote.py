@@ -64,7 +64,8 @@ class RemoteBackend(TransferBackend):
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
-        job = _Job(remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer)
+        job = _Job(remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer,
+                   memory.header_room)
         with self._lock:
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
@@ -93,14 +94,14 @@ class RemoteBackend(TransferBackend):
 
     def _store(self, job: _Job) -> None:
         for i, key in enumerate(job.keys):
-            job.headers[i] = np.frombuffer(job.records.header(key, job.data(i)), np.uint8)
+            job.header(i)[:] = job.records.header(key, job.data(i))
         self._finish(job, self._call(job, lambda client: client.put(job.names, job.pieces)))
 
     def _load(self, job: _Job) -> None:
         call, ok = self._call(job, lambda client: client.get(job.names, job.pieces))
         for i, key in enumerate(job.keys):
             if ok[i]:
-                problem = job.records.problem(job.headers[i].data, key, job.data(i))
+                problem = job.records.problem(job.header(i), key, job.data(i))
                 if problem is not None:
                     ok[i] = False
                     with self._lock:
@@ -134,24 +135,38 @@ class RemoteBackend(TransferBackend):
 
 
 class _Job:
-    """One transfer's blocks as the store sees them: keys, record names, and each record's pieces (its
-    header in ``headers``, then the block's host memory)."""
+    """One transfer's blocks as the store sees them: keys, record names, and each record's pieces: its
+    header, then the block's host memory. Where the host storage keeps ``header_room`` before each
+    slot (a host tier above a remote one), the header lies there and a record is one piece, which
+    moves faster than two (Mooncake: 4-9 ms less per 64 x 2 MiB); else headers are a buffer of the job."""
 
     def __init__(self, records: RecordFormat, keys: list[bytes], memory: list[list[Piece]], on_complete: OnComplete,
-                 keep: Transfer) -> None:
+                 keep: Transfer, header_room: int = 0) -> None:
         self.records = records
         self.keys = keys
         self.names = [records.name(key) for key in keys]
         self.memory = memory
         self.on_complete = on_complete
-        self.headers = np.zeros((len(keys), HEADER_BYTES), np.uint8)
-        base = self.headers.ctypes.data
-        self.pieces = [[(base + i * HEADER_BYTES, HEADER_BYTES), *pieces] for i, pieces in enumerate(memory)]
+        if header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):
+            self.header_at = [pieces[0][0] - HEADER_BYTES for pieces in memory]
+            self.pieces = [[(at, HEADER_BYTES + piece[0][1])] for at, piece in zip(self.header_at, memory, strict=True)]
+        else:
+            self._headers = np.zeros((len(keys), HEADER_BYTES), np.uint8)
+            self.header_at = [self._headers.ctypes.data + i * HEADER_BYTES for i in range(len(keys))]
+            self.pieces = [[(at, HEADER_BYTES), *pieces] for at, pieces in zip(self.header_at, memory, strict=True)]
         self._keep = keep  # holds the transfer, and so both storages' memory, while the job runs
+
+    def header(self, i: int) -> memoryview:
+        """Record ``i``'s header bytes, where they are sent from and arrive into."""
+        return _view(self.header_at[i], HEADER_BYTES)
 
     def data(self, i: int) -> list[memoryview]:
         """Block ``i``'s bytes in host memory, as views (for checksums and MACs)."""
-        return [memoryview((ctypes.c_char * size).from_address(address)).cast("B") for address, size in self.memory[i]]
+        return [_view(address, size) for address, size in self.memory[i]]
+
+
+def _view(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def block_pieces(storage: BlockStorage, slots: Sequence[int]) -> list[list[Piece]]:

@@ -104,7 +104,7 @@ def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, in
     for i, tier_cfg in enumerate(config.tiers):
         if tier_cfg.medium in ("gpu", "remote"):
             continue
-        blocks = capacity_in_blocks(tier_cfg, block_bytes)
+        blocks = capacity_in_blocks(tier_cfg, block_bytes, config.header_room)
         if blocks is None or blocks < 1:
             raise ConfigError(f"tiers[{i}] ({config.tier_name(i)}): capacity holds no block of {block_bytes} "
                               f"bytes (one rank's share of a vLLM block)")

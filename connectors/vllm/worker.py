@@ -85,7 +85,7 @@ class WorkerSide:
             for i, tier_cfg in enumerate(config.tiers):
                 name = config.tier_name(i)
                 if tier_cfg.medium == "host":
-                    self.storages[name] = HostSlab(slots[name], self.layout).storage
+                    self.storages[name] = HostSlab(slots[name], self.layout, config.header_room).storage
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
                     slab = DiskSlab(rank_directory(tier_cfg.path, rank), slots[name], self.layout, namespace,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import redis_server
+from kvtier.core.config import HEADER_ROOM
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Quarantine, Transfer
 from kvtier.tiers.host import HostSlab
@@ -20,7 +21,7 @@ from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.redis_client import RedisClient
 from kvtier.tiers.remote.tier import RemoteStorage
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.transfers.remote import RemoteBackend, _Job, block_pieces
 
 LAYOUT = BlockLayout((16 * 1024, 16 * 1024))
 TIMEOUT = 1.0
@@ -36,8 +37,8 @@ def server(tmp_path):
 class Rig:
     """A host slab, the store's records and a backend between them."""
 
-    def __init__(self, url: str) -> None:
-        self.slab = HostSlab(len(KEYS), LAYOUT)
+    def __init__(self, url: str, header_room: int = 0) -> None:
+        self.slab = HostSlab(len(KEYS), LAYOUT, header_room)
         self.records = RecordFormat("t", namespace_digest("m", LAYOUT), LAYOUT.block_bytes)
         self.remote = RemoteStorage(LAYOUT, self.records)
         connect = functools.partial(RedisClient, url, timeout=TIMEOUT)
@@ -45,7 +46,8 @@ class Rig:
         self.data = np.random.default_rng(7).integers(0, 256, (len(KEYS), LAYOUT.block_bytes), dtype=np.uint8)
 
     def slots(self) -> np.ndarray:
-        return self.slab.array.reshape(len(KEYS), LAYOUT.block_bytes)
+        room = self.slab.storage.header_room
+        return self.slab.array.reshape(len(KEYS), room + LAYOUT.block_bytes)[:, room:]
 
     def run(self, storing: bool) -> tuple[set[int], Quarantine | None, float]:
         """One transfer of every block; (failed, quarantine, seconds until it completed)."""
@@ -91,6 +93,29 @@ def test_blocks_round_trip_bit_exact(rig, server):
     assert server.client().dbsize() == len(KEYS)
     assert rig.load()[:2] == (set(), None)
     assert np.array_equal(rig.slots(), rig.data)
+
+
+@pytest.mark.parametrize(("writer_room", "reader_room"),
+                         [(HEADER_ROOM, 0), (0, HEADER_ROOM), (HEADER_ROOM, HEADER_ROOM)])
+def test_a_record_is_the_same_whether_its_header_travels_in_the_room_before_the_slot_or_apart(
+        server, writer_room, reader_room):
+    """A host slab with room before each slot (a host tier above a remote one) sends header and block
+    as one piece; the record is the same bytes as from memory without room, so either reads either."""
+    writer, reader = Rig(server.url, writer_room), Rig(server.url, reader_room)
+    try:
+        assert writer.store()[:2] == (set(), None)
+        names = [writer.records.name(key) for key in KEYS]
+        sent = server.client().mget(names)
+        assert reader.load()[:2] == (set(), None) and np.array_equal(reader.slots(), writer.data)
+        assert reader.store()[:2] == (set(), None) and server.client().mget(names) == sent
+        for rig in (writer, reader):
+            room = rig.slab.storage.header_room
+            job = _Job(rig.records, KEYS, block_pieces(rig.slab.storage, range(len(KEYS))), lambda *_: None,
+                       None, room)
+            assert [len(pieces) for pieces in job.pieces] == [1 if room else 2] * len(KEYS)
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_a_missing_damaged_or_foreign_record_fails_exactly_its_block(rig, server):

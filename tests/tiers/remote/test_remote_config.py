@@ -8,7 +8,14 @@ import copy
 import pytest
 
 from helpers.config_helpers import error_of
-from kvtier.core.config import MooncakeConfig, RedisConfig, RemoteTierConfig, load_config
+from kvtier.core.config import (
+    HEADER_ROOM,
+    MooncakeConfig,
+    RedisConfig,
+    RemoteTierConfig,
+    capacity_in_blocks,
+    load_config,
+)
 from kvtier.core.errors import ConfigError
 
 REDIS = {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:6379/0"}}
@@ -129,3 +136,15 @@ def test_backend_settings_are_checked():
     assert error_of(stack(HOST, remote(MOONCAKE, mooncake={"segments": 1}))) == (
         "config: tiers[1].mooncake.segments: unknown key 'segments'; allowed: master, metadata_server, segment_size, "
         "protocol, local_hostname")
+
+
+def test_host_capacity_counts_the_header_room_a_remote_tier_adds_before_each_slot():
+    """With a remote tier each host slot keeps a page for its record's header (one piece to the store):
+    the capacity the YAML gives is what the slab takes, room included; without one, nothing changes."""
+    with_remote, local = load_config(stack(HOST, REDIS)), load_config(stack(HOST))
+    assert (with_remote.header_room, local.header_room) == (HEADER_ROOM, 0)
+    block = with_remote.block_bytes
+    assert capacity_in_blocks(with_remote.tiers[0], block, with_remote.header_room) == 8 * 2**20 // (block + 4096) == 7
+    assert capacity_in_blocks(local.tiers[0], block, local.header_room) == 8
+    disk = load_config(stack(HOST, DISK, REDIS))
+    assert capacity_in_blocks(disk.tiers[1], block, disk.header_room) == capacity_in_blocks(disk.tiers[1], block)
