@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine lint wheel-check bench bench-ttft clean
+.PHONY: demo test test-vllm test-vllm-engine lint wheel-check bench bench-remote bench-ttft clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -59,6 +59,12 @@ wheel-check:
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
 	$(PY) bench/disk.py
+
+# The remote tier against the stores' own clients (starts a Mooncake master + segment owner and a redis-server;
+# make test's install line puts them there: scripts/install-remote-test-deps.sh).
+bench-remote: $(VENV)/.installed
+	bash scripts/install-remote-test-deps.sh
+	$(PY) bench/remote.py
 
 # Time to first token with prefixes from kvtier in a real vLLM engine on CPU (the engine test's venv).
 bench-ttft:
