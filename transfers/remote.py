@@ -99,15 +99,18 @@ class RemoteBackend(TransferBackend):
 
     def _load(self, job: _Job) -> None:
         call, ok = self._call(job, lambda client: client.get(job.names, job.pieces))
+        refused = []
         for i, key in enumerate(job.keys):
             if ok[i]:
                 problem = job.records.problem(job.header(i), key, job.data(i))
                 if problem is not None:
                     ok[i] = False
-                    with self._lock:
-                        self.refused_records += 1
-                    log.warning("kvtier refused record %s from %s: %s", job.names[i], self.link.connector.where,
-                                problem)
+                    refused.append(f"{job.names[i]}: {problem}")
+        if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
+            with self._lock:
+                self.refused_records += len(refused)
+            log.warning("kvtier refused %d of %d records from %s, e.g. %s", len(refused), len(job.keys),
+                        self.link.connector.where, refused[0])
         self._finish(job, (call, ok))
 
     def _call(self, job: _Job, fn: Callable[[StoreClient], list[bool]]) -> tuple[Call[list[bool]] | None, list[bool]]:

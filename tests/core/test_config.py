@@ -112,7 +112,8 @@ def test_default_config_loads():
     assert cfg.placement == "write_back"
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "examples").rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(REPO / "examples")))
 def test_every_example_loads(path):
     load_config(path)
 

@@ -46,7 +46,9 @@ def _redis(options: RedisConfig, timeout: float) -> Connector:
 
 
 def _mooncake(options: MooncakeConfig, timeout: float, segment_size: int) -> Connector:
-    from kvtier.tiers.remote.mooncake_client import MooncakeClient
+    from kvtier.tiers.remote.mooncake_client import MooncakeClient, store_class
+
+    store_class()  # raises ConfigError naming the install line when the wheel or libibverbs1 is missing
 
     connect = functools.partial(MooncakeClient, master=options.master, metadata_server=options.metadata_server,
                                 timeout=timeout, segment_size=segment_size, protocol=options.protocol,

@@ -54,8 +54,9 @@ SETUP_RETRIES = 1
 """Mooncake retries setup 20 times by default: about 90 s against a dead master, 4.4 s with 1."""
 
 
-def _store_class() -> Any:
-    """``MooncakeDistributedStore``, imported only when a mooncake tier is built."""
+def store_class() -> Any:
+    """``MooncakeDistributedStore``, imported only when a mooncake tier is built (``factory`` asks
+    for it then, so a missing package or library fails the start, not every later call)."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -117,10 +118,10 @@ class MooncakeClient(StoreClient):
 
     def __init__(self, *, master: str, metadata_server: str, timeout: float, segment_size: int = 0,
                  protocol: str = "tcp", local_hostname: str = "127.0.0.1") -> None:
-        store_class = _store_class()
+        store_type = store_class()
         _check_reachable(master, metadata_server, timeout)
         os.environ.update(_environment(local_hostname, timeout))
-        self._store = store_class()
+        self._store = store_type()
         self._lock = threading.Lock()
         self._closed = False
         # local_buffer_size 0: only the zero-copy calls are used, which need no staging buffer.

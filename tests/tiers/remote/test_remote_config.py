@@ -4,6 +4,7 @@ that names the key, the value and the fix (the rules of core/config.py's RemoteT
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 
@@ -148,3 +149,13 @@ def test_host_capacity_counts_the_header_room_a_remote_tier_adds_before_each_slo
     assert capacity_in_blocks(local.tiers[0], block, local.header_room) == 8
     disk = load_config(stack(HOST, DISK, REDIS))
     assert capacity_in_blocks(disk.tiers[1], block, disk.header_room) == capacity_in_blocks(disk.tiers[1], block)
+
+
+def test_a_missing_mooncake_package_fails_the_start_not_every_later_lookup(monkeypatch, tmp_path):
+    """Clients connect later, on their calls' threads; the package they need is checked when the stack is built."""
+    from kvtier import KVTier
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import mooncake.store raises ImportError
+    with pytest.raises(ConfigError, match=r"backend: mooncake needs the mooncake-transfer-engine-non-cuda package.*"
+                                          r"pip install 'kvtier\[remote\]'"):
+        KVTier.open(stack(HOST, MOONCAKE))
