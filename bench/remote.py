@@ -219,7 +219,8 @@ class Rig:
         self.slots = self.slab.array.reshape(blocks, HEADER_ROOM + block_bytes)[:, HEADER_ROOM:]
         self.slots[:] = np.random.default_rng(block_bytes).integers(0, 256, self.slots.shape, dtype=np.uint8)
         self.data = self.slots.copy()
-        self.pieces = [(address, block_bytes) for address in self.slab.storage.fragment_addresses(range(blocks))[:, 0]]
+        addresses = self.slab.storage.fragment_addresses(range(blocks))[:, 0].tolist()
+        self.pieces = [(address, block_bytes) for address in addresses]
         self.reference = reference
         reference.register(self.slab)
         plain = RemoteTierConfig.model_validate(tier_config(backend, options, mac=False))
