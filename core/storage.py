@@ -72,6 +72,24 @@ class StridedStorage(BlockStorage):
         return self.bases[None, :] + slots[:, None] * self.strides[None, :]
 
 
+class GroupedStorage(BlockStorage):
+    """Several strided storages of one layout, device and size as one: slot ``g * n + s`` is slot ``s``
+    of part ``g`` (``n`` slots each). vLLM's KV cache groups: one block table per group of layers."""
+
+    def __init__(self, parts: Sequence[StridedStorage]) -> None:
+        first = parts[0]
+        if any((p.layout, p.device, p.num_slots) != (first.layout, first.device, first.num_slots) for p in parts):
+            raise TransferError("grouped storages must share their layout, device and number of slots")
+        super().__init__(first.layout, first.num_slots * len(parts), first.device, list(parts))
+        self.part_slots = first.num_slots
+        self.bases = np.stack([p.bases for p in parts])
+        self.strides = np.stack([p.strides for p in parts])
+
+    def _addresses(self, slots: np.ndarray) -> np.ndarray:
+        part, slot = np.divmod(slots, self.part_slots)
+        return self.bases[part] + slot[:, None] * self.strides[part]
+
+
 class SlotListStorage(BlockStorage):
     """Each slot is its own contiguous buffer at ``slot_bases[s]`` (a list of separate arrays)."""
 

@@ -12,10 +12,15 @@ rank has copied its blocks, so the forward pass never reads a block still being 
 after the forward pass that computed their blocks. A load that fails reports exactly the GPU blocks
 that did not arrive, and vLLM recomputes them. kvtier is a best-effort cache: ``request_finished``
 hands the blocks back at once, and a store still reading them is flushed before they are reused.
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with several KV cache groups
+keep it on. With several groups a failed load is reported per request (vLLM recomputes the request),
+since block ids alone no longer say which group's block failed; with one group, per block.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,11 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connectors.vllm.geometry import block_layout
+from kvtier.connectors.vllm.geometry import block_layout, block_tokens, served_groups, state_groups
 from kvtier.connectors.vllm.metadata import StepJobs
 from kvtier.connectors.vllm.namespace import engine_namespace
 from kvtier.connectors.vllm.scheduler import SchedulerSide
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(__name__)
 
 class ConnectorSettings(BaseModel):
     """``kv_connector_extra_config``: the kvtier configuration, and when blocks are stored.
@@ -107,7 +115,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         return KVTierWorkerMetadata(self.report.aggregate(other.report))
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV cache (host memory, local disk, a shared remote store) below vLLM's GPU prefix cache."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -122,9 +130,15 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             lazy_ahead = (max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks))
                           if settings.store == "lazy" else None)
+            states = state_groups(kv_cache_config)
+            if states:
+                log.warning("kvtier serves no prefix hits for this model: KV cache group(s) %s hold a recurrent "
+                            "(Mamba) state, which kvtier does not store", states)
             self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config),
-                                                vllm_config.cache_config.block_size,
-                                                vllm_config.parallel_config.world_size, ns, lazy_ahead, secret)
+                                                block_tokens(kv_cache_config) or vllm_config.cache_config.block_size,
+                                                vllm_config.parallel_config.world_size, ns, lazy_ahead, secret,
+                                                served_groups(kv_cache_config), kv_cache_config.num_blocks,
+                                                serves_hits=not states)
         else:
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
 
@@ -165,7 +179,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._work.start(_meta(self._get_connector_metadata()).stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work.take_finished_loads() or None
+        return None, self._work.take_finished_loads()[0] or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._work.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
@@ -226,6 +244,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of ``request_finished`` for a ``SupportsHMA`` connector."""
+        return self._sched.request_finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The groups a load writes (vLLM leaves their new blocks unzeroed): the attention groups."""
+        return tuple(group.vllm_index for group in self._sched.groups)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched.take_events()

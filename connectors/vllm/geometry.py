@@ -7,37 +7,101 @@ one fragment per layer (its page), back to back in host and disk slots, so the s
 copied into any other block id later. Views may subdivide a block into kernel blocks or order their
 dimensions any way: the pages, not the view shapes, are what is copied.
 
+A hybrid model has several KV cache groups (full attention, sliding window, Mamba state): each group
+is a set of layers with its own block table, all groups' blocks drawn from one pool of block ids over
+the same buffer. kvtier serves the attention groups (``served_groups``), each block of each group a
+kvtier block of its own, and needs them to share one layout (the same pages per block) and block size;
+it cannot serve a Mamba group's state, and says so (``state_groups``). vLLM's blocks of every served
+group are one storage (``kv_cache_storage``): slot ``g * num_blocks + b`` is block ``b`` of served group
+``g``.
+
 How many such blocks each kvtier tier holds (``tier_slots``) is geometry too: the scheduler side and
 every worker derive it here, so they agree on every tier's slot count. Nothing here imports vLLM
-(the worker side runs without it); ``kv_cache_config`` is read by its fields.
+(the worker side runs without it); ``kv_cache_config`` is read by its fields, and a spec's kind by
+the names of its classes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.storage import StridedStorage
+from kvtier.core.storage import BlockStorage, GroupedStorage, StridedStorage
 from kvtier.tiers.gpu import device_storage
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def _group(kv_cache_config: KVCacheConfig):
-    """The one KV cache group kvtier serves; models with several groups (hybrid attention) are refused."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"kvtier serves models with one KV cache group (full attention); this model has "
-                          f"{len(groups)} groups: {[type(g.kv_cache_spec).__name__ for g in groups]}")
-    return groups[0]
+class ServedGroup(NamedTuple):
+    """A KV cache group kvtier stores and loads: its index in ``kv_cache_groups``, and for a sliding
+    window how many blocks before a hit's end its layers need (the rest of the prefix is not kept)."""
+
+    vllm_index: int
+    window_blocks: int | None = None
 
 
-def _placements(kv_cache_config: KVCacheConfig) -> list[tuple[str, int, int]]:
-    """(layer name, byte offset of its block 0 in the buffer, block stride) for every layer, in order."""
-    layers = set(_group(kv_cache_config).layer_names)
+STATE_SPECS = {"MambaSpec"}
+"""Specs whose blocks are a recurrent state at one position, not KV per token: kvtier cannot serve them."""
+_SERVED_SPECS = {"FullAttentionSpec", "SlidingWindowSpec"}  # and their subclasses (MLA, sliding-window MLA)
+
+
+def _spec_kinds(spec: Any) -> set[str]:
+    return {cls.__name__ for cls in type(spec).__mro__}
+
+
+def served_groups(kv_cache_config: KVCacheConfig) -> list[ServedGroup]:
+    """The attention groups kvtier serves, in vLLM's order. Raises ConfigError for a group of a kind it
+    cannot serve correctly (chunked local attention, ...) and for served groups that differ in layout
+    or block size (kvtier blocks of one stack all have one size)."""
+    served = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kinds = _spec_kinds(spec)
+        if kinds & STATE_SPECS:
+            continue
+        if "SlidingWindowSpec" in kinds:  # a hit's end needs the blocks of its last window - 1 (+ retained) tokens
+            reach = getattr(spec, "sliding_window", 0) - 1 + (getattr(spec, "extra_retained_tokens", 0) or 0)
+            served.append(ServedGroup(index, -(-reach // spec.block_size)))
+        elif kinds & _SERVED_SPECS or not hasattr(spec, "block_size"):  # (tests without vLLM: plain attention)
+            served.append(ServedGroup(index))
+        else:
+            raise ConfigError(f"KV cache group {index} ({type(spec).__name__}) is of a kind kvtier cannot serve; "
+                              f"it serves full attention, sliding windows and MLA")
+    if not served:
+        raise ConfigError("the model has no attention KV cache group for kvtier to serve")
+    groups = [kv_cache_config.kv_cache_groups[g.vllm_index] for g in served]
+    shapes = {(g.kv_cache_spec.page_size_bytes, len(g.layer_names), getattr(g.kv_cache_spec, "block_size", None))
+              for g in groups}
+    if len(shapes) > 1:
+        raise ConfigError(f"kvtier needs every attention group to have the same pages per block and block size; "
+                          f"this model's groups have (page bytes, layers, block size) {sorted(shapes, key=str)}")
+    return served
+
+
+def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Indices of the groups that hold a recurrent state (Mamba): with one, no prefix hit kvtier could
+    load is whole, since the state at the hit's end is not a kvtier block."""
+    return [i for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            if _spec_kinds(group.kv_cache_spec) & STATE_SPECS]
+
+
+def block_tokens(kv_cache_config: KVCacheConfig) -> int | None:
+    """Tokens per block of the served groups (one size: ``served_groups``); None when unstated."""
+    group = kv_cache_config.kv_cache_groups[served_groups(kv_cache_config)[0].vllm_index]
+    return getattr(group.kv_cache_spec, "block_size", None)
+
+
+def _page(kv_cache_config: KVCacheConfig, group: ServedGroup) -> int:
+    return kv_cache_config.kv_cache_groups[group.vllm_index].kv_cache_spec.page_size_bytes
+
+
+def _placements(kv_cache_config: KVCacheConfig, group: ServedGroup) -> list[tuple[str, int, int]]:
+    """(layer name, byte offset of its block 0 in the buffer, block stride) for every layer of the
+    group, in order."""
+    layers = set(kv_cache_config.kv_cache_groups[group.vllm_index].layer_names)
     out = []
     for tensor in kv_cache_config.kv_cache_tensors:
         for index, name in enumerate(tensor.layers):
@@ -62,26 +126,32 @@ def _check_pages_contiguous(kv_cache_config: KVCacheConfig) -> None:
 
 
 def block_layout(kv_cache_config: KVCacheConfig) -> BlockLayout:
-    """One fragment per layer (its page of one block); ``block_bytes`` is what one rank stores per block."""
-    page = _group(kv_cache_config).kv_cache_spec.page_size_bytes
+    """One fragment per layer of a served group (its page of one block); ``block_bytes`` is what one
+    rank stores per block of one group."""
+    group = served_groups(kv_cache_config)[0]
     _check_pages_contiguous(kv_cache_config)
-    return BlockLayout((page,) * len(_placements(kv_cache_config)))
+    return BlockLayout((_page(kv_cache_config, group),) * len(_placements(kv_cache_config, group)))
 
 
-def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig) -> StridedStorage:
-    """vLLM's KV blocks as a storage whose slot ids are vLLM's block ids.
+def kv_cache_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig) -> BlockStorage:
+    """vLLM's KV blocks as a storage: slot ``g * num_blocks + b`` is vLLM's block ``b`` of served group
+    ``g`` (with one group, slot ids are vLLM's block ids)."""
+    parts = [_group_storage(kv_caches, kv_cache_config, group) for group in served_groups(kv_cache_config)]
+    return parts[0] if len(parts) == 1 else GroupedStorage(parts)
 
-    Each layer's pages are addressed through a byte view of the shared buffer (block dimension first,
-    one page per row), built from the ``KVCacheTensor`` placement; the layer's own view must start
-    where that placement says, which catches a buffer that is not what ``kv_cache_config`` describes.
-    """
+
+def _group_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig, group: ServedGroup) -> StridedStorage:
+    """One group's blocks: each layer's pages addressed through a byte view of the shared buffer (block
+    dimension first, one page per row), built from the ``KVCacheTensor`` placement; the layer's own view
+    must start where that placement says, which catches a buffer that is not what ``kv_cache_config``
+    describes."""
     import torch
 
     layout = block_layout(kv_cache_config)
     page = layout.fragment_bytes[0]
     num_blocks = kv_cache_config.num_blocks
     views = []
-    for name, offset, block_stride in _placements(kv_cache_config):
+    for name, offset, block_stride in _placements(kv_cache_config, group):
         if name not in kv_caches:
             raise ConfigError(f"vLLM registered no KV cache tensor for layer {name!r}")
         tensor = kv_caches[name]

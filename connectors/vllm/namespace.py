@@ -28,7 +28,7 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
     fingerprint of the weights of a local model folder, quantization, dtypes, layout, TP size, block
     size and the kvtier config's own ``namespace``. Reads the model folder: call it once per process."""
     model = vllm_config.model_config
-    fields = {
+    fields: dict[str, Any] = {
         "model": model.model,
         "revision": _revision(model.revision),
         "weights": weights_fingerprint(model.model),
@@ -40,6 +40,10 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
         "block_size": vllm_config.cache_config.block_size,
         "namespace": config.namespace,
     }
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:  # hybrid: which layers each group holds, and how (single-group namespaces stay as they were)
+        fields["groups"] = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "block_size", None),
+                             getattr(g.kv_cache_spec, "sliding_window", None), list(g.layer_names)] for g in groups]
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 

@@ -20,6 +20,13 @@ still reading blocks that vLLM hands out again (after a finish or a preemption) 
 workers before the forward pass. At start, each disk tier takes back the blocks every rank's slab
 still holds (``recovery.py``).
 
+Hybrid models have several KV cache groups (``geometry.served_groups``): each block of each group is a
+kvtier block of its own, keyed by the chain key tagged with the group, in a GPU slot naming the group
+(``g * num_blocks + block id``). A hit needs every full-attention group's blocks from the start of the
+hit and a sliding-window group's blocks only within its window before the hit's end; loads copy only
+the blocks vLLM allocated (out-of-window positions are vLLM's null block). A model with a Mamba state
+group gets no hits: the state at a hit's end is not something kvtier holds.
+
 A remote tier (a store shared with other engines, ``tiers/remote``) is asked with a client of this
 side's own, never through the workers, and never while a hook waits: the lookup asks the store only
 for the blocks past the local (host, disk) hit, in one batched existence query on a thread of its own,
@@ -36,7 +43,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -44,7 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
-from kvtier.connectors.vllm.geometry import tier_slots
+from kvtier.connectors.vllm.geometry import ServedGroup, tier_slots
 from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import blocks_on_every_rank
@@ -53,7 +60,7 @@ from kvtier.core.config import DiskTierConfig, StackConfig, eviction_policy
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
-from kvtier.core.planner import Outcome, Plan, Planner, Room, SlotCount
+from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
 from kvtier.policies import Watermark
 from kvtier.tiers.remote.factory import remote_tier
@@ -83,7 +90,8 @@ class _StoreQuery(NamedTuple):
 
 
 class BlockRef(NamedTuple):
-    """A full block of a request: its key, the vLLM GPU block holding its KV, and its tokens (events name them)."""
+    """A full block of a request in one KV cache group: its key, the GPU slot holding its KV (the group's
+    vLLM block), and its tokens (events name them)."""
 
     key: bytes
     gpu_block: int
@@ -97,7 +105,7 @@ class _RequestState:
     request: Request
     namespace: bytes
     keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per served group: vLLM's blocks (0: none there)
     stored: int = 0          # leading blocks already handed to the store planner
     lookup_start: int = 0    # first block past vLLM's own prefix hit, from the last lookup
     load_sources: dict[str, int] = field(default_factory=dict)  # medium -> blocks of the planned load
@@ -109,12 +117,20 @@ class SchedulerSide:
     """Index, policies, jobs and the planner for every tier below vLLM's GPU blocks."""
 
     def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
-                 namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None) -> None:
+                 namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None,
+                 groups: Sequence[ServedGroup] = (ServedGroup(0),), gpu_blocks: int = 0,
+                 serves_hits: bool = True) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
         no copy for blocks vLLM's own prefix cache keeps serving). ``key_secret`` keys every block
-        key (``chain_hashes``); only this side hashes, the workers get keys in the metadata."""
+        key (``chain_hashes``); only this side hashes, the workers get keys in the metadata. ``groups``
+        are the KV cache groups served, ``gpu_blocks`` vLLM's blocks per group; without
+        ``serves_hits`` (a Mamba state group) every lookup is a miss and nothing is stored."""
         self.config = config
+        self.groups = list(groups)
+        self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
+        self.gpu_blocks = gpu_blocks
+        self.serves_hits = serves_hits
         self.key_secret = key_secret
         self.lazy_ahead = lazy_ahead
         self.block_tokens = block_tokens
@@ -214,21 +230,83 @@ class SchedulerSide:
         next step) while a block of the prefix is being staged by another load, room for staging is
         being demoted, or the remote store has not answered yet for the blocks past the local hit."""
         state = self._state(request)
-        if state is None:
+        if state is None or not self.serves_hits:
             return 0, False
         keys = self._keys(state)
         start = num_computed_tokens // self.block_tokens
         limit = min(len(keys), (request.num_tokens - 1) // self.block_tokens)
-        found = self.planner.lookup(keys[start:limit], LOAD_MEDIUM)
-        if found.hits is not None and start + found.hits < limit and self.remote is not None:
-            if not self._store_answered(state, start + found.hits, limit):
+        end, found = self._hit(keys, start, limit)
+        if end is not None and end < limit and self.remote is not None:
+            if not self._store_answered(state, end, limit):
                 return None, False
-            found = self.planner.lookup(keys[start:limit], LOAD_MEDIUM)  # now with the store's answers
-        if found.hits is None or not self._room_to_stage(found.staging):
+            end, found = self._hit(keys, start, limit)  # now with the store's answers
+        if end is None or not self._room_to_stage(found.staging):
             return None, False
         state.lookup_start = start
-        return found.hits * self.block_tokens, found.hits > 0
+        return (end - start) * self.block_tokens, end > start
 
+    def _hit(self, keys: list[bytes], start: int, limit: int) -> tuple[int | None, Lookup]:
+        """The end of the longest hit from block ``start`` (at most ``limit``), and the planner's lookup
+        of the blocks a load to there needs; None while one of them is being staged. Full-attention
+        groups need every block from ``start``, a sliding-window group those within its window."""
+        if self.full_groups:
+            found = self.planner.lookup(self._group_keys(keys, start, limit, self.full_groups), LOAD_MEDIUM)
+            if found.hits is None:
+                return None, found
+            end = start + found.hits // len(self.full_groups)
+        else:
+            end = limit
+        if len(self.full_groups) == len(self.groups):
+            return end, found
+        end = self._window_end(keys, start, end)
+        found = self.planner.lookup(self._needed(keys, start, end), LOAD_MEDIUM)
+        return (end if found.hits is not None else None), found
+
+    def _window_end(self, keys: list[bytes], start: int, end: int) -> int:
+        """The largest hit end at most ``end`` for which every sliding-window group holds the blocks of
+        its window before it (each end only lowers: repeated until every group agrees)."""
+        ready: dict[tuple[int, int], bool] = {}
+
+        def held(i: int, p: int) -> bool:
+            if (i, p) not in ready:
+                ready[(i, p)] = bool(self.planner.lookup([self._group_key(keys[i], p)]).hits)
+            return ready[(i, p)]
+
+        settled = False
+        while not settled and end > start:
+            settled = True
+            for p, group in enumerate(self.groups):
+                window = group.window_blocks
+                if window is None:
+                    continue
+                missing = next((i for i in range(end - 1, max(start, end - window) - 1, -1) if not held(i, p)), None)
+                if missing is not None:
+                    end, settled = missing, False
+        return end
+
+    def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
+        """The blocks a hit from ``start`` to ``end`` loads, block by block, group by group."""
+        return [self._group_key(keys[i], p) for i in range(start, end) for p, group in enumerate(self.groups)
+                if group.window_blocks is None or i >= end - group.window_blocks]
+
+    def _group_keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
+        """Blocks ``start`` to ``end`` of these served groups, block by block."""
+        groups = list(groups)
+        if groups == [0] and len(self.groups) == 1:
+            return keys[start:end]
+        return [self._group_key(keys[i], p) for i in range(start, end) for p in groups]
+
+    def _group_key(self, key: bytes, group: int) -> bytes:
+        """The key of a block of served group ``group``: the chain key, tagged when there are several groups."""
+        return key if len(self.groups) == 1 else key + group.to_bytes(2, "big")
+
+    def _gpu_slot(self, group: int, block_id: int) -> int:
+        """The GPU slot of vLLM's block ``block_id`` of served group ``group`` (``geometry.kv_cache_storage``)."""
+        return group * self.gpu_blocks + block_id
+
+    def _block_id(self, gpu_slot: int) -> int:
+        """vLLM's block id of a GPU slot: what vLLM allocates and frees, whatever the group."""
+        return gpu_slot % self.gpu_blocks if self.gpu_blocks else gpu_slot
     def _store_answered(self, state: _RequestState, first: int, end: int) -> bool:
         """Whether the remote store answered recently which of the request's blocks ``first`` to ``end``
         it holds (its answers are then the remote tier's READY keys); else asks it, one batched query
@@ -236,7 +314,8 @@ class SchedulerSide:
         assert self.remote is not None and self._lookups is not None
         query = state.store_query
         if query is None or query.first > first or query.end < end or query.expires <= time.monotonic():
-            future = self._lookups.submit(self.remote.query, state.keys[first:end])
+            keys = self._group_keys(state.keys, first, end, range(len(self.groups)))
+            future = self._lookups.submit(self.remote.query, keys)
             future.add_done_callback(_log_failure)
             query = state.store_query = _StoreQuery(first, end, time.monotonic() + KNOWN_FOR_S, future)
         return query.future.done()
@@ -259,22 +338,24 @@ class SchedulerSide:
         cached). A block that left every tier since the lookup, and every block after it, is planned
         as missing: the workers report those GPU blocks as load errors and vLLM recomputes them.
         """
-        block_ids = blocks.get_block_ids()[0]
-        self._step_allocated.update(block_ids)
+        block_ids = blocks.get_block_ids()
+        self._step_allocated.update(b for ids in block_ids for b in ids if b)
         if num_external_tokens == 0:
             return
         state = self._state(request)
         if state is None:  # a request kvtier does not cache counted no hits
             return
-        count = num_external_tokens // self.block_tokens
         start = state.lookup_start
-        keys = self._keys(state)[start:start + count]
-        gpu_blocks = tuple(block_ids[start:start + count])
-        planned = self.planner.load(keys, gpu_blocks, LOAD_MEDIUM)
+        tables = [block_ids[g.vllm_index] for g in self.groups]
+        end = start + num_external_tokens // self.block_tokens
+        keys, gpu_slots, positions = self._load_blocks(state, tables, start, end)
+        count = len(keys)
+        planned = self.planner.load(keys, gpu_slots, LOAD_MEDIUM)
         self._ship(planned.room)
         plan = planned.plan
-        loading = gpu_blocks[:plan.num_blocks]
-        state.load_sources = self._per_medium({self.tiers[i].name: n for i, n in Counter(planned.sources).items()})
+        loading = gpu_slots[:plan.num_blocks]
+        first_of_block = [k for k in range(len(planned.sources)) if k == 0 or positions[k] != positions[k - 1]]
+        state.load_sources = self._per_medium(Counter(self.tiers[planned.sources[k]].name for k in first_of_block))
 
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
@@ -284,37 +365,50 @@ class SchedulerSide:
 
         job = self._start(plan, done)
         state.jobs.add(job.id)
-        for block in loading:
-            self._gpu_loading[block] = job.id
-        self._step_loads.append(TransferJob.of(job.id, plan, request.request_id, loading, gpu_blocks[len(loading):]))
+        for slot in loading:
+            self._gpu_loading[self._block_id(slot)] = job.id
+        self._step_loads.append(TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):]))
+
+    def _load_blocks(self, state: _RequestState, tables: list[list[int]], start: int,
+                     end: int) -> tuple[list[bytes], tuple[int, ...], list[int]]:
+        """The keys, GPU slots and positions of the blocks a load from ``start`` to ``end`` writes: those
+        vLLM allocated in each served group's ``tables`` (a sliding-window group's out-of-window
+        positions are its null block, 0, and load nothing)."""
+        keys = self._keys(state)
+        rows = [(self._group_key(keys[i], p), self._gpu_slot(p, table[i]), i)
+                for i in range(start, end) for p, table in enumerate(tables) if table[i]]
+        return [r[0] for r in rows], tuple(r[1] for r in rows), [r[2] for r in rows]
 
     # --- stores --------------------------------------------------------------------------------
 
     def _unstored_full(self, state: _RequestState, num_tokens: int) -> range:
         """Indices of the request's blocks full with ``num_tokens`` tokens that no store has taken
         yet (``state.stored`` counts those taken, from the first block on)."""
-        full = min(num_tokens // self.block_tokens, len(state.block_ids), len(self._keys(state)))
+        tables = min((len(ids) for ids in state.block_ids), default=0)
+        full = min(num_tokens // self.block_tokens, tables, len(self._keys(state)))
         return range(state.stored, full)
 
-    def _block(self, state: _RequestState, i: int) -> BlockRef:
-        """Block ``i`` of the request (its tokens sliced only for blocks about to be stored)."""
-        tokens = state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens]
-        return BlockRef(state.keys[i], state.block_ids[i], tuple(tokens))
+    def _blocks(self, state: _RequestState, i: int) -> list[BlockRef]:
+        """Block ``i`` of the request in every served group that holds it (its tokens sliced only for
+        blocks about to be stored)."""
+        tokens = tuple(state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens])
+        return [BlockRef(self._group_key(state.keys[i], p), self._gpu_slot(p, ids[i]), tokens)
+                for p, ids in enumerate(state.block_ids) if ids[i]]
 
     def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
         """Store the request's full blocks no tier holds yet. Those that find no room now (the first
         tier's victims are still being demoted) are tried again at the request's next step, in chain
         order."""
         full = self._unstored_full(state, num_tokens)
-        todo = [i for i in full if self._storable(state.keys[i], state.block_ids[i])]
-        job = self._store([self._block(state, i) for i in todo], state)
+        todo = [(i, ref) for i in full for ref in self._blocks(state, i) if self._storable(ref)]
+        job = self._store([ref for _, ref in todo], state)
         taken = job.num_blocks if job is not None else 0
-        state.stored = todo[taken] if taken < len(todo) else state.stored + len(full)
+        state.stored = todo[taken][0] if taken < len(todo) else full.stop
         return job
 
-    def _storable(self, key: bytes, gpu_block: int) -> bool:
+    def _storable(self, ref: BlockRef) -> bool:
         """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
-        return gpu_block not in self._gpu_loading and self.planner.is_new(key)
+        return self._block_id(ref.gpu_block) not in self._gpu_loading and self.planner.is_new(ref.key)
 
     def _lazy_candidates(self) -> list[BlockRef]:
         """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
@@ -324,8 +418,7 @@ class SchedulerSide:
         picked: dict[bytes, BlockRef] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
             ref = self._gpu_keys.get(block.block_id)
-            if (block.block_hash is not None and ref is not None and ref.key not in picked
-                    and self._storable(ref.key, ref.gpu_block)):
+            if block.block_hash is not None and ref is not None and ref.key not in picked and self._storable(ref):
                 picked[ref.key] = ref
         return list(picked.values())
 
@@ -352,8 +445,8 @@ class SchedulerSide:
         job = self._start(plan, done)
         if state is not None:
             state.jobs.add(job.id)
-        for block in gpu_blocks:
-            self._gpu_readers.setdefault(block, set()).add(job.id)
+        for slot in gpu_blocks:
+            self._gpu_readers.setdefault(self._block_id(slot), set()).add(job.id)
         return TransferJob.of(job.id, plan, req_id)
 
     # --- plans and jobs ------------------------------------------------------------------------
@@ -405,8 +498,8 @@ class SchedulerSide:
             out[medium] = out.get(medium, 0) + n
         return out
 
-    def _job_ended(self, job_id: int, req_id: str | None, gpu_blocks: Iterable[int], reads: bool) -> None:
-        for block in gpu_blocks:
+    def _job_ended(self, job_id: int, req_id: str | None, gpu_slots: Iterable[int], reads: bool) -> None:
+        for block in map(self._block_id, gpu_slots):
             if reads:
                 readers = self._gpu_readers[block]
                 readers.discard(job_id)
@@ -423,17 +516,23 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepJobs:
         """This step's loads, stores, demotions and fence; resets the step's state."""
         allocated = self._step_allocated
+        live = getattr(scheduler_output, "kv_connector_block_state", None)  # each request's whole table now
         for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):
+            new = block_id_groups or ()
+            allocated.update(b for ids in new for b in ids if b)
             state = self._requests.get(req_id)
-            new = block_id_groups[0] if block_id_groups else []
-            allocated.update(new)
             if state is None:
                 continue
+            table = live.get_block_ids(req_id) if live is not None else None
+            if table is not None:  # the request's whole table now: blocks a window let go of are 0 there
+                state.block_ids = [list(table[g.vllm_index]) for g in self.groups]
+            elif is_full_table:
+                state.block_ids = [list(new[g.vllm_index]) for g in self.groups]
+            elif new:
+                state.block_ids = [ids + list(new[g.vllm_index])
+                                   for ids, g in zip(state.block_ids, self.groups, strict=True)]
             if is_full_table:
-                state.block_ids = list(new)
                 state.stored = 0
-            else:
-                state.block_ids += new
         flush = {job for block in allocated for job in self._gpu_readers.get(block, ())}
         for req_id in scheduler_output.preempted_req_ids or ():
             state = self._requests.get(req_id)
@@ -445,13 +544,16 @@ class SchedulerSide:
             if state is None:
                 continue
             num_tokens = state.request.num_computed_tokens + scheduled
+            if not self.serves_hits:
+                continue
             if self.lazy_ahead is None:
                 planned.append(self._store_full(state, num_tokens))
             else:
                 full = self._unstored_full(state, num_tokens)
-                self._gpu_keys.update((state.block_ids[i], self._block(state, i)) for i in full)
+                self._gpu_keys.update((self._block_id(ref.gpu_block), ref)
+                                      for i in full for ref in self._blocks(state, i))
                 state.stored += len(full)
-        if self.lazy_ahead is not None:
+        if self.lazy_ahead is not None and self.serves_hits:
             planned.append(self._store(self._lazy_candidates(), None))
         stores = [job for job in planned if job is not None]
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
@@ -505,7 +607,8 @@ class SchedulerSide:
         return events
 
     def hit_sources(self, request: Request) -> dict[str, int]:
-        """Blocks of the request's planned load per medium ("host", "disk", "remote")."""
+        """Blocks of the request's planned load per medium ("host", "disk", "remote"), each block (of
+        every group) counted where its first group's copy comes from."""
         state = self._requests.get(request.request_id)
         return dict(state.load_sources) if state is not None else {}
 

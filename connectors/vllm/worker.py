@@ -25,7 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, tier_slots
+from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, served_groups, tier_slots
 from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.core.config import RemoteTierConfig, StackConfig
@@ -70,11 +70,14 @@ class WorkerSide:
         self.transfer = config.transfer
         self.remote = config.remote
         self.layout = block_layout(kv_cache_config)
+        # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
+        self.per_request_errors = len(served_groups(kv_cache_config)) > 1
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._running: dict[int, _RunningJob] = {}
         self._report = WorkerReport()
         self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._reported_errors: set[int] = set()
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
@@ -157,7 +160,11 @@ class WorkerSide:
                 self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
             if job.kind == "load" and job.req_id is not None:
                 self._finished_loads.add(job.req_id)
-                self._load_errors |= {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
+                errors = {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
+                if errors and self.per_request_errors:
+                    self._failed_loads.add(job.req_id)
+                else:
+                    self._load_errors |= errors
         if run.quarantined:
             run.when_lifted(functools.partial(self._lifted, job.job_id))
 
@@ -173,14 +180,16 @@ class WorkerSide:
 
     # --- what vLLM collects after the step -----------------------------------------------------
 
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose load ended on this rank since the last call; their failed GPU blocks are
-        handed out by the next ``take_load_errors``, so vLLM sees them no later than the request."""
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose load ended on this rank since the last call, and those of them whose load
+        failed as a whole (several KV cache groups); failed GPU blocks (one group) are handed out by the
+        next ``take_load_errors``, so vLLM sees them no later than the request."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
+            failed, self._failed_loads = self._failed_loads, set()
             self._reported_errors |= self._load_errors
             self._load_errors = set()
-            return done
+            return done, failed
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

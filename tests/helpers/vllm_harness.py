@@ -31,7 +31,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -41,6 +47,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from helpers.vllm_helpers import BLOCK
 
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
+HYBRID_LAYERS = tuple(f"model.decoder.layers.{i}.self_attn.attn" for i in range(4))
 # A small OPT-like model: vLLM's ModelConfig reads only this file (no weights for scheduler tests).
 MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 50272,
@@ -62,6 +69,23 @@ def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) 
                            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
     config.kv_cache_layout = layout
     return config
+
+
+def hybrid_kv_cache_config(num_blocks: int, window: int, head_size: int = 8) -> KVCacheConfig:
+    """Four layers as vLLM's hybrid manager groups them for a model of interleaved full-attention and
+    sliding-window layers: group 0 full attention (layers 0 and 2), group 1 a ``window``-token window
+    (layers 1 and 3), each group's tensor over the whole buffer from byte 0 (groups share the block
+    pool: a block id belongs to one group at a time), layer-outer."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
+    windowed = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16,
+                                 sliding_window=window)
+    page = full.page_size_bytes
+    groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
+              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], windowed)]
+    tensors = [KVCacheTensor(size=page * num_blocks * 2, layers=list(g.layer_names), layer_stride=page * num_blocks,
+                             block_stride=page) for g in groups]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
+                         kv_cache_layout="LBHNC", hash_block_size=BLOCK, cache_hit_alignment_tokens=BLOCK)
 
 
 def block_kv(tokens: list[int], block: int, page: int, layer: int) -> np.ndarray:
@@ -104,19 +128,23 @@ class Worker:
         storage = next(iter(self.kv_caches.values())).untyped_storage()
         self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
         self.page = kv_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        # every layer: where it lives, and its number (the KV of a layer is a function of it)
+        self.places = {name: (t, i) for t in kv_config.kv_cache_tensors for i, name in enumerate(t.layers)}
+        self.numbers = {name: n for n, name in enumerate(sorted(self.places))}
 
-    def page_view(self, block_id: int, layer: int) -> np.ndarray:
-        t = self.kv_config.kv_cache_tensors[0]
-        start = t.offset + layer * t.layer_stride + block_id * t.block_stride
+    def page_view(self, block_id: int, layer: str) -> np.ndarray:
+        t, index = self.places[layer]
+        start = t.offset + index * t.layer_stride + block_id * t.block_stride
         return self.buffer[start:start + self.page]
 
-    def write_block(self, tokens: list[int], block: int, block_id: int) -> None:
-        for layer in range(len(LAYERS)):
-            self.page_view(block_id, layer)[:] = block_kv(tokens, block, self.page, layer)
+    def write_block(self, tokens: list[int], block: int, block_id: int, layers=None) -> None:
+        for layer in layers or self.places:
+            self.page_view(block_id, layer)[:] = block_kv(tokens, block, self.page, self.numbers[layer])
 
-    def block_matches(self, tokens: list[int], block: int, block_id: int) -> bool:
-        return all(np.array_equal(self.page_view(block_id, layer), block_kv(tokens, block, self.page, layer))
-                   for layer in range(len(LAYERS)))
+    def block_matches(self, tokens: list[int], block: int, block_id: int, layers=None) -> bool:
+        return all(np.array_equal(self.page_view(block_id, layer),
+                                  block_kv(tokens, block, self.page, self.numbers[layer]))
+                   for layer in layers or self.places)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -130,10 +158,13 @@ class Engine:
 
     def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                  max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
-                 async_scheduling: bool = False, head_size: int = 8) -> None:
+                 async_scheduling: bool = False, head_size: int = 8, window: int | None = None) -> None:
+        """``window`` set: a hybrid model, full-attention and sliding-window groups (``hybrid_kv_cache_config``)."""
         self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                             max_num_seqs, extra)
-        self.kv_config = kv_cache_config(num_gpu_blocks, layout, head_size)
+        self.kv_config = (kv_cache_config(num_gpu_blocks, layout, head_size) if window is None
+                          else hybrid_kv_cache_config(num_gpu_blocks, window, head_size))
+        self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         # In vLLM's order: the workers first (they open their disk slabs and hold the directory
         # locks), then the scheduler, whose connector reads those slabs' headers at start.
@@ -152,6 +183,7 @@ class Engine:
         self.tokens: dict[str, list[int]] = {}
         self.loaded: dict[str, list[int]] = {}
         self.load_errors: set[int] = set()
+        self.failed_loads: set[str] = set()  # requests whose load failed as a whole (several KV cache groups)
         self.events = []  # kvtier's KV cache events, as vLLM's scheduler publishes them
         self.scheduler.kv_event_publisher = self
         self.stats: list[dict] = []  # kv_connector_stats payloads vLLM put into its scheduler stats
@@ -188,6 +220,7 @@ class Engine:
         kv_out = merged.kv_connector_output
         if kv_out is not None:
             self.load_errors |= kv_out.invalid_block_ids
+            self.failed_loads |= kv_out.failed_recving
         engine_outputs = self.scheduler.update_from_output(out, merged)  # publishes events to self
         for eco in engine_outputs.values():  # worker and scheduler stats as vLLM reports them
             if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
@@ -200,13 +233,14 @@ class Engine:
 
     def _worker_output(self, worker: Worker, out, reports: bool) -> ModelRunnerOutput:
         c = worker.connector
-        if reports:
-            _, recving = c.get_finished(out.finished_req_ids)
+        if reports:  # in the order of vLLM's model runner (kv_connector_model_runner_mixin.py)
+            results = c.get_transfer_results(out.finished_req_ids)
+            recving, failed = results.finished_recving or None, results.failed_recving
             errors = c.get_block_ids_with_load_errors()
             worker_meta = c.build_connector_worker_meta()
             stats = c.get_kv_connector_stats()
         else:
-            recving, errors, worker_meta, stats = None, set(), None, None
+            recving, failed, errors, worker_meta, stats = None, set(), set(), None, None
         worker_meta = pickle.loads(pickle.dumps(worker_meta))
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -217,18 +251,20 @@ class Engine:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled,
                                  kv_connector_output=KVConnectorOutput(
-                                     finished_recving=recving, invalid_block_ids=errors,
+                                     finished_recving=recving, failed_recving=failed, invalid_block_ids=errors,
                                      kv_connector_stats=stats, kv_connector_worker_meta=worker_meta))
 
     def _forward(self, worker: Worker, out) -> None:
         """Write the KV of every block that becomes full in this step (what the model computes)."""
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = list(request.all_token_ids)
             first, end = request.num_computed_tokens - n, request.num_computed_tokens  # advanced by schedule()
             for block in range(first // BLOCK, min(end // BLOCK, len(tokens) // BLOCK)):
-                worker.write_block(tokens, block, block_ids[block])
+                for layers, table in zip(self.groups, tables, strict=True):
+                    if table[block]:  # a window's block vLLM no longer keeps is its null block, 0
+                        worker.write_block(tokens, block, table[block], layers)
 
     def run(self, requests, max_steps: int = 200, timeout: float = 30.0):
         """Step until these requests finished; returns the steps taken. A step that schedules nothing
@@ -256,10 +292,12 @@ class Engine:
         raise AssertionError(f"kvtier jobs still in flight: {self.kvtier.leaks()}")
 
     def blocks_match(self, request: Request, blocks) -> bool:
-        """Whether the request's GPU blocks hold, on every rank, the KV its tokens give."""
-        (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        """Whether the request's GPU blocks hold, on every rank, the KV its tokens give (in every group
+        that keeps the block: a window's older blocks are vLLM's null block)."""
+        tables = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         tokens = list(request.all_token_ids)
-        return all(w.block_matches(tokens, b, block_ids[b]) for w in self.workers for b in blocks)
+        return all(w.block_matches(tokens, b, table[b], layers) for w in self.workers for b in blocks
+                   for layers, table in zip(self.groups, tables, strict=True) if table[b])
 
     def assert_no_leaks(self) -> None:
         leaks = self.kvtier.leaks()

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from helpers.vllm_harness import LAYERS
 from kvtier.connectors.vllm.connector import KVTierWorkerMetadata
 from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.core.errors import ConfigError
@@ -58,14 +59,14 @@ def fill(worker, block_ids, seed: int) -> list[np.ndarray]:
     out = []
     for b in block_ids:
         pages = [rng.integers(0, 256, worker.page, dtype=np.uint8) for _ in range(2)]
-        for layer, page in enumerate(pages):
+        for layer, page in zip(LAYERS, pages, strict=True):
             worker.page_view(b, layer)[:] = page
         out.append(np.concatenate(pages))
     return out
 
 
 def read(worker, block_ids) -> list[np.ndarray]:
-    return [np.concatenate([worker.page_view(b, layer).copy() for layer in range(2)]) for b in block_ids]
+    return [np.concatenate([worker.page_view(b, layer).copy() for layer in LAYERS]) for b in block_ids]
 
 
 def host_slab(worker) -> np.ndarray:

@@ -85,7 +85,7 @@ run(TransferJob(2, "load", 2, ((copy_of("disk", "host", rows([6, 3], [4, 5])),),
 assert all(np.array_equal(a, b) for a, b in zip((block(7), block(1)), original)), "blocks came back wrong"
 report = side.take_report()
 assert report.finished == {1: 1, 2: 1} and not report.failed, report
-assert side.take_finished_loads() == {"r"} and side.take_load_errors() == set()
+assert side.take_finished_loads() == ({"r"}, set()) and side.take_load_errors() == set()
 assert side.take_stats()["load_bytes"] == 2 * 2 * PAGE
 side.shutdown()
 assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)

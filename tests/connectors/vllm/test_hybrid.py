@@ -1,0 +1,165 @@
+"""Hybrid models under vLLM's real Scheduler and its hybrid KV cache manager: a full-attention group and
+a sliding-window group (``hybrid_kv_cache_config``: layers 0 and 2 full, 1 and 3 windowed). kvtier
+keeps vLLM's hybrid manager on (``SupportsHMA``), stores every group's blocks under keys tagged with the
+group, and loads a prefix hit into every group's blocks vLLM allocated: all of the full-attention
+group's, only the window's worth of the sliding-window group's (vLLM keeps nothing older there)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from helpers.vllm_harness import Engine
+from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, scheduled_load, step_until_scheduled
+from kvtier.connectors.vllm.geometry import ServedGroup, served_groups
+from kvtier.core.keys import chain_hashes
+
+HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 64}]}
+WINDOW = 2 * BLOCK + 1
+"""Tokens of the sliding window: a hit's last 2 blocks are all its windowed layers keep."""
+
+
+@pytest.fixture
+def hybrid(make_engine):
+    return lambda config=HOST_ONLY, **kwargs: make_engine(config, window=WINDOW, **kwargs)
+
+
+def group_keys(engine, tokens: list[int], group: int) -> list[bytes]:
+    keys = chain_hashes(tokens[:len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
+    return [key + group.to_bytes(2, "big") for key in keys]
+
+
+def test_kvtier_keeps_vllms_hybrid_manager_on(make_config, caplog):
+    with caplog.at_level(logging.WARNING):
+        config = make_config(HOST_ONLY)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert "Turning off hybrid kv cache manager" not in caplog.text
+
+
+def test_both_groups_are_served_the_window_as_far_as_it_reaches(hybrid):
+    engine = hybrid()
+    assert served_groups(engine.kv_config) == [ServedGroup(0), ServedGroup(1, window_blocks=2)]
+
+
+def test_a_prefix_longer_than_the_window_loads_into_every_groups_blocks_bit_exact(hybrid):
+    engine = hybrid()
+    first = engine.add(prompt(6, 5, seed=1), max_tokens=2)
+    engine.run([first])
+    host = engine.kvtier.tier("host")
+    assert host.usage().used == 12  # 6 blocks of each group, stored while vLLM still held them all
+    forget_gpu(engine)
+
+    second = engine.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(second, 0) == (6 * BLOCK, True)
+    job = scheduled_load(engine, second.request_id)
+    assert job.num_blocks == 6 + 2 and job.missing == ()  # the window's group: its last 2 blocks only
+    out = step_until_scheduled(engine, second)
+    assert out.num_scheduled_tokens[second.request_id] == 9
+    tables = engine.scheduler.kv_cache_manager.get_block_ids(second.request_id)
+    assert [b != 0 for b in tables[1][:6]] == [False] * 4 + [True] * 2  # vLLM keeps only the window
+    assert engine.blocks_match(second, range(6)) and not engine.failed_loads
+    engine.run([second])
+    assert sum(s["hit_blocks_host"] for s in engine.stats) == 8
+    engine.assert_no_leaks()
+
+
+def test_a_window_block_missing_ends_the_hit_where_the_window_is_whole(hybrid):
+    """The full-attention group holds all 6 blocks; the window's group lacks block 5, so a hit at 6 is
+    not whole. At 5 the window needs blocks 3 and 4, which are there: 5 blocks."""
+    engine = hybrid()
+    engine.run([engine.add(prompt(6, 5, seed=1), max_tokens=2)])
+    engine.kvtier.tier("host").discard([group_keys(engine, prompt(6, 0, seed=0), 1)[5]])
+    forget_gpu(engine)
+    again = engine.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (5 * BLOCK, True)
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == BLOCK + 9
+    assert engine.blocks_match(again, range(6)) and not engine.failed_loads
+    engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_a_failed_load_recomputes_the_whole_request(hybrid, tmp_path):
+    """With several groups vLLM takes no failed block ids: the request is reported failed, and vLLM
+    starts it over: its lookup now finds blocks 0 and 1 (block 2's damaged copy was dropped), loads them
+    again and computes the rest, with the right KV."""
+    disk = tmp_path / "disk"
+    config = {"placement": "write_through", "tiers": [
+        {"medium": "host", "capacity_blocks": 8},
+        {"medium": "disk", "capacity_blocks": 32, "path": str(disk), "o_direct": "off"}]}
+    engine = hybrid(config)
+    engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
+    key = group_keys(engine, prompt(4, 0, seed=0, prefix=1), 0)[2]
+    slot = engine.kvtier.tier("disk").slots([key])[0]
+    slab = engine.workers[0].connector.worker_side.storages["disk"].slab
+    with open(slab.path, "r+b") as f:  # flip bytes inside block 2's data (full-attention group) on disk
+        f.seek(slab.slot_offset(slot) + 4096 + 100)
+        f.write(b"\x00\xff" * 8)
+    engine.run([engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=2)])  # pushes prefix 1 out of host
+    forget_gpu(engine)
+    again = engine.add(prompt(4, 7, seed=3, prefix=1), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, True)
+    out = step_until_scheduled(engine, again)
+    assert engine.failed_loads == {again.request_id} and not engine.load_errors
+    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 7  # from block 2 on, after a second load
+    assert engine.blocks_match(again, range(4))
+    engine.run([again])
+    assert engine.kvtier.tier("disk").stats.read_errors == 1
+    engine.assert_no_leaks()
+
+
+def test_abort_mid_load_releases_everything(hybrid):
+    engine = hybrid(num_gpu_blocks=32)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    second = engine.add(prompt(4, 9, seed=2), max_tokens=4)
+    out, _ = engine.step(report_ranks=set())  # the load ran on the worker; its report is held back
+    assert [j.req_id for j in out.kv_connector_metadata.loads] == [second.request_id]
+    assert engine.kvtier.tier("host").leaks()["pinned"] == 4 + 2
+    engine.scheduler.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    engine.assert_no_leaks()
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 32 - 1
+
+
+def test_preemption_keeps_every_groups_kv_exact(hybrid):
+    """Two requests outgrow 16 GPU blocks (shared by both groups), so vLLM preempts one; reports held
+    back every other step keep stores in flight while vLLM reuses blocks. Everything stored loads back
+    as the KV its tokens give, in both groups."""
+    engine = hybrid(num_gpu_blocks=16)
+    reqs = [engine.add(prompt(3, 8, seed=s, prefix=s), max_tokens=40) for s in (1, 2)]
+    preempted = set()
+    for step in range(400):
+        out, _ = engine.step(report_ranks=None if step % 2 else set())
+        preempted |= out.preempted_req_ids or set()
+        if all(r.request_id not in engine.scheduler.requests for r in reqs):
+            break
+    engine.drain()
+    assert preempted
+    engine.assert_no_leaks()
+    forget_gpu(engine)
+    for s in (1, 2):
+        again = engine.add(prompt(3, 8, seed=s, prefix=s) + [1000 + i for i in range(24)], max_tokens=2)
+        out = step_until_scheduled(engine, again)
+        assert engine.blocks_match(again, range(len(again.prompt_token_ids) // BLOCK)) and not engine.failed_loads
+        engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_two_ranks_load_every_groups_blocks_bit_exact(model_dir):
+    engine = Engine(model_dir, HOST_ONLY, tp=2, window=WINDOW)
+    try:
+        engine.run([engine.add(prompt(5, 5, seed=1), max_tokens=2)])
+        forget_gpu(engine)
+        again = engine.add(prompt(5, 9, seed=2), max_tokens=2)
+        out = step_until_scheduled(engine, again)
+        assert out.num_scheduled_tokens[again.request_id] == 9
+        assert engine.blocks_match(again, range(5)) and not engine.failed_loads
+        engine.run([again])
+        engine.assert_no_leaks()
+    finally:
+        engine.shutdown()
