@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -71,17 +72,20 @@ def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) 
     return config
 
 
-def hybrid_kv_cache_config(num_blocks: int, window: int, head_size: int = 8) -> KVCacheConfig:
+def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int = 8) -> KVCacheConfig:
     """Four layers as vLLM's hybrid manager groups them for a model of interleaved full-attention and
     sliding-window layers: group 0 full attention (layers 0 and 2), group 1 a ``window``-token window
     (layers 1 and 3), each group's tensor over the whole buffer from byte 0 (groups share the block
-    pool: a block id belongs to one group at a time), layer-outer."""
+    pool: a block id belongs to one group at a time), layer-outer. ``window`` None: group 1 is a
+    Mamba state instead (vLLM's "align" mode, its page padded to the attention page)."""
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
-    windowed = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16,
-                                 sliding_window=window)
     page = full.page_size_bytes
+    other = (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16,
+                               sliding_window=window) if window is not None
+             else MambaSpec(block_size=BLOCK, shapes=((4, head_size),), dtypes=(torch.float16,),
+                            page_size_padded=page, mamba_cache_mode="align"))
     groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
-              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], windowed)]
+              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], other)]
     tensors = [KVCacheTensor(size=page * num_blocks * 2, layers=list(g.layer_names), layer_stride=page * num_blocks,
                              block_stride=page) for g in groups]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
@@ -158,12 +162,16 @@ class Engine:
 
     def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                  max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
-                 async_scheduling: bool = False, head_size: int = 8, window: int | None = None) -> None:
-        """``window`` set: a hybrid model, full-attention and sliding-window groups (``hybrid_kv_cache_config``)."""
+                 async_scheduling: bool = False, head_size: int = 8, window: int | None = None,
+                 mamba: bool = False) -> None:
+        """``window`` set: a hybrid model, full-attention and sliding-window groups; ``mamba``: full
+        attention and a Mamba state group (``hybrid_kv_cache_config``)."""
         self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                             max_num_seqs, extra)
-        self.kv_config = (kv_cache_config(num_gpu_blocks, layout, head_size) if window is None
-                          else hybrid_kv_cache_config(num_gpu_blocks, window, head_size))
+        self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size) if window is not None or mamba
+                          else kv_cache_config(num_gpu_blocks, layout, head_size))
+        if mamba:
+            self.vllm_config.cache_config.mamba_cache_mode = "align"
         self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         # In vLLM's order: the workers first (they open their disk slabs and hold the directory

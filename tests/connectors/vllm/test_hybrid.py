@@ -163,3 +163,23 @@ def test_two_ranks_load_every_groups_blocks_bit_exact(model_dir):
         engine.assert_no_leaks()
     finally:
         engine.shutdown()
+
+
+def test_with_a_mamba_state_group_kvtier_serves_no_hit_and_the_engine_runs(make_engine, caplog):
+    """A Mamba group's state at a hit's end is not a kvtier block, so no hit could be whole: kvtier
+    says so at start, answers every lookup with a miss, stores nothing, and the engine runs as without it."""
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(HOST_ONLY, mamba=True)
+    assert "serves no prefix hits for this model" in caplog.text
+    assert engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (0, False)
+    out = step_until_scheduled(engine, again)
+    # computed from its first token (in block-aligned chunks, as vLLM schedules Mamba's "align" mode)
+    assert again.num_computed_tokens == out.num_scheduled_tokens[again.request_id]
+    assert not out.kv_connector_metadata.loads
+    engine.run([again])
+    assert engine.kvtier.tier("host").usage().used == 0 and not engine.stats
+    engine.assert_no_leaks()
