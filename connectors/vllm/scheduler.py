@@ -129,6 +129,7 @@ class SchedulerSide:
         self.config = config
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
+        self.windowed = len(self.full_groups) < len(self.groups)
         self.gpu_blocks = gpu_blocks
         self.serves_hits = serves_hits
         self.key_secret = key_secret
@@ -256,7 +257,7 @@ class SchedulerSide:
             end = start + found.hits // len(self.full_groups)
         else:
             end = limit
-        if len(self.full_groups) == len(self.groups):
+        if not self.windowed:
             return end, found
         end = self._window_end(keys, start, end)
         found = self.planner.lookup(self._needed(keys, start, end), LOAD_MEDIUM)
@@ -354,8 +355,10 @@ class SchedulerSide:
         self._ship(planned.room)
         plan = planned.plan
         loading = gpu_slots[:plan.num_blocks]
-        first_of_block = [k for k in range(len(planned.sources)) if k == 0 or positions[k] != positions[k - 1]]
-        state.load_sources = self._per_medium(Counter(self.tiers[planned.sources[k]].name for k in first_of_block))
+        sources = planned.sources  # each block counted once, where its first group's copy comes from
+        if len(self.groups) > 1:
+            sources = tuple(src for k, src in enumerate(sources) if k == 0 or positions[k] != positions[k - 1])
+        state.load_sources = self._per_medium({self.tiers[i].name: n for i, n in Counter(sources).items()})
 
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
@@ -375,6 +378,8 @@ class SchedulerSide:
         vLLM allocated in each served group's ``tables`` (a sliding-window group's out-of-window
         positions are its null block, 0, and load nothing)."""
         keys = self._keys(state)
+        if len(tables) == 1:  # one group: every position, vLLM's block ids as they are
+            return keys[start:end], tuple(tables[0][start:end]), list(range(start, end))
         rows = [(self._group_key(keys[i], p), self._gpu_slot(p, table[i]), i)
                 for i in range(start, end) for p, table in enumerate(tables) if table[i]]
         return [r[0] for r in rows], tuple(r[1] for r in rows), [r[2] for r in rows]
@@ -384,31 +389,40 @@ class SchedulerSide:
     def _unstored_full(self, state: _RequestState, num_tokens: int) -> range:
         """Indices of the request's blocks full with ``num_tokens`` tokens that no store has taken
         yet (``state.stored`` counts those taken, from the first block on)."""
-        tables = min((len(ids) for ids in state.block_ids), default=0)
+        tables = min(map(len, state.block_ids)) if state.block_ids else 0
         full = min(num_tokens // self.block_tokens, tables, len(self._keys(state)))
         return range(state.stored, full)
 
-    def _blocks(self, state: _RequestState, i: int) -> list[BlockRef]:
-        """Block ``i`` of the request in every served group that holds it (its tokens sliced only for
-        blocks about to be stored)."""
-        tokens = tuple(state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens])
-        return [BlockRef(self._group_key(state.keys[i], p), self._gpu_slot(p, ids[i]), tokens)
-                for p, ids in enumerate(state.block_ids) if ids[i]]
+    def _block(self, state: _RequestState, i: int, group: int) -> BlockRef:
+        """Block ``i`` of the request in served group ``group`` (its tokens sliced only for blocks about
+        to be stored)."""
+        tokens = state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens]
+        return BlockRef(self._group_key(state.keys[i], group), self._gpu_slot(group, state.block_ids[group][i]),
+                        tuple(tokens))
+
+    def _held_in(self, state: _RequestState, i: int) -> list[int]:
+        """The served groups that hold block ``i`` of the request in a GPU block (a window's old ones do not)."""
+        return [p for p, ids in enumerate(state.block_ids) if ids[i]]
 
     def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
         """Store the request's full blocks no tier holds yet. Those that find no room now (the first
         tier's victims are still being demoted) are tried again at the request's next step, in chain
         order."""
         full = self._unstored_full(state, num_tokens)
-        todo = [(i, ref) for i in full for ref in self._blocks(state, i) if self._storable(ref)]
-        job = self._store([ref for _, ref in todo], state)
+        if len(self.groups) == 1:  # (the common case, every step: no per-group work)
+            ids = state.block_ids[0]
+            todo = [(i, 0) for i in full if self._storable(state.keys[i], ids[i])]
+        else:
+            todo = [(i, p) for i in full for p in self._held_in(state, i)
+                    if self._storable(self._group_key(state.keys[i], p), state.block_ids[p][i])]
+        job = self._store([self._block(state, i, p) for i, p in todo], state)
         taken = job.num_blocks if job is not None else 0
         state.stored = todo[taken][0] if taken < len(todo) else full.stop
         return job
 
-    def _storable(self, ref: BlockRef) -> bool:
+    def _storable(self, key: bytes, block_id: int) -> bool:
         """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
-        return self._block_id(ref.gpu_block) not in self._gpu_loading and self.planner.is_new(ref.key)
+        return block_id not in self._gpu_loading and self.planner.is_new(key)
 
     def _lazy_candidates(self) -> list[BlockRef]:
         """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
@@ -418,7 +432,8 @@ class SchedulerSide:
         picked: dict[bytes, BlockRef] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
             ref = self._gpu_keys.get(block.block_id)
-            if block.block_hash is not None and ref is not None and ref.key not in picked and self._storable(ref):
+            if (block.block_hash is not None and ref is not None and ref.key not in picked
+                    and self._storable(ref.key, block.block_id)):
                 picked[ref.key] = ref
         return list(picked.values())
 
@@ -523,8 +538,9 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            table = live.get_block_ids(req_id) if live is not None else None
-            if table is not None:  # the request's whole table now: blocks a window let go of are 0 there
+            # a window's group: the request's whole table now, where blocks the window let go of are 0
+            table = live.get_block_ids(req_id) if live is not None and self.windowed else None
+            if table is not None:
                 state.block_ids = [list(table[g.vllm_index]) for g in self.groups]
             elif is_full_table:
                 state.block_ids = [list(new[g.vllm_index]) for g in self.groups]
@@ -550,9 +566,10 @@ class SchedulerSide:
                 planned.append(self._store_full(state, num_tokens))
             else:
                 full = self._unstored_full(state, num_tokens)
-                self._gpu_keys.update((self._block_id(ref.gpu_block), ref)
-                                      for i in full for ref in self._blocks(state, i))
-                state.stored += len(full)
+                for i in full:
+                    for p in self._held_in(state, i):
+                        self._gpu_keys[state.block_ids[p][i]] = self._block(state, i, p)
+                state.stored = full.stop
         if self.lazy_ahead is not None and self.serves_hits:
             planned.append(self._store(self._lazy_candidates(), None))
         stores = [job for job in planned if job is not None]
