@@ -183,3 +183,22 @@ def test_with_a_mamba_state_group_kvtier_serves_no_hit_and_the_engine_runs(make_
     engine.run([again])
     assert engine.kvtier.tier("host").usage().used == 0 and not engine.stats
     engine.assert_no_leaks()
+
+
+def test_lazy_stores_save_each_groups_blocks_before_vllm_reuses_them(hybrid):
+    """``store: lazy`` copies blocks as vLLM's free queue is about to hand them out again: a window's
+    blocks reach that queue while the request still runs, the full-attention ones when it ends; both
+    load back bit-exact once another prefix has overwritten them."""
+    engine = hybrid(num_gpu_blocks=24, extra={"store": "lazy", "lazy_ahead": 1.0})
+    engine.run([engine.add(prompt(6, 5, seed=1, prefix=1), max_tokens=2)])
+    engine.step()  # its blocks are free now, and everything free is about to be reused
+    engine.drain()
+    assert engine.kvtier.tier("host").usage().used == 12
+    engine.run([engine.add(prompt(10, 5, seed=2, prefix=2), max_tokens=2)])  # takes most GPU blocks
+    forget_gpu(engine)
+    again = engine.add(prompt(6, 9, seed=3, prefix=1), max_tokens=2)
+    out = step_until_scheduled(engine, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert engine.blocks_match(again, range(6)) and not engine.failed_loads
+    engine.run([again])
+    engine.assert_no_leaks()
