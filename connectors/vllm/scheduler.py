@@ -265,24 +265,17 @@ class SchedulerSide:
 
     def _window_end(self, keys: list[bytes], start: int, end: int) -> int:
         """The largest hit end at most ``end`` for which every sliding-window group holds the blocks of
-        its window before it (each end only lowers: repeated until every group agrees)."""
-        ready: dict[tuple[int, int], bool] = {}
-
-        def held(i: int, p: int) -> bool:
-            if (i, p) not in ready:
-                ready[(i, p)] = bool(self.planner.lookup([self._group_key(keys[i], p)]).hits)
-            return ready[(i, p)]
-
+        its window before it. The first block of a window missing at ``m`` lies in the window of every
+        end from ``m + 1`` to ``end``, so the next candidate is ``m``; repeated until every group agrees."""
         settled = False
         while not settled and end > start:
             settled = True
             for p, group in enumerate(self.groups):
-                window = group.window_blocks
-                if window is None:
-                    continue
-                missing = next((i for i in range(end - 1, max(start, end - window) - 1, -1) if not held(i, p)), None)
-                if missing is not None:
-                    end, settled = missing, False
+                if group.window_blocks is not None:
+                    first = max(start, end - group.window_blocks)
+                    held = self.planner.lookup([self._group_key(keys[i], p) for i in range(first, end)]).hits
+                    if first + held < end:
+                        end, settled = first + held, False
         return end
 
     def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
