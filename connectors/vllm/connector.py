@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connectors.vllm.geometry import block_layout, block_tokens, served_groups, state_groups
+from kvtier.connectors.vllm.geometry import block_layout, block_tokens, replicated, served_groups, state_groups
 from kvtier.connectors.vllm.metadata import StepJobs
 from kvtier.connectors.vllm.namespace import engine_namespace
 from kvtier.connectors.vllm.scheduler import SchedulerSide
@@ -138,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                                 block_tokens(kv_cache_config) or vllm_config.cache_config.block_size,
                                                 vllm_config.parallel_config.world_size, ns, lazy_ahead, secret,
                                                 served_groups(kv_cache_config), kv_cache_config.num_blocks,
-                                                serves_hits=not states)
+                                                serves_hits=not states, replicated=replicated(kv_cache_config))
         else:
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
 

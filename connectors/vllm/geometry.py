@@ -81,6 +81,15 @@ def served_groups(kv_cache_config: KVCacheConfig) -> list[ServedGroup]:
     return served
 
 
+def replicated(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether every tensor-parallel rank holds the same KV (MLA: one latent vector per token, not split
+    across ranks; vLLM says how many ranks hold each copy in ``kv_tp_replicas``)."""
+    groups = kv_cache_config.kv_cache_groups
+    return (getattr(kv_cache_config, "kv_tp_replicas", 1) > 1
+            and all("MLAAttentionSpec" in _spec_kinds(groups[g.vllm_index].kv_cache_spec)
+                    for g in served_groups(kv_cache_config)))
+
+
 def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     """Indices of the groups that hold a recurrent state (Mamba): with one, no prefix hit kvtier could
     load is whole, since the state at the hit's end is not a kvtier block."""

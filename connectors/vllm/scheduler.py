@@ -119,13 +119,15 @@ class SchedulerSide:
     def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
                  namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None,
                  groups: Sequence[ServedGroup] = (ServedGroup(0),), gpu_blocks: int = 0,
-                 serves_hits: bool = True) -> None:
+                 serves_hits: bool = True, replicated: bool = False) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
         no copy for blocks vLLM's own prefix cache keeps serving). ``key_secret`` keys every block
         key (``chain_hashes``); only this side hashes, the workers get keys in the metadata. ``groups``
         are the KV cache groups served, ``gpu_blocks`` vLLM's blocks per group; without
-        ``serves_hits`` (a Mamba state group) every lookup is a miss and nothing is stored."""
+        ``serves_hits`` (a Mamba state group) every lookup is a miss and nothing is stored. With
+        ``replicated`` KV (MLA: every rank holds the same) a remote store holds one record per block
+        for all ranks (``geometry.replicated``)."""
         self.config = config
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
@@ -149,8 +151,9 @@ class SchedulerSide:
         self._lookups: ThreadPoolExecutor | None = None
         remote = config.remote
         if remote is not None:  # the last tier; its records are the workers' (namespace as WorkerSide gets it)
+            ranks: Sequence[int | None] = [None] if replicated else range(num_workers)
             self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(),
-                                      range(num_workers))
+                                      ranks)
             self.tiers.append(self.remote)
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
         self.planner = Planner(self.tiers)
@@ -273,7 +276,7 @@ class SchedulerSide:
             for p, group in enumerate(self.groups):
                 if group.window_blocks is not None:
                     first = max(start, end - group.window_blocks)
-                    held = self.planner.lookup([self._group_key(keys[i], p) for i in range(first, end)]).hits
+                    held = self.planner.lookup([self._group_key(keys[i], p) for i in range(first, end)]).hits or 0
                     if first + held < end:
                         end, settled = first + held, False
         return end

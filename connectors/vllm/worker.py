@@ -25,8 +25,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, served_groups, tier_slots
-from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
+from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, replicated, served_groups, tier_slots
+from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.core.config import RemoteTierConfig, StackConfig
 from kvtier.core.errors import TransferError
@@ -72,6 +72,9 @@ class WorkerSide:
         self.layout = block_layout(kv_cache_config)
         # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
         self.per_request_errors = len(served_groups(kv_cache_config)) > 1
+        # Replicated KV (MLA): one remote record per block for every rank, which rank 0 alone writes.
+        same_kv = replicated(kv_cache_config)
+        self.remote_writer = not same_kv or rank == 0
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._running: dict[int, _RunningJob] = {}
@@ -100,7 +103,7 @@ class WorkerSide:
                     slab.refuse = self._note_refused
                     self.storages[name] = FileStorage(slab, self.layout)
                 elif isinstance(tier_cfg, RemoteTierConfig):
-                    records = record_format(tier_cfg, self.layout, namespace, rank)
+                    records = record_format(tier_cfg, self.layout, namespace, None if same_kv else rank)
                     self.storages[name] = RemoteStorage(self.layout, records)
         except BaseException:
             self.shutdown()
@@ -132,8 +135,16 @@ class WorkerSide:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
-            StagedRun(job.stages, job.num_blocks, self.storages, self.transfers,
+            StagedRun(self._stages(job), job.num_blocks, self.storages, self.transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
+
+    def _stages(self, job: TransferJob) -> tuple[tuple[Copy, ...], ...]:
+        """The copies of a job this rank makes: all of them, but where another rank writes the remote
+        records (replicated KV) the copies into the store, which that rank's report vouches for."""
+        if self.remote_writer:
+            return job.stages
+        return tuple(tuple(c for c in stage if not isinstance(self.storages.get(c.dst.tier), RemoteStorage))
+                     for stage in job.stages)
 
     def _note_refused(self, keys: list[bytes]) -> None:
         """The disk slab's ``refuse`` hook: these blocks' compressed bytes can never fit a slot. The

@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -55,10 +56,13 @@ MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_
               "max_position_embeddings": 2048, "torch_dtype": "float16"}
 
 
-def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) -> KVCacheConfig:
+def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8, mla_ranks: int = 0) -> KVCacheConfig:
     """Two layers of 2 KV heads x ``head_size`` dims in fp16 (1 KiB pages with 8 dims), one
-    backing buffer, layer-outer or block-outer as ``layout`` says."""
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
+    backing buffer, layer-outer or block-outer as ``layout`` says. ``mla_ranks``: MLA instead (one
+    latent vector per token, the same on each of that many tensor-parallel ranks)."""
+    spec = (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4 * head_size, dtype=torch.float16)
+            if mla_ranks else
+            FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16))
     page = spec.page_size_bytes
     if KVCacheLayout[layout].is_layer_compact:
         tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
@@ -67,7 +71,7 @@ def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8) 
         tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
                                layer_stride=page, block_stride=page * len(LAYERS))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)], kv_tp_replicas=max(1, mla_ranks))
     config.kv_cache_layout = layout
     return config
 
@@ -163,13 +167,14 @@ class Engine:
     def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                  max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
                  async_scheduling: bool = False, head_size: int = 8, window: int | None = None,
-                 mamba: bool = False) -> None:
+                 mamba: bool = False, mla: bool = False) -> None:
         """``window`` set: a hybrid model, full-attention and sliding-window groups; ``mamba``: full
-        attention and a Mamba state group (``hybrid_kv_cache_config``)."""
+        attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
+        every rank."""
         self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                             max_num_seqs, extra)
         self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size) if window is not None or mamba
-                          else kv_cache_config(num_gpu_blocks, layout, head_size))
+                          else kv_cache_config(num_gpu_blocks, layout, head_size, tp if mla else 0))
         if mamba:
             self.vllm_config.cache_config.mamba_cache_mode = "align"
         self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]

@@ -296,3 +296,28 @@ def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, re
     assert out.num_scheduled_tokens[again.request_id] == 5 and reader.blocks_match(again, range(4))
     reader.run([again])
     reader.assert_no_leaks()
+
+
+def test_mla_under_tp2_is_one_record_per_block_written_once_and_loaded_by_every_rank(make_engine, redis):
+    """MLA's latent KV is the same on every rank: the store holds one record per block, not one per
+    rank (rank 0 writes it, the other rank's report vouches for it), and every rank loads it."""
+    import redis as redis_py
+
+    config = redis_config(redis)
+    shared = prompt(4, 5, seed=1)
+    writer = publish(make_engine, config, shared, tp=2, mla=True)
+    client = redis_py.Redis.from_url(redis.url)
+    try:
+        assert client.dbsize() == 4
+        assert client.exists(*record_names(writer, shared, 0)) == 4  # the one record format, without a rank
+    finally:
+        client.close()
+    assert len(writer.kvtier.remote.records) == 1
+    reader = make_engine(config, tp=2, mla=True)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert reader.blocks_match(again, range(4)) and not reader.load_errors  # on both ranks
+    reader.run([again])
+    reader.assert_no_leaks()
