@@ -538,8 +538,8 @@ class SchedulerSide:
             table = live.get_block_ids(req_id) if live is not None and self.windowed else None
             if table is not None:
                 state.block_ids = [list(table[g.vllm_index]) for g in self.groups]
-            elif is_full_table:
-                state.block_ids = [list(new[g.vllm_index]) for g in self.groups]
+            elif is_full_table or not state.block_ids:  # (vLLM 0.32 marks a new request's table not full)
+                state.block_ids = [list(new[g.vllm_index]) if new else [] for g in self.groups]
             elif new:
                 state.block_ids = [ids + list(new[g.vllm_index])
                                    for ids, g in zip(state.block_ids, self.groups, strict=True)]

@@ -49,7 +49,7 @@ def publish(make_engine, config: dict, tokens: list[int], **kwargs):
     request = writer.add(tokens, max_tokens=2)
     assert answer(writer, request) == (0, False)  # the store holds none yet (a first client may take a while)
     writer.run([request])
-    assert writer.kvtier.remote.stats.committed == len(tokens) // BLOCK
+    assert writer.kvtier.remote.stats.committed == len(tokens) // BLOCK * len(writer.kvtier.groups)
     writer.assert_no_leaks()
     return writer
 
@@ -320,4 +320,20 @@ def test_mla_under_tp2_is_one_record_per_block_written_once_and_loaded_by_every_
     assert out.num_scheduled_tokens[again.request_id] == 9
     assert reader.blocks_match(again, range(4)) and not reader.load_errors  # on both ranks
     reader.run([again])
+    reader.assert_no_leaks()
+
+
+def test_a_hybrid_models_groups_come_from_the_store_each_as_its_own_record(make_engine, redis):
+    """Full-attention and sliding-window groups: every group's block is a record of its own (its key
+    tagged with the group); another engine loads the full group's 6 blocks and the window's last 2."""
+    config = redis_config(redis)
+    publish(make_engine, config, prompt(6, 5, seed=1), window=2 * BLOCK + 1)
+    reader = make_engine(config, window=2 * BLOCK + 1)
+    again = reader.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (6 * BLOCK, True)
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert reader.blocks_match(again, range(6)) and not reader.failed_loads
+    reader.run([again])
+    assert sum(s.get("hit_blocks_remote", 0) for s in reader.stats) == 6 + 2
     reader.assert_no_leaks()
