@@ -9,7 +9,8 @@ MODE "none" runs without a connector; "kvtier" with KVTierConnector and the give
 "scrambled" like "kvtier" but overwrites kvtier's host memory after the first prompt (a control:
 wrong KV must change the tokens, or the comparison proves nothing).
 
-With a connector the result also holds kvtier's own counts (``hits`` per tier, ``leaks``), what the
+The result names the engine's KV cache groups (``groups``: their specs' classes). With a connector
+it also holds kvtier's own counts (``hits`` per tier, ``leaks``), what the
 connector told vLLM about each load's hit sources (``sources``: tokens per ``CacheHitSource`` name,
 from ``get_external_cache_hit_sources``), and its connector stats summed over the run (``stats``: the
 scheduler side's and the worker's counters, as vLLM collects them each step).
@@ -72,7 +73,9 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
 
             worker = get_kv_transfer_group().worker_side
             _scramble(worker.storages["host"])
-    result: dict = {"tokens": tokens}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    result: dict = {"tokens": tokens,
+                    "groups": [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups]}
     if mode != "none":
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}

@@ -40,16 +40,24 @@ EXIT_WITHIN_S = 30.0
 """Seconds an engine process may take to end after printing its result (measured: ~3 s, ~4.4 s with Mooncake)."""
 
 
-def make_model(path, seed: int = 0) -> None:
+def make_model(path, seed: int = 0, sliding_window: int | None = None) -> None:
     """A random-weight Llama small enough for CPU (head_dim 64: the CPU attention backend needs it), saved
-    at ``path``; another ``seed`` gives other weights of the same shapes (files of the same sizes)."""
+    at ``path``; another ``seed`` gives other weights of the same shapes (files of the same sizes). With
+    ``sliding_window``: four layers, the odd ones attending to that many tokens only (vLLM reads
+    ``layer_types``), so vLLM's hybrid manager makes a full-attention and a sliding-window group."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    layers = 2 if sliding_window is None else 4
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=2048)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    if sliding_window is not None:
+        saved = Path(path) / "config.json"
+        fields = json.loads(saved.read_text())
+        fields.update(layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=sliding_window)
+        saved.write_text(json.dumps(fields))
 
 
 def run(model_dir: str, mode: str, kvtier: dict | None = None, exit_within: float = EXIT_WITHIN_S) -> dict:
