@@ -54,6 +54,13 @@ def publish(make_engine, config: dict, tokens: list[int], **kwargs):
     return writer
 
 
+def second_engine(make_engine, config: dict):
+    """A first engine publishes a 4-block prefix; a second one, with a request sharing it: (engine, request)."""
+    publish(make_engine, config, prompt(4, 5, seed=1))
+    reader = make_engine(config)
+    return reader, reader.add(prompt(4, 9, seed=2), max_tokens=2)
+
+
 def answer(engine, request, computed: int = 0) -> tuple[int | None, bool]:
     """The lookup once the store has answered (None, "ask again", while the query is in flight)."""
     lookup = engine.connector.get_num_new_matched_tokens
@@ -210,10 +217,7 @@ def test_a_dead_store_is_a_miss_within_the_timeout(make_engine, redis):
 
 def test_the_lookup_says_ask_again_until_the_store_answers(make_engine, redis):
     """vLLM's scheduler steps on meanwhile: the request waits, nothing blocks on the network."""
-    config = redis_config(redis)
-    publish(make_engine, config, prompt(4, 5, seed=1))
-    reader = make_engine(config)
-    request = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    reader, request = second_engine(make_engine, redis_config(redis))
     redis.stop()  # the query hangs until the server runs again
     try:
         for _ in range(3):
@@ -232,10 +236,7 @@ def test_the_lookup_says_ask_again_until_the_store_answers(make_engine, redis):
 
 
 def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_engine, redis):
-    config = redis_config(redis)
-    publish(make_engine, config, prompt(4, 5, seed=1))
-    reader = make_engine(config)
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    reader, again = second_engine(make_engine, redis_config(redis))
     assert answer(reader, again) == (4 * BLOCK, True)
     redis.kill()
     out = step_until_scheduled(reader, again)
@@ -250,10 +251,7 @@ def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_e
 
 
 def test_host_slots_a_hung_load_may_write_stay_out_of_use_until_the_worker_lifts_them(make_engine, redis):
-    config = redis_config(redis)
-    publish(make_engine, config, prompt(4, 5, seed=1))
-    reader = make_engine(config)
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    reader, again = second_engine(make_engine, redis_config(redis))
     assert answer(reader, again) == (4 * BLOCK, True)
     host = reader.kvtier.tier("host")
     redis.stop()  # the load's GET hangs past its deadline: it could still write into its staging slots

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import certificate_authority, redis_server, server_certificate
+from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
 
 BLOCK = 64 * 1024
@@ -59,14 +60,6 @@ def stored(cfg: dict, tokens: list[int], blocks: np.ndarray) -> None:
 def load(kv: KVTier, tokens: list[int], n: int):
     out = np.zeros((n, BLOCK), np.uint8)
     return kv.load(tokens, out).result(30), out
-
-
-def assert_clean(kv: KVTier) -> None:
-    kv.wait_idle()
-    for tier in kv.stack.tiers:
-        tier.check_invariants()
-        assert tier.leaks() == {"pinned": 0, "writing": 0}, tier.name
-    assert kv.stack.background_errors == []
 
 
 def assert_untrusted(kv: KVTier, tokens: list[int], n: int) -> None:

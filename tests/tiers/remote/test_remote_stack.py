@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import redis_server
+from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
 from kvtier.core.config import RemoteTierConfig
 from kvtier.core.errors import ConfigError
@@ -91,14 +92,6 @@ def wait_until(condition, within: float) -> float:
         assert time.monotonic() - started < within, "the condition did not come true in time"
         time.sleep(0.01)
     return time.monotonic() - started
-
-
-def assert_clean(kv: KVTier) -> None:
-    kv.wait_idle()
-    for tier in kv.stack.tiers:
-        tier.check_invariants()
-        assert tier.leaks() == {"pinned": 0, "writing": 0}, tier.name
-    assert kv.stack.background_errors == []
 
 
 # --- sharing -------------------------------------------------------------------------------------
