@@ -5,7 +5,9 @@ scheduler side chose, and runs the copies the step's metadata names: loads befor
 stores after it (the KV they read is computed by then). GPU <-> host copies go through the CUDA
 backend on CUDA devices (ordered after the compute stream current at submit) and the CPU backend
 on CPU tensors; host <-> disk through the disk backend; host <-> a remote store through the remote
-backend, with this rank's records (``RecordFormat`` of this rank) and clients of its own. Every job
+backend, with this rank's records (``RecordFormat`` of this rank; with MLA, whose KV is the same on
+every rank, one record for all ranks, which rank 0 alone writes) and clients of its own. vLLM's
+blocks of every KV cache group kvtier serves are one storage (``geometry.kv_cache_storage``). Every job
 ends with a report, also on a rank whose copies failed, so the scheduler's JobManager can count one
 report per rank; a job whose store call outlived its deadline reports again, at a later step, once
 that call can no longer touch the host slots it was given (``WorkerReport.lift``).
