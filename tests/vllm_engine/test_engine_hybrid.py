@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_engine.test_engine import NO_LEAKS, PREFIX_BLOCKS, PROMPTS, host_for_one_prefix_over_disk, make_model, run
+from vllm_engine.test_engine import (  # noqa: F401 (pytestmark: skipped where vLLM's CPU kernels do not load)
+    NO_LEAKS,
+    PREFIX_BLOCKS,
+    PROMPTS,
+    host_for_one_prefix_over_disk,
+    make_model,
+    pytestmark,
+    run,
+)
 
 WINDOW = 200
 WINDOW_BLOCKS = 2  # blocks of 128 tokens that hold a hit's last 199 tokens
