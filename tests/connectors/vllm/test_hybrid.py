@@ -202,3 +202,27 @@ def test_lazy_stores_save_each_groups_blocks_before_vllm_reuses_them(hybrid):
     assert engine.blocks_match(again, range(6)) and not engine.failed_loads
     engine.run([again])
     engine.assert_no_leaks()
+
+
+def test_both_groups_disk_blocks_are_loaded_after_a_restart_bit_exact(hybrid, tmp_path):
+    """The disk tier keeps every group's blocks (group-tagged keys in its slot headers) across a
+    restart: a new engine on the same directory loads the full group's 6 and the window's last 2."""
+    config = {"placement": "write_through", "tiers": [
+        {"medium": "host", "capacity_blocks": 12},
+        {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")}]}
+    before = hybrid(config)
+    before.run([before.add(prompt(6, 5, seed=1), max_tokens=2)])
+    assert before.kvtier.tier("disk").usage().used == 12
+    before.assert_no_leaks()
+    before.shutdown()
+
+    after = hybrid(config)
+    assert after.kvtier.tier("disk").usage().used == 12 and after.kvtier.tier("host").usage().used == 0
+    again = after.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert after.connector.get_num_new_matched_tokens(again, 0) == (6 * BLOCK, True)
+    out = step_until_scheduled(after, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert after.blocks_match(again, range(6)) and not after.failed_loads
+    after.run([again])
+    assert sum(s["hit_blocks_disk"] for s in after.stats) == 6 + 2
+    after.assert_no_leaks()
