@@ -7,13 +7,25 @@ group's, only the window's worth of the sliding-window group's (vLLM keeps nothi
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import RequestStatus
 
-from helpers.vllm_harness import Engine
+from helpers.vllm_harness import HYBRID_LAYERS, Engine
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, scheduled_load, step_until_scheduled
-from kvtier.connectors.vllm.geometry import ServedGroup, served_groups
+from kvtier.connectors.vllm.geometry import ServedGroup, replicated, served_groups
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chain_hashes
 
 HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 64}]}
@@ -226,3 +238,43 @@ def test_both_groups_disk_blocks_are_loaded_after_a_restart_bit_exact(hybrid, tm
     after.run([again])
     assert sum(s["hit_blocks_disk"] for s in after.stats) == 6 + 2
     after.assert_no_leaks()
+
+
+def two_groups(second) -> KVCacheConfig:
+    """A full-attention group (layers 0 and 2) and ``second`` (layers 1 and 3) over one buffer."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
+              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], second)]
+    tensors = [KVCacheTensor(size=1 << 20, layers=list(g.layer_names), layer_stride=1 << 19,
+                             block_stride=g.kv_cache_spec.page_size_bytes) for g in groups]
+    return KVCacheConfig(num_blocks=32, kv_cache_tensors=tensors, kv_cache_groups=groups, kv_cache_layout="LBHNC")
+
+
+@pytest.mark.parametrize(("second", "named"), [
+    (ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                               attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
+    (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64),
+     "(page bytes, layers, block size)"),
+    (SlidingWindowSpec(block_size=2 * BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=64),
+     "(page bytes, layers, block size)"),
+])
+def test_groups_kvtier_cannot_serve_are_refused_at_start_naming_them(second, named):
+    """Another kind of group, or groups whose blocks differ in size or tokens, is a ConfigError when the
+    connector starts, never a copy of the wrong bytes."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        served_groups(two_groups(second))
+
+
+def test_only_mla_with_replicas_counts_as_the_same_kv_on_every_rank():
+    mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float16)
+    config = two_groups(SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                                          sliding_window=64))
+    assert not replicated(config)  # GQA: each rank holds its own heads
+    config.kv_tp_replicas = 2
+    assert not replicated(config)  # (not MLA)
+    one = KVCacheConfig(num_blocks=32, kv_cache_tensors=[KVCacheTensor(size=1 << 20, layers=[HYBRID_LAYERS[0]],
+                                                                       layer_stride=1 << 19, block_stride=1024)],
+                        kv_cache_groups=[KVCacheGroupSpec([HYBRID_LAYERS[0]], mla)], kv_tp_replicas=2)
+    assert replicated(one)
+    one.kv_tp_replicas = 1
+    assert not replicated(one)
