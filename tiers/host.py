@@ -2,16 +2,29 @@
 
 Pinned memory is what lets a GPU copy engine read and write the slab asynchronously at full PCIe
 speed. Without CUDA the slab is ordinary pageable memory and the tier says so in its description.
+
+A slab may be shared by the processes of one engine (``SharedName``): the tensor-parallel workers of
+a model whose KV is the same on every rank (MLA) then keep one copy in memory instead of one each.
+The first rank creates a file in /dev/shm (exclusively, mode 0600), the others open it once it has
+its size and check it is the running user's and private; each counts itself in the file's first page
+(under a lock) and the last to arrive removes the name, so the memory goes with the last process to
+exit. Until every rank has arrived, the name stays (the first rank's close removes it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import stat
+import struct
+import time
+from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import contiguous_storage
 from kvtier.core.tier import Tier
@@ -21,19 +34,41 @@ from kvtier.policies.watermark import Watermark
 log = logging.getLogger(__name__)
 
 
-class HostSlab:
-    """``num_slots`` blocks of anonymous, page-aligned memory, pinned when CUDA allows; each slot after
-    ``header_room`` bytes of its own (``contiguous_storage``; a page-multiple keeps slots aligned)."""
+SHARED_DIR = "/dev/shm"
+PAGE = 4096
+JOIN_TIMEOUT_S = 60.0
+"""How long a rank waits for the first rank to create a shared slab (workers start at about the same time)."""
 
-    def __init__(self, num_slots: int, layout: BlockLayout, header_room: int = 0) -> None:
+
+class SharedName(NamedTuple):
+    """A slab shared by ``ranks`` processes under ``name`` (in /dev/shm); ``rank`` 0 creates it."""
+
+    name: str
+    rank: int
+    ranks: int
+
+
+class HostSlab:
+    """``num_slots`` blocks of page-aligned memory, pinned when CUDA allows; each slot after
+    ``header_room`` bytes of its own (``contiguous_storage``; a page-multiple keeps slots aligned).
+    Anonymous memory of this process, or with ``shared`` a file in /dev/shm the ranks share."""
+
+    def __init__(self, num_slots: int, layout: BlockLayout, header_room: int = 0,
+                 shared: SharedName | None = None) -> None:
         self.nbytes = num_slots * (layout.block_bytes + header_room)
         refuse_more_than_memory(self.nbytes)
-        self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
+        self._shared_path: str | None = None
+        if shared is None:
+            self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
+            offset = 0
+        else:
+            self._map, self._shared_path = _map_shared(shared, PAGE + self.nbytes)
+            offset = PAGE  # the first page counts the ranks that arrived
         if hasattr(mmap, "MADV_HUGEPAGE"):
             # Before first touch: 2 MiB pages mean fewer TLB misses for copies and far fewer pieces in
             # an O_DIRECT request (the disk tier's reads ran 2.1 -> 2.7 GB/s into such memory here).
             self._map.madvise(mmap.MADV_HUGEPAGE)
-        self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.address = self.array.ctypes.data
         self.pinned = _cuda_register(self.address, self.nbytes)
         self.storage = contiguous_storage(self.address, num_slots, layout, "cpu", self, self.close, header_room)
@@ -46,6 +81,71 @@ class HostSlab:
             self.pinned = False
         del self.array
         self._map.close()
+        if self._shared_path is not None:  # a rank that never came leaves the name to the first rank's close
+            _unlink(self._shared_path)
+
+
+def _map_shared(shared: SharedName, nbytes: int) -> tuple[mmap.mmap, str]:
+    """Create (rank 0) or open the shared file, map it, count this rank in; the last rank in removes
+    the name. Raises ConfigError for a file that is not this user's private regular file of that size,
+    or that rank 0 does not create within JOIN_TIMEOUT_S."""
+    if not os.path.isdir(SHARED_DIR):
+        raise ConfigError(f"a host slab shared by the ranks needs {SHARED_DIR}, which this system lacks")
+    path = os.path.join(SHARED_DIR, shared.name)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    if shared.rank == 0:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ConfigError(f"{path} exists already: another engine (or a crashed one) uses that name; "
+                              f"remove it if no engine does") from None
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.ftruncate(fd, nbytes)
+    else:
+        fd = _open_when_ready(path, flags, nbytes)
+    try:
+        shm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            arrived = struct.unpack_from("<I", shm, 0)[0] + 1
+            struct.pack_into("<I", shm, 0, arrived)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    if arrived >= shared.ranks:
+        _unlink(path)
+    return shm, path
+
+
+def _open_when_ready(path: str, flags: int, nbytes: int) -> int:
+    """Open the file rank 0 creates once it has its full size; it must be this user's and private."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                os.close(fd)
+                raise ConfigError(f"{path} is not a private file of this user (mode {stat.filemode(st.st_mode)}, "
+                                  f"owner uid {st.st_uid}): refusing to share host memory through it")
+            if st.st_size == nbytes:
+                return fd
+            os.close(fd)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the first rank did not create the shared host slab {path} of {nbytes} bytes "
+                              f"within {JOIN_TIMEOUT_S:g} s")
+        time.sleep(0.01)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def physical_memory() -> int | None:

@@ -140,7 +140,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                                 served_groups(kv_cache_config), kv_cache_config.num_blocks,
                                                 serves_hits=not states, replicated=replicated(kv_cache_config))
         else:
-            self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex())
+            transfer = vllm_config.kv_transfer_config
+            self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex(),
+                                          vllm_config.parallel_config.world_size,
+                                          (transfer.engine_id if transfer is not None else None) or "")
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -23,6 +23,7 @@ under ``_lock``, and vLLM's hooks run on the worker's main thread.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
-from kvtier.tiers.host import HostSlab
+from kvtier.tiers.host import HostSlab, SharedName
 from kvtier.tiers.remote.factory import record_format
 from kvtier.tiers.remote.tier import RemoteStorage
 from kvtier.transfers import backends_for
@@ -46,6 +47,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 FLUSH_TIMEOUT_S = 300.0
+
+
+def shared_slab_name(engine_id: str, namespace: str) -> str:
+    """The /dev/shm name of the host slab an engine's ranks share: the engine and its namespace, hashed
+    (an engine id is the user's to choose; a name must be short and plain)."""
+    return "kvtier-" + hashlib.blake2b(f"{engine_id}\0{namespace}".encode(), digest_size=12).hexdigest()
 
 
 class _RunningJob:
@@ -67,7 +74,10 @@ class _RunningJob:
 class WorkerSide:
     """One rank's host slab and disk file, its transfer backends, and the reports it owes the scheduler."""
 
-    def __init__(self, config: StackConfig, kv_cache_config: KVCacheConfig, rank: int, namespace: str) -> None:
+    def __init__(self, config: StackConfig, kv_cache_config: KVCacheConfig, rank: int, namespace: str,
+                 ranks: int = 1, engine_id: str = "") -> None:
+        """``rank`` of ``ranks`` workers of the engine ``engine_id`` (the ranks of one engine share a host
+        slab where their KV is the same: MLA)."""
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
         self.remote = config.remote
@@ -77,6 +87,8 @@ class WorkerSide:
         # Replicated KV (MLA): one remote record per block for every rank, which rank 0 alone writes.
         same_kv = replicated(kv_cache_config)
         self.remote_writer = not same_kv or rank == 0
+        # ... and one host slab for every rank, in shared memory
+        shared = SharedName(shared_slab_name(engine_id, namespace), rank, ranks) if same_kv and ranks > 1 else None
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._running: dict[int, _RunningJob] = {}
@@ -93,7 +105,7 @@ class WorkerSide:
             for i, tier_cfg in enumerate(config.tiers):
                 name = config.tier_name(i)
                 if tier_cfg.medium == "host":
-                    self.storages[name] = HostSlab(slots[name], self.layout, config.header_room).storage
+                    self.storages[name] = HostSlab(slots[name], self.layout, config.header_room, shared).storage
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
                     slab = DiskSlab(rank_directory(tier_cfg.path, rank), slots[name], self.layout, namespace,
