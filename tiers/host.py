@@ -111,6 +111,10 @@ def _map_shared(shared: SharedName, nbytes: int) -> tuple[mmap.mmap, str]:
             struct.pack_into("<I", shm, 0, arrived)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
+    except BaseException:
+        if shared.rank == 0:  # a slab its creator could not map is nobody's: no name left behind
+            _unlink(path)
+        raise
     finally:
         os.close(fd)
     if arrived >= shared.ranks:

@@ -81,3 +81,13 @@ def test_a_joiner_gives_up_when_the_first_rank_never_creates_the_slab(name, monk
     with pytest.raises(ConfigError, match="did not create the shared host slab"):
         HostSlab(2, LAYOUT, 0, SharedName(name, 1, 2))
     assert not os.path.exists(os.path.join(host.SHARED_DIR, name))
+
+
+def test_a_creator_that_cannot_map_the_slab_leaves_no_name(name, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host.mmap, "mmap", no_memory)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        HostSlab(2, LAYOUT, 0, SharedName(name, 0, 2))
+    assert not os.path.exists(os.path.join(host.SHARED_DIR, name))
