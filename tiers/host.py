@@ -8,7 +8,7 @@ a model whose KV is the same on every rank (MLA) then keep one copy in memory in
 The first rank creates a file in /dev/shm (exclusively, mode 0600), the others open it once it has
 its size and check it is the running user's and private; each counts itself in the file's first page
 (under a lock) and the last to arrive removes the name, so the memory goes with the last process to
-exit. Until every rank has arrived, the name stays (the first rank's close removes it).
+exit. Until every rank has arrived the name stays; any rank's close removes it (a rank that never came).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class HostSlab:
             self.pinned = False
         del self.array
         self._map.close()
-        if self._shared_path is not None:  # a rank that never came leaves the name to the first rank's close
+        if self._shared_path is not None:  # (gone already once every rank arrived)
             _unlink(self._shared_path)
 
 
