@@ -181,10 +181,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._work.start(_meta(self._get_connector_metadata()).stores)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work.take_finished_loads()[0] or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM's model runner asks (not ``get_finished``, whose pair of sets cannot say that a load
+        failed as a whole: left to the base class's "nothing finished")."""
         done, failed = self._work.take_finished_loads()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 

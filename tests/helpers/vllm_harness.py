@@ -3,7 +3,7 @@ KVConnectorFactory on both sides, KV caches allocated by vLLM's own ``allocate_k
 
 ``Engine.step()`` is one engine step the way vLLM's model runner drives a connector: schedule, then
 on every worker ``handle_preemptions``, ``start_load_kv``, a stand-in forward pass that writes each
-newly full block's KV, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+newly full block's KV, ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
 ``build_connector_worker_meta``; the workers' outputs merged by vLLM's ``KVOutputAggregator``, then
 ``update_from_output``. The metadata crosses a pickle round trip each way, as between processes.
 

@@ -85,8 +85,9 @@ def test_round_trip_through_host_into_other_blocks(make_worker, layout):
     run(worker, loads=[job(2, "load", (copy("host", [0, 5, 1], GPU, [20, 11, 12]),), req_id="r",
                            gpu_blocks=(20, 11, 12))])
     assert all(np.array_equal(a, b) for a, b in zip(read(worker, [11, 20, 12]), original, strict=True))
-    _, recving = worker.connector.get_finished(set())
-    assert recving == {"r"} and worker.connector.get_block_ids_with_load_errors() == set()
+    results = worker.connector.get_transfer_results(set())
+    assert results.finished_recving == {"r"} and not results.failed_recving
+    assert worker.connector.get_block_ids_with_load_errors() == set()
     report = worker.connector.build_connector_worker_meta().report
     assert report == WorkerReport({1: 1, 2: 1}, {})
 
@@ -101,7 +102,7 @@ def test_round_trip_through_disk_after_host_eviction(make_worker, tmp_path, layo
     run(worker, loads=[job(2, "load", (copy("disk", [6, 3], "host", [4, 5]),), (copy("host", [4, 5], GPU, [30, 9]),),
                            req_id="r", gpu_blocks=(30, 9))])
     assert all(np.array_equal(a, b) for a, b in zip(read(worker, [30, 9]), original, strict=True))
-    assert worker.connector.get_finished(set())[1] == {"r"}
+    assert worker.connector.get_transfer_results(set()).finished_recving == {"r"}
     assert worker.connector.get_block_ids_with_load_errors() == set()
 
 
@@ -165,7 +166,9 @@ def test_failed_and_missing_blocks_are_reported_as_load_errors(make_worker):
     side.transfers, plain = TransferRegistry([FailingCPUBackend((bad, bad + worker.page))]), side.transfers
     run(worker, loads=[job(2, "load", (copy("host", [0, 1, 2], GPU, [13, 14, 15]),), req_id="r",
                            gpu_blocks=(13, 14, 15), missing=(16,))])
-    assert worker.connector.get_finished(set())[1] == {"r"}  # a failed load still finishes
+    results = worker.connector.get_transfer_results(set())
+    # a failed load still finishes; with one KV cache group its failed blocks are named, not the request
+    assert results.finished_recving == {"r"} and not results.failed_recving
     assert worker.connector.get_block_ids_with_load_errors() == {14, 16}
     assert worker.connector.get_block_ids_with_load_errors() == set()  # reported once
     assert worker.connector.build_connector_worker_meta().report == WorkerReport(
