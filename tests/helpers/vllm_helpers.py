@@ -30,12 +30,14 @@ def forget_gpu(engine) -> None:
 
 def assert_loads_back(engine, tokens: list[int], computed: int, blocks: int) -> None:
     """Empty vLLM's prefix cache and send ``tokens`` again: vLLM computes only ``computed`` of them
-    (kvtier supplies the rest), the first ``blocks`` blocks hold the right KV on every rank, and the
-    run leaves nothing behind."""
+    (kvtier supplies the rest), no load fails, the first ``blocks`` blocks hold the right KV on every
+    rank (and in every KV cache group that keeps them), and the run leaves nothing behind."""
     forget_gpu(engine)
+    errors = set(engine.load_errors)
     again = engine.add(tokens, max_tokens=2)
     out = step_until_scheduled(engine, again)
     assert out.num_scheduled_tokens[again.request_id] == computed
+    assert engine.load_errors == errors and again.request_id not in engine.failed_loads
     assert engine.blocks_match(again, range(blocks))
     engine.run([again])
     engine.assert_no_leaks()

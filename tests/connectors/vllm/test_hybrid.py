@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import RequestStatus
 
 from helpers.vllm_harness import HYBRID_LAYERS, Engine
-from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, scheduled_load, step_until_scheduled
+from helpers.vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt, scheduled_load, step_until_scheduled
 from kvtier.connectors.vllm.geometry import ServedGroup, replicated, served_groups
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chain_hashes
@@ -166,13 +166,7 @@ def test_two_ranks_load_every_groups_blocks_bit_exact(model_dir):
     engine = Engine(model_dir, HOST_ONLY, tp=2, window=WINDOW)
     try:
         engine.run([engine.add(prompt(5, 5, seed=1), max_tokens=2)])
-        forget_gpu(engine)
-        again = engine.add(prompt(5, 9, seed=2), max_tokens=2)
-        out = step_until_scheduled(engine, again)
-        assert out.num_scheduled_tokens[again.request_id] == 9
-        assert engine.blocks_match(again, range(5)) and not engine.failed_loads
-        engine.run([again])
-        engine.assert_no_leaks()
+        assert_loads_back(engine, prompt(5, 9, seed=2), computed=9, blocks=5)
     finally:
         engine.shutdown()
 
@@ -207,13 +201,7 @@ def test_lazy_stores_save_each_groups_blocks_before_vllm_reuses_them(hybrid):
     engine.drain()
     assert engine.kvtier.tier("host").usage().used == 12
     engine.run([engine.add(prompt(10, 5, seed=2, prefix=2), max_tokens=2)])  # takes most GPU blocks
-    forget_gpu(engine)
-    again = engine.add(prompt(6, 9, seed=3, prefix=1), max_tokens=2)
-    out = step_until_scheduled(engine, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9
-    assert engine.blocks_match(again, range(6)) and not engine.failed_loads
-    engine.run([again])
-    engine.assert_no_leaks()
+    assert_loads_back(engine, prompt(6, 9, seed=3, prefix=1), computed=9, blocks=6)
 
 
 def test_both_groups_disk_blocks_are_loaded_after_a_restart_bit_exact(hybrid, tmp_path):

@@ -9,7 +9,7 @@ import ctypes
 import glob
 import os
 
-from helpers.vllm_helpers import forget_gpu, prompt, step_until_scheduled
+from helpers.vllm_helpers import assert_loads_back, prompt
 from kvtier.tiers import host
 
 HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
@@ -34,13 +34,7 @@ def test_a_prefix_loads_bit_exact_into_both_ranks_from_the_shared_slab(make_engi
     engine = make_engine(HOST_ONLY, tp=2, mla=True)
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     assert engine.kvtier.tier("host").usage().used == 4  # one copy for both ranks
-    forget_gpu(engine)
-    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
-    out = step_until_scheduled(engine, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9
-    assert engine.blocks_match(again, range(4)) and not engine.load_errors  # on both ranks
-    engine.run([again])
-    engine.assert_no_leaks()
+    assert_loads_back(engine, prompt(4, 9, seed=2), computed=9, blocks=4)  # into both ranks
 
 
 def test_disk_blocks_stage_through_the_shared_slab_into_both_ranks(make_engine, tmp_path):
@@ -50,11 +44,5 @@ def test_disk_blocks_stage_through_the_shared_slab_into_both_ranks(make_engine, 
     engine = make_engine(config, tp=2, mla=True)
     for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
-    forget_gpu(engine)
-    again = engine.add(prompt(4, 9, seed=3, prefix=1), max_tokens=2)
-    out = step_until_scheduled(engine, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9
-    assert engine.blocks_match(again, range(4)) and not engine.load_errors
-    engine.run([again])
+    assert_loads_back(engine, prompt(4, 9, seed=3, prefix=1), computed=9, blocks=4)
     assert sum(s["hit_blocks_disk"] for s in engine.stats) == 4
-    engine.assert_no_leaks()
