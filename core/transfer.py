@@ -13,6 +13,7 @@ device pair), so core/ never imports an implementation.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,47 @@ from kvtier.core.storage import BlockStorage
 KEYED_DEVICE = "remote"
 """The device of a storage addressed by key alone (a remote store's records): it has no slots."""
 
+log = logging.getLogger(__name__)
+
+
+class Latch:
+    """A one-way signal: ``fire`` once, and every ``when_fired`` callback runs once (at once when
+    registered after). A callback that raises is logged and the others still run: each one typically
+    gives memory back, and one caller's bug must not keep the others' fenced."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fired = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def fired(self) -> bool:
+        with self._lock:
+            return self._fired
+
+    def fire(self) -> None:
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            _run(callback)
+
+    def when_fired(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._fired:
+                self._callbacks.append(callback)
+                return
+        _run(callback)
+
+
+def _run(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("kvtier: a callback waiting for memory to be safe again failed")
+
 class Quarantine:
     """Blocks of a finished transfer (indices into its block list) whose memory on kvtier's side a call
     that outlived its deadline may still touch: a read from a remote store may still write into them,
@@ -35,32 +77,19 @@ class Quarantine:
 
     def __init__(self, blocks: Iterable[int]) -> None:
         self.blocks = frozenset(blocks)
-        self._lock = threading.Lock()
-        self._lifted = False
-        self._callbacks: list[Callable[[], None]] = []
+        self._latch = Latch()
 
     @property
     def lifted(self) -> bool:
-        with self._lock:
-            return self._lifted
+        return self._latch.fired
 
     def lift(self) -> None:
         """The memory is safe to reuse; runs the ``when_lifted`` callbacks (once)."""
-        with self._lock:
-            if self._lifted:
-                return
-            self._lifted = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
+        self._latch.fire()
 
     def when_lifted(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once lifted (at once if it is)."""
-        with self._lock:
-            if not self._lifted:
-                self._callbacks.append(callback)
-                return
-        callback()
+        self._latch.when_fired(callback)
 
 
 class OnComplete(Protocol):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from kvtier.core.errors import ClosedError
+from kvtier.core.transfer import Latch
 from kvtier.tiers.remote.client import StoreClient, StoreError
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ class Call(Generic[T]):
         self._in_time = False
         self._returned = threading.Event()
         self._lock = threading.Lock()
-        self._settled = False
-        self._on_settled: list[Callable[[], None]] = []
+        self._settled = Latch()
 
     @property
     def ok(self) -> bool:
@@ -69,16 +69,11 @@ class Call(Generic[T]):
 
     @property
     def settled(self) -> bool:
-        with self._lock:
-            return self._settled
+        return self._settled.fired
 
     def when_settled(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once nothing this call started can touch its buffers (at once if that is so)."""
-        with self._lock:
-            if not self._settled:
-                self._on_settled.append(callback)
-                return
-        callback()
+        self._settled.when_fired(callback)
 
     def _wait(self, timeout: float) -> bool:
         """The caller: wait for the call at most ``timeout``; False (abandoned from then on) when it
@@ -96,14 +91,7 @@ class Call(Generic[T]):
             return self._in_time
 
     def _settle(self) -> None:
-        with self._lock:
-            self._settled = True
-            callbacks, self._on_settled = self._on_settled, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # one caller's bug must not keep the others' buffers fenced
-                log.exception("a callback of a settled store call failed")
+        self._settled.fire()
 
 
 class StoreLink:
