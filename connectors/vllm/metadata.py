@@ -12,7 +12,8 @@ carries (``KVConnectorMetadata`` subclasses) wrap these in ``connector.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 
 from kvtier.core.planner import ENGINE, Copy, Plan
 
@@ -47,6 +48,19 @@ class TransferJob:
            missing: tuple[int, ...] = ()) -> TransferJob:
         """The job that runs ``plan`` (its copies; the fences and what to commit stay with the scheduler)."""
         return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing)
+
+    def staging_part(self) -> TransferJob:
+        """A staged load's copies into host memory alone, tied to no request: the first half of a load
+        shipped in two steps (ranks that share one host slab, see ``loading_part``)."""
+        return replace(self, stages=self.stages[:-1], req_id=None, gpu_blocks=(), missing=())
+
+    def loading_part(self, lost: Collection[int]) -> TransferJob:
+        """The second half: the last stage, into vLLM's blocks, shipped once every rank reported the
+        first. Blocks ``lost`` in the first half are left out and reported failed like missing ones.
+        The first stage stays, empty, so that a failure here is not taken for one in host memory."""
+        alive = set(range(self.num_blocks)) - set(lost)
+        last = tuple(part for copy in self.stages[-1] if (part := copy.only(alive)) is not None)
+        return replace(self, stages=((), last), missing=self.missing + tuple(self.gpu_blocks[i] for i in sorted(lost)))
 
 
 @dataclass

@@ -126,8 +126,8 @@ class SchedulerSide:
         key (``chain_hashes``); only this side hashes, the workers get keys in the metadata. ``groups``
         are the KV cache groups served, ``gpu_blocks`` vLLM's blocks per group; without
         ``serves_hits`` (a Mamba state group) every lookup is a miss and nothing is stored. With
-        ``replicated`` KV (MLA: every rank holds the same) a remote store holds one record per block
-        for all ranks (``geometry.replicated``)."""
+        ``replicated`` KV (MLA: every rank holds the same) the tiers hold one copy per block for all
+        ranks (``geometry.replicated``), which rank 0 alone moves between tiers (``worker.py``)."""
         self.config = config
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
@@ -139,6 +139,11 @@ class SchedulerSide:
         self.block_tokens = block_tokens
         self.num_workers = num_workers
         self.namespace = namespace
+        self.copy_ranks = 1 if replicated else num_workers  # ranks holding a copy of their own in the tiers
+        # Replicated KV on several ranks: the one copy in the shared host slab must be staged (by rank 0)
+        # before any rank reads it, so a staged load ships in two parts at two steps (``apply_reports``).
+        self.split_staged_loads = replicated and num_workers > 1
+        self._staging: dict[int, TransferJob] = {}  # split loads whose second part waits for the first
         self.jobs = JobManager()
         position = {config.tier_name(j): j for j in range(len(config.tiers))}
         self.tiers: list[Tier] = []
@@ -177,7 +182,7 @@ class SchedulerSide:
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
         """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``)."""
-        blocks = blocks_on_every_rank(tier_cfg, self.num_workers, tier.capacity, layout, self.namespace.hex())
+        blocks = blocks_on_every_rank(tier_cfg, self.copy_ranks, tier.capacity, layout, self.namespace.hex())
         tier.restore(blocks)
         self._stored_events([key for key, _ in blocks], tier)
         if blocks:
@@ -362,11 +367,16 @@ class SchedulerSide:
             self.stats.record_load(self._per_medium(outcome.hits), failed)
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
-        job = self._start(plan, done)
+        split = self.split_staged_loads and len(plan.stages) > 1
+        job = self._start(plan, done, parts=2 if split else 1)
         state.jobs.add(job.id)
         for slot in loading:
             self._gpu_loading[self._block_id(slot)] = job.id
-        self._step_loads.append(TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):]))
+        transfer = TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):])
+        if split:
+            self._staging[job.id] = transfer
+            transfer = transfer.staging_part()
+        self._step_loads.append(transfer)
 
     def _load_blocks(self, state: _RequestState, tables: list[list[int]], start: int,
                      end: int) -> tuple[list[bytes], tuple[int, ...], list[int]]:
@@ -462,9 +472,10 @@ class SchedulerSide:
 
     # --- plans and jobs ------------------------------------------------------------------------
 
-    def _start(self, plan: Plan, done) -> Job:
-        """The job every rank runs for ``plan``: it holds the plan's fences until all have reported."""
-        job = self.jobs.create(plan.kind, plan.num_blocks, self.num_workers, plan.fences, done)
+    def _start(self, plan: Plan, done, parts: int = 1) -> Job:
+        """The job every rank runs for ``plan``, in ``parts`` shipped one after the other: it holds the
+        plan's fences until all ranks have reported every part."""
+        job = self.jobs.create(plan.kind, plan.num_blocks, self.num_workers * parts, plan.fences, done)
         self.jobs.start(job.id)
         return job
 
@@ -578,8 +589,13 @@ class SchedulerSide:
 
     def apply_reports(self, report: WorkerReport) -> None:
         """The workers' job completions of one step (every rank's, merged): plans whose jobs every
-        rank has now reported are finished (their callbacks commit, release and count)."""
+        rank has now reported are finished (their callbacks commit, release and count). A split load
+        whose first part every rank has reported ships its second part with the next step's loads."""
         self.jobs.apply(report)
+        for job_id in report.finished.keys() & self._staging.keys():
+            job = self.jobs.get(job_id)
+            if job.reports == self.num_workers:
+                self._step_loads.append(self._staging.pop(job_id).loading_part(job.failed_blocks))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Blocks go back to vLLM at once: stores still reading them are flushed when they are reused."""

@@ -5,9 +5,15 @@ scheduler side chose, and runs the copies the step's metadata names: loads befor
 stores after it (the KV they read is computed by then). GPU <-> host copies go through the CUDA
 backend on CUDA devices (ordered after the compute stream current at submit) and the CPU backend
 on CPU tensors; host <-> disk through the disk backend; host <-> a remote store through the remote
-backend, with this rank's records (``RecordFormat`` of this rank; with MLA, whose KV is the same on
-every rank, one record for all ranks, which rank 0 alone writes) and clients of its own. vLLM's
-blocks of every KV cache group kvtier serves are one storage (``geometry.kv_cache_storage``). Every job
+backend, with this rank's records (``RecordFormat`` of this rank) and clients of its own. vLLM's
+blocks of every KV cache group kvtier serves are one storage (``geometry.kv_cache_storage``).
+
+With MLA on several ranks the KV is the same on every rank, so the tiers hold one copy for all of
+them: one host slab in shared memory, rank 0's disk slab, one remote record per block. Rank 0 alone
+moves blocks out of vLLM's KV and between tiers; every rank copies into its own KV from the shared
+slab, which the scheduler side asks for only once every rank has reported the staging into it (a
+staged load comes in two parts). Other ranks thus never write shared memory: a rank writing what it
+read from a store could change bytes another rank already checked and is copying. Every job
 ends with a report, also on a rank whose copies failed, so the scheduler's JobManager can count one
 report per rank; a job whose store call outlived its deadline reports again, at a later step, once
 that call can no longer touch the host slots it was given (``WorkerReport.lift``).
@@ -84,11 +90,11 @@ class WorkerSide:
         self.layout = block_layout(kv_cache_config)
         # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
         self.per_request_errors = len(served_groups(kv_cache_config)) > 1
-        # Replicated KV (MLA): one remote record per block for every rank, which rank 0 alone writes.
+        # Replicated KV (MLA): one remote record per block; on several ranks one copy in every tier,
+        # which rank 0 alone moves there.
         same_kv = replicated(kv_cache_config)
-        self.remote_writer = not same_kv or rank == 0
-        # ... and one host slab for every rank, in shared memory
         shared = SharedName(shared_slab_name(engine_id, namespace), rank, ranks) if same_kv and ranks > 1 else None
+        self.into_gpu_only = shared is not None and rank > 0
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._running: dict[int, _RunningJob] = {}
@@ -106,6 +112,8 @@ class WorkerSide:
                 name = config.tier_name(i)
                 if tier_cfg.medium == "host":
                     self.storages[name] = HostSlab(slots[name], self.layout, config.header_room, shared).storage
+                elif self.into_gpu_only:
+                    continue  # rank 0 holds the one copy below host memory
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
                     slab = DiskSlab(rank_directory(tier_cfg.path, rank), slots[name], self.layout, namespace,
@@ -153,12 +161,11 @@ class WorkerSide:
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
 
     def _stages(self, job: TransferJob) -> tuple[tuple[Copy, ...], ...]:
-        """The copies of a job this rank makes: all of them, but where another rank writes the remote
-        records (replicated KV) the copies into the store, which that rank's report vouches for."""
-        if self.remote_writer:
+        """The copies of a job this rank makes: all of them, but where rank 0 moves the one copy of
+        replicated KV, only those into vLLM's blocks (rank 0's report vouches for the others)."""
+        if not self.into_gpu_only:
             return job.stages
-        return tuple(tuple(c for c in stage if not isinstance(self.storages.get(c.dst.tier), RemoteStorage))
-                     for stage in job.stages)
+        return tuple(tuple(c for c in stage if c.dst.tier == GPU) for stage in job.stages)
 
     def _note_refused(self, keys: list[bytes]) -> None:
         """The disk slab's ``refuse`` hook: these blocks' compressed bytes can never fit a slot. The

@@ -5,7 +5,9 @@ KVConnectorFactory on both sides, KV caches allocated by vLLM's own ``allocate_k
 on every worker ``handle_preemptions``, ``start_load_kv``, a stand-in forward pass that writes each
 newly full block's KV, ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
 ``build_connector_worker_meta``; the workers' outputs merged by vLLM's ``KVOutputAggregator``, then
-``update_from_output``. The metadata crosses a pickle round trip each way, as between processes.
+``update_from_output``. The metadata crosses a pickle round trip each way, as between processes. The
+workers run one after the other in this process, or (``processes=True``) each in a process of its
+own, all at once, as under vLLM's multiprocessing executor.
 
 The stand-in forward writes a block's KV as a pure function of the tokens up to its end, so a block
 loaded back can be compared with what the model would have computed.
@@ -16,8 +18,10 @@ environment up and found vLLM installed (the tests there are skipped otherwise).
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -154,11 +158,120 @@ class Worker:
                                   block_kv(tokens, block, self.page, self.numbers[layer]))
                    for layer in layers or self.places)
 
+    def in_flight(self) -> int:
+        return self.connector.worker_side.in_flight()
+
     def wait_idle(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.connector.worker_side.in_flight():
+        while self.in_flight():
             assert time.monotonic() < deadline, "worker copies did not finish"
             time.sleep(0.002)
+
+    def scribble(self) -> None:
+        """Overwrite every KV byte: only what is loaded afterwards holds KV."""
+        self.buffer[:] = 0xEE
+
+    def begin_step(self, meta: bytes, writes: list, finished_req_ids: set[str], settle: bool,
+                   report: bool) -> None:
+        """This rank's part of an engine step: the connector's hooks in the order of vLLM's model
+        runner (kv_connector_model_runner_mixin.py) around the forward pass's ``writes`` (tokens, block,
+        block id, layers); ``settle`` waits for the copies first (a forward pass long enough for them),
+        without ``report`` the rank's output is held back. ``end_step`` hands the output over."""
+        c = self.connector
+        bound = pickle.loads(meta)
+        c.handle_preemptions(bound)
+        c.bind_connector_metadata(bound)
+        c.start_load_kv(None)
+        for tokens, block, block_id, layers in writes:
+            self.write_block(tokens, block, block_id, layers)
+        c.wait_for_save()
+        if settle:
+            self.wait_idle()
+        if report:
+            results = c.get_transfer_results(finished_req_ids)
+            self._output = KVConnectorOutput(
+                finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
+                invalid_block_ids=c.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=pickle.loads(pickle.dumps(c.build_connector_worker_meta())),
+                kv_connector_stats=c.get_kv_connector_stats())
+        else:
+            self._output = KVConnectorOutput()
+        c.clear_connector_metadata()
+
+    def end_step(self) -> KVConnectorOutput:
+        return self._output
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+
+
+class ProcessWorker:
+    """A ``Worker`` in a process of its own (spawned: vLLM and the KV caches set up there), driven over a
+    pipe: ``begin_step`` returns once the step is sent, so every rank's step runs at once."""
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, vllm_config: VllmConfig, kv_config: KVCacheConfig) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_serve_worker, args=(theirs, vllm_config, kv_config), daemon=True)
+        self.process.start()
+        theirs.close()
+
+    def ready(self) -> None:
+        """Wait until the rank has set its connector up (ranks sharing a host slab wait for each other)."""
+        self._answer()
+
+    def _call(self, name: str, *args):
+        self._pipe.send((name, args))
+        return self._answer()
+
+    def _answer(self):
+        if not self._pipe.poll(self.TIMEOUT_S):
+            raise AssertionError(f"worker process {self.process.pid} did not answer in {self.TIMEOUT_S} s")
+        ok, value = self._pipe.recv()
+        if not ok:
+            raise AssertionError(f"worker process {self.process.pid} failed:\n{value}")
+        return value
+
+    def begin_step(self, *args) -> None:
+        self._pipe.send(("begin_step", args))
+
+    def end_step(self) -> KVConnectorOutput:
+        self._answer()
+        return self._call("end_step")
+
+    def block_matches(self, *args) -> bool:
+        return self._call("block_matches", *args)
+
+    def scribble(self) -> None:
+        self._call("scribble")
+
+    def in_flight(self) -> int:
+        return self._call("in_flight")
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            self._call("shutdown")
+            self._pipe.send(None)
+        self.process.join(30)
+
+
+def _serve_worker(pipe, vllm_config: VllmConfig, kv_config: KVCacheConfig) -> None:
+    """A worker process's loop: build the rank's ``Worker``, then run the calls the pipe brings (None
+    ends it), answering each with (True, result) or (False, the traceback)."""
+    try:
+        worker = Worker(vllm_config, kv_config)
+        pipe.send((True, None))
+    except BaseException:
+        pipe.send((False, traceback.format_exc()))
+        return
+    while (call := pipe.recv()) is not None:
+        name, args = call
+        try:
+            pipe.send((True, getattr(worker, name)(*args)))
+        except BaseException:
+            pipe.send((False, traceback.format_exc()))
 
 
 class Engine:
@@ -167,10 +280,10 @@ class Engine:
     def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                  max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
                  async_scheduling: bool = False, head_size: int = 8, window: int | None = None,
-                 mamba: bool = False, mla: bool = False) -> None:
+                 mamba: bool = False, mla: bool = False, processes: bool = False) -> None:
         """``window`` set: a hybrid model, full-attention and sliding-window groups; ``mamba``: full
         attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
-        every rank."""
+        every rank; ``processes``: each worker in a process of its own (``ProcessWorker``)."""
         self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                             max_num_seqs, extra)
         self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size) if window is not None or mamba
@@ -184,8 +297,11 @@ class Engine:
         self.workers = []
         for rank in range(tp):
             self.vllm_config.parallel_config.rank = rank
-            self.workers.append(Worker(self.vllm_config, self.kv_config))
+            self.workers.append((ProcessWorker if processes else Worker)(self.vllm_config, self.kv_config))
         self.vllm_config.parallel_config.rank = 0
+        for worker in self.workers:
+            if processes:
+                worker.ready()
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                          structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -215,21 +331,11 @@ class Engine:
         """One engine step. ``settle`` waits for the workers' copies before they report (a forward
         pass long enough for them); ``report_ranks`` holds back the other ranks' outputs."""
         out = self.scheduler.schedule()
-        meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
-        outputs = []
+        meta, writes = pickle.dumps(out.kv_connector_metadata), self._writes(out)
+        reporting = report_ranks if report_ranks is not None else range(len(self.workers))
         for rank, worker in enumerate(self.workers):
-            c = worker.connector
-            c.handle_preemptions(meta)
-            c.bind_connector_metadata(meta)
-            c.start_load_kv(None)
-            self._forward(worker, out)
-            c.wait_for_save()
-            if settle:
-                worker.wait_idle()
-            outputs.append(self._worker_output(worker, out, rank in (report_ranks if report_ranks is not None
-                                                                      else range(len(self.workers)))))
-            c.clear_connector_metadata()
-        merged = self.aggregator.aggregate(outputs)
+            worker.begin_step(meta, writes, out.finished_req_ids, settle, rank in reporting)
+        merged = self.aggregator.aggregate([self._model_output(out, worker.end_step()) for worker in self.workers])
         kv_out = merged.kv_connector_output
         if kv_out is not None:
             self.load_errors |= kv_out.invalid_block_ids
@@ -244,17 +350,9 @@ class Engine:
         """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher)."""
         self.events += [e for e in batch.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
 
-    def _worker_output(self, worker: Worker, out, reports: bool) -> ModelRunnerOutput:
-        c = worker.connector
-        if reports:  # in the order of vLLM's model runner (kv_connector_model_runner_mixin.py)
-            results = c.get_transfer_results(out.finished_req_ids)
-            recving, failed = results.finished_recving or None, results.failed_recving
-            errors = c.get_block_ids_with_load_errors()
-            worker_meta = c.build_connector_worker_meta()
-            stats = c.get_kv_connector_stats()
-        else:
-            recving, failed, errors, worker_meta, stats = None, set(), set(), None, None
-        worker_meta = pickle.loads(pickle.dumps(worker_meta))
+    def _model_output(self, out, kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+        """A rank's model runner output: a token for every request whose prompt is done, and the rank's
+        connector output."""
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -262,13 +360,12 @@ class Engine:
             done = request.num_computed_tokens >= request.num_tokens  # schedule() advanced it already
             sampled.append([1000 + request.num_output_tokens] if done else [])
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled,
-                                 kv_connector_output=KVConnectorOutput(
-                                     finished_recving=recving, failed_recving=failed, invalid_block_ids=errors,
-                                     kv_connector_stats=stats, kv_connector_worker_meta=worker_meta))
+                                 sampled_token_ids=sampled, kv_connector_output=kv_output)
 
-    def _forward(self, worker: Worker, out) -> None:
-        """Write the KV of every block that becomes full in this step (what the model computes)."""
+    def _writes(self, out) -> list:
+        """What the forward pass writes: the KV of every block that becomes full in this step, as
+        (tokens, block, block id, layers) for each group that keeps the block."""
+        writes = []
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -277,7 +374,8 @@ class Engine:
             for block in range(first // BLOCK, min(end // BLOCK, len(tokens) // BLOCK)):
                 for layers, table in zip(self.groups, tables, strict=True):
                     if table[block]:  # a window's block vLLM no longer keeps is its null block, 0
-                        worker.write_block(tokens, block, table[block], layers)
+                        writes.append((tokens, block, table[block], layers))
+        return writes
 
     def run(self, requests, max_steps: int = 200, timeout: float = 30.0):
         """Step until these requests finished; returns the steps taken. A step that schedules nothing
@@ -317,11 +415,11 @@ class Engine:
         assert leaks == {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}, leaks
         for tier in self.kvtier.tiers:
             tier.check_invariants()
-        assert all(w.connector.worker_side.in_flight() == 0 for w in self.workers)
+        assert all(w.in_flight() == 0 for w in self.workers)
 
     def shutdown(self) -> None:
         for worker in self.workers:
-            worker.connector.shutdown()
+            worker.shutdown()
         self.connector.shutdown()
 
 

@@ -25,7 +25,7 @@ def forget_gpu(engine) -> None:
     """Empty vLLM's own prefix cache and scribble over the KV memory, so only kvtier can supply a hit."""
     assert engine.scheduler.reset_prefix_cache()
     for worker in engine.workers:
-        worker.buffer[:] = 0xEE
+        worker.scribble()
 
 
 def assert_loads_back(engine, tokens: list[int], computed: int, blocks: int) -> None:

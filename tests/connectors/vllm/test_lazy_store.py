@@ -33,7 +33,7 @@ def test_blocks_about_to_be_reused_are_stored_first_and_load_back_exact(make_eng
     engine.run([engine.add(prompt(8, 5, prefix=2), max_tokens=2)])
     assert engine.scheduler.reset_prefix_cache()  # and vLLM forgets whatever of it survived
     for worker in engine.workers:
-        worker.buffer[:] = 0xEE
+        worker.scribble()
     again = engine.add(prompt(4, 9, prefix=1), max_tokens=2)
     for _ in range(10):
         out, _ = engine.step()
