@@ -32,9 +32,10 @@ side's own, never through the workers, and never while a hook waits: the lookup 
 for the blocks past the local (host, disk) hit, in one batched existence query on a thread of its own,
 and answers "ask again" until it has answered (at most the tier's timeout; a store that is down is a
 miss). Each rank's shard of a block is a record of its own, so a block is a hit only when every
-rank's record exists. Blocks reach the store from the host tier (write-through, by default: a copy
-job once they are stored there), loads stage through host slots, and slots that a store call past
-its deadline may still write stay out of use until the workers report that call over.
+rank's record exists (MLA: one record for all ranks, as every tier holds one copy for them). Blocks
+reach the store from the host tier (write-through, by default: a copy job once they are stored
+there), loads stage through host slots, and slots that a store call past its deadline may still
+write stay out of use until the workers report that call over.
 """
 
 from __future__ import annotations
