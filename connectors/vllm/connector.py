@@ -88,7 +88,13 @@ def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
 
 
 def connector_config(vllm_config: VllmConfig) -> StackConfig:
-    """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict)."""
+    """The kvtier configuration named by ``kv_connector_extra_config["config"]`` (a YAML path or a dict).
+    Refuses context parallelism: its ranks hold interleaved parts of a block's tokens, which kvtier's
+    keys (one per block of consecutive tokens) do not name."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            raise ConfigError(f"kvtier does not serve context parallelism ({name}={getattr(parallel, name)})")
     config = load_config(connector_settings(vllm_config).config)
     block_size = vllm_config.cache_config.block_size
     if "block_tokens" in config.model_fields_set and config.block_tokens != block_size:

@@ -13,7 +13,9 @@ the same buffer. kvtier serves the attention groups (``served_groups``), each bl
 kvtier block of its own, and needs them to share one layout (the same pages per block) and block size;
 it cannot serve a Mamba group's state, and says so (``state_groups``). vLLM's blocks of every served
 group are one storage (``kv_cache_storage``): slot ``g * num_blocks + b`` is block ``b`` of served group
-``g``.
+``g``. Groups may differ in tokens per block (vLLM picks block sizes that give every group the same
+page): kvtier keys blocks by the largest size all of them are multiples of (``block_tokens``), and a
+group's block by the key where it ends (``ServedGroup.keys_per_block``), as vLLM's own offloading does.
 
 How many such blocks each kvtier tier holds (``tier_slots``) is geometry too: the scheduler side and
 every worker derive it here, so they agree on every tier's slot count. Nothing here imports vLLM
@@ -23,6 +25,7 @@ the names of its classes.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.core.config import StackConfig, capacity_in_blocks
@@ -36,11 +39,13 @@ if TYPE_CHECKING:
 
 
 class ServedGroup(NamedTuple):
-    """A KV cache group kvtier stores and loads: its index in ``kv_cache_groups``, and for a sliding
-    window how many blocks before a hit's end its layers need (the rest of the prefix is not kept)."""
+    """A KV cache group kvtier stores and loads: its index in ``kv_cache_groups``, for a sliding window
+    how many of its blocks before a hit's end its layers need (the rest of the prefix is not kept), and
+    how many kvtier keys (``block_tokens`` each) one of its blocks spans."""
 
     vllm_index: int
     window_blocks: int | None = None
+    keys_per_block: int = 1
 
 
 STATE_SPECS = {"MambaSpec"}
@@ -54,31 +59,51 @@ def _spec_kinds(spec: Any) -> set[str]:
 
 def served_groups(kv_cache_config: KVCacheConfig) -> list[ServedGroup]:
     """The attention groups kvtier serves, in vLLM's order. Raises ConfigError for a group of a kind it
-    cannot serve correctly (chunked local attention, ...) and for served groups that differ in layout
-    or block size (kvtier blocks of one stack all have one size)."""
+    cannot serve correctly (chunked local attention, ...) and for served groups that differ in pages
+    per block (kvtier blocks of one stack all have one size)."""
     served = []
+    key_tokens = block_tokens(kv_cache_config)
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         kinds = _spec_kinds(spec)
         if kinds & STATE_SPECS:
             continue
+        keys = spec.block_size // key_tokens if key_tokens else 1
         if "SlidingWindowSpec" in kinds:  # a hit's end needs the blocks of its last window - 1 (+ retained) tokens
             reach = getattr(spec, "sliding_window", 0) - 1 + (getattr(spec, "extra_retained_tokens", 0) or 0)
-            served.append(ServedGroup(index, -(-reach // spec.block_size)))
+            served.append(ServedGroup(index, -(-reach // spec.block_size), keys))
         elif kinds & _SERVED_SPECS or not hasattr(spec, "block_size"):  # (tests without vLLM: plain attention)
-            served.append(ServedGroup(index))
+            served.append(ServedGroup(index, None, keys))
         else:
             raise ConfigError(f"KV cache group {index} ({type(spec).__name__}) is of a kind kvtier cannot serve; "
                               f"it serves full attention, sliding windows and MLA")
     if not served:
         raise ConfigError("the model has no attention KV cache group for kvtier to serve")
     groups = [kv_cache_config.kv_cache_groups[g.vllm_index] for g in served]
-    shapes = {(g.kv_cache_spec.page_size_bytes, len(g.layer_names), getattr(g.kv_cache_spec, "block_size", None))
-              for g in groups}
+    shapes = {(g.kv_cache_spec.page_size_bytes, len(g.layer_names)) for g in groups}
     if len(shapes) > 1:
-        raise ConfigError(f"kvtier needs every attention group to have the same pages per block and block size; "
-                          f"this model's groups have (page bytes, layers, block size) {sorted(shapes, key=str)}")
+        raise ConfigError(f"kvtier needs every attention group to have the same pages per block; this model's "
+                          f"groups have (page bytes, layers) {sorted(shapes)}")
     return served
+
+
+def _attention_block_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
+    return [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+            if not _spec_kinds(g.kv_cache_spec) & STATE_SPECS and hasattr(g.kv_cache_spec, "block_size")]
+
+
+def block_tokens(kv_cache_config: KVCacheConfig) -> int | None:
+    """Tokens per kvtier key: the largest size every attention group's block size is a multiple of
+    (their block size when they share one); None when unstated."""
+    sizes = _attention_block_sizes(kv_cache_config)
+    return math.gcd(*sizes) if sizes else None
+
+
+def hit_tokens(kv_cache_config: KVCacheConfig) -> int | None:
+    """What a hit's length must be a multiple of: a block of every attention group (kvtier loads whole
+    blocks); None when unstated."""
+    sizes = _attention_block_sizes(kv_cache_config)
+    return math.lcm(*sizes) if sizes else None
 
 
 def replicated(kv_cache_config: KVCacheConfig) -> bool:
@@ -95,12 +120,6 @@ def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     load is whole, since the state at the hit's end is not a kvtier block."""
     return [i for i, group in enumerate(kv_cache_config.kv_cache_groups)
             if _spec_kinds(group.kv_cache_spec) & STATE_SPECS]
-
-
-def block_tokens(kv_cache_config: KVCacheConfig) -> int | None:
-    """Tokens per block of the served groups (one size: ``served_groups``); None when unstated."""
-    group = kv_cache_config.kv_cache_groups[served_groups(kv_cache_config)[0].vllm_index]
-    return getattr(group.kv_cache_spec, "block_size", None)
 
 
 def _page(kv_cache_config: KVCacheConfig, group: ServedGroup) -> int:

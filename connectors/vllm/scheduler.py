@@ -24,8 +24,10 @@ Hybrid models have several KV cache groups (``geometry.served_groups``): each bl
 kvtier block of its own, keyed by the chain key tagged with the group, in a GPU slot naming the group
 (``g * num_blocks + block id``). A hit needs every full-attention group's blocks from the start of the
 hit and a sliding-window group's blocks only within its window before the hit's end; loads copy only
-the blocks vLLM allocated (out-of-window positions are vLLM's null block). A model with a Mamba state
-group gets no hits: the state at a hit's end is not something kvtier holds.
+the blocks vLLM allocated (out-of-window positions are vLLM's null block). Keys are ``block_tokens``
+apart; a group whose blocks are larger has a block every ``keys_per_block`` keys, keyed where it ends,
+and hits end on every group's block boundary. A model with a Mamba state group gets no hits: the state
+at a hit's end is not something kvtier holds.
 
 A remote tier (a store shared with other engines, ``tiers/remote``) is asked with a client of this
 side's own, never through the workers, and never while a hook waits: the lookup asks the store only
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -133,6 +136,9 @@ class SchedulerSide:
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
         self.windowed = len(self.full_groups) < len(self.groups)
+        self.keys_per_block = [g.keys_per_block for g in self.groups]
+        self.uniform = all(m == 1 for m in self.keys_per_block)  # every group's block is one key
+        self.hit_keys = math.lcm(*self.keys_per_block)  # a hit ends on a block boundary of every group
         self.gpu_blocks = gpu_blocks
         self.serves_hits = serves_hits
         self.key_secret = key_secret
@@ -245,6 +251,8 @@ class SchedulerSide:
         keys = self._keys(state)
         start = num_computed_tokens // self.block_tokens
         limit = min(len(keys), (request.num_tokens - 1) // self.block_tokens)
+        if start % self.hit_keys or start * self.block_tokens != num_computed_tokens:
+            return 0, False  # (vLLM hits end on every group's block boundary: not expected)
         end, found = self._hit(keys, start, limit)
         if end is not None and end < limit and self.remote is not None:
             if not self._store_answered(state, end, limit):
@@ -256,17 +264,25 @@ class SchedulerSide:
         return (end - start) * self.block_tokens, end > start
 
     def _hit(self, keys: list[bytes], start: int, limit: int) -> tuple[int | None, Lookup]:
-        """The end of the longest hit from block ``start`` (at most ``limit``), and the planner's lookup
+        """The end of the longest hit from key ``start`` (at most ``limit``), and the planner's lookup
         of the blocks a load to there needs; None while one of them is being staged. Full-attention
         groups need every block from ``start``, a sliding-window group those within its window."""
         if self.full_groups:
             found = self.planner.lookup(self._group_keys(keys, start, limit, self.full_groups), LOAD_MEDIUM)
             if found.hits is None:
                 return None, found
-            end = start + found.hits // len(self.full_groups)
+            if self.uniform:
+                end = start + found.hits // len(self.full_groups)
+            else:  # up to the start of the first block missing
+                ends = self._ends(start, limit, self.full_groups)
+                end = limit
+                if found.hits < len(ends):
+                    i, p = ends[found.hits]
+                    end = i + 1 - self.keys_per_block[p]
         else:
             end = limit
-        if not self.windowed:
+        end -= end % self.hit_keys  # on every group's block boundary
+        if not self.windowed and self.uniform:
             return end, found
         end = self._window_end(keys, start, end)
         found = self.planner.lookup(self._needed(keys, start, end), LOAD_MEDIUM)
@@ -274,30 +290,47 @@ class SchedulerSide:
 
     def _window_end(self, keys: list[bytes], start: int, end: int) -> int:
         """The largest hit end at most ``end`` for which every sliding-window group holds the blocks of
-        its window before it. The first block of a window missing at ``m`` lies in the window of every
-        end from ``m + 1`` to ``end``, so the next candidate is ``m``; repeated until every group agrees."""
+        its window before it. The first block of a window missing at ``b`` lies in the window of every
+        end past it up to ``end``, so the next candidate is where ``b`` starts (on every group's block
+        boundary); repeated until every group agrees."""
         settled = False
         while not settled and end > start:
             settled = True
             for p, group in enumerate(self.groups):
                 if group.window_blocks is not None:
-                    first = max(start, end - group.window_blocks)
-                    held = self.planner.lookup([self._group_key(keys[i], p) for i in range(first, end)]).hits or 0
-                    if first + held < end:
-                        end, settled = first + held, False
+                    m = self.keys_per_block[p]
+                    first = max(start // m, end // m - group.window_blocks)
+                    window = [self._group_key(keys[(b + 1) * m - 1], p) for b in range(first, end // m)]
+                    held = self.planner.lookup(window).hits or 0
+                    if held < len(window):
+                        end, settled = (first + held) * m, False
+                        end -= end % self.hit_keys
         return end
 
     def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
-        """The blocks a hit from ``start`` to ``end`` loads, block by block, group by group."""
-        return [self._group_key(keys[i], p) for i in range(start, end) for p, group in enumerate(self.groups)
-                if group.window_blocks is None or i >= end - group.window_blocks]
+        """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
+        return [self._group_key(keys[i], p) for i, p in self._ends(start, end, range(len(self.groups)))
+                if self.groups[p].window_blocks is None
+                or self._table_index(i, p) >= end // self.keys_per_block[p] - self.groups[p].window_blocks]
 
     def _group_keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
-        """Blocks ``start`` to ``end`` of these served groups, block by block."""
+        """The blocks of these served groups that end within keys ``start`` to ``end``, in key order."""
         groups = list(groups)
         if groups == [0] and len(self.groups) == 1:
             return keys[start:end]
-        return [self._group_key(keys[i], p) for i in range(start, end) for p in groups]
+        return [self._group_key(keys[i], p) for i, p in self._ends(start, end, groups)]
+
+    def _ends(self, start: int, end: int, groups: Iterable[int]) -> list[tuple[int, int]]:
+        """(key index, served group) of each block of these groups that ends within keys ``start`` to
+        ``end``, in key order (every key ends a block of a group whose blocks are one key)."""
+        groups = list(groups)
+        if self.uniform:
+            return [(i, p) for i in range(start, end) for p in groups]
+        return [(i, p) for i in range(start, end) for p in groups if (i + 1) % self.keys_per_block[p] == 0]
+
+    def _table_index(self, i: int, group: int) -> int:
+        """Which of served group ``group``'s blocks ends at key ``i`` (its index in the block table)."""
+        return (i + 1) // self.keys_per_block[group] - 1
 
     def _group_key(self, key: bytes, group: int) -> bytes:
         """The key of a block of served group ``group``: the chain key, tagged when there are several groups."""
@@ -387,8 +420,8 @@ class SchedulerSide:
         keys = self._keys(state)
         if len(tables) == 1:  # one group: every position, vLLM's block ids as they are
             return keys[start:end], tuple(tables[0][start:end]), list(range(start, end))
-        rows = [(self._group_key(keys[i], p), self._gpu_slot(p, table[i]), i)
-                for i in range(start, end) for p, table in enumerate(tables) if table[i]]
+        rows = [(self._group_key(keys[i], p), self._gpu_slot(p, tables[p][b]), i)
+                for i, p in self._ends(start, end, range(len(tables))) if tables[p][b := self._table_index(i, p)]]
         return [r[0] for r in rows], tuple(r[1] for r in rows), [r[2] for r in rows]
 
     # --- stores --------------------------------------------------------------------------------
@@ -396,20 +429,27 @@ class SchedulerSide:
     def _unstored_full(self, state: _RequestState, num_tokens: int) -> range:
         """Indices of the request's blocks full with ``num_tokens`` tokens that no store has taken
         yet (``state.stored`` counts those taken, from the first block on)."""
-        tables = min(map(len, state.block_ids)) if state.block_ids else 0
+        tables = (min(len(ids) * m for ids, m in zip(state.block_ids, self.keys_per_block, strict=True))
+                  if state.block_ids else 0)
         full = min(num_tokens // self.block_tokens, tables, len(self._keys(state)))
         return range(state.stored, full)
 
     def _block(self, state: _RequestState, i: int, group: int) -> BlockRef:
-        """Block ``i`` of the request in served group ``group`` (its tokens sliced only for blocks about
-        to be stored)."""
-        tokens = state.request.all_token_ids[i * self.block_tokens:(i + 1) * self.block_tokens]
-        return BlockRef(self._group_key(state.keys[i], group), self._gpu_slot(group, state.block_ids[group][i]),
-                        tuple(tokens))
+        """The request's block of served group ``group`` that ends at key ``i`` (its tokens sliced only
+        for blocks about to be stored)."""
+        first = i + 1 - self.keys_per_block[group]
+        tokens = state.request.all_token_ids[first * self.block_tokens:(i + 1) * self.block_tokens]
+        gpu_slot = self._gpu_slot(group, self._block_id_at(state, i, group))
+        return BlockRef(self._group_key(state.keys[i], group), gpu_slot, tuple(tokens))
+
+    def _block_id_at(self, state: _RequestState, i: int, group: int) -> int:
+        """vLLM's block id of the request's block of ``group`` that ends at key ``i``."""
+        return state.block_ids[group][self._table_index(i, group)]
 
     def _held_in(self, state: _RequestState, i: int) -> list[int]:
-        """The served groups that hold block ``i`` of the request in a GPU block (a window's old ones do not)."""
-        return [p for p, ids in enumerate(state.block_ids) if ids[i]]
+        """The served groups with a block ending at key ``i`` that vLLM holds (a window's old ones it does not)."""
+        return [p for p, ids in enumerate(state.block_ids)
+                if (i + 1) % self.keys_per_block[p] == 0 and ids[self._table_index(i, p)]]
 
     def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
         """Store the request's full blocks no tier holds yet. Those that find no room now (the first
@@ -421,7 +461,7 @@ class SchedulerSide:
             todo = [(i, 0) for i in full if self._storable(state.keys[i], ids[i])]
         else:
             todo = [(i, p) for i in full for p in self._held_in(state, i)
-                    if self._storable(self._group_key(state.keys[i], p), state.block_ids[p][i])]
+                    if self._storable(self._group_key(state.keys[i], p), self._block_id_at(state, i, p))]
         job = self._store([self._block(state, i, p) for i, p in todo], state)
         taken = job.num_blocks if job is not None else 0
         state.stored = todo[taken][0] if taken < len(todo) else full.stop
@@ -576,7 +616,7 @@ class SchedulerSide:
                 full = self._unstored_full(state, num_tokens)
                 for i in full:
                     for p in self._held_in(state, i):
-                        self._gpu_keys[state.block_ids[p][i]] = self._block(state, i, p)
+                        self._gpu_keys[self._block_id_at(state, i, p)] = self._block(state, i, p)
                 state.stored = full.stop
         if self.lazy_ahead is not None and self.serves_hits:
             planned.append(self._store(self._lazy_candidates(), None))
@@ -625,8 +665,14 @@ class SchedulerSide:
         for key in keys:
             block = list(tokens[key]) if tokens else []
             self._events.append(BlockStored(block_hashes=[key], parent_block_hash=None, token_ids=block,
-                                            block_size=self.block_tokens, lora_id=None,
+                                            block_size=self._block_tokens_of(key), lora_id=None,
                                             medium=EVENT_MEDIUM[tier.medium], lora_name=None))
+
+    def _block_tokens_of(self, key: bytes) -> int:
+        """Tokens in the block a key names: its group's block size (the key's tag names the group)."""
+        if self.uniform:
+            return self.block_tokens
+        return self.block_tokens * self.keys_per_block[int.from_bytes(key[-2:], "big")]
 
     def _removed_events(self, keys: list[bytes], tier: Tier) -> None:
         if keys and not tier.by_key:

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -80,16 +80,19 @@ def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8, 
     return config
 
 
-def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int = 8) -> KVCacheConfig:
+def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int = 8,
+                           window_block: int = BLOCK) -> KVCacheConfig:
     """Four layers as vLLM's hybrid manager groups them for a model of interleaved full-attention and
     sliding-window layers: group 0 full attention (layers 0 and 2), group 1 a ``window``-token window
     (layers 1 and 3), each group's tensor over the whole buffer from byte 0 (groups share the block
-    pool: a block id belongs to one group at a time), layer-outer. ``window`` None: group 1 is a
-    Mamba state instead (vLLM's "align" mode, its page padded to the attention page)."""
+    pool: a block id belongs to one group at a time), layer-outer. ``window_block``: the window
+    group's tokens per block, its heads fewer to keep one page size (as vLLM sizes the blocks of
+    groups whose layers differ). ``window`` None: group 1 is a Mamba state instead (vLLM's "align"
+    mode, its page padded to the attention page)."""
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
     page = full.page_size_bytes
-    other = (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16,
-                               sliding_window=window) if window is not None
+    other = (SlidingWindowSpec(block_size=window_block, num_kv_heads=2 * BLOCK // window_block, head_size=head_size,
+                               dtype=torch.float16, sliding_window=window) if window is not None
              else MambaSpec(block_size=BLOCK, shapes=((4, head_size),), dtypes=(torch.float16,),
                             page_size_padded=page, mamba_cache_mode="align"))
     groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
@@ -100,10 +103,10 @@ def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int =
                          kv_cache_layout="LBHNC", hash_block_size=BLOCK, cache_hit_alignment_tokens=BLOCK)
 
 
-def block_kv(tokens: list[int], block: int, page: int, layer: int) -> np.ndarray:
-    """The KV bytes a model would compute for ``block`` of a sequence: a pure function of every
-    token up to the block's end (and the layer), like real attention KV."""
-    seed = xxhash.xxh64_intdigest(np.asarray(tokens[:(block + 1) * BLOCK], dtype=np.int64).tobytes(), layer)
+def block_kv(prefix: list[int], page: int, layer: int) -> np.ndarray:
+    """The KV bytes a model would compute for the block that ends a sequence's ``prefix``: a pure
+    function of every token up to the block's end (and the layer), like real attention KV."""
+    seed = xxhash.xxh64_intdigest(np.asarray(prefix, dtype=np.int64).tobytes(), layer)
     return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
 
 
@@ -149,13 +152,13 @@ class Worker:
         start = t.offset + index * t.layer_stride + block_id * t.block_stride
         return self.buffer[start:start + self.page]
 
-    def write_block(self, tokens: list[int], block: int, block_id: int, layers=None) -> None:
+    def write_block(self, prefix: list[int], block_id: int, layers=None) -> None:
+        """Write the KV of the block ending ``prefix`` into ``block_id`` (of these layers)."""
         for layer in layers or self.places:
-            self.page_view(block_id, layer)[:] = block_kv(tokens, block, self.page, self.numbers[layer])
+            self.page_view(block_id, layer)[:] = block_kv(prefix, self.page, self.numbers[layer])
 
-    def block_matches(self, tokens: list[int], block: int, block_id: int, layers=None) -> bool:
-        return all(np.array_equal(self.page_view(block_id, layer),
-                                  block_kv(tokens, block, self.page, self.numbers[layer]))
+    def block_matches(self, prefix: list[int], block_id: int, layers=None) -> bool:
+        return all(np.array_equal(self.page_view(block_id, layer), block_kv(prefix, self.page, self.numbers[layer]))
                    for layer in layers or self.places)
 
     def in_flight(self) -> int:
@@ -175,15 +178,15 @@ class Worker:
                    report: bool) -> None:
         """This rank's part of an engine step: the connector's hooks in the order of vLLM's model
         runner (kv_connector_model_runner_mixin.py) around the forward pass's ``writes`` (tokens, block,
-        block id, layers); ``settle`` waits for the copies first (a forward pass long enough for them),
+        layers); ``settle`` waits for the copies first (a forward pass long enough for them),
         without ``report`` the rank's output is held back. ``end_step`` hands the output over."""
         c = self.connector
         bound = pickle.loads(meta)
         c.handle_preemptions(bound)
         c.bind_connector_metadata(bound)
         c.start_load_kv(None)
-        for tokens, block, block_id, layers in writes:
-            self.write_block(tokens, block, block_id, layers)
+        for prefix, block_id, layers in writes:
+            self.write_block(prefix, block_id, layers)
         c.wait_for_save()
         if settle:
             self.wait_idle()
@@ -280,17 +283,22 @@ class Engine:
     def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
                  max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
                  async_scheduling: bool = False, head_size: int = 8, window: int | None = None,
-                 mamba: bool = False, mla: bool = False, processes: bool = False) -> None:
-        """``window`` set: a hybrid model, full-attention and sliding-window groups; ``mamba``: full
+                 mamba: bool = False, mla: bool = False, processes: bool = False, window_block: int = BLOCK) -> None:
+        """``window`` set: a hybrid model, full-attention and sliding-window groups, the window's blocks of
+        ``window_block`` tokens; ``mamba``: full
         attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
         every rank; ``processes``: each worker in a process of its own (``ProcessWorker``)."""
         self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
                                             max_num_seqs, extra)
-        self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size) if window is not None or mamba
+        self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size, window_block)
+                          if window is not None or mamba
                           else kv_cache_config(num_gpu_blocks, layout, head_size, tp if mla else 0))
         if mamba:
             self.vllm_config.cache_config.mamba_cache_mode = "align"
         self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]
+        self.block_sizes = [group.kv_cache_spec.block_size for group in self.kv_config.kv_cache_groups]
+        # what vLLM's engine core resolves: the scheduler's block (every group's) and the hash block
+        scheduler_block, self.hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.vllm_config)
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         # In vLLM's order: the workers first (they open their disk slabs and hold the directory
         # locks), then the scheduler, whose connector reads those slabs' headers at start.
@@ -305,7 +313,7 @@ class Engine:
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
                                          structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                         block_size=BLOCK)
+                                         block_size=scheduler_block, hash_block_size=self.hash_block)
         self.connector = self.scheduler.connector
         self.kvtier = self.connector.scheduler_side
         self.aggregator = KVOutputAggregator(tp)
@@ -323,7 +331,7 @@ class Engine:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = Request(request_id=f"r{self._ids}", prompt_token_ids=list(prompt), sampling_params=params,
                           pooling_params=None, mm_features=None,
-                          block_hasher=get_request_block_hasher(BLOCK, sha256))  # vLLM's own prefix cache
+                          block_hasher=get_request_block_hasher(self.hash_block, sha256))  # vLLM's own prefix cache
         self.scheduler.add_request(request)
         return request
 
@@ -363,18 +371,18 @@ class Engine:
                                  sampled_token_ids=sampled, kv_connector_output=kv_output)
 
     def _writes(self, out) -> list:
-        """What the forward pass writes: the KV of every block that becomes full in this step, as
-        (tokens, block, block id, layers) for each group that keeps the block."""
+        """What the forward pass writes: the KV of every block that becomes full in this step, as (the
+        tokens up to its end, block id, layers) for each group that keeps the block."""
         writes = []
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = list(request.all_token_ids)
             first, end = request.num_computed_tokens - n, request.num_computed_tokens  # advanced by schedule()
-            for block in range(first // BLOCK, min(end // BLOCK, len(tokens) // BLOCK)):
-                for layers, table in zip(self.groups, tables, strict=True):
+            for layers, table, size in zip(self.groups, tables, self.block_sizes, strict=True):
+                for block in range(first // size, min(end, len(tokens)) // size):
                     if table[block]:  # a window's block vLLM no longer keeps is its null block, 0
-                        writes.append((tokens, block, table[block], layers))
+                        writes.append((tokens[:(block + 1) * size], table[block], layers))
         return writes
 
     def run(self, requests, max_steps: int = 200, timeout: float = 30.0):
@@ -403,12 +411,16 @@ class Engine:
         raise AssertionError(f"kvtier jobs still in flight: {self.kvtier.leaks()}")
 
     def blocks_match(self, request: Request, blocks) -> bool:
-        """Whether the request's GPU blocks hold, on every rank, the KV its tokens give (in every group
-        that keeps the block: a window's older blocks are vLLM's null block)."""
+        """Whether the request's GPU blocks over the tokens of these ``BLOCK``-token blocks hold, on every
+        rank, the KV its tokens give (in every group that keeps them: a window's older blocks are vLLM's
+        null block; a group of larger blocks, those of its blocks that lie within these tokens)."""
         tables = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         tokens = list(request.all_token_ids)
-        return all(w.block_matches(tokens, b, table[b], layers) for w in self.workers for b in blocks
-                   for layers, table in zip(self.groups, tables, strict=True) if table[b])
+        first, end = min(blocks) * BLOCK, (max(blocks) + 1) * BLOCK
+        checks = [(tokens[:(k + 1) * size], table[k], layers)
+                  for layers, table, size in zip(self.groups, tables, self.block_sizes, strict=True)
+                  for k in range(-(-first // size), end // size) if table[k]]
+        return all(w.block_matches(*check) for w in self.workers for check in checks)
 
     def assert_no_leaks(self) -> None:
         leaks = self.kvtier.leaks()

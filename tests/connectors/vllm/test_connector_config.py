@@ -47,3 +47,12 @@ def test_bad_configuration_is_a_clear_error(make_config, kv_config, extra, messa
     vllm_config.kv_transfer_config.kv_connector_extra_config = extra
     with pytest.raises(ConfigError, match=message):
         KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_config(32))
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start(make_config, kv_config, name):
+    """Context-parallel ranks each hold every other token of a block: kvtier's keys cannot name that."""
+    vllm_config = make_config({"tiers": [{"medium": "host", "capacity_blocks": 4}]})
+    setattr(vllm_config.parallel_config, name, 2)
+    with pytest.raises(ConfigError, match=f"context parallelism \\({name}=2\\)"):
+        KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_config(32))
