@@ -65,6 +65,11 @@ class ConnectorSettings(BaseModel):
     ``store: eager`` copies every block once it is full; ``store: lazy`` copies a block only when it
     is among the next ``lazy_ahead`` (a fraction of vLLM's GPU blocks) that vLLM's free queue will
     hand out again, so blocks vLLM's own prefix cache keeps serving cost no copy.
+
+    ``host_hits: in_step`` loads a hit that host memory holds whole in the step that computes the rest
+    of its prompt (the workers wait for the copies before the forward pass); ``async`` parks the
+    request until a later step reports the load done, as every other hit (disk, remote, several KV
+    cache groups) is loaded.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -72,6 +77,7 @@ class ConnectorSettings(BaseModel):
     config: str | dict
     store: Literal["eager", "lazy"] = "eager"
     lazy_ahead: float = Field(0.1, gt=0, le=1)
+    host_hits: Literal["in_step", "async"] = "in_step"
 
 
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
@@ -144,7 +150,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                                 block_tokens(kv_cache_config) or vllm_config.cache_config.block_size,
                                                 vllm_config.parallel_config.world_size, ns, lazy_ahead, secret,
                                                 served_groups(kv_cache_config), kv_cache_config.num_blocks,
-                                                serves_hits=not states, replicated=replicated(kv_cache_config))
+                                                serves_hits=not states, replicated=replicated(kv_cache_config),
+                                                in_step_host_hits=settings.host_hits == "in_step")
         else:
             transfer = vllm_config.kv_transfer_config
             self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex(),
@@ -176,10 +183,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work.flush(_meta(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start the step's loads; returns once those of hits loaded in this step have arrived."""
         self._work.start(_meta(self._get_connector_metadata()).loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a request whose blocks load is not scheduled until they all arrived."""
+        """Nothing to wait for: ``start_load_kv`` waited for the loads this step reads, and a request
+        whose load is asynchronous is not scheduled until it arrived."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: stores copy whole blocks once the step's forward pass is over."""

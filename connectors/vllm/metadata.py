@@ -32,7 +32,9 @@ class TransferJob:
     write-through store: GPU -> host, then host -> disk). ``gpu_blocks`` are the vLLM block ids a
     load writes, in job block order, so a failed block can be reported to vLLM for recomputation;
     ``missing`` are GPU blocks vLLM counted as hits that the scheduler could not plan (the block
-    left the tier between lookup and allocation): they are reported failed at once.
+    left the tier between lookup and allocation): they are reported failed at once. An ``in_step``
+    load is one whose request vLLM computes in this very step: workers wait for it before the forward
+    pass, report its failed blocks in this step and its request never as finished receiving.
     """
 
     job_id: int
@@ -42,12 +44,13 @@ class TransferJob:
     req_id: str | None = None
     gpu_blocks: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
+    in_step: bool = False
 
     @classmethod
     def of(cls, job_id: int, plan: Plan, req_id: str | None = None, gpu_blocks: tuple[int, ...] = (),
-           missing: tuple[int, ...] = ()) -> TransferJob:
+           missing: tuple[int, ...] = (), in_step: bool = False) -> TransferJob:
         """The job that runs ``plan`` (its copies; the fences and what to commit stay with the scheduler)."""
-        return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing)
+        return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing, in_step)
 
     def staging_part(self) -> TransferJob:
         """A staged load's copies into host memory alone, tied to no request: the first half of a load

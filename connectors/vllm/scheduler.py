@@ -113,6 +113,8 @@ class _RequestState:
     stored: int = 0          # leading blocks already handed to the store planner
     lookup_start: int = 0    # first block past vLLM's own prefix hit, from the last lookup
     load_sources: dict[str, int] = field(default_factory=dict)  # medium -> blocks of the planned load
+    in_step: bool = False    # the last lookup offered a hit to load in the step that computes the rest
+    reserved: list[bytes] = field(default_factory=list)  # its blocks, pinned until they are planned or the step ends
     jobs: set[int] = field(default_factory=set)  # store and load jobs in flight
     store_query: _StoreQuery | None = None  # the last question to the remote store about its blocks
 
@@ -123,7 +125,7 @@ class SchedulerSide:
     def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
                  namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None,
                  groups: Sequence[ServedGroup] = (ServedGroup(0),), gpu_blocks: int = 0,
-                 serves_hits: bool = True, replicated: bool = False) -> None:
+                 serves_hits: bool = True, replicated: bool = False, in_step_host_hits: bool = False) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
         no copy for blocks vLLM's own prefix cache keeps serving). ``key_secret`` keys every block
@@ -131,7 +133,10 @@ class SchedulerSide:
         are the KV cache groups served, ``gpu_blocks`` vLLM's blocks per group; without
         ``serves_hits`` (a Mamba state group) every lookup is a miss and nothing is stored. With
         ``replicated`` KV (MLA: every rank holds the same) the tiers hold one copy per block for all
-        ranks (``geometry.replicated``), which rank 0 alone moves between tiers (``worker.py``)."""
+        ranks (``geometry.replicated``), which rank 0 alone moves between tiers (``worker.py``). With
+        ``in_step_host_hits`` a hit that host memory holds whole is loaded in the step that computes the
+        rest of the prompt (one KV cache group, as vLLM takes failed blocks of such a load only then,
+        and no host slab shared by ranks, whose loads may need two steps)."""
         self.config = config
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
@@ -151,6 +156,9 @@ class SchedulerSide:
         # before any rank reads it, so a staged load ships in two parts at two steps (``apply_reports``).
         self.split_staged_loads = replicated and num_workers > 1
         self._staging: dict[int, TransferJob] = {}  # split loads whose second part waits for the first
+        # (not with a shared slab: a block staged into it since the lookup would be read before it arrived)
+        self.in_step_host_hits = in_step_host_hits and len(self.groups) == 1 and not self.split_staged_loads
+        self._reserving: list[_RequestState] = []  # requests whose lookup pinned blocks in this step
         self.jobs = JobManager()
         position = {config.tier_name(j): j for j in range(len(config.tiers))}
         self.tiers: list[Tier] = []
@@ -261,7 +269,19 @@ class SchedulerSide:
         if end is None or not self._room_to_stage(found.staging):
             return None, False
         state.lookup_start = start
-        return (end - start) * self.block_tokens, end > start
+        self._release(state)
+        state.in_step = self.in_step_host_hits and end > start and not any(found.sources[:end - start])
+        if state.in_step:  # (a block leaving before the load is planned would be recomputed after vLLM read it)
+            state.reserved = keys[start:end]
+            self.tiers[0].pin(state.reserved)
+            self._reserving.append(state)
+        return (end - start) * self.block_tokens, end > start and not state.in_step
+
+    def _release(self, state: _RequestState) -> None:
+        """Unpin the blocks the request's last lookup reserved for an in-step load."""
+        if state.reserved:
+            self.tiers[0].unpin(state.reserved)
+            state.reserved = []
 
     def _hit(self, keys: list[bytes], start: int, limit: int) -> tuple[int | None, Lookup]:
         """The end of the longest hit from key ``start`` (at most ``limit``), and the planner's lookup
@@ -372,15 +392,23 @@ class SchedulerSide:
 
         The planner pins the sources now; a disk block gets a host staging slot (where it stays
         cached). A block that left every tier since the lookup, and every block after it, is planned
-        as missing: the workers report those GPU blocks as load errors and vLLM recomputes them.
+        as missing: the workers report those GPU blocks as load errors and vLLM recomputes them (an
+        in-step load's blocks cannot leave: its lookup pinned them until now).
         """
         block_ids = blocks.get_block_ids()
         self._step_allocated.update(b for ids in block_ids for b in ids if b)
-        if num_external_tokens == 0:
-            return
         state = self._state(request)
         if state is None:  # a request kvtier does not cache counted no hits
             return
+        try:
+            if num_external_tokens:
+                self._plan_load(request, state, block_ids, num_external_tokens)
+        finally:
+            self._release(state)
+
+    def _plan_load(self, request: Request, state: _RequestState, block_ids: tuple[list[int], ...],
+                   num_external_tokens: int) -> None:
+        """The load of a request's hit into the GPU blocks vLLM allocated (``update_state_after_alloc``)."""
         start = state.lookup_start
         tables = [block_ids[g.vllm_index] for g in self.groups]
         end = start + num_external_tokens // self.block_tokens
@@ -401,12 +429,13 @@ class SchedulerSide:
             self.stats.record_load(self._per_medium(outcome.hits), failed)
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
+        # (a block staged through host memory since the lookup still loads in this step, only slower)
         split = self.split_staged_loads and len(plan.stages) > 1
         job = self._start(plan, done, parts=2 if split else 1)
         state.jobs.add(job.id)
         for slot in loading:
             self._gpu_loading[self._block_id(slot)] = job.id
-        transfer = TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):])
+        transfer = TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):], state.in_step)
         if split:
             self._staging[job.id] = transfer
             transfer = transfer.staging_part()
@@ -577,7 +606,11 @@ class SchedulerSide:
     # --- the step ------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepJobs:
-        """This step's loads, stores, demotions and fence; resets the step's state."""
+        """This step's loads, stores, demotions and fence; resets the step's state (blocks a lookup
+        reserved for a request vLLM did not allocate are let go)."""
+        for state in self._reserving:
+            self._release(state)
+        self._reserving.clear()
         allocated = self._step_allocated
         live = getattr(scheduler_output, "kv_connector_block_state", None)  # each request's whole table now
         for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):

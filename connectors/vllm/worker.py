@@ -62,12 +62,14 @@ def shared_slab_name(engine_id: str, namespace: str) -> str:
 
 
 class _RunningJob:
-    """A job on this rank: its run of copies, when it started, and when it stops reading vLLM's blocks."""
+    """A job on this rank: its run of copies, when it started, when it stops reading vLLM's blocks, and
+    when it is over."""
 
     def __init__(self, job: TransferJob) -> None:
         self.job = job
         self.started = time.perf_counter()
         self.gpu_released = threading.Event()  # set once no later stage reads vLLM's KV blocks
+        self.finished = threading.Event()  # set once its result is recorded
         self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src.tier == GPU for c in stage)),
                                  default=-1)
 
@@ -153,12 +155,19 @@ class WorkerSide:
                 raise TransferError(f"kvtier job {job_id} still reads KV blocks vLLM reuses after {FLUSH_TIMEOUT_S} s")
 
     def start(self, jobs: list[TransferJob]) -> None:
+        """Start the jobs; returns once the ``in_step`` ones are over (vLLM's forward pass reads their blocks)."""
+        in_step = []
         for job in jobs:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
             StagedRun(self._stages(job), job.num_blocks, self.storages, self.transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
+            if job.in_step:
+                in_step.append(running)
+        for running in in_step:
+            if not running.finished.wait(FLUSH_TIMEOUT_S):
+                raise TransferError(f"kvtier load {running.job.job_id} did not arrive in {FLUSH_TIMEOUT_S} s")
 
     def _stages(self, job: TransferJob) -> tuple[tuple[Copy, ...], ...]:
         """The copies of a job this rank makes: all of them, but where rank 0 moves the one copy of
@@ -191,12 +200,14 @@ class WorkerSide:
                 moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src.tier, c.dst.tier))
                 self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
             if job.kind == "load" and job.req_id is not None:
-                self._finished_loads.add(job.req_id)
                 errors = {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
+                if not job.in_step:  # (vLLM waits for no word of a load it computes the request after)
+                    self._finished_loads.add(job.req_id)
                 if errors and self.per_request_errors:
                     self._failed_loads.add(job.req_id)
                 else:
                     self._load_errors |= errors
+        running.finished.set()
         if run.quarantined:
             run.when_lifted(functools.partial(self._lifted, job.job_id))
 

@@ -25,8 +25,11 @@ from kvtier.core.keys import chain_hashes
 HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
 
 
-def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
-    engine = make_engine(HOST_ONLY)
+@pytest.mark.parametrize("host_hits", ["in_step", "async"])
+def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine, host_hits):
+    """In step (the default): vLLM computes the tail in the step that loads the prefix. Async: the
+    request waits for a later step to report its load."""
+    engine = make_engine(HOST_ONLY, extra={"host_hits": host_hits})
     first = engine.add(prompt(4, 5, seed=1), max_tokens=3)
     engine.run([first])
     assert engine.kvtier.tier("host").usage().used == 4  # 4 full prompt blocks; the 5-token tail has no key
@@ -34,11 +37,14 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine):
 
     second = engine.add(prompt(4, 9, seed=2), max_tokens=2)
     n, is_async = engine.connector.get_num_new_matched_tokens(second, 0)
-    assert (n, is_async) == (4 * BLOCK, True)
-    job = scheduled_load(engine, second.request_id)
-    assert job.num_blocks == 4 and job.missing == ()
+    assert (n, is_async) == (4 * BLOCK, host_hits == "async")
+    out, _ = engine.step()
+    (job,) = out.kv_connector_metadata.loads
+    assert job.num_blocks == 4 and job.missing == () and job.in_step == (host_hits == "in_step")
     assert engine.connector.get_external_cache_hit_sources(second, 4 * BLOCK) == {CacheHitSource.HOST: 4 * BLOCK}
-    out = step_until_scheduled(engine, second)
+    if host_hits == "async":
+        assert second.request_id not in out.num_scheduled_tokens
+        out = step_until_scheduled(engine, second)
     assert out.num_scheduled_tokens[second.request_id] == 9  # the tail only: 4 blocks came from kvtier
     assert engine.blocks_match(second, range(4))
     engine.run([second])
@@ -57,16 +63,20 @@ def test_lookup_counts_whole_blocks_and_leaves_the_last_token(make_engine):
     lookup = engine.connector.get_num_new_matched_tokens
     # 2 shared blocks then a different third block: 2 blocks
     diverging = engine.add(prompt(2, 40, seed=3), max_tokens=1)
-    assert lookup(diverging, 0) == (2 * BLOCK, True)
+    assert lookup(diverging, 0) == (2 * BLOCK, False)  # (host memory holds them: loaded in step)
     # exactly the 4 stored blocks and nothing else: the last token is computed, so 3 blocks load
     exact = engine.add(prompt(4, 0, seed=4), max_tokens=1)
-    assert lookup(exact, 0) == (3 * BLOCK, True)
+    assert lookup(exact, 0) == (3 * BLOCK, False)
     # past vLLM's own hit of 1 block: the 3 blocks after it
-    assert lookup(engine.add(prompt(4, 3, seed=5), max_tokens=1), BLOCK) == (3 * BLOCK, True)
-    # another prefix: a miss, and no state was changed by asking (asking twice gives the same)
+    past = engine.add(prompt(4, 3, seed=5), max_tokens=1)
+    assert lookup(past, BLOCK) == (3 * BLOCK, False)
+    # another prefix: a miss, and asking twice gives the same
     other = engine.add(prompt(4, 3, seed=6, prefix=9), max_tokens=1)
     assert lookup(other, 0) == lookup(other, 0) == (0, False)
-    assert engine.kvtier.tier("host").leaks() == {"pinned": 0, "writing": 0}
+    # the hits hold their blocks for the loads vLLM plans in this step, until the step ends
+    assert engine.kvtier.tier("host").leaks() == {"pinned": 4, "writing": 0}
+    engine.run([diverging, exact, past, other])
+    engine.assert_no_leaks()
 
 
 @pytest.mark.parametrize("placement", ["write_through", "write_back"])
@@ -259,7 +269,7 @@ def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
     out, _ = engine.step(report_ranks={1})
     (load,) = out.kv_connector_metadata.loads
     assert engine.kvtier.jobs.get(load.job_id).reports == 1 and engine.kvtier.tier("host").leaks()["pinned"] == 4
-    step_until_scheduled(engine, second)
+    assert out.num_scheduled_tokens[second.request_id] == 9  # (loaded in step: both ranks waited for it)
     assert engine.blocks_match(second, range(4))  # both ranks' shards arrived
     engine.run([second])
     engine.assert_no_leaks()
@@ -268,8 +278,9 @@ def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
 def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
     """vLLM counted 4 blocks as hits, then 2 of them left the host tier before the load was planned
     (as another request's staging or a reset can do within one schedule()): the load covers the 2
-    that are left, the other GPU blocks are reported failed, and vLLM recomputes them."""
-    engine = make_engine(HOST_ONLY)
+    that are left, the other GPU blocks are reported failed, and vLLM recomputes them (an async load:
+    an in-step load's blocks cannot leave, below)."""
+    engine = make_engine(HOST_ONLY, extra={"host_hits": "async"})
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     forget_gpu(engine)
     keys = chain_hashes(prompt(4, 0, seed=0), BLOCK, engine.kvtier.request_namespace())
@@ -293,6 +304,34 @@ def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
     assert set(job.missing) <= engine.load_errors
     assert engine.blocks_match(again, range(4))
     engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_an_in_step_hits_blocks_cannot_leave_host_memory_before_the_load_is_planned(make_engine):
+    """vLLM reads an in-step load in the very step it plans it, and a failed block there could only be
+    recomputed after vLLM computed on it: so the lookup pins the blocks it offers."""
+    engine = make_engine(HOST_ONLY)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    forget_gpu(engine)
+    host = engine.kvtier.tier("host")
+    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)
+    assert host.leaks()["pinned"] == 4 and host.begin_evict(4) == []  # no victim among them
+    out, _ = engine.step()
+    assert out.num_scheduled_tokens[again.request_id] == 9 and not engine.load_errors
+    assert engine.blocks_match(again, range(4))
+    engine.run([again])
+    engine.assert_no_leaks()
+
+
+def test_blocks_a_lookup_reserved_are_let_go_when_vllm_does_not_allocate(make_engine):
+    engine = make_engine(HOST_ONLY)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)
+    engine.scheduler.finish_requests(again.request_id, RequestStatus.FINISHED_ABORTED)
+    engine.step()  # vLLM never allocated for it: the step's end lets its blocks go
+    assert engine.kvtier.tier("host").leaks()["pinned"] == 0
     engine.assert_no_leaks()
 
 
