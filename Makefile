@@ -59,6 +59,7 @@ wheel-check:
 bench: $(VENV)/.installed
 	$(PY) bench/host_copy.py
 	$(PY) bench/disk.py
+	$(PY) bench/gil_probe.py
 
 # The remote tier against the stores' own clients (starts a Mooncake master + segment owner and a redis-server;
 # make test's install line puts them there: scripts/install-remote-test-deps.sh).
