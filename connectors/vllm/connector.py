@@ -183,17 +183,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work.flush(_meta(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Start the step's loads; returns once those of hits loaded in this step have arrived."""
+        """Start the step's loads (see ``WorkerSide.start`` for those this step's forward pass reads)."""
         self._work.start(_meta(self._get_connector_metadata()).loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: ``start_load_kv`` waited for the loads this step reads, and a request
-        whose load is asynchronous is not scheduled until it arrived."""
+        """Wait for the layer's part of this step's in-step loads, when they go layer by layer (a request
+        whose load is asynchronous is not scheduled until it arrived)."""
+        self._work.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: stores copy whole blocks once the step's forward pass is over."""
 
     def wait_for_save(self) -> None:
+        self._work.end_forward()
         self._work.start(_meta(self._get_connector_metadata()).stores)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -34,14 +34,22 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connectors.vllm.geometry import block_layout, kv_cache_storage, replicated, served_groups, tier_slots
+from kvtier.connectors.vllm.geometry import (
+    block_layout,
+    kv_cache_storage,
+    layer_fragments,
+    replicated,
+    served_groups,
+    tier_slots,
+)
+from kvtier.connectors.vllm.layerwise import LayerwiseLoads
 from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.core.config import RemoteTierConfig, StackConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.stages import StagedRun
-from kvtier.core.storage import BlockStorage
+from kvtier.core.storage import BlockStorage, StridedStorage
 from kvtier.core.transfer import TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab, SharedName
@@ -107,6 +115,8 @@ class WorkerSide:
         self._reported_errors: set[int] = set()
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
         self.storages: dict[str | None, BlockStorage] = {}  # by tier name, vLLM's own blocks under GPU
+        self.layerwise: LayerwiseLoads | None = None  # in-step loads layer by layer, where the layout allows
+        self._in_step: list[_RunningJob] = []  # this step's in-step loads
         self.transfers = TransferRegistry([])  # the backends come once vLLM's KV caches name their device
         try:
             slots = {name: n for name, _, n in tier_slots(config, self.layout.block_bytes)}
@@ -143,6 +153,9 @@ class WorkerSide:
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
+        if isinstance(gpu, StridedStorage) and all(isinstance(s, StridedStorage) for s in self.storages.values()
+                                                   if s.device == "cpu"):
+            self.layerwise = LayerwiseLoads(layer_fragments(self.kv_cache_config), FLUSH_TIMEOUT_S)
 
     # --- running jobs --------------------------------------------------------------------------
 
@@ -155,17 +168,40 @@ class WorkerSide:
                 raise TransferError(f"kvtier job {job_id} still reads KV blocks vLLM reuses after {FLUSH_TIMEOUT_S} s")
 
     def start(self, jobs: list[TransferJob]) -> None:
-        """Start the jobs; returns once the ``in_step`` ones are over (vLLM's forward pass reads their blocks)."""
-        in_step = []
+        """Start the jobs. Returns once the ``in_step`` loads have arrived (vLLM's forward pass reads
+        them), or, once the engine has shown it waits for every layer (``layerwise.py``), at once:
+        their copies then go layer by layer and ``wait_layer`` waits for each."""
+        in_step = [job for job in jobs if job.in_step]
+        if self.layerwise is not None:
+            self.layerwise.begin_step(bool(in_step))
+        per_layer = self.layerwise is not None and self.layerwise.on
+        self._in_step = []
         for job in jobs:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
-            StagedRun(self._stages(job), job.num_blocks, self.storages, self.transfers,
+            transfers = self.layerwise.split(self.transfers) if job.in_step and per_layer else self.transfers
+            StagedRun(self._stages(job), job.num_blocks, self.storages, transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
             if job.in_step:
-                in_step.append(running)
-        for running in in_step:
+                self._in_step.append(running)
+        if not per_layer:
+            self._wait_in_step()
+
+    def wait_layer(self, layer: str) -> None:
+        """vLLM's ``wait_for_layer_load``: this step's in-step loads of the layer have arrived."""
+        if self.layerwise is not None:
+            self.layerwise.wait(layer)
+
+    def end_forward(self) -> None:
+        """After the forward pass: the step's in-step loads are over (their failed blocks are reported
+        in this step), and whether vLLM waited for every layer decides how later ones are waited for."""
+        self._wait_in_step()
+        if self.layerwise is not None:
+            self.layerwise.end_step()
+
+    def _wait_in_step(self) -> None:
+        for running in self._in_step:
             if not running.finished.wait(FLUSH_TIMEOUT_S):
                 raise TransferError(f"kvtier load {running.job.job_id} did not arrive in {FLUSH_TIMEOUT_S} s")
 

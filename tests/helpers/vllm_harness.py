@@ -2,8 +2,9 @@
 KVConnectorFactory on both sides, KV caches allocated by vLLM's own ``allocate_kv_cache`` on CPU.
 
 ``Engine.step()`` is one engine step the way vLLM's model runner drives a connector: schedule, then
-on every worker ``handle_preemptions``, ``start_load_kv``, a stand-in forward pass that writes each
-newly full block's KV, ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+on every worker ``handle_preemptions``, ``start_load_kv``, a stand-in forward pass that calls
+``wait_for_layer_load`` for every layer (as vLLM's attention layers do) and writes each newly full
+block's KV, ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
 ``build_connector_worker_meta``; the workers' outputs merged by vLLM's ``KVOutputAggregator``, then
 ``update_from_output``. The metadata crosses a pickle round trip each way, as between processes. The
 workers run one after the other in this process, or (``processes=True``) each in a process of its
@@ -146,6 +147,7 @@ class Worker:
         # every layer: where it lives, and its number (the KV of a layer is a function of it)
         self.places = {name: (t, i) for t in kv_config.kv_cache_tensors for i, name in enumerate(t.layers)}
         self.numbers = {name: n for n, name in enumerate(sorted(self.places))}
+        self.skip_layer_waits: set[str] = set()  # layers whose forward does not call wait_for_layer_load
 
     def page_view(self, block_id: int, layer: str) -> np.ndarray:
         t, index = self.places[layer]
@@ -185,6 +187,9 @@ class Worker:
         c.handle_preemptions(bound)
         c.bind_connector_metadata(bound)
         c.start_load_kv(None)
+        for layer in self.places:
+            if layer not in self.skip_layer_waits:
+                c.wait_for_layer_load(layer)
         for prefix, block_id, layers in writes:
             self.write_block(prefix, block_id, layers)
         c.wait_for_save()

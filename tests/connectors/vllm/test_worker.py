@@ -199,3 +199,45 @@ def test_two_ranks_reports_add_up_across_steps(make_worker, tmp_path):
 def test_layout_without_contiguous_pages_is_refused(make_worker):
     with pytest.raises(ConfigError, match="LHBNC"):
         make_worker(HOST, layout="LHBNC")
+
+
+class GatedBackend(CPUBackend):
+    """Copies of the second layer wait for ``gate`` (the other layers copy at once)."""
+
+    def __init__(self, page_address_of_layer_1: set[int], gate: threading.Event) -> None:
+        super().__init__(2)
+        self.second_layer = page_address_of_layer_1
+        self.gate = gate
+
+    def _copy(self, copies, lo: int, hi: int) -> None:
+        if set(copies.dst[lo:hi].tolist()) & self.second_layer:
+            assert self.gate.wait(10)
+        super()._copy(copies, lo, hi)
+
+
+def test_a_layer_wait_returns_when_that_layer_arrived_and_not_before(make_worker):
+    worker = make_worker(HOST)
+    side = worker.connector.worker_side
+    sent = fill(worker, [3, 4], seed=1)
+    run(worker, stores=[job(1, "store", (copy(GPU, [3, 4], "host", [0, 1]),))])
+    gate = threading.Event()
+    targets = {int(a) for a in side.storages[GPU].fragment_addresses([6, 7])[:, 1]}
+    side.transfers = type(side.transfers)([GatedBackend(targets, gate)])
+    side.layerwise.on = True
+    load = TransferJob(2, "load", 2, ((copy("host", [0, 1], GPU, [6, 7]),),), "r1", (6, 7), (), in_step=True)
+    c = worker.connector
+    c.bind_connector_metadata(StepJobs([load], [], set()))
+    c.start_load_kv(None)  # returns at once: layer by layer
+    c.wait_for_layer_load(LAYERS[0])
+    second = threading.Thread(target=c.wait_for_layer_load, args=(LAYERS[1],))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # its copies wait for the gate
+    gate.set()
+    second.join(10)
+    assert not second.is_alive()
+    c.wait_for_save()
+    assert [r.tobytes() for r in read(worker, [6, 7])] == [s.tobytes() for s in sent]
+    done, failed = side.take_finished_loads()
+    assert done == set() and failed == set() and side.take_load_errors() == set()  # in step: never "finished"
+    c.clear_connector_metadata()
