@@ -14,12 +14,19 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.planner import Copy
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import Quarantine, Transfer, TransferRegistry
+from kvtier.core.transfer import OnComplete, Quarantine, Transfer
+
+
+class Submits(Protocol):
+    """Where a run sends its copies: a ``TransferRegistry``, or a stand-in that passes them on to one."""
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None: ...
 
 
 class StagedRun:
@@ -33,7 +40,7 @@ class StagedRun:
     """
 
     def __init__(self, stages: Sequence[Sequence[Copy]], num_blocks: int, storages: Mapping[str | None, BlockStorage],
-                 transfers: TransferRegistry, done: Callable[[StagedRun], None],
+                 transfers: Submits, done: Callable[[StagedRun], None],
                  refused: Callable[[list[bytes]], set[bytes]] = lambda keys: set(),
                  on_stage: Callable[[int], None] = lambda k: None) -> None:
         self.stages = stages

@@ -17,6 +17,7 @@ import logging
 import threading
 
 from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.storage import StridedStorage
 from kvtier.core.transfer import OnComplete, Transfer, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,14 @@ class _LayerSplit:
                 on_complete(failed)
 
         everything = set(range(transfer.num_blocks))
+        src, dst = transfer.src, transfer.dst
         for name, fragment in layers.items():
             event = self._loads.arrival(name)
             try:
-                part = Transfer(transfer.src.fragments([fragment]), transfer.src_slots,
-                                transfer.dst.fragments([fragment]), transfer.dst_slots, transfer.keys)
+                if not (isinstance(src, StridedStorage) and isinstance(dst, StridedStorage)):
+                    raise TransferError("only strided storages split into layers")  # (the worker checks at start)
+                part = Transfer(src.fragments([fragment]), transfer.src_slots, dst.fragments([fragment]),
+                                transfer.dst_slots, transfer.keys)
                 self._transfers.submit(part, lambda lost, quarantine=None, event=event: arrived(event, lost))
             except (TransferError, ClosedError):  # this layer cannot be copied: all its blocks failed
                 arrived(event, everything)

@@ -330,8 +330,12 @@ class SchedulerSide:
     def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
         """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
         return [self._group_key(keys[i], p) for i, p in self._ends(start, end, range(len(self.groups)))
-                if self.groups[p].window_blocks is None
-                or self._table_index(i, p) >= end // self.keys_per_block[p] - self.groups[p].window_blocks]
+                if self._table_index(i, p) >= self._window_start(p, end)]
+
+    def _window_start(self, group: int, end: int) -> int:
+        """The first of served group ``group``'s blocks a hit ending at key ``end`` needs (0: all of them)."""
+        window = self.groups[group].window_blocks
+        return 0 if window is None else end // self.keys_per_block[group] - window
 
     def _group_keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
         """The blocks of these served groups that end within keys ``start`` to ``end``, in key order."""
@@ -608,8 +612,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepJobs:
         """This step's loads, stores, demotions and fence; resets the step's state (blocks a lookup
         reserved for a request vLLM did not allocate are let go)."""
-        for state in self._reserving:
-            self._release(state)
+        for reserved in self._reserving:
+            self._release(reserved)
         self._reserving.clear()
         allocated = self._step_allocated
         live = getattr(scheduler_output, "kv_connector_block_state", None)  # each request's whole table now

@@ -174,18 +174,18 @@ class WorkerSide:
         in_step = [job for job in jobs if job.in_step]
         if self.layerwise is not None:
             self.layerwise.begin_step(bool(in_step))
-        per_layer = self.layerwise is not None and self.layerwise.on
+        split = self.layerwise.split(self.transfers) if self.layerwise is not None and self.layerwise.on else None
         self._in_step = []
         for job in jobs:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
-            transfers = self.layerwise.split(self.transfers) if job.in_step and per_layer else self.transfers
+            transfers = split if job.in_step and split is not None else self.transfers
             StagedRun(self._stages(job), job.num_blocks, self.storages, transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
             if job.in_step:
                 self._in_step.append(running)
-        if not per_layer:
+        if split is None:
             self._wait_in_step()
 
     def wait_layer(self, layer: str) -> None:
