@@ -233,7 +233,8 @@ class WorkerSide:
             self._running.pop(job.job_id, None)
             self._report = self._report.aggregate(run.report(job.job_id))
             if job.kind in ("load", "store"):
-                moved = sum(len(c.blocks) for stage in job.stages for c in stage if GPU in (c.src.tier, c.dst.tier))
+                moved = sum(len(c.blocks) for stage in self._stages(job) for c in stage
+                            if GPU in (c.src.tier, c.dst.tier))  # (the copies this rank made)
                 self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
             if job.kind == "load" and job.req_id is not None:
                 errors = {job.gpu_blocks[i] for i in run.failed} | set(job.missing)

@@ -39,6 +39,9 @@ def test_a_prefix_loads_bit_exact_into_both_ranks_from_the_shared_slab(make_engi
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     assert engine.kvtier.tier("host").usage().used == 4  # one copy for both ranks
     assert_loads_back(engine, prompt(4, 9, seed=2), computed=9, blocks=4)  # into both ranks
+    block_bytes = engine.kvtier.tier("host").block_bytes
+    totals = {k: sum(s.get(k, 0) for s in engine.stats) for k in ("store_bytes", "load_bytes")}
+    assert totals == {"store_bytes": 4 * block_bytes, "load_bytes": 2 * 4 * block_bytes}  # stored once, loaded twice
 
 
 def test_disk_blocks_stage_through_the_shared_slab_into_both_ranks(make_engine, tmp_path):
