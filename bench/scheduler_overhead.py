@@ -133,8 +133,8 @@ def worker_answer(meta) -> tuple[set[str], object, int, int]:
             report.add(job.job_id)
         loaded = sum(len(job.gpu_blocks) for job in meta.loads)
         stored = sum(job.num_blocks for job in meta.stores if job.kind == "store")
-        return {job.req_id for job in meta.loads}, KVTierWorkerMetadata(report) if report.finished else None, \
-            loaded, stored
+        recving = {job.req_id for job in meta.loads if job.req_id is not None and not job.in_step}
+        return recving, KVTierWorkerMetadata(report) if report.finished else None, loaded, stored
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
     worker = OffloadingWorkerMetadata()
