@@ -156,18 +156,19 @@ class Tier:
             entry = self._entries.get(key)
             return BlockState.FREE if entry is None else entry.state
 
-    def pin(self, keys: Sequence[bytes]) -> list[int]:
+    def pin(self, keys: Sequence[bytes], use: bool = True) -> list[int]:
         """Protect READY blocks from eviction while they are read; returns their slots.
 
         All or nothing: raises StateError (and pins none) when a key is not READY. Every pin must be
-        released with ``unpin``. Counts as a use for the eviction policy.
+        released with ``unpin``. Counts as a use for the eviction policy, unless ``use`` is False (a
+        hold that reads nothing: the read that follows counts).
         """
         with self._lock:
             entries = [self._ready_entry(key) for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.pins += 1
                 self._pinned.add(key)
-                if not entry.evicting:
+                if use and not entry.evicting:
                     self.policy.touch(key)
             return [e.slot for e in entries]
 

@@ -273,7 +273,7 @@ class SchedulerSide:
         state.in_step = self.in_step_host_hits and end > start and not any(found.sources[:end - start])
         if state.in_step:  # (a block leaving before the load is planned would be recomputed after vLLM read it)
             state.reserved = keys[start:end]
-            self.tiers[0].pin(state.reserved)
+            self.tiers[0].pin(state.reserved, use=False)  # (the load counts as the use, once)
             self._reserving.append(state)
         return (end - start) * self.block_tokens, end > start and not state.in_step
 

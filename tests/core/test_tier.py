@@ -259,6 +259,17 @@ def test_pins_are_counted(tier):
     assert tier.evict(4) == [k(0)]
 
 
+def test_a_pin_that_is_no_use_leaves_the_eviction_order_alone(tier):
+    fill(tier, [k(0), k(1)])  # LRU: k(0) is the oldest
+    tier.pin([k(0)], use=False)
+    tier.unpin([k(0)])
+    assert tier.evict(1) == [k(0)]  # still the oldest
+    fill(tier, [k(0)])
+    tier.pin([k(1)])  # a use: k(1) becomes the newest
+    tier.unpin([k(1)])
+    assert tier.evict(1) == [k(0)]
+
+
 def test_pin_the_same_key_twice_in_one_call_counts_twice(tier):
     fill(tier, [k(0)])
     tier.pin([k(0), k(0)])
