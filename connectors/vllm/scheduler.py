@@ -329,6 +329,9 @@ class SchedulerSide:
 
     def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
         """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
+        if self.uniform:  # (every lookup of a windowed model: block i of each group ends at key i)
+            return [self._group_key(keys[i], p) for i in range(start, end) for p, group in enumerate(self.groups)
+                    if group.window_blocks is None or i >= end - group.window_blocks]
         return [self._group_key(keys[i], p) for i, p in self._ends(start, end, range(len(self.groups)))
                 if self._table_index(i, p) >= self._window_start(p, end)]
 
