@@ -10,12 +10,21 @@ What is measured
 
     Workers are not run: the bench answers each step's metadata the way finished workers would,
     identically for both (every load and store job of step k reported complete in step k's output,
-    every load's request in ``finished_recving``), so only scheduler-side work is on the clock. The
-    stream: ``--prefixes`` shared prompts of ``--prefix-blocks`` blocks with unique tails, arriving a
-    few per step, on a GPU pool small enough that prefixes fall out of vLLM's own prefix cache and
-    come back from the connector. Two models: ``full`` (8 full-attention layers, one KV cache group)
-    and ``hybrid`` (4 full-attention and 4 sliding-window layers of a ``--window``-token window, two
-    groups under vLLM's hybrid KV cache manager, which both connectors keep on).
+    every load's request but an in-step one in ``finished_recving``), so only scheduler-side work is on
+    the clock. The stream (``--stream chat``, the default): ``--prefixes`` conversations opened by a
+    ``--prefix-blocks``-block prompt, each request the next turn of one of them (its whole history,
+    answers included, then 20 new tokens), arriving a few per step, on a GPU pool small enough that
+    conversations fall out of vLLM's own prefix cache and come back from the connector.
+    ``--stream shared``: every request is its conversation's first prompt with a tail of its own. Two
+    models: ``full`` (8 full-attention layers, one KV cache group) and ``hybrid`` (4 full-attention
+    and 4 sliding-window layers of a ``--window``-token window, two groups under vLLM's hybrid KV
+    cache manager, which both connectors keep on).
+
+    Why chat by default: for a sliding-window group vLLM's connector keeps only the window a request
+    still holds when its blocks are stored (the last window of the prompt and answer), so a later
+    request finds the window before its hit's end only when it continues that request. With shared
+    prefixes and other tails it never does (its lookups find every full-attention chunk and miss the
+    window's), and it loads nothing: the comparison would set kvtier's loads against no work.
 
 Reference, measured in the same run
     vLLM's OffloadingConnector on the same stream and the same host memory: ``ratio`` = kvtier's
@@ -158,9 +167,16 @@ def run_stream(scheduler, args) -> dict:
     spent = time_hooks(scheduler.connector)
     prefix_tokens = args.prefix_blocks * BLOCK
     pending = []
+    history: dict[int, list[int]] = {}  # chat: each conversation's prompt and answers so far
     for i in range(args.requests):
         p = i % args.prefixes
-        prompt = [100_000 * (p + 1) + t for t in range(prefix_tokens)] + [7_000_000 + 1000 * i + t for t in range(20)]
+        tail = [7_000_000 + 1000 * i + t for t in range(20)]
+        if args.stream == "shared":
+            prompt = [100_000 * (p + 1) + t for t in range(prefix_tokens)] + tail
+        else:  # the conversation so far (its last answer: the tokens run_stream samples), then a new turn
+            before = history.get(p, [100_000 * (p + 1) + t for t in range(prefix_tokens)])
+            prompt = before + tail
+            history[p] = prompt + [11] * args.output_tokens
         pending.append(Request(request_id=f"r{i}", prompt_token_ids=prompt,
                                sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
                                pooling_params=None, mm_features=None,
@@ -196,6 +212,9 @@ def main() -> int:
     parser.add_argument("--cpu-blocks", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3, help="runs per connector, interleaved; best kept")
     parser.add_argument("--window", type=int, default=8 * BLOCK, help="sliding window of the hybrid model (tokens)")
+    parser.add_argument("--stream", choices=("chat", "shared"), default="chat",
+                        help="chat: request i is the next turn of conversation i %% prefixes (its whole history, "
+                             "then 20 new tokens); shared: every request is its prefix and 20 tokens of its own")
     args = parser.parse_args()
 
     _, block_bytes = kv_cache_config(1)
