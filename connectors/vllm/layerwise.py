@@ -9,6 +9,12 @@ hook for every layer of the served group in a step with an in-step load, such lo
 whole; after that they are copied and waited for layer by layer. A later step in which the engine
 skips a layer sends every later load back to whole waits, with an error logged (that step's forward
 pass may have read a layer before it arrived).
+
+Only where vLLM's KV cache is in CPU memory (its CPU engine, where this was measured). On a GPU vLLM
+may replay a batch's attention inside a full CUDA graph, where no hook runs: a request whose tail is
+one token looks like a decode and can join such a batch. Until a GPU session has checked which
+batches call the hook, in-step loads on a GPU are waited for whole (there the copies are ordered on
+streams and the wait is for their completion, not a CPU copy).
 """
 
 from __future__ import annotations

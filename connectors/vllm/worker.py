@@ -153,8 +153,8 @@ class WorkerSide:
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
-        if isinstance(gpu, StridedStorage) and all(isinstance(s, StridedStorage) for s in self.storages.values()
-                                                   if s.device == "cpu"):
+        strided = all(isinstance(s, StridedStorage) for s in self.storages.values() if s.device == "cpu")
+        if strided and gpu.device == "cpu":  # (KV on a GPU: see layerwise.py)
             self.layerwise = LayerwiseLoads(layer_fragments(self.kv_cache_config), FLUSH_TIMEOUT_S)
 
     # --- running jobs --------------------------------------------------------------------------
