@@ -97,7 +97,7 @@ def make_model(path: str) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=8192)
+                         num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=16384)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
