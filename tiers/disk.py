@@ -10,11 +10,12 @@ local SSD): each slot gets only ``slot_bytes`` of room, so the same file holds m
 whose compressed payload does not fit that room is not stored (counted in ``incompressible``) and is
 refused for good (``Tier.refuse``): the tier above drops it rather than offering it again and again.
 
-Why it is crash-safe without a separate index: a slot header is written only after the block's bytes
-are durable (written, then fdatasync), and a slot about to be reused has its old header zeroed and
-made durable before new bytes land in it. So after any crash a valid header always describes complete
-bytes, and reopening the directory rebuilds the index by scanning slot headers. Every read checks the
-header and the data checksum; a mismatch is a miss, never wrong data.
+Why it is crash-safe without a separate index or a sync per store: a slot's header holds the checksum
+of the bytes it describes, and every read checks header and checksum, so a slot that a crash tore
+(new header over old bytes, old header over new bytes, half a block) is a miss, never wrong data.
+Each slot is written header and bytes in one call (``kvtier.transfers.disk``); a process killed
+mid-store leaves each slot old or new. Reopening the directory rebuilds the index by scanning slot
+headers; a torn slot found there fails its first load and is dropped.
 
 Opening (``disk_files``): the directory and slab must be the running user's and writable by nobody
 else (unless ``shared_directory``), the slab is never reached through a symbolic link, and a lock on
@@ -280,12 +281,10 @@ def _checked_file_header(fd: int, slab_path: Path) -> tuple:
 
 class DiskSlab:
     """The slab file and its directory: geometry, file descriptors (the main one holds the lock), and
-    which slots have headers.
+    the newest header sequence number.
 
-    Thread safety: positioned I/O on the descriptors is safe from any thread; ``valid_header`` is
-    only changed by the backend for slots a job owns (a WRITING slot belongs to exactly one job),
-    and cleared for a READY slot whose load failed (its loads may race, all clearing it).
-    ``record`` and ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
+    Thread safety: positioned I/O on the descriptors is safe from any thread. ``record`` and
+    ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
     """
 
     def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
@@ -310,7 +309,6 @@ class DiskSlab:
             self._open(dir_fd, shared_directory, reinitialise, o_direct)
         finally:
             os.close(dir_fd)
-        self.valid_header = bytearray(num_slots)
         self.sequence = 0
 
     @property
@@ -470,7 +468,6 @@ class DiskSlab:
             if header is None:
                 damaged += not blank
                 continue
-            self.valid_header[slot] = 1  # any valid header, foreign or not, is zeroed before reuse
             if header.namespace != self.namespace:
                 continue
             if not self.fits(header):

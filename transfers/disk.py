@@ -1,11 +1,12 @@
 """The disk transfer backend: positioned reads and writes between host memory and a slab file.
 
-A store job runs in three ordered phases so that a crash at any instant leaves only complete blocks
-behind valid headers: (1) zero the old headers of reused slots and fdatasync; (2) write the blocks'
-bytes and fdatasync; (3) write the new headers. A load reads header and bytes in one ``preadv`` and
-checks the header (key, namespace, length) and the data checksum; a block that fails is reported
-failed, and the stack drops it from the tier; its slot header is zeroed, so a restart does not find
-it again.
+A store writes each slot, header page and block bytes, in one call (a run of consecutive slots in one
+``pwritev``): no fdatasync and no separate header write. The header holds the checksum of the bytes
+it describes and every load verifies key, namespace, length and checksum, so a slot torn by a crash
+(new header over old bytes, old header over new bytes, half a block) fails its load and is dropped:
+a miss, never wrong data. A load reads header and bytes in one ``preadv``; a block that fails is
+reported failed, the stack drops it from the tier, and its slot header is zeroed so a restart does
+not find it again (a store that fails zeroes its headers likewise).
 
 I/O goes straight between the caller's memory and the file: with O_DIRECT when the buffers are
 4 KiB-aligned (the host tier's slots are), through an aligned bounce buffer when they are not, and
@@ -18,7 +19,6 @@ a store gathers, compresses and writes the payload padded to 4 KiB (a payload la
 fails the block, counts it ``incompressible`` and tells the tier it is refused for good, so the
 tier above drops it rather than offering it again); a load reads the whole slot, checks the header,
 decompresses and verifies the checksum of the raw bytes before anything reaches the caller's memory.
-The three store phases are the same.
 """
 
 from __future__ import annotations
@@ -43,10 +43,8 @@ from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.compression import Codec, CorruptPayload
 from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader
 
-_ZERO_PAGE = bytes(PAGE)
 
-
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build
 class _BlockIO:
     """One block's bytes: memory pieces (address, size) that fill one contiguous file range."""
 
@@ -55,16 +53,11 @@ class _BlockIO:
     key: bytes
     file_offset: int
     pieces: tuple[tuple[int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(size for _, size in self.pieces)
+    nbytes: int     # the pieces' sizes added up
+    aligned: bool   # every piece starts and ends on a page boundary (what O_DIRECT needs)
 
     def views(self) -> list[memoryview]:
         return [memoryview((ctypes.c_char * size).from_address(addr)).cast("B") for addr, size in self.pieces]
-
-    def aligned(self) -> bool:
-        return all(addr % PAGE == 0 and size % PAGE == 0 for addr, size in self.pieces)
 
     def gather(self) -> np.ndarray:
         """The block's bytes as one array (the caller's memory itself when it is one piece)."""
@@ -135,18 +128,25 @@ class DiskBackend(TransferBackend):
         start where this block's raw bytes would end (``_runs`` groups whole slots instead)."""
         memory, memory_slots = (transfer.src, transfer.src_slots) if writing else (transfer.dst, transfer.dst_slots)
         file, file_slots = (transfer.dst, transfer.dst_slots) if writing else (transfer.src, transfer.src_slots)
-        addresses = memory.fragment_addresses(memory_slots).tolist()
+        addresses = memory.fragment_addresses(memory_slots)
         offsets = file.fragment_addresses(file_slots)[:, 0].tolist()
-        sizes = memory.layout.fragment_bytes
+        slots = [int(s) for s in file_slots]
+        layout = memory.layout
+        size = layout.block_bytes
+        if (addresses[:, 1:] == addresses[:, :-1] + layout.sizes[None, :-1]).all():  # each block one piece
+            page_aligned = (addresses[:, 0] % PAGE == 0) & (size % PAGE == 0)
+            return [_BlockIO(i, slot, key, offset, ((address, size),), size, a) for i, (slot, key, offset, address, a)
+                    in enumerate(zip(slots, keys, offsets, addresses[:, 0].tolist(), page_aligned.tolist(), strict=True))]
         out = []
-        for i, (row, offset) in enumerate(zip(addresses, offsets, strict=True)):
+        for i, (row, offset) in enumerate(zip(addresses.tolist(), offsets, strict=True)):
             pieces: list[tuple[int, int]] = []
-            for address, size in zip(row, sizes, strict=True):
+            for address, n in zip(row, layout.fragment_bytes, strict=True):
                 if pieces and sum(pieces[-1]) == address:
-                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
+                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + n)
                 else:
-                    pieces.append((address, size))
-            out.append(_BlockIO(i, int(file_slots[i]), keys[i], offset, tuple(pieces)))
+                    pieces.append((address, n))
+            aligned = all(address % PAGE == 0 and n % PAGE == 0 for address, n in pieces)
+            out.append(_BlockIO(i, slots[i], keys[i], offset, tuple(pieces), size, aligned))
         return out
 
     def _finish(self, run, slab: DiskSlab, blocks: list[_BlockIO], on_complete: OnComplete, keep: Transfer) -> None:
@@ -161,70 +161,59 @@ class DiskBackend(TransferBackend):
 
     def _store(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
         failed = self._refuse_long_keys(slab, blocks)
-        blocks = [b for b in blocks if b.index not in failed]
-        stale = [b for b in blocks if slab.valid_header[b.slot]]
-        if stale:
-            failed |= self._each_in_turn(stale, lambda b: self._write_header(slab, _ZERO_PAGE, b.file_offset - PAGE))
-            failed |= self._sync(slab, stale)
-            for b in stale:
-                if b.index not in failed:
-                    slab.valid_header[b.slot] = 0
         todo = [b for b in blocks if b.index not in failed]
-        checksums: dict[int, int] = {}
-        payloads: dict[int, int] = {}  # stored bytes of compressed blocks
+        if slab.codec is None:
+            futures = [self._io.submit(self._store_run, slab, run) for run in _runs(slab, todo)]
+        else:
+            futures = [self._io.submit(self._store_packed, slab, b, slab.codec) for b in todo]
+        return failed.union(*(f.result() for f in futures))
 
-        def write_run(run: list[_BlockIO]) -> set[int]:
-            if len(run) > 1:
-                try:
-                    self._write_run(slab, run)
-                    return set()
-                except OSError:
-                    pass  # find out which blocks are hit: write them one by one
-            failed = set()
-            for b in run:
-                try:
-                    self._write_block(slab, b)
-                except OSError:
-                    failed.add(b.index)
-            return failed
-
-        def write_packed(b: _BlockIO, codec: Codec) -> set[int]:
-            raw = b.gather()
-            checksums[b.index] = xxhash.xxh3_64_intdigest(raw.data)
-            payload = codec.compress(raw)
-            if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
-                slab.record(incompressible=1)
-                slab.refuse([b.key])
-                return {b.index}
-            payloads[b.index] = len(payload)
+    def _store_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
+        """Blocks in consecutive slots: every header made from its block's bytes (on this I/O thread:
+        the checksums of several runs then proceed in parallel), then all of them written in one call;
+        when that fails, block by block, to find the ones the fault hits (and zero their headers)."""
+        views = [b.views() for b in run]
+        pages = [self._header_page(slab, b, _checksum(v), b.nbytes) for b, v in zip(run, views, strict=True)]
+        if len(run) > 1:
             try:
-                self._write_packed(slab, b, payload)
+                self._write_slots(slab, run[0].file_offset - PAGE, list(zip(pages, views, strict=True)))
                 return set()
             except OSError:
-                return {b.index}
-
-        if slab.codec is None:
-            futures = [self._io.submit(write_run, run) for run in _runs(slab, todo)]
-            # Hashed here while the I/O threads write: a thread that hashed before each write would
-            # leave the device idle meanwhile (measured: a fifth of the store bandwidth of 2 MiB blocks).
-            checksums.update((b.index, _checksum(b.views())) for b in todo)
-        else:
-            futures = [self._io.submit(write_packed, b, slab.codec) for b in todo]
-        failed |= set().union(*(f.result() for f in futures))
-        todo = [b for b in todo if b.index not in failed]
-        failed |= self._sync(slab, todo)
-        todo = [b for b in todo if b.index not in failed]
-
-        def write_header(b: _BlockIO) -> None:
-            header = SlotHeader(b.key, slab.namespace, b.nbytes, checksums[b.index], self._next_sequence(slab),
-                                payloads.get(b.index, b.nbytes), slab.codec_id)
-            # Marked before the write: a write that fails (or comes back short) may still have left a
-            # valid header on disk, and the slot's next use must clear it before new bytes land.
-            slab.valid_header[b.slot] = 1
-            self._write_header(slab, header.pack(), b.file_offset - PAGE)
-
-        failed |= self._each_in_turn(todo, write_header)
+                pass
+        failed = set()
+        for b, page, v in zip(run, pages, views, strict=True):
+            try:
+                self._write_block(slab, b, page, v)
+            except OSError:
+                failed.add(b.index)
+        self._clear_headers(slab, [b for b in run if b.index in failed])
         return failed
+
+    def _store_packed(self, slab: DiskSlab, b: _BlockIO, codec: Codec) -> set[int]:
+        """Compress one block and write it, zero-padded to whole pages, through this thread's aligned
+        buffer. A payload larger than the slot fails the block and is refused for good."""
+        raw = b.gather()
+        checksum = xxhash.xxh3_64_intdigest(raw.data)
+        payload = codec.compress(raw)
+        if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
+            slab.record(incompressible=1)
+            slab.refuse([b.key])
+            return {b.index}
+        padded = round_up_to_page(len(payload))
+        bounce = self._scratch("packed", slab.room)
+        bounce[:len(payload)] = payload
+        bounce[len(payload):padded] = bytes(padded - len(payload))
+        try:
+            self._write_slots(slab, b.file_offset - PAGE, [(self._header_page(slab, b, checksum, len(payload)),
+                                                            [memoryview(bounce)[:padded]])])
+            return set()
+        except OSError:
+            self._clear_headers(slab, [b])
+            return {b.index}
+
+    def _header_page(self, slab: DiskSlab, b: _BlockIO, checksum: int, payload: int) -> bytes:
+        return SlotHeader(b.key, slab.namespace, b.nbytes, checksum, self._next_sequence(slab), payload,
+                          slab.codec_id).pack()
 
     @staticmethod
     def _refuse_long_keys(slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
@@ -236,18 +225,8 @@ class DiskBackend(TransferBackend):
             slab.refuse([b.key for b in long])
         return {b.index for b in long}
 
-    def _write_run(self, slab: DiskSlab, run: list[_BlockIO]) -> None:
-        """Blocks in consecutive slots in one pwritev; the header pages between them are written as
-        zeros (they belong to slots of this job, whose real headers come after the data is durable)."""
-        zero = self._scratch("zero", PAGE)  # never written to: stays zero
-        buffers: list[memoryview | mmap.mmap] = [*run[0].views()]
-        for b in run[1:]:
-            buffers += [zero, *b.views()]
-        self._write(slab, buffers, run[0].file_offset)
-
-    def _write_block(self, slab: DiskSlab, b: _BlockIO) -> None:
-        views = b.views()
-        if slab.direct_fd is not None and not b.aligned():  # O_DIRECT needs aligned memory: bounce
+    def _write_block(self, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> None:
+        if slab.direct_fd is not None and not b.aligned:  # O_DIRECT needs aligned memory: bounce
             padded = round_up_to_page(b.nbytes)
             bounce = self._scratch("write", padded)
             at = 0
@@ -255,25 +234,43 @@ class DiskBackend(TransferBackend):
                 bounce[at:at + len(view)] = view
                 at += len(view)
             views = [memoryview(bounce)[:padded]]
-        self._write(slab, views, b.file_offset)
+        self._write_slots(slab, b.file_offset - PAGE, [(page, views)])
 
-    def _write_packed(self, slab: DiskSlab, b: _BlockIO, payload: bytes) -> None:
-        """A compressed payload, zero-padded to whole pages, through this thread's aligned buffer."""
-        padded = round_up_to_page(len(payload))
-        bounce = self._scratch("packed", slab.room)
-        bounce[:len(payload)] = payload
-        bounce[len(payload):padded] = bytes(padded - len(payload))
-        self._write(slab, [memoryview(bounce)[:padded]], b.file_offset)
+    def _write_slots(self, slab: DiskSlab, offset: int, slots: list[tuple[bytes, list]]) -> None:
+        """Consecutive slots from file ``offset``, each a header page and the buffers of its bytes.
 
-    def _write_header(self, slab: DiskSlab, page: bytes, offset: int) -> None:
-        """Slot headers go through the page cache: one small O_DIRECT write each costs far more, and
-        the fdatasync that follows a zeroing (or the kernel, for a new header) makes them durable. A
-        later O_DIRECT read of the slot flushes the cached page first, so reads stay coherent."""
-        self._write(slab, [page], offset, slab.open_fd)
+        With O_DIRECT they go in one call: the kernel finishes a direct write it has started even when
+        the process is killed, so a crash of the process leaves each slot old or new, never mixed.
+        Buffered I/O can stop part way through a call when the process is killed, so there the
+        headers are written as zeros together with the bytes, and then one by one: a slot cut short
+        has no header. A power loss can tear either; see the module's docstring for why that is a
+        miss."""
+        headers = memoryview(self._scratch("headers-out", _max_run(slab) * PAGE))
+        zero = memoryview(self._scratch("zero", PAGE))  # never written to: stays zero
+        direct = slab.direct_fd is not None
+        buffers: list = []
+        for i, (page, data) in enumerate(slots):
+            headers[i * PAGE:(i + 1) * PAGE] = page
+            buffers += [headers[i * PAGE:(i + 1) * PAGE] if direct else zero, *data]
+        self._write(slab, buffers, offset)
+        if not direct:
+            for i in range(len(slots)):
+                self._write(slab, [headers[i * PAGE:(i + 1) * PAGE]], offset + i * slab.slot_stride)
 
-    def _write(self, slab: DiskSlab, buffers, offset: int, fd: int | None = None) -> None:
+    def _clear_headers(self, slab: DiskSlab, blocks: list[_BlockIO]) -> None:
+        """Zero the slot headers of blocks that failed to store or load, best effort: a restart must not
+        find them. A header that cannot be zeroed may describe bytes it does not match; every load
+        checks them, so such a block fails its load once and is dropped."""
+        zero = self._scratch("zero", PAGE)
+        for b in blocks:
+            try:
+                self._write(slab, [zero], b.file_offset - PAGE)
+            except OSError:
+                pass
+
+    def _write(self, slab: DiskSlab, buffers, offset: int) -> None:
         expected = sum(len(memoryview(buf)) for buf in buffers)
-        written = self._pwritev(_data_fd(slab) if fd is None else fd, buffers, offset)
+        written = self._pwritev(_data_fd(slab), buffers, offset)
         if written != expected:
             raise OSError(errno.EIO, f"short write: {written} of {expected} bytes")
 
@@ -311,21 +308,8 @@ class DiskBackend(TransferBackend):
                 failed |= {b.index for b, page in read if not self._verify(slab, b, page, b.views())}
         else:
             failed = set().union(*(f.result() for f in [self._io.submit(read_packed, b, slab.codec) for b in blocks]))
-        self._forget(slab, [b for b in blocks if b.index in failed])
+        self._clear_headers(slab, [b for b in blocks if b.index in failed])
         return failed
-
-    def _forget(self, slab: DiskSlab, blocks: list[_BlockIO]) -> None:
-        """Zero the slot headers of blocks that failed to load: the stack drops them from the tier, and
-        a restart must not find them again. Best effort, through the page cache like every header
-        write (``close`` makes it durable; a crash before that may bring back a header, whose block
-        then fails its checks again). A header that cannot be zeroed stays marked valid, so the
-        slot's next store clears it first."""
-        for b in blocks:
-            try:
-                self._write_header(slab, _ZERO_PAGE, b.file_offset - PAGE)
-                slab.valid_header[b.slot] = 0
-            except OSError:
-                pass
 
     def _read_run(self, slab: DiskSlab, run: list[_BlockIO]) -> list[tuple[_BlockIO, bytes]]:
         """Blocks in consecutive slots in one preadv (headers into scratch pages, bytes into place);
@@ -343,7 +327,7 @@ class DiskBackend(TransferBackend):
     def _read_block(self, slab: DiskSlab, b: _BlockIO) -> bytes:
         """Read one block into its memory pieces; returns its header page, to verify."""
         views = b.views()
-        if slab.direct_fd is None or b.aligned():
+        if slab.direct_fd is None or b.aligned:
             header_page = self._scratch("page", PAGE)
             got = self._preadv(_data_fd(slab), [header_page, *views], b.file_offset - PAGE)
             page = bytes(header_page)
@@ -390,27 +374,6 @@ class DiskBackend(TransferBackend):
 
     # --- helpers -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _each_in_turn(blocks: list[_BlockIO], work) -> set[int]:
-        """Run ``work(block)`` on this thread (small buffered writes: a pool hop costs more than they do)."""
-        failed = set()
-        for b in blocks:
-            try:
-                work(b)
-            except OSError:
-                failed.add(b.index)
-        return failed
-
-    def _sync(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
-        """fdatasync; when it fails, none of ``blocks`` can be trusted to be durable."""
-        if not blocks:
-            return set()
-        try:
-            self._fdatasync(slab.open_fd)
-            return set()
-        except OSError:
-            return {b.index for b in blocks}
-
     def _next_sequence(self, slab: DiskSlab) -> int:
         with self._sequence_lock:
             slab.sequence += 1
@@ -429,9 +392,6 @@ class DiskBackend(TransferBackend):
 
     def _preadv(self, fd: int, buffers, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
-
-    def _fdatasync(self, fd: int) -> None:
-        os.fdatasync(fd)
 
 
 def _data_fd(slab: DiskSlab) -> int:
@@ -456,7 +416,7 @@ def _runs(slab: DiskSlab, blocks: list[_BlockIO]) -> list[list[_BlockIO]]:
     iovecs = 0
     open_run = False  # whether the last run may be extended
     for b in sorted(blocks, key=lambda b: b.file_offset):
-        joinable = b.nbytes == slab.slot_stride - PAGE and (slab.direct_fd is None or b.aligned())
+        joinable = b.nbytes == slab.slot_stride - PAGE and (slab.direct_fd is None or b.aligned)
         if (joinable and open_run and runs[-1][-1].file_offset + slab.slot_stride == b.file_offset
                 and len(runs[-1]) < _max_run(slab) and iovecs + 1 + len(b.pieces) <= _IOV_MAX):
             runs[-1].append(b)

@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -310,28 +311,32 @@ def test_incompressible_victims_are_dropped_from_host_instead_of_filling_it(tmp_
     stack.close()
 
 
-class FlakySyncBackend(DiskBackend):
-    """The real disk backend; the next ``failures`` fdatasync calls raise EIO (a fault that passes)."""
+class FlakyWriteBackend(DiskBackend):
+    """The real disk backend; the next ``failures`` slot writes raise EIO (a fault that passes). Writes
+    that clear a header (all zeros) pass."""
 
     def __init__(self) -> None:
         super().__init__(io_threads=2)
         self.failures = 0
+        self._lock = threading.Lock()
 
-    def _fdatasync(self, fd: int) -> None:
-        if self.failures:
-            self.failures -= 1
+    def _pwritev(self, fd: int, buffers, offset: int) -> int:
+        with self._lock:
+            fail = self.failures > 0 and any(bytes(memoryview(buffers[0])[:PAGE]))
+            self.failures -= fail
+        if fail:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        super()._fdatasync(fd)
+        return super()._pwritev(fd, buffers, offset)
 
 
 def test_a_demotion_that_fails_for_a_passing_reason_keeps_the_block_and_retries(tmp_path):
     """Only a refusal for good drops a victim: compressible victims whose demotion hits an I/O error
     stay in host memory, and the stack's retry then lands them on disk bit-exact."""
-    backend = FlakySyncBackend()
+    backend = FlakyWriteBackend()
     stack = build_stack(load_config(config(tmp_path, "zstd", host=4, disk=16)), backends=[CPUBackend(2), backend])
     host, disk = stack.tiers
     put(stack, KEYS[:4])
-    backend.failures = 1  # the data fdatasync of the first demotion job
+    backend.failures = 4  # every slot write of the first demotion job
     (result,) = put(stack, KEYS[4:8])
     stack.wait_idle()
     assert (result.stored, result.dropped, result.failed) == (4, 0, [])

@@ -17,6 +17,8 @@ Invariants checked:
 - a damaged file header discards the whole cache (geometry unknown): nothing is found, the file is
   rebuilt and works; a damaged magic makes the file no kvtier slab: it is refused, left byte for byte
   as it was, and rebuilt only with ``reinitialise: true``;
+- a slot torn between two stores (new header over old bytes, old header over new bytes, half a
+  block: what a power loss can leave, since a store never syncs) is a failed load, then a miss;
 - a truncated slab keeps the blocks wholly before the cut, bit-exact, finds nothing after it, and a
   block cut in half is a failed load, never partial bytes;
 - garbage over slots makes them damaged and free; they are reused cleanly afterwards;
@@ -32,6 +34,7 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 
 from helpers.stack_helpers import assert_no_leaks, content, flip, key, ready
 from kvtier.builder import build_stack
@@ -283,6 +286,28 @@ def test_a_header_copied_onto_another_slot_never_returns_that_slots_bytes(slab, 
     assert stack.tiers[0].slots([a]) == [slab.slot_of[a]] and stack.tiers[0].state(b) is BlockState.FREE
     assert load_everything(stack, KEYS[:N])[1] == []
     stack.close()
+
+
+@pytest.mark.parametrize("torn", ["new header over old bytes", "old header over new bytes", "half a block"])
+def test_a_slot_torn_between_two_stores_is_a_miss(slab, torn):
+    """What a power loss can leave of a slot that block b was being stored into over block a: the
+    store writes header and bytes in one call and never syncs, so any part of it may be lost. The
+    header's checksum of the bytes decides: the block the header names fails its load, never returns."""
+    a, b = KEYS[2], KEYS[10]
+    old = SlotHeader.unpack(read_at(slab.file, slab.header_at(a), PAGE))
+    new = dataclasses.replace(old, key=b, checksum=xxhash.xxh3_64_intdigest(content(b, BLOCK).data),
+                              sequence=old.sequence + 1)
+    if torn != "old header over new bytes":
+        write_at(slab.file, slab.header_at(a), new.pack())
+    new_bytes = content(b, BLOCK).tobytes()
+    if torn != "new header over old bytes":
+        write_at(slab.file, slab.data_at(a), new_bytes[:BLOCK // 2] if torn == "half a block" else new_bytes)
+    named = a if torn == "old header over new bytes" else b
+    stack = open_stack(slab.path)
+    assert stack.tiers[0].state(named) is BlockState.READY
+    found, bad = load_everything(stack, [*KEYS[:N], b])
+    assert bad == [named] and len(found) == N
+    still_works(slab.path, stack)
 
 
 def test_a_valid_header_with_the_wrong_length_is_damaged(slab):

@@ -1,15 +1,16 @@
 """Disk I/O errors fail exactly the blocks they hit, never return wrong bytes, and never break the stack.
 
 Faults are injected at the system calls: ``FaultyDiskBackend`` is the real disk backend with its
-``_pwritev``, ``_preadv`` and ``_fdatasync`` overridden to raise ENOSPC or EIO, or to move fewer
-bytes than asked, for chosen slots and phases. A real small filesystem (a tmpfs mounted under the
+``_pwritev`` and ``_preadv`` overridden to raise ENOSPC or EIO, or to move fewer bytes than asked,
+for chosen slots and phases. A real small filesystem (a tmpfs mounted under the
 test's directory, where root may mount) checks that a disk tier larger than its filesystem is refused
 with a message about space, and that a preallocated slab keeps working once the filesystem is full.
 
 Invariants checked:
-- a store whose data, header, header-zeroing write or fdatasync fails commits nothing for those
-  blocks: they are reported failed, the disk tier holds them as FREE, ``aborted`` counts them, and a
-  reopen never finds them (nor a block whose bytes were overwritten by a failed write);
+- a store whose slot write (header and bytes in one call) fails commits nothing for those blocks:
+  they are reported failed, the disk tier holds them as FREE, ``aborted`` counts them, and a reopen
+  never finds them (their headers are zeroed); where even that zeroing fails, the block a reopen
+  finds fails its load (its header's checksum does not match the bytes) and is a miss after that;
 - a demotion or write-through copy that fails keeps the block in the host tier, where it stays
   readable, and a later close copies it down;
 - a failed or short read reports exactly the failed block indices in ``LoadResult.failed``, counts
@@ -48,9 +49,9 @@ class FaultyDiskBackend(DiskBackend):
     """The real disk backend; chosen system calls fail.
 
     ``write_faults`` maps (phase, slot) to an errno raised instead of writing, or to "short" for a
-    write that really lands only its first half and reports that. Phases: "zero" (clearing an old
-    header), "data", "header". ``read_faults`` maps a slot to an errno or "short" likewise.
-    ``sync_faults`` is a list of errnos: each fdatasync pops one and raises it (None lets it pass).
+    write that really lands only its first half and reports that. Phases: "slot" (a block's header
+    page and bytes), "zero" (clearing a header). ``read_faults`` maps a slot to an errno or "short"
+    likewise. ``writes`` counts the write calls that ran.
     """
 
     def __init__(self) -> None:
@@ -58,38 +59,36 @@ class FaultyDiskBackend(DiskBackend):
         self.stride = 0  # set once the stack is built
         self.write_faults: dict[tuple[str, int], int | str] = {}
         self.read_faults: dict[int, int | str] = {}
-        self.sync_faults: list[int | None] = []
+        self.writes = 0
         self.hits: list[tuple[str, int]] = []
         self._faults_lock = threading.Lock()
 
-    def _where(self, offset: int, buffers) -> tuple[list[int], bool]:
-        """The slots a call touches (a run of consecutive slots is one call), and whether it starts at a header."""
+    def _where(self, offset: int, buffers) -> list[int]:
+        """The slots a call touches (a run of consecutive slots is one call)."""
         length = sum(len(memoryview(b)) for b in buffers)
-        first, within = divmod(offset - PAGE, self.stride)
+        first = (offset - PAGE) // self.stride
         last = (offset - PAGE + length - 1) // self.stride
-        return list(range(first, last + 1)), within == 0
+        return list(range(first, last + 1))
 
     def _fault(self, faults: dict, keys: list) -> tuple[object, object]:
         return next(((k, faults[k]) for k in keys if k in faults), (None, None))
 
     def _pwritev(self, fd, buffers, offset):
-        slots, is_header_page = self._where(offset, buffers)
-        phase = "data"
-        if is_header_page:
-            phase = "zero" if not any(bytes(buffers[0])) else "header"
-        hit, fault = self._fault(self.write_faults, [(phase, slot) for slot in slots])
+        phase = "slot" if any(bytes(memoryview(buffers[0])[:PAGE])) else "zero"
+        hit, fault = self._fault(self.write_faults, [(phase, slot) for slot in self._where(offset, buffers)])
         if fault is None:
+            with self._faults_lock:
+                self.writes += 1
             return super()._pwritev(fd, buffers, offset)
         with self._faults_lock:
             self.hits.append(hit)
-        if fault == "short":
-            first = memoryview(buffers[0])
-            return os.pwritev(fd, [first[:len(first) // 2]], offset)
+        if fault == "short":  # the first half, in whole pages (O_DIRECT writes nothing smaller)
+            return os.pwritev(fd, _first(buffers, sum(len(memoryview(b)) for b in buffers) // 2 // PAGE * PAGE),
+                              offset)
         raise OSError(fault, os.strerror(fault))
 
     def _preadv(self, fd, buffers, offset):
-        slots, _ = self._where(offset, buffers)
-        hit, fault = self._fault(self.read_faults, slots)
+        hit, fault = self._fault(self.read_faults, self._where(offset, buffers))
         if fault is None:
             return super()._preadv(fd, buffers, offset)
         with self._faults_lock:
@@ -98,12 +97,17 @@ class FaultyDiskBackend(DiskBackend):
             return os.preadv(fd, [memoryview(buffers[0])[:PAGE]], offset)  # the header page only
         raise OSError(fault, os.strerror(fault))
 
-    def _fdatasync(self, fd):
-        with self._faults_lock:
-            fault = self.sync_faults.pop(0) if self.sync_faults else None
-        if fault is not None:
-            raise OSError(fault, os.strerror(fault))
-        super()._fdatasync(fd)
+
+def _first(buffers, n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``buffers``."""
+    out = []
+    for buffer in buffers:
+        view = memoryview(buffer)[:n]
+        if not len(view):
+            break
+        out.append(view)
+        n -= len(view)
+    return out
 
 
 def open_stack(path, *, host=4, disk=16, placement="write_back", gpu=None, backend=None):
@@ -170,15 +174,14 @@ def assert_reopen_is_exact(path, expected, **kwargs):
 # --- writes -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("phase", ["data", "header"])
 @pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO, "short"])
-def test_a_failed_write_commits_nothing_for_that_block(tmp_path, phase, fault):
+def test_a_failed_write_commits_nothing_for_that_block(tmp_path, fault):
     stack, backend = open_stack(tmp_path, host=0, disk=8)  # stores go straight to disk
     (disk,) = stack.tiers
     keys = KEYS[:4]
-    backend.write_faults[(phase, 2)] = fault  # slots are handed out lowest first: keys[2] gets slot 2
+    backend.write_faults[("slot", 2)] = fault  # slots are handed out lowest first: keys[2] gets slot 2
     (result,) = put(stack, keys)
-    assert backend.hits == [(phase, 2)]
+    assert backend.hits == [("slot", 2)]
     assert result.failed == [keys[2]] and result.stored == 3
     assert disk.state(keys[2]) is BlockState.FREE
     assert disk.stats.aborted == 1 and disk.stats.committed == 3
@@ -188,10 +191,8 @@ def test_a_failed_write_commits_nothing_for_that_block(tmp_path, phase, fault):
     assert_exact(keys, loaded, out)
     assert_no_leaks(stack)
     stack.close()
-    # A header write that came back short has still landed the header's first half, which holds all
-    # of it: the block behind it is complete (its bytes were durable first), so finding it is right.
-    landed = phase == "header" and fault == "short"
-    assert_reopen_is_exact(tmp_path, keys if landed else [keys[0], keys[1], keys[3]], host=0, disk=8)
+    # A short write landed the header and part of the bytes; the failed store zeroed that header.
+    assert_reopen_is_exact(tmp_path, [keys[0], keys[1], keys[3]], host=0, disk=8)
 
     stack, backend = open_stack(tmp_path, host=0, disk=8)  # healthy again: the block stores fine
     put(stack, keys)
@@ -199,87 +200,54 @@ def test_a_failed_write_commits_nothing_for_that_block(tmp_path, phase, fault):
     assert_reopen_is_exact(tmp_path, keys, host=0, disk=8)
 
 
-def test_a_header_write_that_fails_after_landing_is_never_trusted_later(tmp_path):
-    """A header page that was written but reported short may still be a valid header on disk; when its
-    slot is reused and a crash (here: a failed header write) leaves the new bytes without a new header,
-    the old header must not describe them."""
+def test_a_torn_slot_whose_header_cannot_be_cleared_fails_one_load_and_is_a_miss_after(tmp_path):
+    """A write cut short lands a's header over bytes that are not a's; when zeroing that header fails
+    too, a reopen finds a, and the load must refuse the bytes (checksum) rather than return them."""
     stack, backend = open_stack(tmp_path, host=0, disk=4)
     (disk,) = stack.tiers
-    a, b = KEYS[:2]
-    backend.write_faults[("header", 0)] = "short"  # lands a's whole header (it is < 2 KiB), reports EIO
+    a = KEYS[0]
+    backend.write_faults[("slot", 0)] = "short"
+    backend.write_faults[("zero", 0)] = errno.EIO
     (result,) = put(stack, [a])
     assert result.failed == [a] and disk.state(a) is BlockState.FREE
-    backend.write_faults[("header", 0)] = errno.EIO  # b reuses slot 0: its bytes land, its header does not
-    (result,) = put(stack, [b])
-    assert result.failed == [b] and disk.usage().used == 0
+    assert backend.hits == [("slot", 0), ("zero", 0)]
     stack.close()
     stack, _ = open_stack(tmp_path, host=0, disk=4)
     (disk,) = stack.tiers
-    found = ready(disk, [a, b])
-    loaded, out = get(stack, found)
-    assert not loaded.failed, "a block found at reopen must be complete"
-    assert_exact(found, loaded, out)
-    assert disk.stats.read_errors == 0
-    stack.close()
-
-
-@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO])
-def test_a_failed_header_zeroing_fails_the_block_that_reuses_the_slot(tmp_path, fault):
-    stack, backend = open_stack(tmp_path, host=0, disk=4)
-    (disk,) = stack.tiers
-    put(stack, KEYS[:4])
-    backend.write_faults[("zero", 1)] = fault
-    (result,) = put(stack, KEYS[4:8])  # a full tier: every slot is reused, its old header cleared first
-    assert backend.hits == [("zero", 1)]
-    assert len(result.failed) == 1 and result.stored == 3
-    (lost,) = result.failed
-    assert disk.state(lost) is BlockState.FREE and disk.stats.aborted == 1
-    stored = [k for k in KEYS[4:8] if k != lost]
-    assert ready(disk, KEYS[:8]) == stored
-    assert_no_leaks(stack)
-    stack.close()
-    # slot 1 still holds the old, complete block KEYS[1]: finding it again is correct, and bit-exact
-    assert_reopen_is_exact(tmp_path, [KEYS[1], *stored], host=0, disk=4)
-
-
-@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO])
-def test_a_failed_fdatasync_of_the_data_fails_the_whole_job(tmp_path, fault):
-    stack, backend = open_stack(tmp_path, host=0, disk=8)
-    (disk,) = stack.tiers
-    backend.sync_faults = [fault]  # the first sync of the job: after the data, before any header
-    (result,) = put(stack, KEYS[:4])
-    assert result.stored == 0 and result.failed == KEYS[:4]
-    assert disk.usage().used == 0 and disk.stats.aborted == 4
-    (result,) = put(stack, KEYS[:4])  # the next try works
-    assert result.stored == 4 and not result.failed
-    assert_no_leaks(stack)
-    stack.close()
-    assert_reopen_is_exact(tmp_path, KEYS[:4], host=0, disk=8)
-
-
-def test_a_failed_fdatasync_of_cleared_headers_fails_the_reused_slots(tmp_path):
-    stack, backend = open_stack(tmp_path, host=0, disk=4)
-    (disk,) = stack.tiers
-    put(stack, KEYS[:4])
-    backend.sync_faults = [errno.EIO]  # the first sync: after clearing the old headers
-    (result,) = put(stack, KEYS[4:8])
-    assert result.stored == 0 and result.failed == KEYS[4:8]
-    assert disk.usage().used == 0 and disk.stats.aborted == 4 and disk.stats.evicted == 4
+    assert ready(disk, [a]) == [a], "the header landed whole"
+    loaded, out = get(stack, [a])
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (1, 0, [0])
+    assert disk.stats.read_errors == 1 and disk.state(a) is BlockState.FREE
+    assert stack.lookup([a]).hits == 0
     assert_no_leaks(stack)
     stack.close()
     assert_reopen_is_exact(tmp_path, [], host=0, disk=4)
+
+
+def test_a_store_into_reused_slots_is_one_write_per_block(tmp_path):
+    """No header is cleared first and none written after: each slot, header and bytes, in one call."""
+    stack, backend = open_stack(tmp_path, host=0, disk=4)  # unaligned memory: every block its own write
+    (disk,) = stack.tiers
+    put(stack, KEYS[:4])
+    assert backend.writes == 4
+    (result,) = put(stack, KEYS[4:8])  # a full tier: every slot is reused
+    assert result.stored == 4 and disk.stats.evicted == 4
+    assert backend.writes == 8
+    assert_no_leaks(stack)
+    stack.close()
+    assert_reopen_is_exact(tmp_path, KEYS[4:8], host=0, disk=4)
 
 
 def test_a_failed_demotion_keeps_the_block_in_host_memory(tmp_path):
     stack, backend = open_stack(tmp_path, host=4, disk=16)
     host, disk = stack.tiers
     put(stack, KEYS[:4])
-    backend.write_faults[("data", 1)] = errno.ENOSPC  # the second block demoted to disk
+    backend.write_faults[("slot", 1)] = errno.ENOSPC  # the second block demoted to disk
     results = put(stack, KEYS[4:8])
     stack.wait_idle()
     # every attempt to demote it failed (the stack retries once before storing less)
     assert disk.state(KEYS[1]) is BlockState.FREE and disk.stats.aborted >= 1
-    assert set(backend.hits) == {("data", 1)}, "only the faulty slot's writes failed"
+    assert set(backend.hits) == {("slot", 1)}, "only the faulty slot's writes failed"
     assert host.state(KEYS[1]) is BlockState.READY, "a failed demotion keeps the block where it was"
     assert ready(disk, KEYS[:8]) == [KEYS[0], KEYS[2], KEYS[3]]
     assert sum(r.stored for r in results) + sum(r.dropped for r in results) == 4
@@ -296,7 +264,7 @@ def test_a_failed_demotion_keeps_the_block_in_host_memory(tmp_path):
 def test_a_failed_write_through_copy_leaves_the_block_in_host_until_close(tmp_path):
     stack, backend = open_stack(tmp_path, host=8, disk=16, placement="write_through")
     host, disk = stack.tiers
-    backend.write_faults[("data", 2)] = errno.EIO
+    backend.write_faults[("slot", 2)] = errno.EIO
     put(stack, KEYS[:4])
     stack.wait_idle()
     assert ready(disk, KEYS[:4]) == [KEYS[0], KEYS[1], KEYS[3]] and disk.stats.aborted == 1
@@ -355,7 +323,7 @@ def test_blocks_dropped_after_a_failed_read_are_not_found_again_after_a_restart(
     assert_reopen_is_exact(tmp_path, [keys[i] for i in (0, 2, 3, 5)], host=0, disk=8)
 
 
-def test_a_header_that_cannot_be_zeroed_after_a_failed_read_is_cleared_before_its_slot_is_reused(tmp_path):
+def test_a_header_that_cannot_be_zeroed_after_a_failed_read_is_replaced_by_the_slots_next_store(tmp_path):
     stack, backend = open_stack(tmp_path, host=0, disk=4)
     (disk,) = stack.tiers
     put(stack, KEYS[:4])
@@ -364,10 +332,9 @@ def test_a_header_that_cannot_be_zeroed_after_a_failed_read_is_cleared_before_it
     backend.write_faults[("zero", slot)] = errno.EIO
     loaded, _ = get(stack, KEYS[:4])
     assert loaded.failed == [1] and ("zero", slot) in backend.hits
-    assert disk.storage.slab.valid_header[slot] == 1, "still valid on disk: the next store must clear it"
     backend.read_faults.clear()
     backend.write_faults.clear()
-    put(stack, KEYS[8:9])  # reuses the slot: its old header is zeroed before the new bytes land
+    put(stack, KEYS[8:9])  # reuses the slot: its header and bytes are replaced in one write
     assert disk.slots([KEYS[8]]) == [slot]
     assert_no_leaks(stack)
     stack.close()
@@ -396,7 +363,7 @@ def test_every_io_failing_still_leaves_a_working_stack(tmp_path):
     stack, backend = open_stack(tmp_path, host=4, disk=8)
     host, disk = stack.tiers
     for slot in range(8):
-        for phase in ("zero", "data", "header"):
+        for phase in ("zero", "slot"):
             backend.write_faults[(phase, slot)] = errno.EIO
         backend.read_faults[slot] = errno.EIO
     put(stack, KEYS[:16])
