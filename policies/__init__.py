@@ -50,5 +50,5 @@ def eviction_policy_class(name: str) -> type[EvictionPolicy]:
     return cls
 
 
-__all__ = ["ARCPolicy", "AdaptivePolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError", "PrefixS3FIFOPolicy",
-           "S3FIFOPolicy", "Watermark", "check_policy_name", "eviction_policy_class"]
+__all__ = ["ARCPolicy", "AdaptivePolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError",
+           "PrefixS3FIFOPolicy", "S3FIFOPolicy", "Watermark", "check_policy_name", "eviction_policy_class"]
