@@ -35,7 +35,8 @@ Capacity
     at once (a tier fills before it evicts, so this converges to the tier's size), and the
     miniatures and the history grow with it.
 
-Every operation is O(1) amortized: a protected key skipped during ``evict`` costs O(1) once.
+Every operation is O(1) amortized, except that ``evict`` walks past protected keys at the old end as
+LRU does (O(1) each per call).
 """
 
 from __future__ import annotations
@@ -43,27 +44,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable
 
-from kvtier.policies._queues import learned_capacity, pop_oldest_unprotected, unpark
 from kvtier.policies.base import EvictionPolicy, Key
 
 
-class _History:
-    """Keys seen recently but not resident, oldest first, at most ``limit`` of them."""
-
-    def __init__(self) -> None:
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
-
-    def add(self, key: Hashable, limit: int) -> None:
-        self._keys[key] = None
-        while len(self._keys) > limit:
-            self._keys.popitem(last=False)
-
-    def take(self, key: Hashable) -> bool:
-        """Whether ``key`` was remembered; it is forgotten (it is about to be resident)."""
-        return self._keys.pop(key, self) is not self
-
-    def __len__(self) -> int:
-        return len(self._keys)
+def _remember(history: OrderedDict[Hashable, None], key: Hashable, limit: int) -> None:
+    """Add ``key`` to a history of keys seen recently but not resident, dropping the oldest beyond ``limit``."""
+    history[key] = None
+    if len(history) > limit:  # one key in, at most one out: limits only grow
+        history.popitem(last=False)
 
 
 class _Miniature:
@@ -73,18 +61,18 @@ class _Miniature:
     def __init__(self, filters: bool) -> None:
         self._filters = filters
         self._order: OrderedDict[Hashable, None] = OrderedDict()
-        self._history = _History()
+        self._history: OrderedDict[Hashable, None] = OrderedDict()
 
     def reference(self, key: Hashable, capacity: int, history: int) -> bool:
         if key in self._order:
             self._order.move_to_end(key)
             return True
-        if self._filters and not self._history.take(key):
-            self._history.add(key, history)
+        if self._filters and self._history.pop(key, self) is self:
+            _remember(self._history, key, history)
             return False
         self._order[key] = None
         while len(self._order) > capacity:
-            self._history.add(self._order.popitem(last=False)[0], history)
+            _remember(self._history, self._order.popitem(last=False)[0], history)
         return False
 
 
@@ -95,42 +83,51 @@ class AdaptivePolicy(EvictionPolicy[Key]):
                  score_limit: int = 64) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"adaptive capacity must be >= 1 or None, not {capacity}")
-        if sample_every < 1:
-            raise ValueError(f"sample_every must be >= 1, not {sample_every}")
+        if sample_every < 1 or sample_every & (sample_every - 1):
+            raise ValueError(f"sample_every must be a power of two, not {sample_every}")
         if history_factor <= 0:
             raise ValueError(f"history_factor must be > 0, not {history_factor}")
         if score_limit < 1:
             raise ValueError(f"score_limit must be >= 1, not {score_limit}")
         self._fixed = capacity
         self._learned = 0
+        self._sizes = (1, 1, 1)  # the history's limit, a miniature's capacity and its history's limit
         self._sample_every = sample_every
+        self._mask = sample_every - 1  # a key is sampled when its hash is a multiple of sample_every
         self._history_factor = history_factor
         self._limit = score_limit
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest use first
+        self._move_to_end = self._order.move_to_end
         self._pending: dict[Key, None] = {}  # the current run of inserts, in insertion order
-        self._history = _History()
+        self._history: OrderedDict[Key, None] = OrderedDict()  # declined or evicted, oldest first
         self._plain = _Miniature(filters=False)
         self._filtering = _Miniature(filters=True)
         self.score = 0
         """Sampled references only the filtering miniature hit, less those only the plain one hit (clamped)."""
+        self.filtering = False
+        """Whether first-seen blocks are declined now (``score`` > 0)."""
+        if capacity is not None:
+            self._resize(capacity)
 
-    @property
-    def filtering(self) -> bool:
-        """Whether first-seen blocks are declined now."""
-        return self.score > 0
+    # The per-reference paths (admit, insert, touch) inline their cheap checks: they run once per block.
 
     def admit(self, key: Key) -> bool:
-        self._observe(key)
-        if self._history.take(key) or not self.filtering:
+        if not hash(key) & self._mask:
+            self._observe(key)
+        if not self.filtering or self._history.pop(key, self) is not self:
             return True
-        self._history.add(key, self._history_size())
+        _remember(self._history, key, self._sizes[0])
         return False
 
     def insert(self, key: Key) -> None:
-        if key in self:
+        if key in self._order or key in self._pending:
             raise KeyError(f"key {key!r} is already tracked")
-        self._learned = learned_capacity(self._fixed, self._learned, len(self) + 1)
         self._pending[key] = None
+        tracked = len(self._order) + len(self._pending)
+        if tracked > self._learned:
+            self._learned = tracked
+            if self._fixed is None:
+                self._resize(tracked)
 
     def restore(self, keys: Iterable[Key]) -> None:
         """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
@@ -140,29 +137,31 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             self._flush()
 
     def touch(self, key: Key) -> None:
-        self._flush()
-        self._order.move_to_end(key)  # KeyError for an untracked key
-        self._observe(key)
+        if self._pending:
+            self._flush()
+        self._move_to_end(key)  # KeyError for an untracked key
+        if not hash(key) & self._mask:
+            self._observe(key)
 
     def remove(self, key: Key) -> None:
         self._flush()
         del self._order[key]
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        self._flush()
+        if self._pending:
+            self._flush()
         victims: list[Key] = []
-        parked: list[Key] = []
-        try:
-            while len(victims) < n:
-                key = pop_oldest_unprotected(self._order, protected, parked)
-                if key is None:
-                    break
+        for key in self._order:  # oldest first; protected keys keep their place
+            if len(victims) >= n:
+                break
+            if key not in protected:
                 victims.append(key)
-        finally:
-            unpark(self._order, parked)
-        size = self._history_size()
         for key in victims:
-            self._history.add(key, size)
+            del self._order[key]
+        for key in victims:
+            self._history[key] = None
+        while len(self._history) > self._sizes[0]:
+            self._history.popitem(last=False)
         return victims
 
     def __len__(self) -> int:
@@ -171,29 +170,24 @@ class AdaptivePolicy(EvictionPolicy[Key]):
     def __contains__(self, key: object) -> bool:
         return key in self._order or key in self._pending
 
-    def _capacity(self) -> int:
-        return learned_capacity(self._fixed, self._learned, len(self))
-
-    def _history_size(self) -> int:
-        return max(1, int(self._capacity() * self._history_factor))
+    def _resize(self, capacity: int) -> None:
+        """Size the history and the miniatures for a tier of ``capacity`` blocks."""
+        mini = max(1, capacity // self._sample_every)
+        self._sizes = (max(1, int(capacity * self._history_factor)), mini, max(1, int(mini * self._history_factor)))
 
     def _observe(self, key: Key) -> None:
-        """Feed a reference to both miniatures when it is sampled, and move the score by who hit."""
-        if hash(key) % self._sample_every:
-            return
-        capacity = max(1, self._capacity() // self._sample_every)
-        history = max(1, int(capacity * self._history_factor))
+        """Feed a sampled reference to both miniatures, and move the score by who hit."""
+        _, capacity, history = self._sizes
         plain = self._plain.reference(key, capacity, history)
         filtering = self._filtering.reference(key, capacity, history)
         if filtering and not plain:
             self.score = min(self.score + 1, self._limit)
         elif plain and not filtering:
             self.score = max(self.score - 1, -self._limit)
+        self.filtering = self.score > 0
 
     def _flush(self) -> None:
         """Queue the pending run of inserts deepest first (its last insert becomes the oldest)."""
-        if self._pending:
-            batch = list(self._pending)
-            self._pending.clear()
-            for key in reversed(batch):
-                self._order[key] = None
+        for key in reversed(self._pending):
+            self._order[key] = None
+        self._pending.clear()

@@ -133,3 +133,17 @@ def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
         output = rng.randint(*spec.output_tokens)
         heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, hash_ids)))
     return [heapq.heappop(events)[2] for _ in range(len(events))]
+
+
+WORKLOADS: dict[str, ChatWorkload] = {
+    "chat": ChatWorkload(seed=0),
+    "chat-long": ChatWorkload(conversations=1000, mean_turns=6.0, seed=1),
+    "chat-short": ChatWorkload(conversations=2000, mean_turns=1.5, seed=2),
+    "documents": ChatWorkload(conversations=1500, mean_turns=1.5, shared_documents=8, document_chance=0.9,
+                              document_tokens=(8192, 32768), seed=3),
+    "chat+scan": ChatWorkload(conversations=600, one_off_requests=1200, seed=4),
+}
+"""The generated workloads eviction policies are judged on (bench/policies.py), so that no policy is
+tuned to one trace: the default chat; many returning conversations of many turns (a large cache
+holds most of them: keeping everything recent is right); many conversations of few turns; a few
+long documents read many times; a scan of one-off prompts mixed into a chat. Each has its own seed."""
