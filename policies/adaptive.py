@@ -11,9 +11,9 @@ learns which regime it is in, as the trace runs.
 
 How
     * Residents are kept in LRU order, with each run of consecutive ``insert`` calls queued
-      deepest first (as in ``kvtier.policies.s3fifo_prefix``): a tier commits a request's new blocks
-      in chain order, and a chain should lose its tail before its head, which keeps what stays a
-      usable prefix.
+      deepest first (as in ``kvtier.policies.s3fifo_prefix``; any other call ends a run): a tier
+      commits a request's new blocks in chain order, and a chain should lose its tail before its
+      head, which keeps what stays a usable prefix.
     * ``admit(key)``: a key found in the history (declined or evicted within about
       ``history_factor`` x capacity keys) is admitted. Any other key is admitted while the filter
       is off, and declined (and remembered in the history) while it is on.
@@ -112,6 +112,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
     # The per-reference paths (admit, insert, touch) inline their cheap checks: they run once per block.
 
     def admit(self, key: Key) -> bool:
+        if self._pending:  # a tier asks before it stores: the next request's blocks start a new run
+            self._flush()
         if not hash(key) & self._mask:
             self._observe(key)
         if not self.filtering or self._history.pop(key, self) is not self:
