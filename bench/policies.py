@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 row[label] = oracle(requests, capacity).hit_ratio
         replayed += references * len(capacities)
         header = f"{'':<16}" + "".join(f"{f'{c} blocks':>18}" for c in capacities)
-        print(header + f"{'refs/s':>12}")
-        print("-" * (len(header) + 12))
+        print(header)
+        print("-" * len(header))
         for label in ["belady", *EVICTION_POLICIES, *CONTEXT]:
             line = f"{label:<16}" + "".join(
                 f"{cells[name][str(c)][label]:>9.3f} ({cells[name][str(c)][label] / cells[name][str(c)]['lru']:.2f}x)"
