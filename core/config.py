@@ -308,11 +308,12 @@ TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig | RemoteT
 
 
 UPPER_TIER_EVICTION = "lru"
-LAST_TIER_EVICTION = "s3fifo_prefix"
+LAST_TIER_EVICTION = "adaptive"
 """Default policies, from ``kvtier replay`` and bench/policies.py (README, main job): a tier above
 another only demotes what it evicts, and recency order did best there; the last tier's evictions
-leave the stack, and S3-FIFO fed chains deepest-first did best there (it drops the many blocks
-seen once before the prefixes that come back)."""
+leave the stack, and there LRU with a second-sight admission filter that turns itself on only where
+it pays (``adaptive``) was never below LRU on any workload and size measured, where S3-FIFO fed
+chains deepest first (the previous default) lost up to 15% to LRU on chat workloads."""
 
 
 class StackConfig(_Model):

@@ -20,6 +20,7 @@ class TierStats:
     damaged: int = 0       # records found damaged when the tier reopened its storage (disk)
     incompressible: int = 0  # blocks a compressing disk tier did not store: their payload outgrew the slot
     demotion_refused: int = 0  # victims dropped (not kept) because the tier below can never hold them
+    declined: int = 0      # blocks not stored here because the eviction policy did not admit them
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -309,9 +309,10 @@ class Planner:
         """Evict what ``n`` free slots of tier ``index`` still lack, into ``room``; returns the slots
         of the tier on their way.
 
-        Victims come from the tier's policy. Those the next tier holds (clean), and those of the last
-        tier or of one whose next tier takes no demotions, are dropped at once; the others (dirty)
-        get slots below (making room there the same way) and a demotion plan, trimmed to those slots.
+        Victims come from the tier's policy. Those the next tier holds (clean) or its policy does not
+        admit, and those of the last tier or of one whose next tier takes no demotions, are dropped at
+        once; the others (dirty) get slots below (making room there the same way) and a demotion plan,
+        trimmed to those slots.
         Dirty victims that found no slot are kept when room below is on its way (write-back loses
         nothing a lower tier could take), dropped otherwise ("a full tier stores less").
         """
@@ -328,7 +329,12 @@ class Planner:
         lower = self.tiers[index + 1]
         victims = [key for key, _ in tier.begin_evict(short)]
         dirty = [key for key in victims if lower.state(key) is BlockState.FREE]
-        room.drop(tier, tier.end_evict([key for key in victims if lower.state(key) is not BlockState.FREE]))
+        clean = [key for key in victims if lower.state(key) is not BlockState.FREE]
+        if dirty and not lower.by_key:
+            admitted = lower.admit(dirty)
+            clean += [key for key, ok in zip(dirty, admitted, strict=True) if not ok]
+            dirty = [key for key, ok in zip(dirty, admitted, strict=True) if ok]
+        room.drop(tier, tier.end_evict(clean))
         slots, below_pending = self._reserve(index + 1, dirty, room)
         rest = dirty[len(slots):]
         if rest and below_pending:
@@ -344,6 +350,15 @@ class Planner:
         then), and the slots of the tier still on their way."""
         pending = self._make_room(index, len(keys), room) if keys else 0
         return self._take_free(index, keys), pending
+
+    def _admitted_prefix(self, index: int, keys: Sequence[bytes]) -> Sequence[bytes]:
+        """The leading keys tier ``index``'s policy admits: a store is a prefix of a chain, and a block
+        after a declined one could never be a hit there without it. A tier addressed by key has no
+        policy of ours: it takes everything."""
+        if not keys or self.tiers[index].by_key:
+            return keys
+        admitted = self.tiers[index].admit(keys)
+        return keys[:admitted.index(False)] if False in admitted else keys
 
     def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int | None]:
         """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing (all of
@@ -368,17 +383,18 @@ class Planner:
     def store(self, keys: Sequence[bytes], src_slots: Sequence[int], hops: int = 0) -> Planned:
         """Copy the caller's blocks ``src_slots`` into the first tier under ``keys``, which no tier
         may hold (``is_new``), and on into the next ``hops`` tiers as later stages (write-through in
-        one job). A full tier stores less: the plan covers the prefix the first tier has room for,
-        each hop the prefix of that which the tier below has room for. Hops end above a tier addressed
-        by key: a remote store gets its copies by plans of their own (``copy_targets``)."""
+        one job). A full tier stores less: the plan covers the prefix the first tier has room for and
+        its policy admits (``Tier.admit``), each hop the prefix of that which the tier below has room
+        for and admits. Hops end above a tier addressed by key: a remote store gets its copies by plans
+        of their own (``copy_targets``)."""
         room = Room()
-        slots, _ = self._reserve(0, keys, room)
+        slots, _ = self._reserve(0, self._admitted_prefix(0, keys), room)
         keys = keys[:len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
             if self.tiers[index].by_key:
                 break
-            below, _ = self._reserve(index, keys[:len(slots)], room)
+            below, _ = self._reserve(index, self._admitted_prefix(index, keys[:len(slots)]), room)
             if not below:
                 break
             stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
@@ -401,10 +417,13 @@ class Planner:
     def copy_down(self, index: int, keys: Sequence[bytes], target: int | None = None) -> Planned:
         """Copy the READY blocks of tier ``index`` that tier ``target`` (the next one by default) lacks
         into it (a write-through hop of its own, and the copy to disk at close); they stay pinned
-        until the plan finishes. The target takes a prefix when its room runs out."""
+        until the plan finishes. Blocks the target's policy does not admit are left out (``Tier.admit``),
+        and the target takes a prefix of the rest when its room runs out."""
         target = index + 1 if target is None else target
         tier, lower = self.tiers[index], self.tiers[target]
         keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
+        if keys and not lower.by_key:
+            keys = [k for k, ok in zip(keys, lower.admit(keys), strict=True) if ok]
         room = Room()
         if not keys:
             return Planned(plan_of("store", [], []), room)

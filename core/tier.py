@@ -223,6 +223,15 @@ class Tier:
 
     # --- writing -------------------------------------------------------------------------------
 
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key about to be written here, whether the policy wants it stored (``EvictionPolicy.admit``);
+        counts the declined ones. Reserves nothing, so a declined block leaves no trace in the tier and a
+        later store of the same key is simply asked again."""
+        with self._lock:
+            verdicts = [self.policy.admit(key) for key in keys]
+            self.stats.declined += verdicts.count(False)
+            return verdicts
+
     def reserve(self, keys: Sequence[bytes], allow_evict: bool = True) -> list[int] | None:
         """Claim one slot per key to write; the blocks stay invisible to readers until ``commit``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy, PolicyError
 from kvtier.policies.lru import LRUPolicy
@@ -18,6 +19,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "s3fifo_prefix": PrefixS3FIFOPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
@@ -48,5 +50,5 @@ def eviction_policy_class(name: str) -> type[EvictionPolicy]:
     return cls
 
 
-__all__ = ["ARCPolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError", "PrefixS3FIFOPolicy",
-           "S3FIFOPolicy", "Watermark", "check_policy_name", "eviction_policy_class"]
+__all__ = ["ARCPolicy", "AdaptivePolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError",
+           "PrefixS3FIFOPolicy", "S3FIFOPolicy", "Watermark", "check_policy_name", "eviction_policy_class"]

@@ -2,7 +2,9 @@
 
 A tier tells its policy about every readable block (``insert``), every read (``touch``) and every
 block that left for another reason (``remove``); when it needs room it asks ``evict(n, protected)``
-for victims. The tier owns the lock: a policy is only ever called under it and needs none itself.
+for victims. Before a block is written into the tier, the planner asks ``admit(key)``: a policy may
+decline blocks it expects never to be read (the block is then simply not stored in that tier). The
+tier owns the lock: a policy is only ever called under it and needs none itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ Key = TypeVar("Key", bound=Hashable)
 
 class EvictionPolicy(ABC, Generic[Key]):
     """Orders a tier's readable blocks for eviction. Keys are opaque: a tier's are ``bytes``."""
+
+    def admit(self, key: Key) -> bool:
+        """Whether a block that is not in the tier should be written into it; asked once per block
+        about to be stored, before room is made for it. A declined block is not stored and no
+        ``insert`` follows; asking is also what a policy can learn from (the key was wanted). The
+        default admits every block."""
+        return True
 
     @abstractmethod
     def insert(self, key: Key) -> None:

@@ -19,10 +19,11 @@ Hit semantics (the same for ``replay`` and ``belady``)
     3. hit_ratio = sum of prefix hits / sum of referenced blocks.
 
 How blocks get in and out
-    ``replay`` (online policies): resident blocks are touched (in request order), then the missing
-    ones are inserted (in request order) after room was made with one ``policy.evict(n,
+    ``replay`` (online policies): resident blocks are touched and the policy is asked to ``admit``
+    each missing one (in request order, as a tier's planner asks before it stores), then the
+    admitted ones are inserted (in request order) after room was made with one ``policy.evict(n,
     protected=<the request's blocks>)`` call, just as a tier reserves a batch then commits it. A
-    request never evicts its own blocks, and every missing block is cached. If the policy hands
+    request never evicts its own blocks, and every admitted block is cached. If the policy hands
     back fewer victims than needed (everything else is protected), only the leading missing blocks
     that fit are inserted; with the shared trace this never happens (its longest request has 374
     blocks).
@@ -97,7 +98,7 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy[in
         for h in ids:
             if h in resident:
                 policy.touch(h)
-            else:
+            elif policy.admit(h):
                 missing.append(h)
         need = len(resident) + len(missing) - capacity
         if need > 0:

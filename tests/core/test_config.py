@@ -86,7 +86,7 @@ def test_loads_from_file(tmp_path):
 def test_defaults():
     cfg = load_config({"tiers": [{"medium": "host", "capacity_blocks": 4}]})
     assert (cfg.block_tokens, cfg.block_bytes, cfg.fragments, cfg.namespace) == (16, None, 1, "")
-    assert cfg.tiers[0].eviction == "s3fifo_prefix" and cfg.tiers[0].watermark is None
+    assert cfg.tiers[0].eviction == "adaptive" and cfg.tiers[0].watermark is None
 
 
 def test_default_eviction_depends_on_the_tier_place():
@@ -94,7 +94,7 @@ def test_default_eviction_depends_on_the_tier_place():
     the stack (the prefix-ordered S3-FIFO measured best). A given policy is kept anywhere."""
     cfg = load_config({"tiers": [{"medium": "gpu", "capacity_blocks": 4}, {"medium": "host", "capacity_blocks": 8},
                                  {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x"}]})
-    assert [t.eviction for t in cfg.tiers] == ["lru", "lru", "s3fifo_prefix"]
+    assert [t.eviction for t in cfg.tiers] == ["lru", "lru", "adaptive"]
     cfg = load_config({"tiers": [{"medium": "host", "capacity_blocks": 8, "eviction": "arc"},
                                  {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x", "eviction": "lru"}]})
     assert [t.eviction for t in cfg.tiers] == ["arc", "lru"]

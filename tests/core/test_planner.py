@@ -434,3 +434,69 @@ def test_a_quarantined_demotion_keeps_its_victim_until_lifted(jobs):
     planner.lift(outcome)
     assert host.leaks()["pinned"] == 0 and host.usage().evicting == 0
     host.check_invariants()
+
+
+# --- admission -----------------------------------------------------------------------------------
+
+
+class DeclineListed(LRUPolicy):
+    """LRU that does not admit the keys in ``declined`` (the planner only sees ``admit``'s answers)."""
+
+    def __init__(self, declined: set[bytes]) -> None:
+        super().__init__()
+        self.declined = declined
+        self.asked: list[bytes] = []
+
+    def admit(self, key: bytes) -> bool:
+        self.asked.append(key)
+        return key not in self.declined
+
+
+def declining_disk(jobs: JobManager, declined: set[bytes], host: int = 4, disk: int = 8) -> Planner:
+    host_tier, disk_tier = tiers(jobs, ("host", "host", host), ("disk", "disk", disk))
+    disk_tier.policy = DeclineListed(declined)
+    return Planner([host_tier, disk_tier])
+
+
+def test_a_declined_victim_leaves_at_once_and_reserves_nothing_below(jobs):
+    planner = declining_disk(jobs, {k(0)})
+    host, disk = planner.tiers
+    fill(host, [k(0), k(1), k(2), k(3)])
+    room = planner.make_room(0, 2)
+    assert room.dropped == {"host": [k(0)]}  # declined below: dropped like a clean victim
+    assert [p.keys for p in room.demotions] == [(k(1),)] and room.pending == 1
+    assert disk.usage() == Usage(1, 8, 0) and disk.stats.declined == 1 and disk.policy.asked == [k(0), k(1)]
+    planner.finish(room.demotions[0], run(jobs, room.demotions[0]))
+    for tier in planner.tiers:
+        tier.check_invariants()
+        assert tier.leaks() == {"pinned": 0, "writing": 0}
+
+
+def test_write_through_hops_stop_at_the_first_declined_block_and_a_later_store_is_asked_again(jobs):
+    planner = declining_disk(jobs, {k(1)})
+    host, disk = planner.tiers
+    plan = planner.store([k(0), k(1), k(2)], [10, 11, 12], hops=1).plan
+    (into_host,), (into_disk,) = plan.stages
+    assert into_host.keys == (k(0), k(1), k(2)) and into_disk.keys == (k(0),)  # a chain: k(2) needs k(1)
+    assert disk.stats.declined == 1 and disk.usage().used == 1
+    outcome = planner.finish(plan, run(jobs, plan))
+    assert outcome.stored == {"host": [k(0), k(1), k(2)], "disk": [k(0)]}
+    for tier in planner.tiers:
+        tier.check_invariants()
+        assert tier.leaks() == {"pinned": 0, "writing": 0}
+    disk.policy.declined.clear()  # the policy changes its mind: the same keys are simply asked again
+    plan = planner.copy_down(0, [k(0), k(1), k(2)]).plan
+    assert plan.keys == (k(1), k(2))
+    planner.finish(plan, run(jobs, plan))
+    assert disk.lookup([k(0), k(1), k(2)]) == 3 and disk.stats.declined == 1
+
+
+def test_copy_down_leaves_out_what_the_target_declines(jobs):
+    planner = declining_disk(jobs, {k(0)})
+    host, disk = planner.tiers
+    fill(host, [k(0), k(1)])
+    plan = planner.copy_down(0, [k(0), k(1)]).plan
+    assert plan.keys == (k(1),) and host.leaks()["pinned"] == 1  # the declined source is not even pinned
+    planner.finish(plan, run(jobs, plan))
+    assert disk.state(k(0)) is BlockState.FREE and disk.state(k(1)) is BlockState.READY
+    assert host.leaks()["pinned"] == 0

@@ -518,7 +518,7 @@ def test_stats_and_record():
     tier.record(hits=1)
     assert tier.stats.as_dict() == {"committed": 3, "aborted": 1, "evicted": 2, "demoted": 0, "hits": 3,
                                     "bytes_in": 3 * LAYOUT.block_bytes, "bytes_out": 128, "read_errors": 0,
-                                    "damaged": 0, "incompressible": 0, "demotion_refused": 0}
+                                    "damaged": 0, "incompressible": 0, "demotion_refused": 0, "declined": 0}
     with pytest.raises(AttributeError):
         tier.record(nonsense=1)
 

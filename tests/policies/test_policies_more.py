@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st
 from kvtier.core.layout import BlockLayout
 from kvtier.policies import (
     EVICTION_POLICIES,
+    AdaptivePolicy,
     ARCPolicy,
     LRUPolicy,
     PrefixS3FIFOPolicy,
@@ -39,12 +40,13 @@ FACTORIES.update({
     "s3fifo(capacity=4)": lambda: S3FIFOPolicy(4),
     "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
     "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
+    "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
 })
 
 # One operation: (kind, key index, n, protected key indexes); keys are drawn from a small pool so
 # that reinsertion after eviction (ghost hits) happens often.
 operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict"]),
+    st.tuples(st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict", "admit"]),
               st.integers(0, 11), st.integers(0, 5), st.frozensets(st.integers(0, 11), max_size=6)),
     max_size=80)
 
@@ -68,6 +70,9 @@ def test_contract_under_random_operations(name, ops):
             else:
                 policy.insert(k)
                 tracked.add(k)
+        elif kind == "admit":
+            if k not in tracked:  # a tier asks only about blocks it does not hold; asking tracks nothing
+                assert isinstance(policy.admit(k), bool)
         elif kind in ("touch", "remove"):
             if k in tracked:
                 getattr(policy, kind)(k)

@@ -48,7 +48,7 @@ def test_redis_tier_loads_with_its_defaults():
     assert tier.redis == RedisConfig(url="redis://127.0.0.1:6379/0", password_env=None, pool_size=4, ca_file=None)
     assert tier.mooncake is None and tier.capacity is None and tier.eviction is None
     # the last tier kvtier evicts from is the host tier: it gets the last tier's default policy
-    assert cfg.tier_eviction(0) == "s3fifo_prefix" and cfg.last_local_tier == 0
+    assert cfg.tier_eviction(0) == "adaptive" and cfg.last_local_tier == 0
     with pytest.raises(ConfigError, match="tiers\\[1\\] is a remote tier"):
         cfg.tier_eviction(1)
 
@@ -60,7 +60,7 @@ def test_mooncake_tier_loads_and_round_trips():
     assert tier.mooncake == MooncakeConfig(master="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata",
                                            segment_size=512_000_000, protocol="tcp", local_hostname="127.0.0.1")
     assert (tier.timeout, tier.auth_key_env, tier.prefix) == (1.0, "KVTIER_MAC", "team-a")
-    assert cfg.tier_eviction(1) == "s3fifo_prefix" and cfg.tier_eviction(0) == "lru"
+    assert cfg.tier_eviction(1) == "adaptive" and cfg.tier_eviction(0) == "lru"
     assert load_config(cfg.model_dump(exclude_none=True)) == cfg
     assert load_config(stack(HOST, remote(MOONCAKE, mooncake={"segment_size": 0}))).tiers[1].mooncake.segment_size == 0
 
