@@ -174,11 +174,14 @@ class Room:
 @dataclass
 class Planned:
     """A request's answer: its ``plan`` (no blocks when nothing could be planned), the ``room`` made
-    for it, and for a load the tier index each planned block is read from."""
+    for it, for a load the tier index each planned block is read from, and for a store how many
+    trailing keys the first tier's policy ``declined`` (``Tier.admit``). A caller must not offer those
+    again for the same use: a policy takes a key asked about twice as a block seen twice."""
 
     plan: Plan
     room: Room
     sources: tuple[int, ...] = ()
+    declined: int = 0
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,9 @@ class Planner:
         for and admits. Hops end above a tier addressed by key: a remote store gets its copies by plans
         of their own (``copy_targets``)."""
         room = Room()
-        slots, _ = self._reserve(0, self._admitted_prefix(0, keys), room)
+        admitted = self._admitted_prefix(0, keys)
+        declined = len(keys) - len(admitted)
+        slots, _ = self._reserve(0, admitted, room)
         keys = keys[:len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
@@ -399,7 +404,7 @@ class Planner:
                 break
             stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
             slots = below
-        return Planned(plan_of("store", keys, stages), room)
+        return Planned(plan_of("store", keys, stages), room, declined=declined)
 
     def copy_targets(self, index: int, write_through: bool) -> list[int]:
         """The tiers that blocks just written into tier ``index`` are copied on to, each by a plan of its

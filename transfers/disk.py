@@ -135,8 +135,9 @@ class DiskBackend(TransferBackend):
         size = layout.block_bytes
         if (addresses[:, 1:] == addresses[:, :-1] + layout.sizes[None, :-1]).all():  # each block one piece
             page_aligned = (addresses[:, 0] % PAGE == 0) & (size % PAGE == 0)
+            starts = addresses[:, 0].tolist()
             return [_BlockIO(i, slot, key, offset, ((address, size),), size, a) for i, (slot, key, offset, address, a)
-                    in enumerate(zip(slots, keys, offsets, addresses[:, 0].tolist(), page_aligned.tolist(), strict=True))]
+                    in enumerate(zip(slots, keys, offsets, starts, page_aligned.tolist(), strict=True))]
         out = []
         for i, (row, offset) in enumerate(zip(addresses.tolist(), offsets, strict=True)):
             pieces: list[tuple[int, int]] = []

@@ -498,9 +498,11 @@ class SchedulerSide:
         else:
             todo = [(i, p) for i in full for p in self._held_in(state, i)
                     if self._storable(self._group_key(state.keys[i], p), self._block_id_at(state, i, p))]
-        job = self._store([self._block(state, i, p) for i, p in todo], state)
+        job, declined = self._store([self._block(state, i, p) for i, p in todo], state)
         taken = job.num_blocks if job is not None else 0
-        state.stored = todo[taken][0] if taken < len(todo) else full.stop
+        # Blocks the first tier's policy declined are not offered again by this request (a second ask
+        # would count as a second sight); the others that found no room are, at its next step.
+        state.stored = todo[taken][0] if taken < len(todo) - declined else full.stop
         return job
 
     def _storable(self, key: bytes, block_id: int) -> bool:
@@ -520,16 +522,17 @@ class SchedulerSide:
                 picked[ref.key] = ref
         return list(picked.values())
 
-    def _store(self, picked: list[BlockRef], state: _RequestState | None) -> TransferJob | None:
+    def _store(self, picked: list[BlockRef], state: _RequestState | None) -> tuple[TransferJob | None, int]:
         """A store of these blocks into the first tier (and on down, write-through); fewer when room
-        runs out, None when none fits."""
+        runs out or the tier's policy declines the last ones, None when none is stored. Also returns
+        how many trailing blocks were declined (``Planned.declined``)."""
         if not picked:
-            return None
+            return None, 0
         planned = self.planner.store([b.key for b in picked], [b.gpu_block for b in picked], self.hops)
         self._ship(planned.room)
         plan = planned.plan
         if not plan.num_blocks:
-            return None
+            return None, planned.declined
         picked = picked[:plan.num_blocks]
         gpu_blocks = [b.gpu_block for b in picked]
         req_id = state.request.request_id if state is not None else None
@@ -545,7 +548,7 @@ class SchedulerSide:
             state.jobs.add(job.id)
         for slot in gpu_blocks:
             self._gpu_readers.setdefault(self._block_id(slot), set()).add(job.id)
-        return TransferJob.of(job.id, plan, req_id)
+        return TransferJob.of(job.id, plan, req_id), planned.declined
 
     # --- plans and jobs ------------------------------------------------------------------------
 
@@ -659,7 +662,11 @@ class SchedulerSide:
                         self._gpu_keys[self._block_id_at(state, i, p)] = self._block(state, i, p)
                 state.stored = full.stop
         if self.lazy_ahead is not None and self.serves_hits:
-            planned.append(self._store(self._lazy_candidates(), None))
+            candidates = self._lazy_candidates()
+            job, declined = self._store(candidates, None)
+            for ref in candidates[len(candidates) - declined:]:  # declined: not offered again (see _store_full)
+                self._gpu_keys.pop(self._block_id(ref.gpu_block), None)
+            planned.append(job)
         stores = [job for job in planned if job is not None]
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
             if tier.watermark is not None:

@@ -57,6 +57,19 @@ def test_the_same_prompt_computed_twice_in_one_step_is_stored_once(make_engine):
     engine.assert_no_leaks()
 
 
-def make_lazy_engine(make_engine, ahead: float, num_gpu_blocks: int):
+def test_blocks_the_host_tiers_policy_declines_are_not_offered_again_while_they_wait(make_engine):
+    """A block declined once stays in the free queue's front for steps on end; asking about it at each
+    of them would make it look seen again, and the policy would store it the second time."""
+    declining = {"tiers": [{**HOST["tiers"][0], "eviction": "helpers.admission.AdmitOnSecondAsk"}]}
+    engine = make_lazy_engine(make_engine, ahead=1.0, num_gpu_blocks=12, config=declining)
+    engine.run([engine.add(prompt(4, 5, prefix=1), max_tokens=2)])
+    for _ in range(3):
+        engine.step()
+    host = engine.kvtier.tier("host")
+    assert host.usage().used == 0 and host.stats.declined == 4
+    engine.assert_no_leaks()
+
+
+def make_lazy_engine(make_engine, ahead: float, num_gpu_blocks: int, config: dict = HOST):
     """An engine whose connector stores lazily, looking ``ahead`` of vLLM's free queue."""
-    return make_engine(HOST, num_gpu_blocks=num_gpu_blocks, extra={"store": "lazy", "lazy_ahead": ahead})
+    return make_engine(config, num_gpu_blocks=num_gpu_blocks, extra={"store": "lazy", "lazy_ahead": ahead})

@@ -405,3 +405,18 @@ def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_
     assert held_by(engine, keys) == ["host"] * 4
     assert engine.kvtier.tier("disk").usage().used == 0 and engine.kvtier.tier("disk").stats.aborted == 4
     assert_loads_back(engine, prompt(4, 9, seed=2, prefix=1), computed=9, blocks=4)
+
+
+def test_blocks_the_host_tiers_policy_declines_are_not_offered_again_by_that_request(make_engine):
+    """The policy is asked about each block once per request that computes it: asking again at the
+    request's next step would make a block seen once look seen twice. A second request computing the
+    same prefix is a second sight: then its blocks are stored, and they load back bit-exact."""
+    engine = make_engine({"tiers": [{"medium": "host", "capacity_blocks": 32,
+                                     "eviction": "helpers.admission.AdmitOnSecondAsk"}]})
+    host = engine.kvtier.tier("host")
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=20)])  # decodes past a fifth full block
+    assert host.usage().used == 0 and host.stats.declined == 5
+    forget_gpu(engine)
+    engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
+    assert host.usage().used == 4 and host.stats.declined == 5
+    assert_loads_back(engine, prompt(4, 9, seed=3), computed=9, blocks=4)
