@@ -200,7 +200,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """What vLLM's model runner asks (not ``get_finished``, whose pair of sets cannot say that a load
-        failed as a whole: left to the base class's "nothing finished")."""
+        failed as a whole: left to the base class's "nothing finished"). In a step that computes
+        nothing, first waits briefly for a load in flight (``WorkerSide.idle``)."""
+        if self.has_connector_metadata() and _meta(self._get_connector_metadata()).idle:
+            self._work.idle()
         done, failed = self._work.take_finished_loads()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
@@ -251,7 +254,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         jobs = self._sched.build_connector_meta(scheduler_output)
-        return KVTierMetadata(jobs.loads, jobs.stores, jobs.flush)
+        return KVTierMetadata(jobs.loads, jobs.stores, jobs.flush, jobs.idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -70,8 +70,10 @@ class TransferJob:
 class StepJobs:
     """One step's work: ``loads`` start before the forward pass, ``stores`` (and demotions) after it,
     once the KV they read is computed. ``flush`` names jobs that still read GPU blocks vLLM hands out
-    again in this step (or that belong to a preempted request): workers wait for them first."""
+    again in this step (or that belong to a preempted request): workers wait for them first. ``idle``:
+    vLLM schedules no token this step, so its loop would come straight back (see ``WorkerSide.idle``)."""
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     flush: set[int] = field(default_factory=set)
+    idle: bool = False

@@ -671,7 +671,8 @@ class SchedulerSide:
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
             if tier.watermark is not None:
                 self._ship(self.planner.relieve(index))
-        meta = StepJobs(self._step_loads, stores + self._step_copies, flush)
+        meta = StepJobs(self._step_loads, stores + self._step_copies, flush,
+                        idle=not scheduler_output.total_num_scheduled_tokens)
         self._step_loads, self._step_copies, self._step_allocated = [], [], set()
         return meta
 

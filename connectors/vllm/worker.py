@@ -61,6 +61,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 FLUSH_TIMEOUT_S = 300.0
+IDLE_WAIT_S = 0.005
+"""How long a step in which vLLM computes nothing may wait for an asynchronous load to end
+(``WorkerSide.idle``): one switch interval of Python's, what a hand-off to a kvtier thread could
+otherwise wait each time; a request arriving meanwhile waits at most this long for its first step."""
 
 
 def shared_slab_name(engine_id: str, namespace: str) -> str:
@@ -107,6 +111,7 @@ class WorkerSide:
         self.into_gpu_only = shared is not None and rank > 0
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
+        self._load_ended = threading.Condition(self._lock)  # notified when an asynchronous load ends
         self._running: dict[int, _RunningJob] = {}
         self._report = WorkerReport()
         self._finished_loads: set[str] = set()
@@ -244,6 +249,8 @@ class WorkerSide:
                     self._failed_loads.add(job.req_id)
                 else:
                     self._load_errors |= errors
+            if job.kind == "load" and not job.in_step:
+                self._load_ended.notify_all()
         running.finished.set()
         if run.quarantined:
             run.when_lifted(functools.partial(self._lifted, job.job_id))
@@ -259,6 +266,18 @@ class WorkerSide:
             self._transferred[name] = self._transferred.get(name, 0) + value
 
     # --- what vLLM collects after the step -----------------------------------------------------
+
+    def idle(self) -> None:
+        """A step in which vLLM computes nothing: wait up to ``IDLE_WAIT_S`` for one of this rank's
+        asynchronous loads to end, rather than return to vLLM's loop at once. That loop would come
+        straight back, holding the GIL in Python while requests wait for their loads, and every
+        thread of kvtier that moves those loads would wait up to Python's switch interval (5 ms)
+        for the GIL, at each hand-off. Waiting here releases it."""
+        with self._load_ended:
+            if self._finished_loads or not any(r.job.kind == "load" and not r.job.in_step
+                                               for r in self._running.values()):
+                return
+            self._load_ended.wait(IDLE_WAIT_S)
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose load ended on this rank since the last call, and those of them whose load

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from helpers.vllm_harness import LAYERS
+from kvtier.connectors.vllm import worker as worker_module
 from kvtier.connectors.vllm.connector import KVTierWorkerMetadata
 from kvtier.connectors.vllm.metadata import GPU, StepJobs, TransferJob
 from kvtier.core.errors import ConfigError
@@ -139,6 +141,37 @@ def test_flush_waits_until_stores_stop_reading_reused_blocks(make_worker):
     worker.wait_idle()
     slot = host_slab(worker)[2 * side.layout.block_bytes:3 * side.layout.block_bytes]
     assert np.array_equal(slot, original[0])
+    plain.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_step_that_computes_nothing_waits_for_a_load_in_flight(make_worker, monkeypatch, idle):
+    """In a step where vLLM schedules no token the worker waits (bounded) for an asynchronous load
+    rather than return to vLLM's loop at once, and a load that ends meanwhile is reported in that very
+    step; a step that computes something returns at once."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 5.0)
+    worker = make_worker(HOST)
+    side = worker.connector.worker_side
+    original = fill(worker, [5], seed=5)
+    run(worker, stores=[job(1, "store", (copy(GPU, [5], "host", [2]),))])
+    gated = GatedCPUBackend()
+    side.transfers, plain = TransferRegistry([gated]), side.transfers
+    c = worker.connector
+    c.bind_connector_metadata(StepJobs([job(2, "load", (copy("host", [2], GPU, [6]),), req_id="r", gpu_blocks=[6])],
+                                       [], set(), idle=idle))
+    c.start_load_kv(None)
+    c.wait_for_save()
+    threading.Timer(0.05, gated.gate.set).start()
+    start = time.monotonic()
+    finished = c.get_transfer_results(set()).finished_recving
+    waited = time.monotonic() - start
+    c.clear_connector_metadata()
+    if idle:
+        assert finished == {"r"} and 0.04 < waited < 4
+    else:
+        assert not finished and waited < 0.04
+    worker.wait_idle()
+    assert np.array_equal(read(worker, [6])[0], original[0])
     plain.close()
 
 
