@@ -154,12 +154,8 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
             settle(llm, params, unrelated)
     result: dict = {"seconds": seconds[1:]}
     if config is not None:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group  # the worker's connector (same process)
-
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
-        layerwise = get_kv_transfer_group().worker_side.layerwise
-        result["layer_by_layer"] = layerwise is not None and layerwise.on
     return result
 
 
@@ -288,7 +284,6 @@ def main() -> int:
         speedup = ttft["recompute"] / ttft[mode]
         print(f"  {mode:<13} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
     print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
-    print(f"  in-step host loads layer by layer: {results['kvtier-host']['layer_by_layer']}")
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "ratio_async": round(ttft["vllm-cache"] / ttft["kvtier-host-async"], 4),
@@ -303,7 +298,7 @@ def main() -> int:
         **summary,
         "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
         "seconds": {mode: r["seconds"] for mode, r in results.items()},
-        "hits": hits, "layer_by_layer": results["kvtier-host"]["layer_by_layer"],
+        "hits": hits,
         "prefix_tokens": args.prefix_blocks * BLOCK, "tail_tokens": TAIL, "prompts": args.prompts, "cpu": cpu_model(),
         "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
     }))

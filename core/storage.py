@@ -71,14 +71,6 @@ class StridedStorage(BlockStorage):
     def _addresses(self, slots: np.ndarray) -> np.ndarray:
         return self.bases[None, :] + slots[:, None] * self.strides[None, :]
 
-    def fragments(self, indices: Sequence[int]) -> StridedStorage:
-        """The same slots holding only these fragments (one layer's part of every block), over the same
-        memory: a copy between two such parts moves that layer alone."""
-        indices = list(indices)
-        layout = BlockLayout(tuple(self.layout.fragment_bytes[i] for i in indices))
-        return StridedStorage(layout, self.num_slots, self.bases[indices], self.strides[indices].tolist(),
-                              self.device, self)
-
 
 class GroupedStorage(BlockStorage):
     """Several strided storages of one layout, device and size as one: slot ``g * n + s`` is slot ``s``

@@ -76,6 +76,14 @@ class CPUBackend(TransferBackend):
             except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
                 raise ClosedError(f"the CPU transfer backend takes no more copies: {exc}") from None
 
+    def copy_now(self, transfer: Transfer) -> set[int]:
+        """Run ``transfer`` on the calling thread, now; returns the blocks that failed (what ``submit``
+        would have reported). For a caller that would only wait for the copy (an in-step load)."""
+        if not self.can_copy(transfer.src.device, transfer.dst.device):
+            raise TransferError(f"the CPU backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
+        copies = transfer.copies()
+        return self._run_part(copies, 0, len(copies.size), transfer.num_blocks)
+
     def _split(self, copies: CopyList) -> list[tuple[int, int]]:
         """Cut the copy list into up to ``threads`` parts of similar byte counts, at copy boundaries."""
         count = len(copies.size)

@@ -187,9 +187,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work.start(_meta(self._get_connector_metadata()).loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Wait for the layer's part of this step's in-step loads, when they go layer by layer (a request
-        whose load is asynchronous is not scheduled until it arrived)."""
-        self._work.wait_layer(layer_name)
+        """Nothing to wait for: ``start_load_kv`` returns once this step's in-step loads have arrived (a
+        request whose load is asynchronous is not scheduled until it arrived)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: stores copy whole blocks once the step's forward pass is over."""

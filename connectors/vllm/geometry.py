@@ -153,11 +153,6 @@ def _check_pages_contiguous(kv_cache_config: KVCacheConfig) -> None:
                           f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)")
 
 
-def layer_fragments(kv_cache_config: KVCacheConfig) -> dict[str, int]:
-    """Each layer of the first served group and the fragment of a kvtier block that is its page."""
-    return {name: f for f, (name, _, _) in enumerate(_placements(kv_cache_config, served_groups(kv_cache_config)[0]))}
-
-
 def block_layout(kv_cache_config: KVCacheConfig) -> BlockLayout:
     """One fragment per layer of a served group (its page of one block); ``block_bytes`` is what one
     rank stores per block of one group."""

@@ -37,25 +37,24 @@ from typing import TYPE_CHECKING, Any
 from kvtier.connectors.vllm.geometry import (
     block_layout,
     kv_cache_storage,
-    layer_fragments,
     replicated,
     served_groups,
     tier_slots,
 )
-from kvtier.connectors.vllm.layerwise import LayerwiseLoads
 from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
 from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.core.config import RemoteTierConfig, StackConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.stages import StagedRun
-from kvtier.core.storage import BlockStorage, StridedStorage
-from kvtier.core.transfer import TransferRegistry
+from kvtier.core.storage import BlockStorage
+from kvtier.core.transfer import OnComplete, Transfer, TransferRegistry
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab, SharedName
 from kvtier.tiers.remote.factory import record_format
 from kvtier.tiers.remote.tier import RemoteStorage
 from kvtier.transfers import backends_for
+from kvtier.transfers.cpu import CPUBackend
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -120,7 +119,7 @@ class WorkerSide:
         self._reported_errors: set[int] = set()
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
         self.storages: dict[str | None, BlockStorage] = {}  # by tier name, vLLM's own blocks under GPU
-        self.layerwise: LayerwiseLoads | None = None  # in-step loads layer by layer, where the layout allows
+        self.in_step_copies: TransferRegistry | CopiesHere | None = None  # where in-step loads' copies run
         self._in_step: list[_RunningJob] = []  # this step's in-step loads
         self.transfers = TransferRegistry([])  # the backends come once vLLM's KV caches name their device
         try:
@@ -158,9 +157,7 @@ class WorkerSide:
         for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
-        strided = all(isinstance(s, StridedStorage) for s in self.storages.values() if s.device == "cpu")
-        if strided and gpu.device == "cpu":  # (KV on a GPU: see layerwise.py)
-            self.layerwise = LayerwiseLoads(layer_fragments(self.kv_cache_config), FLUSH_TIMEOUT_S)
+        self.in_step_copies = CopiesHere(self.transfers) if gpu.device == "cpu" else self.transfers
 
     # --- running jobs --------------------------------------------------------------------------
 
@@ -173,37 +170,24 @@ class WorkerSide:
                 raise TransferError(f"kvtier job {job_id} still reads KV blocks vLLM reuses after {FLUSH_TIMEOUT_S} s")
 
     def start(self, jobs: list[TransferJob]) -> None:
-        """Start the jobs. Returns once the ``in_step`` loads have arrived (vLLM's forward pass reads
-        them), or, once the engine has shown it waits for every layer (``layerwise.py``), at once:
-        their copies then go layer by layer and ``wait_layer`` waits for each."""
-        in_step = [job for job in jobs if job.in_step]
-        if self.layerwise is not None:
-            self.layerwise.begin_step(bool(in_step))
-        split = self.layerwise.split(self.transfers) if self.layerwise is not None and self.layerwise.on else None
+        """Start the jobs. Returns once the ``in_step`` loads have arrived: vLLM's forward pass reads
+        them (see ``CopiesHere`` for where their copies run)."""
         self._in_step = []
         for job in jobs:
             running = _RunningJob(job)
             with self._lock:
                 self._running[job.job_id] = running
-            transfers = split if job.in_step and split is not None else self.transfers
+            transfers = self.in_step_copies if job.in_step and self.in_step_copies is not None else self.transfers
             StagedRun(self._stages(job), job.num_blocks, self.storages, transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
             if job.in_step:
                 self._in_step.append(running)
-        if split is None:
-            self._wait_in_step()
-
-    def wait_layer(self, layer: str) -> None:
-        """vLLM's ``wait_for_layer_load``: this step's in-step loads of the layer have arrived."""
-        if self.layerwise is not None:
-            self.layerwise.wait(layer)
+        self._wait_in_step()
 
     def end_forward(self) -> None:
         """After the forward pass: the step's in-step loads are over (their failed blocks are reported
-        in this step), and whether vLLM waited for every layer decides how later ones are waited for."""
+        in this step)."""
         self._wait_in_step()
-        if self.layerwise is not None:
-            self.layerwise.end_step()
 
     def _wait_in_step(self) -> None:
         for running in self._in_step:
@@ -326,3 +310,27 @@ class WorkerSide:
             if name != GPU:
                 storage.close()
         self.storages.clear()
+
+
+class CopiesHere:
+    """Where an in-step load's copies go when vLLM's KV cache is in CPU memory: they run on the thread
+    that submits them, vLLM's own in ``start_load_kv``, which would otherwise only wait for them.
+
+    Why: on a pool thread every copy costs hand-offs, and copies that keep the GIL (small ones do, see
+    ``kvtier.transfers.cpu``) stall vLLM's thread whenever it needs the GIL while they run; waiting
+    per layer in ``wait_for_layer_load`` to overlap them with the forward pass made that worse, since
+    vLLM's thread then computes beside them. Measured with ``bench/ttft.py --prefix-blocks 64`` (an
+    8,192-token prefix, 24 MiB of KV, 2-core AMD EPYC): vLLM's own prefix cache 106.0 ms, copies here
+    106.7 ms; on the pool, waited per layer, 114.9 ms (its run's cache 101.5 ms). Copies between other
+    devices (a GPU's KV) go to their backend as usual, and are waited for whole.
+    """
+
+    def __init__(self, transfers: TransferRegistry) -> None:
+        self._transfers = transfers
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
+        if isinstance(backend, CPUBackend):
+            on_complete(backend.copy_now(transfer))
+        else:
+            backend.submit(transfer, on_complete)

@@ -147,7 +147,6 @@ class Worker:
         # every layer: where it lives, and its number (the KV of a layer is a function of it)
         self.places = {name: (t, i) for t in kv_config.kv_cache_tensors for i, name in enumerate(t.layers)}
         self.numbers = {name: n for n, name in enumerate(sorted(self.places))}
-        self.skip_layer_waits: set[str] = set()  # layers whose forward does not call wait_for_layer_load
 
     def page_view(self, block_id: int, layer: str) -> np.ndarray:
         t, index = self.places[layer]
@@ -188,8 +187,7 @@ class Worker:
         c.bind_connector_metadata(bound)
         c.start_load_kv(None)
         for layer in self.places:
-            if layer not in self.skip_layer_waits:
-                c.wait_for_layer_load(layer)
+            c.wait_for_layer_load(layer)
         for prefix, block_id, layers in writes:
             self.write_block(prefix, block_id, layers)
         c.wait_for_save()

@@ -246,31 +246,3 @@ class GatedBackend(CPUBackend):
         if set(copies.dst[lo:hi].tolist()) & self.second_layer:
             assert self.gate.wait(10)
         super()._copy(copies, lo, hi)
-
-
-def test_a_layer_wait_returns_when_that_layer_arrived_and_not_before(make_worker):
-    worker = make_worker(HOST)
-    side = worker.connector.worker_side
-    sent = fill(worker, [3, 4], seed=1)
-    run(worker, stores=[job(1, "store", (copy(GPU, [3, 4], "host", [0, 1]),))])
-    gate = threading.Event()
-    targets = {int(a) for a in side.storages[GPU].fragment_addresses([6, 7])[:, 1]}
-    side.transfers = type(side.transfers)([GatedBackend(targets, gate)])
-    side.layerwise.on = True
-    load = TransferJob(2, "load", 2, ((copy("host", [0, 1], GPU, [6, 7]),),), "r1", (6, 7), (), in_step=True)
-    c = worker.connector
-    c.bind_connector_metadata(StepJobs([load], [], set()))
-    c.start_load_kv(None)  # returns at once: layer by layer
-    c.wait_for_layer_load(LAYERS[0])
-    second = threading.Thread(target=c.wait_for_layer_load, args=(LAYERS[1],))
-    second.start()
-    second.join(0.3)
-    assert second.is_alive()  # its copies wait for the gate
-    gate.set()
-    second.join(10)
-    assert not second.is_alive()
-    c.wait_for_save()
-    assert [r.tobytes() for r in read(worker, [6, 7])] == [s.tobytes() for s in sent]
-    done, failed = side.take_finished_loads()
-    assert done == set() and failed == set() and side.take_load_errors() == set()  # in step: never "finished"
-    c.clear_connector_metadata()
