@@ -11,23 +11,30 @@ policies.py measures both regimes), and nobody should have to tune a tier per tr
 learns which regime it is in, as the trace runs.
 
 How
-    * A request's references form a run: the touches of its resident blocks, then the inserts of
-      its missing ones (a touch or ``admit`` after an insert starts the next run). A run is applied
-      at its end, deepest block first, so within one request the chain's head is the most recent
-      use and its tail the least: a chain loses its tail before its head, and what stays is a
-      usable prefix (a block is only a hit when every block before it is one).
-    * The run's last block, when it was inserted, is queued at the old end instead: a prompt's last
-      block is usually partial, and the next turn extends it into a block with a new key, so it is
-      almost never read again (bench/policies.py's workloads: 0-3% within 4 x capacity
-      references, against 20-60% for the other blocks).
+    * A run is what one call of the tier's user leaves: the touches of resident blocks, then the
+      inserts of missing ones (a touch or ``admit`` after an insert starts the next run). A run is
+      applied at its end, deepest block first, so within one request the chain's head is the most
+      recent use and its tail the least: a chain loses its tail before its head, and what stays is
+      a usable prefix (a block is only a hit when every block before it is one). A tier whose
+      blocks arrive as demotion batches (victims of the tier above, oldest first) gets the same:
+      a chain's head leaves the tier above first, and here it stays longest.
+    * The run's last block, when it was inserted, is queued at the old end instead, while that
+      pays: a prompt's last block is usually partial, and the next turn extends it into a block
+      with a new key, so it is almost never read again (bench/policies.py's workloads: 0-3% within
+      4 x capacity references, against 20-60% for the other blocks). In a demotion batch the last
+      block is just the youngest victim, often the middle of a chain, and queuing it first would
+      cut that chain. So the policy watches a sample of inserted blocks (the sampled keys below)
+      and applies the rule only while the sampled run tails are referenced again at most half as
+      often as the other sampled inserted blocks (and before there is any evidence).
     * Segmented LRU (Karedla et al., "Caching strategies to improve disk system performance", 1994):
       a block read while resident moves to a protected segment of at most ``protected_share`` x
       capacity blocks; new blocks, and blocks pushed out of the protected segment, sit in a
       probation segment, which is evicted first. Blocks read again outlive a burst of one-off
       prompts, while most of the tier still follows recency.
-    * ``admit(key)``: a key found in the history (declined or evicted within about
-      ``history_factor`` x capacity keys) is admitted. Any other key is admitted while the filter
-      is off, and declined (and remembered in the history) while it is on.
+    * ``admit(key)``: a key found in the history (declined or evicted within the last
+      ``history_factor`` / 2 to ``history_factor`` x capacity keys: two generations of sets) is
+      admitted. Any other key is admitted while the filter is off, and declined (and remembered in
+      the history) while it is on.
     * Two miniature caches run the same mechanism on a sample of the keys, one admitting
       everything, the other admitting on second sight with its own history (Waldspurger et al.,
       "Cache modeling and optimization using miniature simulations", USENIX ATC 2017). They see
@@ -45,7 +52,7 @@ stored) report: together every block the tier is asked for.
 Capacity
     Pass ``capacity``; when it is None the policy uses the largest number of keys it has tracked
     at once (a tier fills before it evicts, so this converges to the tier's size), and the
-    segments, the miniatures and the history grow with it.
+    segments, the miniatures and the histories grow with it.
 
 Every operation is O(1) amortized (a run is applied once, at its end), except that ``evict`` walks
 past protected keys at the old end as LRU does (O(1) each per call).
@@ -55,62 +62,95 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable
+from typing import Generic, TypeVar
 
 from kvtier.policies._queues import unpark
 from kvtier.policies.base import EvictionPolicy, Key
 
-
-def _remember(history: OrderedDict[Hashable, None], key: Hashable, limit: int) -> None:
-    """Add ``key`` to a history of keys seen recently but not resident, dropping the oldest beyond ``limit``."""
-    history[key] = None
-    if len(history) > limit:  # one key in, at most one out: limits only grow
-        history.popitem(last=False)
+K = TypeVar("K", bound=Hashable)
 
 
-class _Miniature:
+class _History(Generic[K]):
+    """Keys seen recently but not stored: two generations of sets, the older dropped whole when the
+    newer holds ``half`` keys, so it remembers the last ``half`` to 2 x ``half`` keys added (cheaper
+    than an ordered dict trimmed one key at a time)."""
+
+    __slots__ = ("new", "old", "half")
+
+    def __init__(self) -> None:
+        self.new: set[K] = set()
+        self.old: set[K] = set()
+        self.half = 1
+
+    def take(self, key: K) -> bool:
+        """Whether ``key`` was remembered; it is forgotten now."""
+        if key in self.new:
+            self.new.remove(key)
+            return True
+        if key in self.old:
+            self.old.remove(key)
+            return True
+        return False
+
+    def add(self, key: K) -> None:
+        new = self.new
+        new.add(key)
+        if len(new) >= self.half:
+            self.old = new
+            self.new = set()
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+
+class _Miniature(Generic[K]):
     """A segmented LRU of keys only, run by the real cache's rules on the sampled keys of each run
     (when ``filters``, a key not seen within the history is only remembered, not stored)."""
 
     def __init__(self, filters: bool) -> None:
         self._filters = filters
-        self._probation: OrderedDict[Hashable, None] = OrderedDict()
-        self._protected: OrderedDict[Hashable, None] = OrderedDict()
-        self._history: OrderedDict[Hashable, None] = OrderedDict()
+        self._probation: OrderedDict[K, None] = OrderedDict()
+        self._protected: OrderedDict[K, None] = OrderedDict()
+        self._history: _History[K] = _History()
 
-    def run(self, keys: list[Hashable], tail: Hashable | None, sizes: tuple[int, int, int]) -> int:
+    def run(self, keys: list[K], tail: K | None, capacity: int, protected_limit: int, history: int) -> int:
         """Reference ``keys`` (one run's sampled keys, in request order; ``tail`` is the run's last
-        key, None for a run of one) and return the run's prefix hits: resident keys before the first
-        that is not."""
+        key when the last-block rule applies, else None) and return the run's prefix hits: resident
+        keys before the first that is not."""
         probation, protected = self._probation, self._protected
         hits = 0
         for key in keys:
             if key not in probation and key not in protected:
                 break
             hits += 1
-        capacity, protected_limit, history = sizes
+        remembered = self._history
+        remembered.half = history
+        filters = self._filters
         for key in reversed(keys):  # deepest first, as the real cache applies a run
             if key in protected:
                 protected.move_to_end(key)
             elif key in probation:
                 del probation[key]
                 protected[key] = None
-            elif self._filters and self._history.pop(key, self) is self:
-                _remember(self._history, key, history)
+            elif filters and not remembered.take(key):
+                remembered.add(key)
             else:
                 probation[key] = None
                 if key == tail:
                     probation.move_to_end(key, last=False)
         while len(protected) > protected_limit:
             probation[protected.popitem(last=False)[0]] = None
-        while len(probation) + len(protected) > capacity:
-            _remember(self._history, (probation or protected).popitem(last=False)[0], history)
+        excess = len(probation) + len(protected) - capacity
+        while excess > 0:
+            remembered.add((probation or protected).popitem(last=False)[0])
+            excess -= 1
         return hits
 
 
 class AdaptivePolicy(EvictionPolicy[Key]):
     """Prefix-ordered segmented LRU whose second-sight admission filter is on while a sampled duel says it pays."""
 
-    def __init__(self, capacity: int | None = None, sample_every: int = 4, history_factor: float = 4.0,
+    def __init__(self, capacity: int | None = None, sample_every: int = 8, history_factor: float = 4.0,
                  score_limit: int = 64, protected_share: float = 0.3) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"adaptive capacity must be >= 1 or None, not {capacity}")
@@ -130,22 +170,30 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._history_factor = history_factor
         self._protected_share = protected_share
         self._limit = score_limit
-        self._history_limit = 1
+        self._run_limit = 1  # a run ends at this many references (the history's size)
         self._protected_limit = 0
-        self._mini_sizes = (1, 0, 1)  # a miniature's capacity, protected segment's limit and history's limit
+        self._mini_sizes = (1, 0, 1)  # a miniature's capacity, protected segment's limit and history generation
         self._probation: OrderedDict[Key, None] = OrderedDict()  # oldest use first; evicted first
         self._protected: OrderedDict[Key, None] = OrderedDict()  # read while resident; oldest use first
         self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
         self._inserted = 0  # inserts in the current run (tracked, not yet in a segment)
         self._sampled: list[Key] = []  # the current run's sampled references, in order
-        self._last: Key | None = None  # the current run's last reference
-        self._history: OrderedDict[Key, None] = OrderedDict()  # declined or evicted, oldest first
-        self._plain = _Miniature(filters=False)
-        self._filtering = _Miniature(filters=True)
+        self._history: _History[Key] = _History()  # declined or evicted
+        self._plain: _Miniature[Key] = _Miniature(filters=False)
+        self._filtering: _Miniature[Key] = _Miniature(filters=True)
+        # Sampled inserted keys watched for a later reference: key -> whether it was its run's tail;
+        # two generations, and per kind (other, tail) how many were watched and referenced again.
+        self._watched: dict[Key, bool] = {}
+        self._watched_old: dict[Key, bool] = {}
+        self._watch_half = 1
+        self._seen = [0, 0]
+        self._reused = [0, 0]
         self.score = 0
         """Sampled prefix hits only the filtering miniature had, less the plain one's (clamped)."""
         self.filtering = False
         """Whether first-seen blocks are declined now (``score`` > 0)."""
+        self.tail_first = True
+        """Whether a run's last inserted block is queued at the old end (its sampled reuse is low)."""
         if capacity is not None:
             self._resize(capacity)
 
@@ -153,25 +201,34 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def admit(self, key: Key) -> bool:
         run = self._run
-        if self._inserted or key in run or len(run) >= self._history_limit:
+        if self._inserted or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        self._last = key
         if not hash(key) & self._mask:
             self._sampled.append(key)
-        if not self.filtering or self._history.pop(key, self) is not self:
+        if not self.filtering:
             return True
-        _remember(self._history, key, self._history_limit)
+        history = self._history
+        new = history.new
+        if key in new:
+            new.remove(key)
+            return True
+        if key in history.old:
+            history.old.remove(key)
+            return True
+        new.add(key)
+        if len(new) >= history.half:
+            history.old, history.new = new, set()
+        if len(run) >= self._run_limit:
+            self._end_run()  # nothing stored for this long: a run must end somewhere
         return False
 
     def insert(self, key: Key) -> None:
         run = self._run
-        if run.get(key) is True or key in self._probation or key in self._protected:
+        if run.get(key) or key in self._probation or key in self._protected:
             raise KeyError(f"key {key!r} is already tracked")
         run[key] = True
         self._inserted += 1
-        if self._fixed is None:  # sized again at the run's end
-            self._learned = max(self._learned, len(self._probation) + len(self._protected) + self._inserted)
 
     def restore(self, keys: Iterable[Key]) -> None:
         """Restored blocks (oldest use first) are not one request's chain: each is a run of its own."""
@@ -187,7 +244,6 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if key not in self._probation and key not in self._protected:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
-        self._last = key
         if not hash(key) & self._mask:
             self._sampled.append(key)
 
@@ -200,21 +256,28 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._inserted:  # pending inserts are tracked, so they must be evictable
             self._end_run()
         victims: list[Key] = []
-        run, history = self._run, self._history
         for segment in (self._probation, self._protected):  # oldest first; protected keys keep their place
             parked: list[Key] = []
+            popitem = segment.popitem
             while len(victims) < n and segment:
-                key = segment.popitem(last=False)[0]
+                key = popitem(last=False)[0]
                 if key in protected:
                     parked.append(key)
                 else:
                     victims.append(key)
-                    if key in run:
-                        run[key] = None  # touched in this run, and gone now
-                    history[key] = None
-            unpark(segment, parked)
-        while len(history) > self._history_limit:
-            history.popitem(last=False)
+            if parked:
+                unpark(segment, parked)
+            if len(victims) >= n:
+                break
+        run = self._run
+        if run:
+            for key in victims:
+                if key in run:
+                    run[key] = None  # touched in this run, and gone now
+        history = self._history
+        history.new.update(victims)
+        if len(history.new) >= history.half:
+            history.old, history.new = history.new, set()
         return victims
 
     def __len__(self) -> int:
@@ -226,35 +289,76 @@ class AdaptivePolicy(EvictionPolicy[Key]):
     def _resize(self, capacity: int) -> None:
         """Size the history, the protected segment and the miniatures for a tier of ``capacity`` blocks."""
         self._sized = capacity
-        self._history_limit = max(1, int(capacity * self._history_factor))
+        limit = max(1, int(capacity * self._history_factor))
+        self._run_limit = limit
+        self._history.half = max(1, limit // 2)
+        self._watch_half = max(1, limit // self._sample_every // 2)
         self._protected_limit = int(capacity * self._protected_share)
         mini = max(1, capacity // self._sample_every)
-        self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor)))
+        self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor) // 2))
 
     def _end_run(self) -> None:
         """Apply the run deepest first: touched keys to the protected segment's new end, inserted ones to
-        probation's (its last reference, if inserted, to probation's old end); then score the miniatures."""
-        run, probation, protected = self._run, self._probation, self._protected
-        if self._learned > self._sized:
-            self._resize(self._learned)
+        probation's (its last reference, if inserted and ``tail_first``, to probation's old end); then
+        score the miniatures and the tail rule."""
+        run = self._run
+        if not run:
+            return
+        probation, protected = self._probation, self._protected
         for key, state in reversed(run.items()):
             if state:
                 probation[key] = None
             elif state is False:
-                if probation.pop(key, self) is self:
-                    del protected[key]
-                protected[key] = None
-        tail = self._last if len(run) > 1 else None  # one block alone is no chain: it has no tail
-        if run.get(tail) is True:  # type: ignore[arg-type]
-            probation.move_to_end(tail, last=False)  # type: ignore[arg-type]
+                if key in protected:
+                    protected.move_to_end(key)
+                else:
+                    del probation[key]
+                    protected[key] = None
+        tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
+        if tail is not None and not run[tail]:
+            tail = None  # the last reference was a read (or a declined block): nothing to queue first
+        if tail is not None and self.tail_first:
+            probation.move_to_end(tail, last=False)
+        tracked = len(probation) + len(protected)
+        if tracked > self._learned:
+            self._learned = tracked
+            if self._fixed is None and tracked > self._sized:
+                self._resize(tracked)
         while len(protected) > self._protected_limit:
             probation[protected.popitem(last=False)[0]] = None
-        if self._sampled:
-            sizes = self._mini_sizes
-            gain = self._filtering.run(self._sampled, tail, sizes) - self._plain.run(self._sampled, tail, sizes)
-            self.score = max(-self._limit, min(self._limit, self.score + gain))
-            self.filtering = self.score > 0
-            self._sampled.clear()
+        sampled = self._sampled
+        if sampled:
+            self._watch(sampled, tail)
+            mini_tail = tail if self.tail_first else None
+            capacity, protected_limit, history = self._mini_sizes
+            gain = (self._filtering.run(sampled, mini_tail, capacity, protected_limit, history)
+                    - self._plain.run(sampled, mini_tail, capacity, protected_limit, history))
+            if gain:
+                limit = self._limit
+                self.score = score = max(-limit, min(limit, self.score + gain))
+                self.filtering = score > 0
+            sampled.clear()
         run.clear()
         self._inserted = 0
-        self._last = None
+
+    def _watch(self, sampled: list[Key], tail: Key | None) -> None:
+        """Count the sampled keys referenced again since they were inserted (per kind: run tail or
+        not), watch those this run inserted, and set ``tail_first``: on while the tails' share
+        referenced again is at most half the others' (with no evidence, on)."""
+        run, watched, old, seen, reused = self._run, self._watched, self._watched_old, self._seen, self._reused
+        for key in sampled:
+            kind = watched.pop(key, None)
+            if kind is None:
+                kind = old.pop(key, None)
+            if kind is not None:
+                reused[kind] += 1
+            if run[key]:
+                is_tail = key == tail
+                watched[key] = is_tail
+                seen[is_tail] += 1
+        if len(watched) >= self._watch_half:
+            self._watched_old, self._watched = watched, {}
+            for counts in (seen, reused):  # decay: the evidence of the last two generations or so
+                counts[0] //= 2
+                counts[1] //= 2
+        self.tail_first = 2 * reused[1] * seen[0] <= reused[0] * seen[1]
