@@ -176,7 +176,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._probation: OrderedDict[Key, None] = OrderedDict()  # oldest use first; evicted first
         self._protected: OrderedDict[Key, None] = OrderedDict()  # read while resident; oldest use first
         self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
-        self._inserted = 0  # inserts in the current run (tracked, not yet in a segment)
+        self._writes: list[Key] = []  # the current run's inserts, in order (tracked, not yet in a segment)
+        self._reads: list[Key] = []  # the current run's touches, in order
         self._sampled: list[Key] = []  # the current run's sampled references, in order
         self._history: _History[Key] = _History()  # declined or evicted
         self._plain: _Miniature[Key] = _Miniature(filters=False)
@@ -201,7 +202,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def admit(self, key: Key) -> bool:
         run = self._run
-        if self._inserted or key in run:
+        if self._writes or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
         if not hash(key) & self._mask:
@@ -228,7 +229,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if run.get(key) or key in self._probation or key in self._protected:
             raise KeyError(f"key {key!r} is already tracked")
         run[key] = True
-        self._inserted += 1
+        self._writes.append(key)
 
     def restore(self, keys: Iterable[Key]) -> None:
         """Restored blocks (oldest use first) are not one request's chain: each is a run of its own."""
@@ -239,11 +240,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def touch(self, key: Key) -> None:
         run = self._run
-        if self._inserted or key in run:
+        if self._writes or key in run:
             self._end_run()
         if key not in self._probation and key not in self._protected:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
+        self._reads.append(key)
         if not hash(key) & self._mask:
             self._sampled.append(key)
 
@@ -253,7 +255,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             del self._protected[key]
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        if self._inserted:  # pending inserts are tracked, so they must be evictable
+        if self._writes:  # pending inserts are tracked, so they must be evictable
             self._end_run()
         victims: list[Key] = []
         for segment in (self._probation, self._protected):  # oldest first; protected keys keep their place
@@ -269,11 +271,6 @@ class AdaptivePolicy(EvictionPolicy[Key]):
                 unpark(segment, parked)
             if len(victims) >= n:
                 break
-        run = self._run
-        if run:
-            for key in victims:
-                if key in run:
-                    run[key] = None  # touched in this run, and gone now
         history = self._history
         history.new.update(victims)
         if len(history.new) >= history.half:
@@ -281,7 +278,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         return victims
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected) + self._inserted
+        return len(self._probation) + len(self._protected) + len(self._writes)
 
     def __contains__(self, key: object) -> bool:
         return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[call-overload]
@@ -305,15 +302,18 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if not run:
             return
         probation, protected = self._probation, self._protected
-        for key, state in reversed(run.items()):
-            if state:
-                probation[key] = None
-            elif state is False:
-                if key in protected:
-                    protected.move_to_end(key)
-                else:
-                    del probation[key]
-                    protected[key] = None
+        reads, writes = self._reads, self._writes
+        for key in reversed(reads):
+            if key in protected:
+                protected.move_to_end(key)
+            elif key in probation:
+                del probation[key]
+                protected[key] = None
+            # else: evicted since it was read
+        if len(writes) > 1:
+            probation.update(dict.fromkeys(reversed(writes)))
+        elif writes:
+            probation[writes[0]] = None
         tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
         if tail is not None and not run[tail]:
             tail = None  # the last reference was a read (or a declined block): nothing to queue first
@@ -339,7 +339,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
                 self.filtering = score > 0
             sampled.clear()
         run.clear()
-        self._inserted = 0
+        reads.clear()
+        writes.clear()
 
     def _watch(self, sampled: list[Key], tail: Key | None) -> None:
         """Count the sampled keys referenced again since they were inserted (per kind: run tail or
