@@ -1,4 +1,5 @@
-"""LRU with an admission filter that switches itself on and off by scoring both choices on the same stream.
+"""Prefix-ordered segmented LRU with an admission filter that switches itself on and off by scoring both
+choices on the same stream.
 
 Why: which policy a tier should run depends on the traffic and on the tier's size. Where most
 blocks are written once and never read again (long one-off prompts, a small tier), a block should
@@ -10,22 +11,40 @@ policies.py measures both regimes), and nobody should have to tune a tier per tr
 learns which regime it is in, as the trace runs.
 
 How
-    * Residents are kept in LRU order, with each run of consecutive ``insert`` calls queued
-      deepest first (as in ``kvtier.policies.s3fifo_prefix``; any other call ends a run): a tier
-      commits a request's new blocks in chain order, and a chain should lose its tail before its
-      head, which keeps what stays a usable prefix.
-    * ``admit(key)``: a key found in the history (declined or evicted within about
-      ``history_factor`` x capacity keys) is admitted. Any other key is admitted while the filter
-      is off, and declined (and remembered in the history) while it is on.
-    * Two miniature LRU caches score the two choices on the same references (Waldspurger et al.,
-      "Cache modeling and optimization using miniature simulations", USENIX ATC 2017): one admits
-      everything, the other admits on second sight with its own history. They see only the keys
-      whose hash is a multiple of ``sample_every``, and hold capacity / ``sample_every`` keys each,
-      so they cost O(1) per reference and a fraction of the tier's memory. A counter moves up by
-      one when only the filtering miniature hits and down by one when only the other does, within
-      +-``score_limit`` (so it can turn within a bounded number of references when the traffic
-      changes, as set dueling in CPU caches does); the filter is on while the counter is above
-      zero. Ties stay with plain LRU: with no evidence either way, the policy is LRU.
+    * A run is what one call of the tier's user leaves: the touches of resident blocks, then the
+      inserts of missing ones (a touch or ``admit`` after an insert starts the next run). A run is
+      applied at its end, deepest block first, so within one request the chain's head is the most
+      recent use and its tail the least: a chain loses its tail before its head, and what stays is
+      a usable prefix (a block is only a hit when every block before it is one). A tier whose
+      blocks arrive as demotion batches (victims of the tier above, oldest first) gets the same:
+      a chain's head leaves the tier above first, and here it stays longest.
+    * The run's last block, when it was inserted, is queued at the old end instead, while that
+      pays: a prompt's last block is usually partial, and the next turn extends it into a block
+      with a new key, so it is almost never read again (bench/policies.py's workloads: 0-3% within
+      4 x capacity references, against 20-60% for the other blocks). In a demotion batch the last
+      block is just the youngest victim, often the middle of a chain, and queuing it first would
+      cut that chain. So the policy watches a sample of inserted blocks (the sampled keys below)
+      and applies the rule only while the sampled run tails are referenced again at most half as
+      often as the other sampled inserted blocks (and before there is any evidence).
+    * Segmented LRU (Karedla et al., "Caching strategies to improve disk system performance", 1994):
+      a block read while resident moves to a protected segment of at most ``protected_share`` x
+      capacity blocks; new blocks, and blocks pushed out of the protected segment, sit in a
+      probation segment, which is evicted first. Blocks read again outlive a burst of one-off
+      prompts, while most of the tier still follows recency.
+    * ``admit(key)``: a key found in the history (declined or evicted within the last
+      ``history_factor`` / 2 to ``history_factor`` x capacity keys: two generations of sets) is
+      admitted. Any other key is admitted while the filter is off, and declined (and remembered in
+      the history) while it is on.
+    * Two miniature caches run the same mechanism on a sample of the keys, one admitting
+      everything, the other admitting on second sight with its own history (Waldspurger et al.,
+      "Cache modeling and optimization using miniature simulations", USENIX ATC 2017). They see
+      only the keys whose hash is a multiple of ``sample_every`` and hold capacity /
+      ``sample_every`` keys each, so they cost O(1) per reference and a fraction of the tier's
+      memory. Each run's sampled keys score as a request does: its prefix hits (hits before the
+      first sampled miss). A counter moves by the filtering miniature's prefix hits less the plain
+      one's, within +-``score_limit`` (so it can turn within a bounded number of references when
+      the traffic changes, as set dueling in CPU caches does); the filter is on while the counter
+      is above zero. Ties stay with no filter: with no evidence either way, nothing is declined.
 
 References are what ``touch`` (a read of a resident block) and ``admit`` (a block about to be
 stored) report: together every block the tier is asked for.
@@ -33,54 +52,106 @@ stored) report: together every block the tier is asked for.
 Capacity
     Pass ``capacity``; when it is None the policy uses the largest number of keys it has tracked
     at once (a tier fills before it evicts, so this converges to the tier's size), and the
-    miniatures and the history grow with it.
+    segments, the miniatures and the histories grow with it.
 
-Every operation is O(1) amortized, except that ``evict`` walks past protected keys at the old end as
-LRU does (O(1) each per call).
+Every operation is O(1) amortized (a run is applied once, at its end), except that ``evict`` walks
+past protected keys at the old end as LRU does (O(1) each per call).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable
+from typing import Generic, TypeVar
 
+from kvtier.policies._queues import unpark
 from kvtier.policies.base import EvictionPolicy, Key
 
-
-def _remember(history: OrderedDict[Hashable, None], key: Hashable, limit: int) -> None:
-    """Add ``key`` to a history of keys seen recently but not resident, dropping the oldest beyond ``limit``."""
-    history[key] = None
-    if len(history) > limit:  # one key in, at most one out: limits only grow
-        history.popitem(last=False)
+K = TypeVar("K", bound=Hashable)
 
 
-class _Miniature:
-    """An LRU cache of keys only, fed every sampled reference: hit or miss, then the key is resident
-    (unless ``filters`` and it was not seen within the history: then it is only remembered)."""
+class _History(Generic[K]):
+    """Keys seen recently but not stored: two generations of sets, the older dropped whole when the
+    newer holds ``half`` keys, so it remembers the last ``half`` to 2 x ``half`` keys added (cheaper
+    than an ordered dict trimmed one key at a time)."""
+
+    __slots__ = ("new", "old", "half")
+
+    def __init__(self) -> None:
+        self.new: set[K] = set()
+        self.old: set[K] = set()
+        self.half = 1
+
+    def take(self, key: K) -> bool:
+        """Whether ``key`` was remembered; it is forgotten now."""
+        if key in self.new:
+            self.new.remove(key)
+            return True
+        if key in self.old:
+            self.old.remove(key)
+            return True
+        return False
+
+    def add(self, key: K) -> None:
+        new = self.new
+        new.add(key)
+        if len(new) >= self.half:
+            self.old = new
+            self.new = set()
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+
+class _Miniature(Generic[K]):
+    """A segmented LRU of keys only, run by the real cache's rules on the sampled keys of each run
+    (when ``filters``, a key not seen within the history is only remembered, not stored)."""
 
     def __init__(self, filters: bool) -> None:
         self._filters = filters
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-        self._history: OrderedDict[Hashable, None] = OrderedDict()
+        self._probation: OrderedDict[K, None] = OrderedDict()
+        self._protected: OrderedDict[K, None] = OrderedDict()
+        self._history: _History[K] = _History()
 
-    def reference(self, key: Hashable, capacity: int, history: int) -> bool:
-        if key in self._order:
-            self._order.move_to_end(key)
-            return True
-        if self._filters and self._history.pop(key, self) is self:
-            _remember(self._history, key, history)
-            return False
-        self._order[key] = None
-        while len(self._order) > capacity:
-            _remember(self._history, self._order.popitem(last=False)[0], history)
-        return False
+    def run(self, keys: list[K], tail: K | None, capacity: int, protected_limit: int, history: int) -> int:
+        """Reference ``keys`` (one run's sampled keys, in request order; ``tail`` is the run's last
+        key when the last-block rule applies, else None) and return the run's prefix hits: resident
+        keys before the first that is not."""
+        probation, protected = self._probation, self._protected
+        hits = 0
+        for key in keys:
+            if key not in probation and key not in protected:
+                break
+            hits += 1
+        remembered = self._history
+        remembered.half = history
+        filters = self._filters
+        for key in reversed(keys):  # deepest first, as the real cache applies a run
+            if key in protected:
+                protected.move_to_end(key)
+            elif key in probation:
+                del probation[key]
+                protected[key] = None
+            elif filters and not remembered.take(key):
+                remembered.add(key)
+            else:
+                probation[key] = None
+                if key == tail:
+                    probation.move_to_end(key, last=False)
+        while len(protected) > protected_limit:
+            probation[protected.popitem(last=False)[0]] = None
+        excess = len(probation) + len(protected) - capacity
+        while excess > 0:
+            remembered.add((probation or protected).popitem(last=False)[0])
+            excess -= 1
+        return hits
 
 
 class AdaptivePolicy(EvictionPolicy[Key]):
-    """Prefix-aware LRU whose second-sight admission filter is on while a sampled duel says it pays."""
+    """Prefix-ordered segmented LRU whose second-sight admission filter is on while a sampled duel says it pays."""
 
     def __init__(self, capacity: int | None = None, sample_every: int = 8, history_factor: float = 4.0,
-                 score_limit: int = 64) -> None:
+                 score_limit: int = 64, protected_share: float = 0.3) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"adaptive capacity must be >= 1 or None, not {capacity}")
         if sample_every < 1 or sample_every & (sample_every - 1):
@@ -89,107 +160,206 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             raise ValueError(f"history_factor must be > 0, not {history_factor}")
         if score_limit < 1:
             raise ValueError(f"score_limit must be >= 1, not {score_limit}")
+        if not 0.0 <= protected_share < 1.0:
+            raise ValueError(f"protected_share must be in [0, 1), not {protected_share}")
         self._fixed = capacity
         self._learned = 0
-        self._sizes = (1, 1, 1)  # the history's limit, a miniature's capacity and its history's limit
+        self._sized = 0  # the capacity the history, the segment and the miniatures are sized for
         self._sample_every = sample_every
         self._mask = sample_every - 1  # a key is sampled when its hash is a multiple of sample_every
         self._history_factor = history_factor
+        self._protected_share = protected_share
         self._limit = score_limit
-        self._order: OrderedDict[Key, None] = OrderedDict()  # oldest use first
-        self._move_to_end = self._order.move_to_end
-        self._pending: dict[Key, None] = {}  # the current run of inserts, in insertion order
-        self._history: OrderedDict[Key, None] = OrderedDict()  # declined or evicted, oldest first
-        self._plain = _Miniature(filters=False)
-        self._filtering = _Miniature(filters=True)
+        self._run_limit = 1  # a run ends at this many references (the history's size)
+        self._protected_limit = 0
+        self._mini_sizes = (1, 0, 1)  # a miniature's capacity, protected segment's limit and history generation
+        self._probation: OrderedDict[Key, None] = OrderedDict()  # oldest use first; evicted first
+        self._protected: OrderedDict[Key, None] = OrderedDict()  # read while resident; oldest use first
+        self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
+        self._writes: list[Key] = []  # the current run's inserts, in order (tracked, not yet in a segment)
+        self._reads: list[Key] = []  # the current run's touches, in order
+        self._sampled: list[Key] = []  # the current run's sampled references, in order
+        self._history: _History[Key] = _History()  # declined or evicted
+        self._plain: _Miniature[Key] = _Miniature(filters=False)
+        self._filtering: _Miniature[Key] = _Miniature(filters=True)
+        # Sampled inserted keys watched for a later reference: key -> whether it was its run's tail;
+        # two generations, and per kind (other, tail) how many were watched and referenced again.
+        self._watched: dict[Key, bool] = {}
+        self._watched_old: dict[Key, bool] = {}
+        self._watch_half = 1
+        self._seen = [0, 0]
+        self._reused = [0, 0]
         self.score = 0
-        """Sampled references only the filtering miniature hit, less those only the plain one hit (clamped)."""
+        """Sampled prefix hits only the filtering miniature had, less the plain one's (clamped)."""
         self.filtering = False
         """Whether first-seen blocks are declined now (``score`` > 0)."""
+        self.tail_first = True
+        """Whether a run's last inserted block is queued at the old end (its sampled reuse is low)."""
         if capacity is not None:
             self._resize(capacity)
 
     # The per-reference paths (admit, insert, touch) inline their cheap checks: they run once per block.
 
     def admit(self, key: Key) -> bool:
-        if self._pending:  # a tier asks before it stores: the next request's blocks start a new run
-            self._flush()
+        run = self._run
+        if self._writes or key in run:
+            self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
+        run[key] = None
         if not hash(key) & self._mask:
-            self._observe(key)
-        if not self.filtering or self._history.pop(key, self) is not self:
+            self._sampled.append(key)
+        if not self.filtering:
             return True
-        _remember(self._history, key, self._sizes[0])
+        history = self._history
+        new = history.new
+        if key in new:
+            new.remove(key)
+            return True
+        if key in history.old:
+            history.old.remove(key)
+            return True
+        new.add(key)
+        if len(new) >= history.half:
+            history.old, history.new = new, set()
+        if len(run) >= self._run_limit:
+            self._end_run()  # nothing stored for this long: a run must end somewhere
         return False
 
     def insert(self, key: Key) -> None:
-        if key in self._order or key in self._pending:
+        run = self._run
+        if run.get(key) or key in self._probation or key in self._protected:
             raise KeyError(f"key {key!r} is already tracked")
-        self._pending[key] = None
-        tracked = len(self._order) + len(self._pending)
-        if tracked > self._learned:
-            self._learned = tracked
-            if self._fixed is None:
-                self._resize(tracked)
+        run[key] = True
+        self._writes.append(key)
 
     def restore(self, keys: Iterable[Key]) -> None:
-        """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
-        self._flush()
+        """Restored blocks (oldest use first) are not one request's chain: each is a run of its own."""
+        self._end_run()
         for key in keys:
             self.insert(key)
-            self._flush()
+            self._end_run()
 
     def touch(self, key: Key) -> None:
-        if self._pending:
-            self._flush()
-        self._move_to_end(key)  # KeyError for an untracked key
+        run = self._run
+        if self._writes or key in run:
+            self._end_run()
+        if key not in self._probation and key not in self._protected:
+            raise KeyError(f"key {key!r} is not tracked")
+        run[key] = False
+        self._reads.append(key)
         if not hash(key) & self._mask:
-            self._observe(key)
+            self._sampled.append(key)
 
     def remove(self, key: Key) -> None:
-        self._flush()
-        del self._order[key]
+        self._end_run()
+        if self._probation.pop(key, self) is self:
+            del self._protected[key]
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        if self._pending:
-            self._flush()
+        if self._writes:  # pending inserts are tracked, so they must be evictable
+            self._end_run()
         victims: list[Key] = []
-        for key in self._order:  # oldest first; protected keys keep their place
+        for segment in (self._probation, self._protected):  # oldest first; protected keys keep their place
+            parked: list[Key] = []
+            popitem = segment.popitem
+            while len(victims) < n and segment:
+                key = popitem(last=False)[0]
+                if key in protected:
+                    parked.append(key)
+                else:
+                    victims.append(key)
+            if parked:
+                unpark(segment, parked)
             if len(victims) >= n:
                 break
-            if key not in protected:
-                victims.append(key)
-        for key in victims:
-            del self._order[key]
-        for key in victims:
-            self._history[key] = None
-        while len(self._history) > self._sizes[0]:
-            self._history.popitem(last=False)
+        history = self._history
+        history.new.update(victims)
+        if len(history.new) >= history.half:
+            history.old, history.new = history.new, set()
         return victims
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._pending)
+        return len(self._probation) + len(self._protected) + len(self._writes)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order or key in self._pending
+        return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[call-overload]
 
     def _resize(self, capacity: int) -> None:
-        """Size the history and the miniatures for a tier of ``capacity`` blocks."""
+        """Size the history, the protected segment and the miniatures for a tier of ``capacity`` blocks."""
+        self._sized = capacity
+        limit = max(1, int(capacity * self._history_factor))
+        self._run_limit = limit
+        self._history.half = max(1, limit // 2)
+        self._watch_half = max(1, limit // self._sample_every // 2)
+        self._protected_limit = int(capacity * self._protected_share)
         mini = max(1, capacity // self._sample_every)
-        self._sizes = (max(1, int(capacity * self._history_factor)), mini, max(1, int(mini * self._history_factor)))
+        self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor) // 2))
 
-    def _observe(self, key: Key) -> None:
-        """Feed a sampled reference to both miniatures, and move the score by who hit."""
-        _, capacity, history = self._sizes
-        plain = self._plain.reference(key, capacity, history)
-        filtering = self._filtering.reference(key, capacity, history)
-        if filtering and not plain:
-            self.score = min(self.score + 1, self._limit)
-        elif plain and not filtering:
-            self.score = max(self.score - 1, -self._limit)
-        self.filtering = self.score > 0
+    def _end_run(self) -> None:
+        """Apply the run deepest first: touched keys to the protected segment's new end, inserted ones to
+        probation's (its last reference, if inserted and ``tail_first``, to probation's old end); then
+        score the miniatures and the tail rule."""
+        run = self._run
+        if not run:
+            return
+        probation, protected = self._probation, self._protected
+        reads, writes = self._reads, self._writes
+        for key in reversed(reads):
+            if key in protected:
+                protected.move_to_end(key)
+            elif key in probation:
+                del probation[key]
+                protected[key] = None
+            # else: evicted since it was read
+        if len(writes) > 1:
+            probation.update(dict.fromkeys(reversed(writes)))
+        elif writes:
+            probation[writes[0]] = None
+        tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
+        if tail is not None and not run[tail]:
+            tail = None  # the last reference was a read (or a declined block): nothing to queue first
+        if tail is not None and self.tail_first:
+            probation.move_to_end(tail, last=False)
+        tracked = len(probation) + len(protected)
+        if tracked > self._learned:
+            self._learned = tracked
+            if self._fixed is None and tracked > self._sized:
+                self._resize(tracked)
+        while len(protected) > self._protected_limit:
+            probation[protected.popitem(last=False)[0]] = None
+        sampled = self._sampled
+        if sampled:
+            self._watch(sampled, tail)
+            mini_tail = tail if self.tail_first else None
+            capacity, protected_limit, history = self._mini_sizes
+            gain = (self._filtering.run(sampled, mini_tail, capacity, protected_limit, history)
+                    - self._plain.run(sampled, mini_tail, capacity, protected_limit, history))
+            if gain:
+                limit = self._limit
+                self.score = score = max(-limit, min(limit, self.score + gain))
+                self.filtering = score > 0
+            sampled.clear()
+        run.clear()
+        reads.clear()
+        writes.clear()
 
-    def _flush(self) -> None:
-        """Queue the pending run of inserts deepest first (its last insert becomes the oldest)."""
-        for key in reversed(self._pending):
-            self._order[key] = None
-        self._pending.clear()
+    def _watch(self, sampled: list[Key], tail: Key | None) -> None:
+        """Count the sampled keys referenced again since they were inserted (per kind: run tail or
+        not), watch those this run inserted, and set ``tail_first``: on while the tails' share
+        referenced again is at most half the others' (with no evidence, on)."""
+        run, watched, old, seen, reused = self._run, self._watched, self._watched_old, self._seen, self._reused
+        for key in sampled:
+            kind = watched.pop(key, None)
+            if kind is None:
+                kind = old.pop(key, None)
+            if kind is not None:
+                reused[kind] += 1
+            if run[key]:
+                is_tail = key == tail
+                watched[key] = is_tail
+                seen[is_tail] += 1
+        if len(watched) >= self._watch_half:
+            self._watched_old, self._watched = watched, {}
+            for counts in (seen, reused):  # decay: the evidence of the last two generations or so
+                counts[0] //= 2
+                counts[1] //= 2
+        self.tail_first = 2 * reused[1] * seen[0] <= reused[0] * seen[1]

@@ -21,9 +21,11 @@ Hit semantics (the same for ``replay`` and ``belady``)
 How blocks get in and out
     ``replay`` (online policies): resident blocks are touched and the policy is asked to ``admit``
     each missing one (in request order, as a tier's planner asks before it stores), then the
-    admitted ones are inserted (in request order) after room was made with one ``policy.evict(n,
-    protected=<the request's blocks>)`` call, just as a tier reserves a batch then commits it. A
-    request never evicts its own blocks, and every admitted block is cached. If the policy hands
+    missing blocks before the first declined one are inserted (in request order) after room was
+    made with one ``policy.evict(n, protected=<the request's blocks>)`` call, just as a tier
+    reserves a batch then commits it. That is what the planner stores (``_admitted_prefix``): a
+    block after a declined one could never be a prefix hit. A request never evicts its own blocks,
+    and every block of that admitted prefix is cached. If the policy hands
     back fewer victims than needed (everything else is protected), only the leading missing blocks
     that fit are inserted; with the shared trace this never happens (its longest request has 374
     blocks).
@@ -95,11 +97,14 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy[in
         request_hits = prefix_hits(ids, resident)
         hits += request_hits
         missing = []
+        declined = False
         for h in ids:
             if h in resident:
                 policy.touch(h)
-            elif policy.admit(h):
+            elif policy.admit(h) and not declined:
                 missing.append(h)
+            else:
+                declined = True  # later missing blocks could not be prefix hits: asked, not stored
         need = len(resident) + len(missing) - capacity
         if need > 0:
             protected = set(ids)

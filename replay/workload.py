@@ -129,9 +129,9 @@ def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
     for _ in range(spec.one_off_requests):
         prompt = rng.randint(*spec.one_off_tokens)
         now = rng.uniform(0.0, start)
-        hash_ids = tuple(next(ids) for _ in range(math.ceil(prompt / bt)))
+        one_off_ids = tuple(next(ids) for _ in range(math.ceil(prompt / bt)))
         output = rng.randint(*spec.output_tokens)
-        heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, hash_ids)))
+        heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, one_off_ids)))
     return [heapq.heappop(events)[2] for _ in range(len(events))]
 
 

@@ -1,15 +1,17 @@
 """The adaptive policy (kvtier.policies.adaptive), driven through the cache replay with hand-computed
-outcomes. Every stream uses a cache of 2 blocks, miniatures that see every key (``sample_every=1``)
-and histories of 4 keys, so each step can be followed by hand; the comments give the reasoning.
+outcomes. Every stream uses a cache of 2 blocks (so no protected segment: 0.3 x 2 rounds to 0),
+miniatures that see every key (``sample_every=1``) and histories of 4 keys, so each step can be
+followed by hand; the comments give the reasoning.
 
 Invariants checked:
 - where recency wins (keys come back while LRU still holds them), the score only falls, the filter
   never turns on, and the policy hits exactly what LRU hits;
 - where admission wins (two hot keys between one-off keys that push LRU's copies out), the filter
   turns on on the third round and from the fourth round on both hot keys hit, where LRU hits none;
-- a stream that switches from the second kind to the first turns the filter off again after
-  ``score_limit`` references that only plain LRU hits, and then hits like LRU;
-- a run of inserts leaves deepest first (a chain loses its tail before its head);
+- a stream that switches from the second kind to the first turns the filter off again once the
+  prefix hits only plain LRU's miniature had make up the score, and then hits like LRU;
+- a run leaves deepest first (a chain loses its tail before its head), its last inserted block
+  (a prompt's partial tail) before every older block, and a read block after unread ones;
 - the history stays within history_factor x capacity; bad parameters raise ValueError.
 """
 
@@ -42,9 +44,11 @@ def pairs(m: int, first: int = 1000) -> list[int]:
 
 
 def test_where_recency_wins_the_filter_stays_off_and_the_policy_is_lru():
-    # 1 2 1 2 ...: plain LRU misses twice, then hits. The filtering miniature declines 1 and 2 at
-    # first sight, admits them at the second (misses) and hits from the fifth reference on: it only
-    # ever loses, so the score goes to -2 and stays there.
+    # 1 2 1 2 ...: the first two requests are runs of one insert each; then the touches of 1 and 2
+    # form one run (no insert between them) that ends when 1 comes again. In that first run of
+    # touches plain LRU's miniature hits 1 and 2 (prefix hits 2); the filtering one declined both at
+    # first sight, so 1 misses (prefix hits 0) and both are admitted now: the score is 0 - 2 = -2.
+    # From then on both miniatures hit both: the score stays -2, the filter never turns on.
     stream = requests([1, 2] * 10)
     policy = adaptive()
     result = replay(stream, 2, policy)
@@ -53,42 +57,53 @@ def test_where_recency_wins_the_filter_stays_off_and_the_policy_is_lru():
 
 
 def test_where_admission_wins_the_filter_turns_on_and_keeps_the_hot_keys():
-    # LRU (2 blocks) loses 1 and 2 to every one-off key: no hit at all. The filtering miniature
-    # declines everything in round 1, admits 1 and 2 in round 2 (in its history) and hits them from
-    # round 3 on, while plain LRU misses: the score is 1 at round 3's first reference, so the filter
-    # is on. The tier held 1 and 2 in round 2 too (it admitted everything then, and remembered what
-    # it evicted), so round 3 admits them from the history, and from round 4 on the one-off keys
-    # are declined and 1 and 2 hit every round.
+    # LRU (2 blocks) loses 1 and 2 to every one-off key: no hit at all. Rounds 1 and 2 score 0 (the
+    # filtering miniature declines 1, 2 and 100 at first sight, admits 1 and 2 at the second, and
+    # both miniatures miss). In round 3 the filtering miniature holds 1 and 2 and hits both (prefix
+    # hits 2), the plain one lost them to 101: the score is 2, and the filter is on. The tier held
+    # 1 and 2 in round 3 too (it admitted everything until then, and remembered what it evicted), so
+    # round 3 admits them from the history; from round 4 on the one-off keys are declined and 1 and
+    # 2 hit every round. After that, 1, 2 and the declined key form one run (nothing is inserted),
+    # which both miniatures apply whole before evicting: both hit 1 and 2, and the score stays 2.
     rounds = 10
     stream = requests(hot_pair_rounds(rounds))
     policy = adaptive()
     assert replay(stream, 2, LRUPolicy()).hits == 0
     assert replay(stream, 2, policy).hits == 2 * (rounds - 3)
-    assert (policy.score, policy.filtering) == (4, True)  # clamped at score_limit
+    assert (policy.score, policy.filtering) == (2, True)
 
 
 def test_a_stream_that_switches_halfway_turns_the_filter_off_again():
-    # Admission wins for 10 rounds (14 hits, score 4), then keys come in pairs: plain LRU hits every
-    # second sight, the filtering miniature never does (it declines the first, admits the second),
-    # so each pair takes 1 off the score. For pairs 1 to 3 the filter is still on at both sights:
-    # the first is declined, the second admitted (a miss). At pair 4's second sight the score
-    # reaches 0 and the filter turns off: admitted, still a miss. From pair 5 on every second sight
-    # hits, as under LRU.
+    # Admission wins for 10 rounds (14 hits, score 2), then keys come in pairs: plain LRU hits every
+    # second sight, the filtering miniature never does (it declines the first, admits the second).
+    # While the filter is on, a pair's first sight is declined and its second admitted from the
+    # history and stored: a miss. Each stored second sight is a run of one, scored when the next
+    # pair starts: the plain miniature hits it, the filtering one does not, -1. After pairs 2 and 3
+    # the score is 0 and the filter is off as pair 4 starts; from pair 4 on every second sight
+    # hits, as under LRU: 14 + 9.
     m = 12
     stream = requests(hot_pair_rounds(10) + pairs(m))
     policy = adaptive()
     assert replay(stream, 2, LRUPolicy()).hits == m
-    assert replay(stream, 2, policy).hits == 2 * (10 - 3) + (m - 4)
-    assert (policy.score, policy.filtering) == (-4, False)
+    assert replay(stream, 2, policy).hits == 2 * (10 - 3) + (m - 3)
+    assert not policy.filtering
 
 
-def test_a_run_of_inserts_leaves_deepest_first():
+def test_a_run_leaves_deepest_first_and_its_last_inserted_block_first_of_all():
     policy = AdaptivePolicy(capacity=8)
-    for key in (b"a", b"b", b"c"):  # one request's new blocks, in chain order
+    policy.admit(b"o")
+    policy.insert(b"o")  # a request of one block: no chain, no tail
+    for key in (b"a", b"b", b"c"):  # the next request: three blocks in chain order
+        assert policy.admit(key)
+    for key in (b"a", b"b", b"c"):
         policy.insert(key)
-    policy.touch(b"c")  # any other call ends the run
+    policy.touch(b"o")  # the next request reads o (a touch ends the run of inserts)
+    policy.admit(b"d")
     policy.insert(b"d")
-    assert policy.evict(4, ()) == [b"b", b"a", b"c", b"d"]
+    # Run [a, b, c] queues c, b, a after o, then its last block c goes to the old end: c, o, b, a.
+    # The run [o (touched), d (inserted)] moves o to the protected segment, and d, its last block,
+    # to probation's old end: probation d, c, b, a leaves first, then the protected o.
+    assert policy.evict(5, ()) == [b"d", b"c", b"b", b"a", b"o"]
 
 
 def test_the_history_stays_within_its_share_of_the_capacity():
@@ -97,12 +112,14 @@ def test_the_history_stays_within_its_share_of_the_capacity():
     assert policy.filtering
     for key in range(500, 520):  # all declined: each is remembered, the oldest forgotten
         assert not policy.admit(key)
-    assert policy.admit(519) and policy.admit(518) and policy.admit(517) and policy.admit(516)
-    assert not policy.admit(515)  # five back: forgotten (4 keys of history)
+    # Two generations of 2 keys each (history_factor x capacity = 4 keys): the last 2 to 4 keys.
+    assert len(policy._history) <= 4
+    assert policy.admit(519) and policy.admit(518)
+    assert not policy.admit(515)  # five back: forgotten
 
 
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"sample_every": 0}, {"sample_every": 6},
-                                    {"history_factor": 0}, {"score_limit": 0}])
+                                    {"history_factor": 0}, {"score_limit": 0}, {"protected_share": 1.0}])
 def test_bad_parameters(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
         AdaptivePolicy(**kwargs)

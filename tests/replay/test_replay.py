@@ -3,7 +3,8 @@
 Invariants checked:
 - a request hits the longest resident prefix of its blocks and nothing else (a resident block after
   a missing one is referenced but not a hit); every block is referenced; a request never evicts
-  its own blocks; a request larger than the cache keeps only its leading blocks;
+  its own blocks; a request larger than the cache keeps only its leading blocks; a block after a
+  declined one is asked about but not stored (as the planner stores only the admitted prefix);
 - hand-computed hit counts on small traces for LRU, ARC, S3-FIFO and Belady;
 - Belady equals an exhaustive search over every eviction and bypass choice on tiny traces, and is
   at least as good as every registered policy on random prefix-chained traces;
@@ -81,6 +82,26 @@ def test_a_request_never_evicts_its_own_blocks_and_keeps_its_head_when_too_large
         assert result.hits == 3 and result.evictions == 0 and len(policy) == 3
     assert belady(trace, 3).hits == 3
     assert replay(trace, 0, LRUPolicy()).hits == 0 and belady(trace, 0).hits == 0
+
+
+def test_only_the_missing_blocks_before_the_first_declined_one_are_stored():
+    # Capacity 10, nothing resident at first. The policy declines 3: it is asked about 1 to 5 (all
+    # missing), and only 1 and 2 are stored, as the planner stores only the admitted prefix. Then
+    # [1, 2, 6, 3, 7]: 1 and 2 hit, 6 is admitted and stored, 3 declined, 7 asked but not stored.
+    class DeclinesThree(LRUPolicy):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def admit(self, key):
+            self.asked.append(key)
+            return key != 3
+
+    policy = DeclinesThree()
+    result = replay(requests_from_ids([[1, 2, 3, 4, 5], [1, 2, 6, 3, 7]]), 10, policy)
+    assert policy.asked == [1, 2, 3, 4, 5, 6, 3, 7]
+    assert [key for key in range(1, 8) if key in policy] == [1, 2, 6]
+    assert (result.hits, result.references) == (2, 10)
 
 
 def test_a_policy_that_evicts_a_protected_block_is_caught():
