@@ -281,7 +281,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         return len(self._probation) + len(self._protected) + len(self._writes)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[call-overload]
+        return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[arg-type]
 
     def _resize(self, capacity: int) -> None:
         """Size the history, the protected segment and the miniatures for a tier of ``capacity`` blocks."""
