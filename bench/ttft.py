@@ -13,10 +13,11 @@ What is measured
     - ``recompute``: no connector; vLLM computes the whole prompt every time.
     - ``vllm-cache``: no connector and no emptying: vLLM's own prefix cache (in "GPU" memory)
       serves the prefix. No tier below GPU memory can beat this: it is the reference.
-    - ``kvtier-host``: KVTierConnector with a host tier; the prefix is loaded from host memory in
-      the step that computes the tail (``host_hits: in_step``, the default).
-    - ``kvtier-host-async``: the same, loaded asynchronously (``host_hits: async``): the request
-      waits for a later engine step to report its load, as disk and remote hits do.
+    - ``kvtier-host``: KVTierConnector with a host tier; the prefix is loaded from host memory
+      asynchronously (``host_hits: async``, the default): the request waits for a later engine step
+      to report its load, as disk and remote hits do.
+    - ``kvtier-host-in-step``: the same, loaded in the step that computes the tail
+      (``host_hits: in_step``).
     - ``kvtier-disk``: a host tier that holds one prefix over a disk tier (write-through): B pushes
       A out of host memory and back, so A is loaded from disk (with O_DIRECT where the filesystem
       takes it, as by default: from the device, not the page cache).
@@ -33,7 +34,7 @@ What is measured
 
 Reference, in the same run
     ``ratio`` = TTFT with vLLM's own prefix cache / TTFT with kvtier's host tier: 1.0 would make a
-    kvtier hit as fast as a hit already in GPU memory (``ratio_async`` the same for the asynchronous
+    kvtier hit as fast as a hit already in GPU memory (``ratio_in_step`` the same for the in-step
     host path; ``disk_over_host`` = kvtier disk TTFT / kvtier host TTFT). ``speedup_host`` and ``speedup_disk`` are
     recompute TTFT / kvtier TTFT: what a hit saves against no cache at all (``speedup_remote`` the
     same for a prefix from another engine through the store). On a CPU, prefill is
@@ -75,7 +76,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 BLOCK = 128  # tokens per vLLM block (and per kvtier block)
 TAIL = 32  # tokens of each prompt after the shared prefix
-MODES = ("recompute", "vllm-cache", "kvtier-host", "kvtier-host-async", "kvtier-disk", "kvtier-remote")
+MODES = ("recompute", "vllm-cache", "kvtier-host", "kvtier-host-in-step", "kvtier-disk", "kvtier-remote")
 PUBLISH = "publish"  # the first engine of the remote mode: puts prefixes A and B in the store
 REMOTE_TIMEOUT = 2.0  # seconds a call to the store may take (the remote tier's default)
 TESTS = Path(__file__).resolve().parent.parent / "tests"  # the tests' server helpers (helpers/*_server.py)
@@ -108,7 +109,7 @@ def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str, remote: dict | N
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}, remote]}
     if mode == "kvtier-remote":
         return {"tiers": [{"medium": "host", "capacity_blocks": prefix_blocks}, remote]}
-    if mode in ("kvtier-host", "kvtier-host-async"):
+    if mode in ("kvtier-host", "kvtier-host-in-step"):
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}]}
     if mode == "kvtier-disk":
         return {"placement": "write_through", "tiers": [
@@ -130,8 +131,8 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
         kwargs["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
                                         "kv_connector_module_path": "kvtier.connectors.vllm", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"config": config}}
-        if mode == "kvtier-host-async":
-            kwargs["kv_transfer_config"]["kv_connector_extra_config"]["host_hits"] = "async"
+        if mode == "kvtier-host-in-step":
+            kwargs["kv_transfer_config"]["kv_connector_extra_config"]["host_hits"] = "in_step"
     length = prefix_blocks * BLOCK + TAIL
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
               max_model_len=length + 8, max_num_batched_tokens=length + 8, seed=0, **kwargs)
@@ -269,7 +270,7 @@ def main() -> int:
                     results[mode] = run_child(model_dir, mode, args, disk_dir, remote)
     expected = 2 * args.prefix_blocks * args.prompts  # A and B prompts after their first: the whole prefix
     hits = {mode: results[mode]["hits"] for mode in modes if mode.startswith("kvtier-")}
-    wanted = {"kvtier-host": {"host": expected}, "kvtier-host-async": {"host": expected},
+    wanted = {"kvtier-host": {"host": expected}, "kvtier-host-in-step": {"host": expected},
               "kvtier-disk": {"host": 0, "disk": expected},
               # every A and B prompt, the first included (another engine computed them), from the store
               "kvtier-remote": {"host": 0, "remote": 2 * args.prefix_blocks * (args.prompts + 1)}}
@@ -286,7 +287,7 @@ def main() -> int:
     print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
-        "ratio_async": round(ttft["vllm-cache"] / ttft["kvtier-host-async"], 4),
+        "ratio_in_step": round(ttft["vllm-cache"] / ttft["kvtier-host-in-step"], 4),
         "disk_over_host": round(ttft["kvtier-disk"] / ttft["kvtier-host"], 3),
         "speedup_host": round(ttft["recompute"] / ttft["kvtier-host"], 3),
         "speedup_disk": round(ttft["recompute"] / ttft["kvtier-disk"], 3),

@@ -123,3 +123,20 @@ def test_the_history_stays_within_its_share_of_the_capacity():
 def test_bad_parameters(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
         AdaptivePolicy(**kwargs)
+
+
+def two_block_requests(chains: list[tuple[int, int]]) -> list[Request]:
+    return [Request(0, 1024, 1, chain) for chain in chains]
+
+
+def test_the_last_block_rule_holds_while_run_tails_are_not_read_again_and_stops_when_they_are():
+    # Each request is a chain of two blocks, so its last inserted block is the run's tail. In the
+    # first stream a chain's head comes back under another tail and no tail ever does (a prompt's
+    # partial last block): the rule stays. In the second every chain comes back whole, tails
+    # included, as often as heads (a demotion batch's youngest victim): the rule is dropped.
+    tails_never_back = two_block_requests([pair for k in range(20) for pair in ((k, 100 + k), (k, 200 + k))])
+    tails_back = two_block_requests([(k, 100 + k) for k in range(20) for _ in range(2)])
+    for stream, kept in ((tails_never_back, True), (tails_back, False)):
+        policy = AdaptivePolicy(capacity=100, sample_every=1)
+        replay(stream, 100, policy)
+        assert policy.tail_first is kept

@@ -104,7 +104,7 @@ def test_a_second_engine_loads_the_first_ones_prefix_from_mooncake(make_engine):
 
 
 def test_a_host_hit_never_asks_the_store(make_engine, redis):
-    engine = make_engine(redis_config(redis))
+    engine = make_engine(redis_config(redis), extra={"host_hits": "in_step"})
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     forget_gpu(engine)
     again = engine.add(prompt(4, 9, seed=2), max_tokens=2)

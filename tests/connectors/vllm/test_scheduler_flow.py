@@ -23,6 +23,7 @@ from helpers.vllm_helpers import (
 from kvtier.core.keys import chain_hashes
 
 HOST_ONLY = {"tiers": [{"medium": "host", "capacity_blocks": 32}]}
+IN_STEP = {"host_hits": "in_step"}  # host hits loaded in the step that computes the prompt's rest (async by default)
 
 
 @pytest.mark.parametrize("host_hits", ["in_step", "async"])
@@ -57,7 +58,7 @@ def test_prefix_hit_from_host_is_exact_and_bit_exact(make_engine, host_hits):
 
 
 def test_lookup_counts_whole_blocks_and_leaves_the_last_token(make_engine):
-    engine = make_engine(HOST_ONLY)
+    engine = make_engine(HOST_ONLY, extra=IN_STEP)
     first = engine.add(prompt(4, 3, seed=1), max_tokens=2)
     engine.run([first])
     lookup = engine.connector.get_num_new_matched_tokens
@@ -254,7 +255,7 @@ def test_reset_drops_every_block_not_in_use(make_engine):
 
 
 def test_two_ranks_a_job_ends_only_when_both_reported(make_engine):
-    engine = make_engine(HOST_ONLY, tp=2)
+    engine = make_engine(HOST_ONLY, tp=2, extra=IN_STEP)
     first = engine.add(prompt(4, 5, seed=1), max_tokens=3)
     out, _ = engine.step(report_ranks={0})  # rank 1's report comes a step later
     (store,) = out.kv_connector_metadata.stores
@@ -310,7 +311,7 @@ def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
 def test_an_in_step_hits_blocks_cannot_leave_host_memory_before_the_load_is_planned(make_engine):
     """vLLM reads an in-step load in the very step it plans it, and a failed block there could only be
     recomputed after vLLM computed on it: so the lookup pins the blocks it offers."""
-    engine = make_engine(HOST_ONLY)
+    engine = make_engine(HOST_ONLY, extra=IN_STEP)
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     forget_gpu(engine)
     host = engine.kvtier.tier("host")
@@ -325,7 +326,7 @@ def test_an_in_step_hits_blocks_cannot_leave_host_memory_before_the_load_is_plan
 
 
 def test_blocks_a_lookup_reserved_are_let_go_when_vllm_does_not_allocate(make_engine):
-    engine = make_engine(HOST_ONLY)
+    engine = make_engine(HOST_ONLY, extra=IN_STEP)
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=2)])
     again = engine.add(prompt(4, 9, seed=2), max_tokens=2)
     assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)
