@@ -39,10 +39,10 @@ How
       everything, the other admitting on second sight with its own history (Waldspurger et al.,
       "Cache modeling and optimization using miniature simulations", USENIX ATC 2017). They see
       only the keys whose hash is a multiple of ``sample_every`` and hold capacity /
-      ``sample_every`` keys each, so they cost O(1) per reference and a fraction of the tier's
-      memory. Each run's sampled keys score as a request does: its prefix hits (hits before the
-      first sampled miss). A counter moves by the filtering miniature's prefix hits less the plain
-      one's, within +-``score_limit`` (so it can turn within a bounded number of references when
+      ``sample_every`` keys each (the first byte of a ``bytes`` key picks them, so runs repeat),
+      so they cost O(1) per reference and a fraction of the tier's memory. Each run's sampled keys
+      score as a request does: its prefix hits (hits before the first sampled miss). A counter
+      moves by the filtering miniature's prefix hits less the plain one's, within +-``score_limit`` (so it can turn within a bounded number of references when
       the traffic changes, as set dueling in CPU caches does); the filter is on while the counter
       is above zero. Ties stay with no filter: with no evidence either way, nothing is declined.
 
@@ -68,6 +68,13 @@ from kvtier.policies._queues import unpark
 from kvtier.policies.base import EvictionPolicy, Key
 
 K = TypeVar("K", bound=Hashable)
+
+
+def _stable_hash(key: Hashable) -> int:
+    """What picks the sampled keys: the first byte of a ``bytes`` key (a tier's keys are digests, so
+    it is uniform), else ``hash``. Python salts ``hash`` of bytes per process, which would make a
+    tier's admission decisions differ from run to run on the same traffic."""
+    return key[0] if isinstance(key, bytes) else hash(key)
 
 
 class _History(Generic[K]):
@@ -205,7 +212,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._writes or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        if not hash(key) & self._mask:
+        if not _stable_hash(key) & self._mask:
             self._sampled.append(key)
         if not self.filtering:
             return True
@@ -246,7 +253,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
         self._reads.append(key)
-        if not hash(key) & self._mask:
+        if not _stable_hash(key) & self._mask:
             self._sampled.append(key)
 
     def remove(self, key: Key) -> None:

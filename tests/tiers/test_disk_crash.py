@@ -83,8 +83,10 @@ UNIVERSE_KEYS = [key(i) for i in range(UNIVERSE)]
 
 def config_dict(path, variant: int) -> dict:
     """The same disk tier (path, namespace, geometry, capacity) under different stacks above it."""
+    # LRU everywhere: a policy that may decline blocks (the last tier's default, adaptive) would make
+    # "every block stored is found again" a question of its duel, not of crash safety.
     disk = {"medium": "disk", "path": str(path), "capacity_blocks": DISK_SLOTS,
-            "o_direct": ("auto", "off")[variant % 2]}
+            "o_direct": ("auto", "off")[variant % 2], "eviction": "lru"}
     host = [] if variant % 3 == 2 else [{"medium": "host", "capacity_blocks": 4}]
     return {"block_bytes": BLOCK, "fragments": 4, "namespace": "crash",
             "placement": ("write_back", "write_through")[variant % 2 if host else 0],
