@@ -42,8 +42,9 @@ How
       ``sample_every`` keys each (the first byte of a ``bytes`` key picks them, so runs repeat),
       so they cost O(1) per reference and a fraction of the tier's memory. Each run's sampled keys
       score as a request does: its prefix hits (hits before the first sampled miss). A counter
-      moves by the filtering miniature's prefix hits less the plain one's, within +-``score_limit`` (so it can turn within a bounded number of references when
-      the traffic changes, as set dueling in CPU caches does); the filter is on while the counter
+      moves by the filtering miniature's prefix hits less the plain one's, within
+      +-``score_limit`` (so it can turn within a bounded number of references when the traffic
+      changes, as set dueling in CPU caches does); the filter is on while the counter
       is above zero. Ties stay with no filter: with no evidence either way, nothing is declined.
 
 References are what ``touch`` (a read of a resident block) and ``admit`` (a block about to be
