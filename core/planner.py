@@ -333,10 +333,9 @@ class Planner:
         victims = [key for key, _ in tier.begin_evict(short)]
         dirty = [key for key in victims if lower.state(key) is BlockState.FREE]
         clean = [key for key in victims if lower.state(key) is not BlockState.FREE]
-        if dirty and not lower.by_key:
-            admitted = lower.admit(dirty)
-            clean += [key for key, ok in zip(dirty, admitted, strict=True) if not ok]
-            dirty = [key for key, ok in zip(dirty, admitted, strict=True) if ok]
+        admitted = self._admits(index + 1, dirty)
+        clean += [key for key, ok in zip(dirty, admitted, strict=True) if not ok]
+        dirty = [key for key, ok in zip(dirty, admitted, strict=True) if ok]
         room.drop(tier, tier.end_evict(clean))
         slots, below_pending = self._reserve(index + 1, dirty, room)
         rest = dirty[len(slots):]
@@ -354,13 +353,17 @@ class Planner:
         pending = self._make_room(index, len(keys), room) if keys else 0
         return self._take_free(index, keys), pending
 
+    def _admits(self, index: int, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether tier ``index``'s policy admits it (``Tier.admit``). A tier addressed by key
+        has no policy of ours: it takes everything."""
+        if not keys or self.tiers[index].by_key:
+            return [True] * len(keys)
+        return self.tiers[index].admit(keys)
+
     def _admitted_prefix(self, index: int, keys: Sequence[bytes]) -> Sequence[bytes]:
         """The leading keys tier ``index``'s policy admits: a store is a prefix of a chain, and a block
-        after a declined one could never be a hit there without it. A tier addressed by key has no
-        policy of ours: it takes everything."""
-        if not keys or self.tiers[index].by_key:
-            return keys
-        admitted = self.tiers[index].admit(keys)
+        after a declined one could never be a hit there without it."""
+        admitted = self._admits(index, keys)
         return keys[:admitted.index(False)] if False in admitted else keys
 
     def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int | None]:
@@ -427,8 +430,7 @@ class Planner:
         target = index + 1 if target is None else target
         tier, lower = self.tiers[index], self.tiers[target]
         keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
-        if keys and not lower.by_key:
-            keys = [k for k, ok in zip(keys, lower.admit(keys), strict=True) if ok]
+        keys = [k for k, ok in zip(keys, self._admits(target, keys), strict=True) if ok]
         room = Room()
         if not keys:
             return Planned(plan_of("store", [], []), room)

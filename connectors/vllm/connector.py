@@ -198,7 +198,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing per layer: stores copy whole blocks once the step's forward pass is over."""
 
     def wait_for_save(self) -> None:
-        self._work.end_forward()
         self._work.start(_meta(self._get_connector_metadata()).stores)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -120,7 +120,6 @@ class WorkerSide:
         self._refused_keys: set[bytes] = set()  # named by a disk slab (too large compressed), until their copy ends
         self.storages: dict[str | None, BlockStorage] = {}  # by tier name, vLLM's own blocks under GPU
         self.in_step_copies: TransferRegistry | CopiesHere | None = None  # where in-step loads' copies run
-        self._in_step: list[_RunningJob] = []  # this step's in-step loads
         self.transfers = TransferRegistry([])  # the backends come once vLLM's KV caches name their device
         try:
             slots = {name: n for name, _, n in tier_slots(config, self.layout.block_bytes)}
@@ -171,8 +170,9 @@ class WorkerSide:
 
     def start(self, jobs: list[TransferJob]) -> None:
         """Start the jobs. Returns once the ``in_step`` loads have arrived: vLLM's forward pass reads
-        them (see ``CopiesHere`` for where their copies run)."""
-        self._in_step = []
+        them, and their failed blocks are reported in this step (see ``CopiesHere`` for where their
+        copies run)."""
+        in_step = []
         for job in jobs:
             running = _RunningJob(job)
             with self._lock:
@@ -181,16 +181,8 @@ class WorkerSide:
             StagedRun(self._stages(job), job.num_blocks, self.storages, transfers,
                       functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
             if job.in_step:
-                self._in_step.append(running)
-        self._wait_in_step()
-
-    def end_forward(self) -> None:
-        """After the forward pass: the step's in-step loads are over (their failed blocks are reported
-        in this step)."""
-        self._wait_in_step()
-
-    def _wait_in_step(self) -> None:
-        for running in self._in_step:
+                in_step.append(running)
+        for running in in_step:
             if not running.finished.wait(FLUSH_TIMEOUT_S):
                 raise TransferError(f"kvtier load {running.job.job_id} did not arrive in {FLUSH_TIMEOUT_S} s")
 
