@@ -2,20 +2,23 @@
 
 What is measured
     The CPU transfer backend (``kvtier.transfers.cpu.CPUBackend``) moving a batch of blocks
-    between a layer-outer KV cache (one tensor per layer, or per layer and K/V, blocks along
-    dimension 0, as vLLM keeps it) and a host slab (``kvtier.tiers.host.HostSlab``, one contiguous
-    run of ``block_bytes`` per slot):
+    between a layer-outer KV cache allocated as vLLM allocates one (a tensor per layer of at least
+    ``LAYER_TENSOR_BYTES``, K and V inside it when split, blocks along a dimension) and a host slab
+    (``kvtier.tiers.host.HostSlab``, one contiguous run of ``block_bytes`` per slot):
 
     * store: device -> host, a gather of the fragments of randomly chosen, scattered device blocks
       into random host slots;
     * load:  host -> device, a scatter from random host slots into random device blocks.
 
-    Device block ids are scattered, so no two fragments are adjacent on both sides and every
-    transfer is one memmove per (block, fragment): 32 per block for packed K/V, 64 with K and V
-    split. The time covers the whole job as a caller sees it: ``submit`` (slot -> address
-    translation, copy-list compilation, the split over threads) until ``on_complete`` has run.
-    The device tensors are CPU tensors standing in for a GPU, so this is a measure of the copy
-    machinery and of memory bandwidth, not of PCIe.
+    Device block ids are scattered, so no two fragments are adjacent on both sides: a block is 32
+    fragments for packed K/V, 64 with K and V split (the ``memmoves`` column), and each host slot is
+    one run the backend copies in one NumPy call. Layer tensors this large are mmapped, so their
+    fragments lie a whole number of pages apart and the backend takes them in rows of 4 KiB; tensors
+    at unrelated addresses would take its byte-granular path (``transfers/cpu.py``). The time covers
+    the whole job as a caller sees it: ``submit`` (slot -> address translation, copy-list
+    compilation, the split over threads) until ``on_complete`` has run. The device tensors are CPU
+    tensors standing in for a GPU, so this is a measure of the copy machinery and of memory
+    bandwidth, not of PCIe.
 
 Reference, measured in the same run
     A contiguous copy of the same number of bytes between two preallocated, pre-touched uint8
@@ -26,7 +29,9 @@ Reference, measured in the same run
     state, and every figure is the best of ``--repeat`` repetitions. glibc picks its memcpy strategy
     by size (non-temporal stores above a threshold that depends on the cache sizes), so the
     reference is not monotonic in the byte count, and a ratio above 1 at such sizes is a property
-    of memcpy, not a gain of kvtier.
+    of memcpy, not a gain of kvtier. On the 2-core machine of these figures the threshold is 240 MiB
+    (``/lib64/ld-linux-x86-64.so.2 --list-tunables``): the 2-thread reference of the 256-block jobs
+    copies halves of 256 MiB with non-temporal stores, which no 16-64 KiB fragment copy gets.
 
 Why
     Offloading only pays when moving a block costs much less than recomputing it; on a GPU-less
@@ -73,6 +78,7 @@ HEAD_DIM = 128
 DTYPE = torch.bfloat16
 GB = 1e9
 MiB = 1 << 20
+LAYER_TENSOR_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -151,13 +157,16 @@ class Reference:
 
 
 def make_device(variant: Variant, num_blocks: int, seed: int) -> list[torch.Tensor]:
-    """One tensor per fragment, filled with random bits so every page is touched and blocks differ."""
+    """The fragment tensors of a KV cache allocated as vLLM allocates one: a tensor per layer (K and V
+    inside it when split, the split tensors being views), filled with random bits so every page is
+    touched and blocks differ."""
     gen = torch.Generator().manual_seed(seed)
     tensors = []
-    for _ in variant.layout.fragment_bytes:
-        t = torch.empty((num_blocks, *variant.fragment_shape), dtype=DTYPE)
+    for _ in range(NUM_LAYERS):
+        per_kv = (BLOCK_TOKENS, variant.kv_heads, HEAD_DIM)
+        t = torch.empty((2, num_blocks, *per_kv) if variant.kv_split else (num_blocks, 2, *per_kv), dtype=DTYPE)
         t.view(torch.int16).random_(generator=gen)  # raw bits; compared as integers, so NaN patterns are fine
-        tensors.append(t)
+        tensors.extend([t[0], t[1]] if variant.kv_split else [t])
     return tensors
 
 
@@ -210,7 +219,10 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
                   rng: np.random.Generator) -> list[dict]:
     layout = variant.layout
     max_batch = max(batches)
-    num_device = 2 * max_batch  # room for disjoint source and destination ids, and real scatter
+    # Room for disjoint source and destination ids and real scatter, in layer tensors of a real cache's
+    # size (vLLM's are larger still): allocations this large are mmapped, at the same offset in a page.
+    num_device = max(2 * max_batch, LAYER_TENSOR_BYTES // (2 * variant.fragment_bytes if variant.kv_split
+                                                            else variant.fragment_bytes))
     tensors = make_device(variant, num_device, seed=int(rng.integers(1 << 31)))
     dev = device_storage(tensors, layout)
     slab = HostSlab(max_batch, layout)

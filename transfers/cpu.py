@@ -2,9 +2,11 @@
 in for a GPU).
 
 A transfer's copy list is cut into up to ``threads`` parts of similar byte counts, one per pool
-thread. Large copies release the GIL, so the threads copy in parallel; small ones keep it (see
-``GIL_HELD_BELOW_BYTES``). Completion is reported asynchronously with the indices of exactly the
-blocks whose bytes did not land.
+thread, at block boundaries. Within a part, copies back to back on one side (a host slot's fragments
+gathered from or scattered to a per-layer KV cache) form a run; a run of ``GIL_HELD_BELOW_BYTES`` or
+more is one NumPy call that copies every fragment in C and releases the GIL once (``_Run``), so the
+threads copy in parallel; a shorter one is copied fragment by fragment keeping the GIL. Completion is
+reported asynchronously with the indices of exactly the blocks whose bytes did not land.
 """
 
 from __future__ import annotations
@@ -13,20 +15,28 @@ import ctypes
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 
 GIL_HELD_BELOW_BYTES = 256 * 1024
-"""Copies smaller than this run without releasing the GIL. ``ctypes.memmove`` releases it for every
+"""Runs (and copies) smaller than this are copied without releasing the GIL. ``ctypes.memmove`` releases it for every
 call and must take it back after; beside a busy Python thread (an engine's loop polling for a load)
 each take-back waits for that thread's switch interval. Measured here: 96 copies of 64 KiB took 96-153
-ms that way against 0.7 ms alone, and 11 ms with the GIL held (one wait). Larger copies still release
+ms that way against 0.7 ms alone, and 11 ms with the GIL held (one wait). Larger runs still release
 it, so the pool's threads copy them in parallel and a long copy never holds up the engine's thread;
 beside a busy thread each of them pays the wait too, but there are far fewer of them per byte."""
+
+TABLE_ROW_BYTES = 4096
+"""The shortest row a run's scattered side is cut into for ``np.take``; measured here, taking rows of 4
+KiB is as fast as taking whole 16-64 KiB fragments. Where the scattered side's fragments do not all
+start a multiple of this apart (tensors allocated at unrelated addresses), a byte-granular view is
+used instead (see ``_Run``)."""
 
 _memmove_holding_gil = ctypes.PyDLL(None).memmove  # a PyDLL function keeps the GIL during the call
 _memmove_holding_gil.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -85,13 +95,16 @@ class CPUBackend(TransferBackend):
         return self._run_part(copies, 0, len(copies.size), transfer.num_blocks)
 
     def _split(self, copies: CopyList) -> list[tuple[int, int]]:
-        """Cut the copy list into up to ``threads`` parts of similar byte counts, at copy boundaries."""
+        """Cut the copy list into up to ``threads`` parts of similar byte counts, at block boundaries (a
+        block cut in two would leave both halves shorter runs, maybe too short to copy natively)."""
         count = len(copies.size)
         if count == 0:
             return [(0, 0)]
         cumulative = np.cumsum(copies.size)
         targets = cumulative[-1] * np.arange(1, self.threads) / self.threads
-        cuts = sorted({0, *np.searchsorted(cumulative, targets, side="right").tolist(), count})
+        block_starts = np.append(np.flatnonzero(np.diff(copies.block)) + 1, count)
+        cuts = block_starts[np.searchsorted(block_starts, np.searchsorted(cumulative, targets, side="right"))]
+        cuts = sorted({0, *cuts.tolist(), count})
         return list(itertools.pairwise(cuts))
 
     def _run_part(self, copies: CopyList, lo: int, hi: int, num_blocks: int) -> set[int]:
@@ -112,11 +125,103 @@ class CPUBackend(TransferBackend):
 
     def _copy(self, copies: CopyList, lo: int, hi: int) -> None:
         """The copy loop; a subclass may override it to inject faults in tests."""
-        src, dst, size = copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist()
-        for s, d, n in zip(src, dst, size, strict=True):
-            (_memmove_holding_gil if n < GIL_HELD_BELOW_BYTES else ctypes.memmove)(d, s, n)
+        src, dst, size = copies.src[lo:hi], copies.dst[lo:hi], copies.size[lo:hi]
+        for run in _runs(src, dst, size):
+            if run.nbytes >= GIL_HELD_BELOW_BYTES:
+                run.copy()
+                continue
+            for s, d, n in zip(src[run.lo:run.hi].tolist(), dst[run.lo:run.hi].tolist(), size[run.lo:run.hi].tolist(),
+                               strict=True):
+                (_memmove_holding_gil if n < GIL_HELD_BELOW_BYTES else ctypes.memmove)(d, s, n)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Copies ``lo:hi`` of a part that are back to back on one side: the destination for a gather
+    (``gather``), the source otherwise. That side is ``nbytes`` from ``contiguous_address``.
+
+    The scattered side is ``table``, an array of equal rows over its whole address range, and ``index``
+    lists the rows the run reads or writes, in order, so the run is one NumPy call that copies row by
+    row in C and releases the GIL once, instead of one Python-level call per copy: an assignment into
+    the table for a scatter; for a gather, ``np.take`` into the contiguous side, when the table is
+    C-contiguous (every fragment starts a whole number of rows from its start), else a fancy read and
+    a copy (``take`` would first copy a table whose rows overlap: all of its address range).
+    """
+
+    lo: int
+    hi: int
+    nbytes: int
+    gather: bool
+    contiguous_address: int
+    table: np.ndarray
+    index: np.ndarray
+
+    def copy(self) -> None:
+        contiguous = _memory(self.contiguous_address, self.nbytes).reshape(-1, self.table.shape[1])
+        if not self.gather:
+            self.table[self.index] = contiguous
+        elif self.table.flags.c_contiguous:
+            np.take(self.table, self.index, axis=0, out=contiguous, mode="wrap")  # "raise" would buffer ``out``
+        else:
+            contiguous[...] = self.table[self.index]
+
+
+def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
+    """Cut copies into runs back to back on one side: the destination's (gathers) or the source's
+    (scatters), whichever gives fewer runs; the other side is indexed as ``_Run`` says."""
+    if len(size) == 0:
+        return []
+    dst_breaks = np.flatnonzero(dst[1:] != dst[:-1] + size[:-1]) + 1
+    src_breaks = np.flatnonzero(src[1:] != src[:-1] + size[:-1]) + 1
+    gather = len(dst_breaks) <= len(src_breaks)
+    breaks, contiguous, scattered = (dst_breaks, dst, src) if gather else (src_breaks, src, dst)
+    starts = np.concatenate(([0], breaks))
+    ends = np.cumsum(size)
+    run_bytes = np.diff(np.concatenate(([0], ends[breaks - 1], [ends[-1]])))
+    if int(run_bytes.max()) < GIL_HELD_BELOW_BYTES:  # every run is copied in the Python loop: no table
+        return [_Run(int(a), int(b), int(n), gather, 0, _NO_TABLE, _NO_INDEX)
+                for a, b, n in zip(starts, [*breaks, len(size)], run_bytes, strict=True)]
+    base = int(scattered.min())
+    offsets = scattered - base
+    span = int((offsets + size).max())
+    row = _lowest_bit(size)  # every copy is a whole number of rows
+    step = min(_lowest_bit(offsets) or row, row)  # offsets all 0: every copy starts at row 0
+    if step >= min(row, TABLE_ROW_BYTES):
+        row = step
+        table = _memory(base, span).reshape(-1, row)
+    else:  # a row at every byte: any fragment start is a row
+        step = 1
+        table = as_strided(_memory(base, span), shape=(span - row + 1, row), strides=(1, 1))
+    counts = size // row  # rows per copy
+    firsts = np.cumsum(counts) - counts  # where each copy's rows start in ``index``
+    within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # a row's place in its copy
+    index = np.repeat(offsets // step, counts) + within * (row // step)
+    return [_Run(int(a), int(b), int(n), gather, int(contiguous[a]), table, index[firsts[a]:firsts[a] + n // row])
+            for a, b, n in zip(starts, [*breaks, len(size)], run_bytes, strict=True)]
+
+
+def _lowest_bit(values: np.ndarray) -> int:
+    """The largest power of two dividing every value; 0 when every value is 0."""
+    bits = int(np.bitwise_or.reduce(values))
+    return bits & -bits
+
+
+class _Address:
+    """Raw memory as NumPy takes it (``__array_interface__``): ``np.asarray`` of it copies nothing."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def _memory(address: int, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` at ``address`` as a writable uint8 array (the caller keeps the memory alive)."""
+    return np.asarray(_Address(address, nbytes))
+
+
+_NO_TABLE = np.empty((0, 1), dtype=np.uint8)
+_NO_INDEX = np.empty(0, dtype=np.intp)

@@ -1,0 +1,137 @@
+"""The CPU backend's native runs: a run of copies back to back on one side, at least
+``GIL_HELD_BELOW_BYTES`` long, is one NumPy call over the other side's rows.
+
+Invariants checked:
+- blocks of 256 KiB and more gather from per-layer storage into random host slots and scatter back
+  bit-exact, with no other byte written, whether the per-layer fragments sit a whole number of pages
+  apart (``np.take`` over a C-contiguous table of rows) or at unrelated byte offsets (the
+  byte-granular table), with 1 and 3 threads; both table kinds and both directions are taken;
+- consecutive slots on both sides (copies merged across blocks, of several sizes) copy bit-exact;
+- a host side lying inside the address range of the scattered side's table copies bit-exact;
+- a job mixing runs above and below the size copies every block, the small ones in the loop.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import StridedStorage, buffer_storage
+from kvtier.core.transfer import Transfer
+from kvtier.transfers import cpu
+from kvtier.transfers.cpu import GIL_HELD_BELOW_BYTES, CPUBackend
+
+FRAGMENT = 32 * 1024
+LAYOUT = BlockLayout.per_layer(4, FRAGMENT, kv_split=True)  # 8 fragments: a 256 KiB block
+assert LAYOUT.block_bytes >= GIL_HELD_BELOW_BYTES
+
+
+class Scattered:
+    """Per-fragment tables in one buffer: fragment f of slot s at ``bases[f] + s * FRAGMENT``. With a
+    ``skew``, fragment f starts ``f * skew`` bytes later, so fragments sit at unrelated offsets."""
+
+    def __init__(self, num_slots: int, skew: int, rng: np.random.Generator) -> None:
+        stride = (num_slots + 1) * FRAGMENT + skew
+        self.buffer = rng.integers(0, 256, LAYOUT.num_fragments * stride, dtype=np.uint8)
+        self.offsets = [f * stride for f in range(LAYOUT.num_fragments)]
+        base = self.buffer.ctypes.data
+        self.storage = StridedStorage(LAYOUT, num_slots, [base + o for o in self.offsets],
+                                      [FRAGMENT] * LAYOUT.num_fragments, keepalive=self.buffer)
+
+    def block(self, slot: int) -> np.ndarray:
+        return np.concatenate([self.buffer[o + slot * FRAGMENT:o + (slot + 1) * FRAGMENT] for o in self.offsets])
+
+
+@pytest.fixture(params=[1, 3], ids=["threads1", "threads3"])
+def backend(request):
+    b = CPUBackend(threads=request.param)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def runs_taken(monkeypatch) -> Counter:
+    """Bytes copied by native runs, by (gather, C-contiguous table); the runs still copy."""
+    taken: Counter = Counter()
+    copy = cpu._Run.copy
+
+    def counted(run) -> None:
+        taken[(run.gather, bool(run.table.flags.c_contiguous))] += run.nbytes
+        copy(run)
+
+    monkeypatch.setattr(cpu._Run, "copy", counted)
+    return taken
+
+
+@pytest.mark.parametrize("skew", [0, 64 + 8], ids=["page-apart", "unrelated-offsets"])
+def test_large_blocks_gather_and_scatter_back_bit_exact(backend, skew, rng, run_transfer, runs_taken):
+    device = Scattered(24, skew, rng)
+    host = np.zeros((16, LAYOUT.block_bytes), np.uint8)
+    host_storage = buffer_storage(host, BlockLayout.contiguous(LAYOUT.block_bytes), writable=True)
+    blocks, slots = rng.permutation(24)[:10].tolist(), rng.permutation(16)[:10].tolist()
+    assert run_transfer(backend, Transfer(device.storage, blocks, host_storage, slots)) == set()
+    for b, s in zip(blocks, slots, strict=True):
+        assert np.array_equal(host[s], device.block(b))
+    assert not host[sorted(set(range(16)) - set(slots))].any()
+
+    back = Scattered(24, skew, rng)
+    before = back.buffer.copy()
+    targets = rng.permutation(24)[:10].tolist()
+    assert run_transfer(backend, Transfer(host_storage, slots, back.storage, targets)) == set()
+    for b, t in zip(blocks, targets, strict=True):
+        assert np.array_equal(back.block(t), device.block(b))
+    for t in sorted(set(range(24)) - set(targets)):  # every other slot of every fragment is unchanged
+        for o in back.offsets:
+            assert np.array_equal(back.buffer[o + t * FRAGMENT:o + (t + 1) * FRAGMENT],
+                                  before[o + t * FRAGMENT:o + (t + 1) * FRAGMENT])
+    assert runs_taken == {(True, skew == 0): 10 * LAYOUT.block_bytes, (False, skew == 0): 10 * LAYOUT.block_bytes}
+
+
+def test_consecutive_slots_merge_and_copy_bit_exact(backend, rng, run_transfer, runs_taken):
+    src = rng.integers(0, 256, (12, LAYOUT.block_bytes), dtype=np.uint8)
+    dst = np.zeros((12, LAYOUT.block_bytes), np.uint8)
+    flat = BlockLayout.contiguous(LAYOUT.block_bytes)
+    src_slots, dst_slots = [3, 4, 5, 9, 0, 1], [7, 8, 9, 2, 10, 11]  # runs of three, one and two blocks
+    assert run_transfer(backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True),
+                                          dst_slots)) == set()
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        assert np.array_equal(dst[d], src[s])
+    assert not dst[[0, 1, 3, 4, 5, 6]].any()
+    assert sum(runs_taken.values()) == 6 * LAYOUT.block_bytes
+
+
+def test_a_host_side_inside_the_tables_address_range(backend, rng, run_transfer):
+    """Host slots between two halves of the fragment tables: NumPy sees the ranges overlap and stays exact."""
+    num_slots, half = 6, LAYOUT.num_fragments // 2
+    table = num_slots * FRAGMENT
+    buffer = rng.integers(0, 256, LAYOUT.num_fragments * table + 4 * LAYOUT.block_bytes, dtype=np.uint8)
+    host_at = half * table
+    offsets = [f * table if f < half else host_at + 4 * LAYOUT.block_bytes + (f - half) * table
+               for f in range(LAYOUT.num_fragments)]
+    base = buffer.ctypes.data
+    device = StridedStorage(LAYOUT, num_slots, [base + o for o in offsets], [FRAGMENT] * LAYOUT.num_fragments,
+                            keepalive=buffer)
+    expect = {b: np.concatenate([buffer[o + b * FRAGMENT:o + (b + 1) * FRAGMENT] for o in offsets]) for b in (5, 0, 3)}
+    host = buffer[host_at:host_at + 4 * LAYOUT.block_bytes].reshape(4, LAYOUT.block_bytes)
+    host_storage = buffer_storage(host, BlockLayout.contiguous(LAYOUT.block_bytes), writable=True)
+    assert run_transfer(backend, Transfer(device, [5, 0, 3], host_storage, [2, 0, 3])) == set()
+    for b, s in zip([5, 0, 3], [2, 0, 3], strict=True):
+        assert np.array_equal(host[s], expect[b])
+
+
+def test_runs_above_and_below_the_size_in_one_job(backend, rng, run_transfer, runs_taken):
+    small = BlockLayout.per_layer(4, 1024, kv_split=True)  # 8 KiB blocks: every run is below the size
+    src = rng.integers(0, 256, (40, small.block_bytes), dtype=np.uint8)
+    dst = np.zeros((40, small.block_bytes), np.uint8)
+    flat = BlockLayout.contiguous(small.block_bytes)
+    src_slots = list(range(0, 36)) + [38]  # 36 consecutive blocks merge into one 288 KiB copy
+    dst_slots = list(range(2, 38)) + [0]
+    assert run_transfer(backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True),
+                                          dst_slots)) == set()
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        assert np.array_equal(dst[d], src[s])
+    assert not dst[[1, 38, 39]].any()
+    assert sum(runs_taken.values()) == 36 * small.block_bytes  # the merged copy; the lone small block is not
