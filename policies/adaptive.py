@@ -184,8 +184,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._probation: OrderedDict[Key, None] = OrderedDict()  # oldest use first; evicted first
         self._protected: OrderedDict[Key, None] = OrderedDict()  # read while resident; oldest use first
         self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
-        self._writes: list[Key] = []  # the current run's inserts, in order (tracked, not yet in a segment)
-        self._reads: list[Key] = []  # the current run's touches, in order
+        self._inserted = 0  # the current run's inserts (tracked, not yet in a segment)
         self._sampled: list[Key] = []  # the current run's sampled references, in order
         self._history: _History[Key] = _History()  # declined or evicted
         self._plain: _Miniature[Key] = _Miniature(filters=False)
@@ -210,10 +209,10 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def admit(self, key: Key) -> bool:
         run = self._run
-        if self._writes or key in run:
+        if self._inserted or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        if not _stable_hash(key) & self._mask:
+        if not (key[0] if key.__class__ is bytes else hash(key)) & self._mask:  # _stable_hash, inlined
             self._sampled.append(key)
         if not self.filtering:
             return True
@@ -237,7 +236,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if run.get(key) or key in self._probation or key in self._protected:
             raise KeyError(f"key {key!r} is already tracked")
         run[key] = True
-        self._writes.append(key)
+        self._inserted += 1
 
     def restore(self, keys: Iterable[Key]) -> None:
         """Restored blocks (oldest use first) are not one request's chain: each is a run of its own."""
@@ -248,13 +247,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def touch(self, key: Key) -> None:
         run = self._run
-        if self._writes or key in run:
+        if self._inserted or key in run:
             self._end_run()
         if key not in self._probation and key not in self._protected:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
-        self._reads.append(key)
-        if not _stable_hash(key) & self._mask:
+        if not (key[0] if key.__class__ is bytes else hash(key)) & self._mask:  # _stable_hash, inlined
             self._sampled.append(key)
 
     def remove(self, key: Key) -> None:
@@ -263,7 +261,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             del self._protected[key]
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        if self._writes:  # pending inserts are tracked, so they must be evictable
+        if self._inserted:  # pending inserts are tracked, so they must be evictable
             self._end_run()
         victims: list[Key] = []
         for segment in (self._probation, self._protected):  # oldest first; protected keys keep their place
@@ -286,7 +284,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         return victims
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected) + len(self._writes)
+        return len(self._probation) + len(self._protected) + self._inserted
 
     def __contains__(self, key: object) -> bool:
         return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[arg-type]
@@ -310,18 +308,17 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if not run:
             return
         probation, protected = self._probation, self._protected
-        reads, writes = self._reads, self._writes
-        for key in reversed(reads):
-            if key in protected:
+        for key, inserted in reversed(run.items()):
+            if inserted:
+                probation[key] = None
+            elif inserted is None:  # asked, and declined or not stored
+                continue
+            elif key in protected:
                 protected.move_to_end(key)
             elif key in probation:
                 del probation[key]
                 protected[key] = None
             # else: evicted since it was read
-        if len(writes) > 1:
-            probation.update(dict.fromkeys(reversed(writes)))
-        elif writes:
-            probation[writes[0]] = None
         tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
         if tail is not None and not run[tail]:
             tail = None  # the last reference was a read (or a declined block): nothing to queue first
@@ -347,8 +344,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
                 self.filtering = score > 0
             sampled.clear()
         run.clear()
-        reads.clear()
-        writes.clear()
+        self._inserted = 0
 
     def _watch(self, sampled: list[Key], tail: Key | None) -> None:
         """Count the sampled keys referenced again since they were inserted (per kind: run tail or
