@@ -212,7 +212,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._inserted or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        if not (key[0] if key.__class__ is bytes else hash(key)) & self._mask:  # _stable_hash, inlined
+        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # _stable_hash, inlined
             self._sampled.append(key)
         if not self.filtering:
             return True
@@ -252,7 +252,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if key not in self._probation and key not in self._protected:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
-        if not (key[0] if key.__class__ is bytes else hash(key)) & self._mask:  # _stable_hash, inlined
+        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # _stable_hash, inlined
             self._sampled.append(key)
 
     def remove(self, key: Key) -> None:
