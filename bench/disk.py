@@ -66,7 +66,7 @@ The last line printed is one JSON object; ``ratio`` is the smallest of the kvtie
 ratios (paired medians) for 2 MiB blocks (fresh store, reused store, load), ``small_ratio`` the
 same for 64 KiB blocks.
 
-Run: ``.venv/bin/python bench/disk.py [--dir PATH] [--repeat 3] [--io-threads 4]``
+Run: ``.venv/bin/python bench/disk.py [--dir PATH] [--repeat 3] [--io-threads 8]``
 """
 
 from __future__ import annotations
@@ -618,7 +618,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "removed afterwards (default: a temporary folder under /tmp)")
     p.add_argument("--repeat", type=int, default=3,
                    help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)")
-    p.add_argument("--io-threads", type=int, default=4, help="DiskBackend I/O threads (default 4, its default)")
+    p.add_argument("--io-threads", type=int, default=8, help="DiskBackend I/O threads (default 8, its default)")
     p.add_argument("--large-mib", type=int, default=512, help="bytes per measurement for 2 MiB blocks (default 512)")
     p.add_argument("--small-mib", type=int, default=256, help="bytes per measurement for 64 KiB blocks (default 256)")
     p.add_argument("--compress-mib", type=int, default=8, help="bf16 bytes for the compression section (default 8)")

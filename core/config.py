@@ -132,7 +132,7 @@ class TransferConfig(_Model):
     """The transfer backend's knobs; ``threads`` is the CPU backend's copy pool size."""
 
     threads: int = Field(2, ge=1)
-    io_threads: int = Field(4, ge=1)  # positioned reads and writes in flight at once, for disk tiers
+    io_threads: int = Field(8, ge=1)  # positioned reads and writes in flight at once, for disk tiers
     cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (transfers/cuda.py)
 
 

@@ -84,7 +84,7 @@ class DiskBackend(TransferBackend):
     name = "disk"
     pairs = frozenset({("cpu", "file"), ("file", "cpu")})
 
-    def __init__(self, io_threads: int = 4) -> None:
+    def __init__(self, io_threads: int = 8) -> None:
         if io_threads < 1:
             raise ValueError("the disk backend needs at least one I/O thread")
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk-io", initializer=mark_kvtier_thread)
