@@ -38,6 +38,10 @@ KiB is as fast as taking whole 16-64 KiB fragments. Where the scattered side's f
 start a multiple of this apart (tensors allocated at unrelated addresses), a byte-granular view is
 used instead (see ``_Run``)."""
 
+MIN_ROW_BYTES = 512
+"""Copies whose sizes share no power of two this large are all copied in the loop: the index of a
+run's rows would take an entry per few bytes (a layout of odd-sized fragments)."""
+
 _memmove_holding_gil = ctypes.PyDLL(None).memmove  # a PyDLL function keeps the GIL during the call
 _memmove_holding_gil.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memmove_holding_gil.restype = ctypes.c_void_p
@@ -127,7 +131,7 @@ class CPUBackend(TransferBackend):
         """The copy loop; a subclass may override it to inject faults in tests."""
         src, dst, size = copies.src[lo:hi], copies.dst[lo:hi], copies.size[lo:hi]
         for run in _runs(src, dst, size):
-            if run.nbytes >= GIL_HELD_BELOW_BYTES:
+            if run.table is not None:
                 run.copy()
                 continue
             for s, d, n in zip(src[run.lo:run.hi].tolist(), dst[run.lo:run.hi].tolist(), size[run.lo:run.hi].tolist(),
@@ -158,17 +162,19 @@ class _Run:
     nbytes: int
     gather: bool
     contiguous_address: int
-    table: np.ndarray
+    table: np.ndarray | None  # None: copied copy by copy (shorter than GIL_HELD_BELOW_BYTES, or no row fits)
     index: np.ndarray
 
     def copy(self) -> None:
-        contiguous = _memory(self.contiguous_address, self.nbytes).reshape(-1, self.table.shape[1])
+        table = self.table
+        assert table is not None, "a run without a table is copied copy by copy"
+        contiguous = _memory(self.contiguous_address, self.nbytes).reshape(-1, table.shape[1])
         if not self.gather:
-            self.table[self.index] = contiguous
-        elif self.table.flags.c_contiguous:
-            np.take(self.table, self.index, axis=0, out=contiguous, mode="wrap")  # "raise" would buffer ``out``
+            table[self.index] = contiguous
+        elif table.flags.c_contiguous:
+            np.take(table, self.index, axis=0, out=contiguous, mode="wrap")  # "raise" would buffer ``out``
         else:
-            contiguous[...] = self.table[self.index]
+            contiguous[...] = table[self.index]
 
 
 def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
@@ -183,13 +189,15 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     starts = np.concatenate(([0], breaks))
     ends = np.cumsum(size)
     run_bytes = np.diff(np.concatenate(([0], ends[breaks - 1], [ends[-1]])))
-    if int(run_bytes.max()) < GIL_HELD_BELOW_BYTES:  # every run is copied in the Python loop: no table
-        return [_Run(int(a), int(b), int(n), gather, 0, _NO_TABLE, _NO_INDEX)
-                for a, b, n in zip(starts, [*breaks, len(size)], run_bytes, strict=True)]
+    stops = [*breaks.tolist(), len(size)]
+    native = run_bytes >= GIL_HELD_BELOW_BYTES
+    row = _lowest_bit(size)  # every copy is a whole number of rows
+    if not native.any() or row < MIN_ROW_BYTES:  # the loop copies every run
+        return [_Run(int(a), b, int(n), gather, 0, None, _NO_INDEX) for a, b, n in zip(starts, stops, run_bytes,
+                                                                                       strict=True)]
     base = int(scattered.min())
     offsets = scattered - base
     span = int((offsets + size).max())
-    row = _lowest_bit(size)  # every copy is a whole number of rows
     step = min(_lowest_bit(offsets) or row, row)  # offsets all 0: every copy starts at row 0
     if step >= min(row, TABLE_ROW_BYTES):
         row = step
@@ -201,8 +209,9 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     firsts = np.cumsum(counts) - counts  # where each copy's rows start in ``index``
     within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # a row's place in its copy
     index = np.repeat(offsets // step, counts) + within * (row // step)
-    return [_Run(int(a), int(b), int(n), gather, int(contiguous[a]), table, index[firsts[a]:firsts[a] + n // row])
-            for a, b, n in zip(starts, [*breaks, len(size)], run_bytes, strict=True)]
+    return [_Run(int(a), b, int(n), gather, int(contiguous[a]), table if big else None,
+                 index[firsts[a]:firsts[a] + n // row]) for a, b, n, big in zip(starts, stops, run_bytes, native,
+                                                                               strict=True)]
 
 
 def _lowest_bit(values: np.ndarray) -> int:
@@ -223,5 +232,4 @@ def _memory(address: int, nbytes: int) -> np.ndarray:
     return np.asarray(_Address(address, nbytes))
 
 
-_NO_TABLE = np.empty((0, 1), dtype=np.uint8)
 _NO_INDEX = np.empty(0, dtype=np.intp)

@@ -8,7 +8,8 @@ Invariants checked:
   byte-granular table), with 1 and 3 threads; both table kinds and both directions are taken;
 - consecutive slots on both sides (copies merged across blocks, of several sizes) copy bit-exact;
 - a host side lying inside the address range of the scattered side's table copies bit-exact;
-- a job mixing runs above and below the size copies every block, the small ones in the loop.
+- a job mixing runs above and below the size copies every block, the small ones in the loop;
+- blocks of odd-sized fragments (no row of ``MIN_ROW_BYTES`` divides them) copy bit-exact in the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer
 from kvtier.transfers import cpu
-from kvtier.transfers.cpu import GIL_HELD_BELOW_BYTES, CPUBackend
+from kvtier.transfers.cpu import GIL_HELD_BELOW_BYTES, MIN_ROW_BYTES, CPUBackend
 
 FRAGMENT = 32 * 1024
 LAYOUT = BlockLayout.per_layer(4, FRAGMENT, kv_split=True)  # 8 fragments: a 256 KiB block
@@ -135,3 +136,17 @@ def test_runs_above_and_below_the_size_in_one_job(backend, rng, run_transfer, ru
         assert np.array_equal(dst[d], src[s])
     assert not dst[[1, 38, 39]].any()
     assert sum(runs_taken.values()) == 36 * small.block_bytes  # the merged copy; the lone small block is not
+
+
+def test_odd_sized_fragments_copy_in_the_loop(backend, rng, run_transfer, runs_taken):
+    odd = BlockLayout.per_layer(4, 40 * 1024 + 8, kv_split=True)  # 8 fragments: a 320 KiB block
+    assert odd.block_bytes >= GIL_HELD_BELOW_BYTES and (40 * 1024 + 8) % MIN_ROW_BYTES
+    src = rng.integers(0, 256, (8, odd.block_bytes), dtype=np.uint8)
+    dst = np.zeros((8, odd.block_bytes), np.uint8)
+    flat = BlockLayout.contiguous(odd.block_bytes)
+    assert run_transfer(backend, Transfer(buffer_storage(src, odd), [6, 1, 3], buffer_storage(dst, flat, True),
+                                          [0, 5, 7])) == set()
+    for s, d in zip([6, 1, 3], [0, 5, 7], strict=True):
+        assert np.array_equal(dst[d], src[s])
+    assert not dst[[1, 2, 3, 4, 6]].any()
+    assert not runs_taken
