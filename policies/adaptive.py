@@ -71,12 +71,6 @@ from kvtier.policies.base import EvictionPolicy, Key
 K = TypeVar("K", bound=Hashable)
 
 
-def _stable_hash(key: Hashable) -> int:
-    """What picks the sampled keys: the first byte of a ``bytes`` key (a tier's keys are digests, so
-    it is uniform), else ``hash``. Python salts ``hash`` of bytes per process, which would make a
-    tier's admission decisions differ from run to run on the same traffic."""
-    return key[0] if isinstance(key, bytes) else hash(key)
-
 
 class _History(Generic[K]):
     """Keys seen recently but not stored: two generations of sets, the older dropped whole when the
@@ -174,7 +168,11 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._learned = 0
         self._sized = 0  # the capacity the history, the segment and the miniatures are sized for
         self._sample_every = sample_every
-        self._mask = sample_every - 1  # a key is sampled when its hash is a multiple of sample_every
+        # A key is sampled when its first byte (a ``bytes`` key: a tier's keys are digests, so it is
+        # uniform), else its hash, is a multiple of sample_every. Not ``hash`` of bytes: Python salts
+        # it per process, so the same traffic would get different admission decisions in every run.
+        # The test is inlined in touch and admit, which run once per block.
+        self._mask = sample_every - 1
         self._history_factor = history_factor
         self._protected_share = protected_share
         self._limit = score_limit
@@ -212,7 +210,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._inserted or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # _stable_hash, inlined
+        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
             self._sampled.append(key)
         if not self.filtering:
             return True
@@ -252,7 +250,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if key not in self._probation and key not in self._protected:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
-        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # _stable_hash, inlined
+        if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
             self._sampled.append(key)
 
     def remove(self, key: Key) -> None:
