@@ -33,6 +33,11 @@ Reference, measured in the same run
     (``/lib64/ld-linux-x86-64.so.2 --list-tunables``): the 2-thread reference of the 256-block jobs
     copies halves of 256 MiB with non-temporal stores, which no 16-64 KiB fragment copy gets.
 
+    Context, in the same repetitions: the same bytes as fragment-sized rows taken from random places
+    of a 512 MiB array into one contiguous run (``np.take`` by the same threads, no kvtier code
+    between fragments; ``take GB/s``, and kvtier's share of it ``vs take``): what copying scattered
+    fragments of that size gets on this machine at all, whoever copies them.
+
 Why
     Offloading only pays when moving a block costs much less than recomputing it; on a GPU-less
     machine the CPU backend is also what every test and demo runs on. The ratio
@@ -46,7 +51,8 @@ from H to other device blocks B; the host bytes must equal A's fragments laid ou
 B must equal A bit for bit. The script exits non-zero if not.
 
 The last line printed is one JSON object; ``ratio`` is the smallest ratio over every fragment size,
-batch and direction with the backend's threads, ``ratio_one_thread`` the same with one thread.
+batch and direction with the backend's threads, ``ratio_one_thread`` the same with one thread;
+``ratio_vs_take`` and ``ratio_vs_take_one_thread`` the same against the fragment take.
 
 Run: ``.venv/bin/python bench/host_copy.py [--threads 2] [--blocks 64,256] [--repeat 5]``
 """
@@ -151,6 +157,28 @@ class Reference:
                 future.result()
         return time.perf_counter() - start
 
+    def fragment_seconds(self, nbytes: int, fragment: int, rng: np.random.Generator) -> float:
+        """The same bytes as rows of ``fragment`` bytes taken from random places in the source into one
+        contiguous run (``np.take``, which releases the GIL), split over the threads: what copying
+        fragments of that size gets here with no kvtier code between them (the per-fragment ceiling)."""
+        table = self.src[:self.src.size // fragment * fragment].reshape(-1, fragment)
+        count = nbytes // fragment
+        index = rng.permutation(len(table))[:count]
+        out = self.dst[:count * fragment].reshape(count, fragment)
+        cuts = [count * i // self.threads for i in range(self.threads + 1)]
+        parts = [(index[a:b], out[a:b]) for a, b in itertools.pairwise(cuts)]
+
+        def take(part: tuple[np.ndarray, np.ndarray]) -> None:
+            np.take(table, part[0], axis=0, out=part[1], mode="wrap")  # "raise" would buffer ``out``
+
+        start = time.perf_counter()
+        if self._pool is None:
+            take(parts[0])
+        else:
+            for future in [self._pool.submit(take, part) for part in parts]:
+                future.result()
+        return time.perf_counter() - start
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -247,7 +275,7 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
             run_transfer(backend, store(n))
             run_transfer(backend, load(n))
             reference.seconds(nbytes)
-            best = {"store": float("inf"), "load": float("inf"), "ref": float("inf")}
+            best = {"store": float("inf"), "load": float("inf"), "ref": float("inf"), "take": float("inf")}
             copies = {}
             for _ in range(repeat):
                 for direction, make in (("store", store), ("load", load)):
@@ -255,7 +283,9 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
                     copies[direction] = len(transfer.copies().size)
                     best[direction] = min(best[direction], run_transfer(backend, transfer))
                     best["ref"] = min(best["ref"], reference.seconds(nbytes))
+                    best["take"] = min(best["take"], reference.fragment_seconds(nbytes, variant.fragment_bytes, rng))
             ref_gbps = nbytes / best["ref"] / GB
+            take_gbps = nbytes / best["take"] / GB
             for direction in ("store", "load"):
                 gbps = nbytes / best[direction] / GB
                 rows.append({
@@ -270,6 +300,8 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
                     "gbps": round(gbps, 3),
                     "reference_gbps": round(ref_gbps, 3),
                     "ratio": round(gbps / ref_gbps, 3),
+                    "fragment_take_gbps": round(take_gbps, 3),
+                    "ratio_vs_take": round(gbps / take_gbps, 3),
                 })
         return rows
     finally:
@@ -279,10 +311,11 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
 
 
 def print_table(rows: list[dict], threads: int, reference_note: str) -> None:
-    header = ("fragment", "layout", "dir", "blocks", "MiB", "memmoves", "kvtier GB/s", "memcpy GB/s", "ratio")
+    header = ("fragment", "layout", "dir", "blocks", "MiB", "memmoves", "kvtier GB/s", "memcpy GB/s", "ratio",
+              "take GB/s", "vs take")
     lines = [(f"{r['fragment_bytes'] // 1024} KiB", r["layout"], r["direction"], str(r["blocks"]),
               str(r["bytes"] // MiB), str(r["memmoves"]), f"{r['gbps']:.2f}", f"{r['reference_gbps']:.2f}",
-              f"{r['ratio']:.2f}") for r in rows]
+              f"{r['ratio']:.2f}", f"{r['fragment_take_gbps']:.2f}", f"{r['ratio_vs_take']:.2f}") for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(f"kvtier CPUBackend(threads={threads}) gather/scatter vs {reference_note}")
@@ -341,11 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     runtime = time.perf_counter() - started
     print(f"total runtime {runtime:.1f} s; verified bit-exact for every variant")
     worst = {t: min(r["ratio"] for r in rows if r["threads"] == t) for t in {r["threads"] for r in rows}}
+    worst_take = {t: min(r["ratio_vs_take"] for r in rows if r["threads"] == t) for t in worst}
     print(json.dumps({
         "bench": "host_copy",
         "ratio": worst[args.threads],
         "ratio_one_thread": worst[1],
+        "ratio_vs_take": worst_take[args.threads],
+        "ratio_vs_take_one_thread": worst_take[1],
         "reference": "np.copyto of the same bytes, contiguous, split over as many threads as the backend has",
+        "take_reference": "np.take of the same bytes as random fragment-sized rows into one contiguous run, "
+                          "same threads",
         "threads": args.threads,
         "blocks": args.blocks,
         "repeat": args.repeat,
