@@ -34,9 +34,9 @@ Reference, measured in the same run
     copies halves of 256 MiB with non-temporal stores, which no 16-64 KiB fragment copy gets.
 
     Context, in the same repetitions: the same bytes as fragment-sized rows taken from random places
-    of a 512 MiB array into one contiguous run (``np.take`` by the same threads, no kvtier code
-    between fragments; ``take GB/s``, and kvtier's share of it ``vs take``): what copying scattered
-    fragments of that size gets on this machine at all, whoever copies them.
+    of the reference's source array (512 MiB by default) into one contiguous run (``np.take`` by the
+    same threads, no kvtier code between fragments; ``take GB/s``, and kvtier's share of it ``vs
+    take``): what copying scattered fragments of that size gets on this machine at all.
 
 Why
     Offloading only pays when moving a block costs much less than recomputing it; on a GPU-less
@@ -66,6 +66,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -139,23 +140,15 @@ def run_transfer(backend: CPUBackend, transfer: Transfer, timeout: float = 120.0
 
 
 class Reference:
-    """One contiguous copy of ``nbytes`` split into ``threads`` equal parts copied at once (``np.copyto``
-    releases the GIL), so the backend's threads are compared with as many threads copying plainly."""
+    """Plain copies by as many threads as the backend has, each cut into equal parts copied at once (both
+    ``np.copyto`` and ``np.take`` release the GIL): a contiguous copy, and a take of scattered fragments."""
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, threads: int) -> None:
         self.src, self.dst, self.threads = src, dst, threads
         self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
 
     def seconds(self, nbytes: int) -> float:
-        cuts = [nbytes * i // self.threads for i in range(self.threads + 1)]
-        parts = [(self.dst[a:b], self.src[a:b]) for a, b in itertools.pairwise(cuts)]
-        start = time.perf_counter()
-        if self._pool is None:
-            np.copyto(*parts[0])
-        else:
-            for future in [self._pool.submit(np.copyto, *part) for part in parts]:
-                future.result()
-        return time.perf_counter() - start
+        return self._timed(nbytes, lambda a, b: np.copyto(self.dst[a:b], self.src[a:b]))
 
     def fragment_seconds(self, nbytes: int, fragment: int, rng: np.random.Generator) -> float:
         """The same bytes as rows of ``fragment`` bytes taken from random places in the source into one
@@ -165,17 +158,17 @@ class Reference:
         count = nbytes // fragment
         index = rng.permutation(len(table))[:count]
         out = self.dst[:count * fragment].reshape(count, fragment)
+        # mode "raise" would buffer ``out``
+        return self._timed(count, lambda a, b: np.take(table, index[a:b], axis=0, out=out[a:b], mode="wrap"))
+
+    def _timed(self, count: int, copy: Callable[[int, int], object]) -> float:
+        """Seconds to run ``copy(a, b)`` over ``count`` items cut into one equal part per thread, at once."""
         cuts = [count * i // self.threads for i in range(self.threads + 1)]
-        parts = [(index[a:b], out[a:b]) for a, b in itertools.pairwise(cuts)]
-
-        def take(part: tuple[np.ndarray, np.ndarray]) -> None:
-            np.take(table, part[0], axis=0, out=part[1], mode="wrap")  # "raise" would buffer ``out``
-
         start = time.perf_counter()
         if self._pool is None:
-            take(parts[0])
+            copy(0, count)
         else:
-            for future in [self._pool.submit(take, part) for part in parts]:
+            for future in [self._pool.submit(copy, a, b) for a, b in itertools.pairwise(cuts)]:
                 future.result()
         return time.perf_counter() - start
 
@@ -191,8 +184,8 @@ def make_device(variant: Variant, num_blocks: int, seed: int) -> list[torch.Tens
     gen = torch.Generator().manual_seed(seed)
     tensors = []
     for _ in range(NUM_LAYERS):
-        per_kv = (BLOCK_TOKENS, variant.kv_heads, HEAD_DIM)
-        t = torch.empty((2, num_blocks, *per_kv) if variant.kv_split else (num_blocks, 2, *per_kv), dtype=DTYPE)
+        shape = (2, num_blocks, *variant.fragment_shape) if variant.kv_split else (num_blocks, *variant.fragment_shape)
+        t = torch.empty(shape, dtype=DTYPE)
         t.view(torch.int16).random_(generator=gen)  # raw bits; compared as integers, so NaN patterns are fine
         tensors.extend([t[0], t[1]] if variant.kv_split else [t])
     return tensors
