@@ -15,7 +15,7 @@ import ctypes
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -144,12 +144,11 @@ class CPUBackend(TransferBackend):
         self._pool.shutdown(wait=True)
 
 
-@dataclass(frozen=True)
-class _Run:
+class _Run(NamedTuple):  # a tuple: a job makes one per host slot, and a frozen dataclass is slow to build
     """Copies ``lo:hi`` of a part that are back to back on one side: the destination for a gather
     (``gather``), the source otherwise. That side is ``nbytes`` from ``contiguous_address``.
 
-    The scattered side is ``table``, an array of equal rows over its whole address range, and ``index``
+    The scattered side is ``table``, an array of equal rows over its whole address range, and ``rows``
     lists the rows the run reads or writes, in order, so the run is one NumPy call that copies row by
     row in C and releases the GIL once, instead of one Python-level call per copy: an assignment into
     the table for a scatter; for a gather, ``np.take`` into the contiguous side, when the table is
@@ -163,18 +162,18 @@ class _Run:
     gather: bool
     contiguous_address: int
     table: np.ndarray | None  # None: copied copy by copy (shorter than GIL_HELD_BELOW_BYTES, or no row fits)
-    index: np.ndarray
+    rows: np.ndarray
 
     def copy(self) -> None:
         table = self.table
         assert table is not None, "a run without a table is copied copy by copy"
         contiguous = _memory(self.contiguous_address, self.nbytes).reshape(-1, table.shape[1])
         if not self.gather:
-            table[self.index] = contiguous
+            table[self.rows] = contiguous
         elif table.flags.c_contiguous:
-            np.take(table, self.index, axis=0, out=contiguous, mode="wrap")  # "raise" would buffer ``out``
+            np.take(table, self.rows, axis=0, out=contiguous, mode="wrap")  # "raise" would buffer ``out``
         else:
-            contiguous[...] = table[self.index]
+            contiguous[...] = table[self.rows]
 
 
 def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
@@ -193,8 +192,8 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     native = run_bytes >= GIL_HELD_BELOW_BYTES
     row = _lowest_bit(size)  # every copy is a whole number of rows
     if not native.any() or row < MIN_ROW_BYTES:  # the loop copies every run
-        return [_Run(int(a), b, int(n), gather, 0, None, _NO_INDEX) for a, b, n in zip(starts, stops, run_bytes,
-                                                                                       strict=True)]
+        return [_Run(a, b, n, gather, 0, None, _NO_INDEX) for a, b, n in zip(starts.tolist(), stops, run_bytes.tolist(),
+                                                                             strict=True)]
     base = int(scattered.min())
     offsets = scattered - base
     span = int((offsets + size).max())
@@ -209,9 +208,9 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     firsts = np.cumsum(counts) - counts  # where each copy's rows start in ``index``
     within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # a row's place in its copy
     index = np.repeat(offsets // step, counts) + within * (row // step)
-    return [_Run(int(a), b, int(n), gather, int(contiguous[a]), table if big else None,
-                 index[firsts[a]:firsts[a] + n // row]) for a, b, n, big in zip(starts, stops, run_bytes, native,
-                                                                               strict=True)]
+    return [_Run(a, b, n, gather, address, table if big else None, index[first:first + n // row])
+            for a, b, n, big, address, first in zip(starts.tolist(), stops, run_bytes.tolist(), native.tolist(),
+                                                    contiguous[starts].tolist(), firsts[starts].tolist(), strict=True)]
 
 
 def _lowest_bit(values: np.ndarray) -> int:
