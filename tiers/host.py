@@ -59,14 +59,18 @@ class HostSlab:
         refuse_more_than_memory(self.nbytes)
         self._shared_path: str | None = None
         if shared is None:
-            self._map = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous maps are page-aligned
+            # Private: Python's default anonymous map is shared, i.e. shmem, which gets huge pages only
+            # where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them ("never" by default).
+            # Anonymous maps are page-aligned.
+            self._map = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             offset = 0
         else:
             self._map, self._shared_path = _map_shared(shared, PAGE + self.nbytes)
             offset = PAGE  # the first page counts the ranks that arrived
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            # Before first touch: 2 MiB pages mean fewer TLB misses for copies and far fewer pieces in
-            # an O_DIRECT request (the disk tier's reads ran 2.1 -> 2.7 GB/s into such memory here).
+            # Before first touch: 2 MiB pages mean far fewer pages to pin for an O_DIRECT request
+            # (bench/disk.py here: loads of 2 MiB blocks 1.5 -> 2.4 GB/s, of 64 KiB blocks 0.95 -> 1.9).
+            # A shared slab is shmem, which gets them only where shmem_enabled allows.
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.address = self.array.ctypes.data
