@@ -41,7 +41,7 @@ from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.compression import Codec, CorruptPayload
-from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader
+from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader, pack_slot_header
 
 
 @dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build
@@ -175,7 +175,7 @@ class DiskBackend(TransferBackend):
         the checksums of several runs then proceed in parallel), then all of them written in one call;
         when that fails, block by block, to find the ones the fault hits (and zero their headers)."""
         views = [b.views() for b in run]
-        pages = [self._header_page(slab, b, _checksum(v), b.nbytes) for b, v in zip(run, views, strict=True)]
+        pages = self._header_pages(slab, run, [_checksum(v) for v in views], [b.nbytes for b in run])
         if len(run) > 1:
             try:
                 self._write_slots(slab, run[0].file_offset - PAGE, list(zip(pages, views, strict=True)))
@@ -206,16 +206,23 @@ class DiskBackend(TransferBackend):
         bounce[:len(payload)] = payload
         bounce[len(payload):padded] = bytes(padded - len(payload))
         try:
-            self._write_slots(slab, b.file_offset - PAGE, [(self._header_page(slab, b, checksum, len(payload)),
-                                                            [memoryview(bounce)[:padded]])])
+            page = self._header_pages(slab, [b], [checksum], [len(payload)])[0]
+            self._write_slots(slab, b.file_offset - PAGE, [(page, [memoryview(bounce)[:padded]])])
             return set()
         except OSError:
             self._clear_headers(slab, [b])
             return {b.index}
 
-    def _header_page(self, slab: DiskSlab, b: _BlockIO, checksum: int, payload: int) -> bytes:
-        return SlotHeader(b.key, slab.namespace, b.nbytes, checksum, self._next_sequence(slab), payload,
-                          slab.codec_id).pack()
+    def _header_pages(self, slab: DiskSlab, blocks: list[_BlockIO], checksums: list[int],
+                      payloads: list[int]) -> list[memoryview]:
+        """The blocks' header pages, built in place in one buffer, with consecutive sequence numbers."""
+        buffer = bytearray(len(blocks) * PAGE)
+        first = self._next_sequences(slab, len(blocks))
+        for i, (b, checksum, payload) in enumerate(zip(blocks, checksums, payloads, strict=True)):
+            pack_slot_header(buffer, i * PAGE, b.key, slab.namespace, b.nbytes, checksum, first + i, payload,
+                             slab.codec_id)
+        view = memoryview(buffer)
+        return [view[i * PAGE:(i + 1) * PAGE] for i in range(len(blocks))]
 
     @staticmethod
     def _refuse_long_keys(slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
@@ -227,7 +234,7 @@ class DiskBackend(TransferBackend):
             slab.refuse([b.key for b in long])
         return {b.index for b in long}
 
-    def _write_block(self, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> None:
+    def _write_block(self, slab: DiskSlab, b: _BlockIO, page: memoryview, views: list[memoryview]) -> None:
         if slab.direct_fd is not None and not b.aligned:  # O_DIRECT needs aligned memory: bounce
             padded = round_up_to_page(b.nbytes)
             bounce = self._scratch("write", padded)
@@ -238,7 +245,7 @@ class DiskBackend(TransferBackend):
             views = [memoryview(bounce)[:padded]]
         self._write_slots(slab, b.file_offset - PAGE, [(page, views)])
 
-    def _write_slots(self, slab: DiskSlab, offset: int, slots: list[tuple[bytes, list]]) -> None:
+    def _write_slots(self, slab: DiskSlab, offset: int, slots: list[tuple[memoryview, list]]) -> None:
         """Consecutive slots from file ``offset``, each a header page and the buffers of its bytes.
 
         With O_DIRECT they go in one call: the kernel finishes a direct write it has started even when
@@ -376,10 +383,11 @@ class DiskBackend(TransferBackend):
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _next_sequence(self, slab: DiskSlab) -> int:
+    def _next_sequences(self, slab: DiskSlab, n: int) -> int:
+        """The first of ``n`` new sequence numbers of ``slab``, one after the other."""
         with self._sequence_lock:
-            slab.sequence += 1
-            return slab.sequence
+            slab.sequence += n
+            return slab.sequence - n + 1
 
     def _scratch(self, name: str, size: int) -> mmap.mmap:
         """This thread's page-aligned scratch buffer ``name``, exactly ``size`` bytes (a multiple of PAGE)."""
