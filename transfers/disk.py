@@ -171,9 +171,9 @@ class DiskBackend(TransferBackend):
         return failed.union(*(f.result() for f in futures))
 
     def _store_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
-        """Blocks in consecutive slots: every header made from its block's bytes (on this I/O thread:
-        the checksums of several runs then proceed in parallel), then all of them written in one call;
-        when that fails, block by block, to find the ones the fault hits (and zero their headers)."""
+        """Blocks in consecutive slots: every header made from its block's bytes (on this I/O thread,
+        while the others write), then all of them written in one call; when that fails, block by
+        block, to find the ones the fault hits (and zero their headers)."""
         views = [b.views() for b in run]
         pages = self._header_pages(slab, run, [_checksum(v) for v in views], [b.nbytes for b in run])
         if len(run) > 1:
@@ -413,9 +413,9 @@ _RUN_BYTES = 2 << 20
 """A run holds the consecutive slots that fill this much: measured, runs of 64 KiB slots gained nothing
 from 8 or 16 MiB (stores into fresh slots lost), and larger runs spread a job over fewer threads."""
 _RUN_SLOTS = 8
-"""...or this many slots, where fewer fill ``_RUN_BYTES``, while the job still gives every I/O thread a
-run: 2 MiB blocks, one call each before, stored and loaded 3-5% faster in runs of 7-8 (bench/disk.py,
-five pairs of runs)."""
+"""Where fewer slots than this fill ``_RUN_BYTES``, a run holds up to this many, as long as the job still
+gives every I/O thread a run: 2 MiB blocks, a call each before, stored and loaded 3-5% faster in runs
+of 7-8 (bench/disk.py, five pairs of runs)."""
 
 
 def _max_run(slab: DiskSlab) -> int:
@@ -427,8 +427,9 @@ def _runs(slab: DiskSlab, blocks: list[_BlockIO], threads: int) -> list[list[_Bl
     """Group blocks that sit in consecutive slots into runs that one vectored call can move.
 
     A block joins a run only when it fills its slot exactly (no padding to skip) and, with O_DIRECT,
-    its memory is aligned; others travel alone (and may need a bounce buffer). A run is at most
-    ``_RUN_BYTES`` of slots, or ``_RUN_SLOTS`` where the job has ``threads`` such runs or more.
+    its memory is aligned; others travel alone (and may need a bounce buffer). A run holds the slots
+    that fill ``_RUN_BYTES``, or more, up to ``_RUN_SLOTS``, while the job still makes a run for each
+    of the ``threads``.
     """
     limit = max(1, _RUN_BYTES // slab.slot_stride, min(_RUN_SLOTS, -(-len(blocks) // threads)))
     runs: list[list[_BlockIO]] = []
