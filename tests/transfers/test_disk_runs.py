@@ -49,20 +49,7 @@ class CountingDiskBackend(DiskBackend):
         return super()._preadv(fd, buffers, offset)
 
 
-def run(backend: DiskBackend, transfer: Transfer) -> set[int]:
-    """The blocks a transfer reports failed, once it completes."""
-    done, failed = threading.Event(), set()
-
-    def on_complete(lost: set[int]) -> None:
-        failed.update(lost)
-        done.set()
-
-    backend.submit(transfer, on_complete)
-    assert done.wait(30)
-    return failed
-
-
-def round_trip(tmp_path, block: int, blocks: int, rng) -> CountingDiskBackend:
+def round_trip(tmp_path, block: int, blocks: int, rng, run_transfer) -> CountingDiskBackend:
     """Store ``blocks`` random blocks into consecutive slots and load them back; returns the backend."""
     layout = BlockLayout((block,))
     src, dst = HostSlab(blocks, layout), HostSlab(blocks, layout)
@@ -75,7 +62,7 @@ def round_trip(tmp_path, block: int, blocks: int, rng) -> CountingDiskBackend:
         slots = list(range(blocks))
         for transfer in (Transfer(src.storage, slots, storage, slots, keys),
                          Transfer(storage, slots, dst.storage, slots, keys)):
-            assert run(backend, transfer) == set()
+            assert run_transfer(backend, transfer) == set()
         assert np.array_equal(src.array, dst.array)
         return backend
     finally:
@@ -85,16 +72,17 @@ def round_trip(tmp_path, block: int, blocks: int, rng) -> CountingDiskBackend:
         dst.close()
 
 
-def test_small_slots_go_in_runs_of_two_mebibytes(tmp_path, rng):
+def test_small_slots_go_in_runs_of_two_mebibytes(tmp_path, rng, run_transfer):
     block = 64 * 1024
     per_run = _RUN_BYTES // (block + PAGE)
-    backend = round_trip(tmp_path, block, 3 * per_run + 5, rng)
+    backend = round_trip(tmp_path, block, 3 * per_run + 5, rng, run_transfer)
     assert sorted(backend.writes) == sorted(backend.reads) == [5, per_run, per_run, per_run]
 
 
 @pytest.mark.parametrize(("blocks", "per_run"), [(THREADS * _RUN_SLOTS * 2, _RUN_SLOTS), (6, 3), (2, 1)])
-def test_large_slots_go_in_runs_of_up_to_eight_while_every_thread_gets_one(tmp_path, rng, blocks, per_run):
+def test_large_slots_go_in_runs_of_up_to_eight_while_every_thread_gets_one(tmp_path, rng, run_transfer, blocks,
+                                                                          per_run):
     block = _RUN_BYTES // 2 + 4 * PAGE  # two such slots are more than _RUN_BYTES
-    backend = round_trip(tmp_path, block, blocks, rng)
+    backend = round_trip(tmp_path, block, blocks, rng, run_transfer)
     expect = [per_run] * (blocks // per_run) + ([blocks % per_run] if blocks % per_run else [])
     assert sorted(backend.writes) == sorted(backend.reads) == sorted(expect)
