@@ -12,9 +12,11 @@ What is measured
 
     Device block ids are scattered, so no two fragments are adjacent on both sides: a block is 32
     fragments for packed K/V, 64 with K and V split (the ``memmoves`` column), and each host slot is
-    one run the backend copies in one NumPy call. Layer tensors this large are mmapped, so their
-    fragments lie a whole number of pages apart and the backend takes them in rows of 4 KiB; tensors
-    at unrelated addresses would take its byte-granular path (``transfers/cpu.py``). The time covers
+    one run the backend copies in one NumPy call. Layer tensors this large are mostly mmapped, so
+    their fragments lie a whole number of pages apart and the backend takes them in rows of 4 KiB;
+    now and then glibc serves one from its heap, at another offset within a page (and the host slab
+    may be mapped between the two): the backend then gives it a table of its own and copies its two
+    fragments per slot in the loop (``transfers/cpu.py``, ``_regions``). The time covers
     the whole job as a caller sees it: ``submit`` (slot -> address translation, copy-list
     compilation, the split over threads) until ``on_complete`` has run. The device tensors are CPU
     tensors standing in for a GPU, so this is a measure of the copy machinery and of memory

@@ -38,6 +38,11 @@ KiB is as fast as taking whole 16-64 KiB fragments. Where the scattered side's f
 start a multiple of this apart (tensors allocated at unrelated addresses), a byte-granular view is
 used instead (see ``_Run``)."""
 
+ALIGNED_SHARE = 0.9
+"""Fragments are grouped by start modulo the row (so their tables are C-contiguous) unless that
+would leave less than this share of the bytes of native runs in runs still long enough to copy
+natively; then one byte-granular table is used (see ``_regions``)."""
+
 MIN_ROW_BYTES = 512
 """Copies whose sizes share no power of two this large are all copied in the loop: the index of a
 run's rows would take an entry per few bytes (a layout of odd-sized fragments)."""
@@ -148,7 +153,7 @@ class _Run(NamedTuple):  # a tuple: a job makes one per host slot, and a frozen 
     """Copies ``lo:hi`` of a part that are back to back on one side: the destination for a gather
     (``gather``), the source otherwise. That side is ``nbytes`` from ``contiguous_address``.
 
-    The scattered side is ``table``, an array of equal rows over its whole address range, and ``rows``
+    The scattered side is ``table``, an array of equal rows over its region's address range, and ``rows``
     lists the rows the run reads or writes, in order, so the run is one NumPy call that copies row by
     row in C and releases the GIL once, instead of one Python-level call per copy: an assignment into
     the table for a scatter; for a gather, ``np.take`` into the contiguous side, when the table is
@@ -178,39 +183,103 @@ class _Run(NamedTuple):  # a tuple: a job makes one per host slot, and a frozen 
 
 def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     """Cut copies into runs back to back on one side: the destination's (gathers) or the source's
-    (scatters), whichever gives fewer runs; the other side is indexed as ``_Run`` says."""
+    (scatters), whichever gives fewer runs; the other side is indexed as ``_Run`` says, in the table
+    of its region (``_regions``), and a run ends where the region does."""
     if len(size) == 0:
         return []
     dst_breaks = np.flatnonzero(dst[1:] != dst[:-1] + size[:-1]) + 1
     src_breaks = np.flatnonzero(src[1:] != src[:-1] + size[:-1]) + 1
     gather = len(dst_breaks) <= len(src_breaks)
     breaks, contiguous, scattered = (dst_breaks, dst, src) if gather else (src_breaks, src, dst)
-    starts = np.concatenate(([0], breaks))
-    ends = np.cumsum(size)
-    run_bytes = np.diff(np.concatenate(([0], ends[breaks - 1], [ends[-1]])))
-    stops = [*breaks.tolist(), len(size)]
-    native = run_bytes >= GIL_HELD_BELOW_BYTES
     row = _lowest_bit(size)  # every copy is a whole number of rows
+    run_bytes = _run_bytes(breaks, size)
+    native = run_bytes >= GIL_HELD_BELOW_BYTES
     if not native.any() or row < MIN_ROW_BYTES:  # the loop copies every run
-        return [_Run(a, b, n, gather, 0, None, _NO_INDEX) for a, b, n in zip(starts.tolist(), stops, run_bytes.tolist(),
-                                                                             strict=True)]
-    base = int(scattered.min())
-    offsets = scattered - base
-    span = int((offsets + size).max())
+        return _loop_runs(breaks, run_bytes, gather, len(size))
+    region = _regions(scattered, size, contiguous, min(row, TABLE_ROW_BYTES), breaks, run_bytes)
+    if region.any():
+        breaks = np.union1d(breaks, np.flatnonzero(region[1:] != region[:-1]) + 1)
+        run_bytes = _run_bytes(breaks, size)
+        native = run_bytes >= GIL_HELD_BELOW_BYTES
+        if not native.any():
+            return _loop_runs(breaks, run_bytes, gather, len(size))
+    count = int(region.max()) + 1
+    bases = _reduce_by(np.minimum, scattered, region, count)
+    offsets = scattered - bases[region]
+    spans = _reduce_by(np.maximum, offsets + size, region, count)
     step = min(_lowest_bit(offsets) or row, row)  # offsets all 0: every copy starts at row 0
     if step >= min(row, TABLE_ROW_BYTES):
         row = step
-        table = _memory(base, span).reshape(-1, row)
+        tables = [_memory(b, n).reshape(-1, row) for b, n in zip(bases.tolist(), spans.tolist(), strict=True)]
     else:  # a row at every byte: any fragment start is a row
         step = 1
-        table = as_strided(_memory(base, span), shape=(span - row + 1, row), strides=(1, 1))
+        tables = [as_strided(_memory(b, n), shape=(n - row + 1, row), strides=(1, 1))
+                  for b, n in zip(bases.tolist(), spans.tolist(), strict=True)]
     counts = size // row  # rows per copy
     firsts = np.cumsum(counts) - counts  # where each copy's rows start in ``index``
     within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # a row's place in its copy
     index = np.repeat(offsets // step, counts) + within * (row // step)
-    return [_Run(a, b, n, gather, address, table if big else None, index[first:first + n // row])
-            for a, b, n, big, address, first in zip(starts.tolist(), stops, run_bytes.tolist(), native.tolist(),
-                                                    contiguous[starts].tolist(), firsts[starts].tolist(), strict=True)]
+    starts = np.concatenate(([0], breaks)).astype(np.intp)
+    stops = [*breaks.tolist(), len(size)]
+    return [_Run(a, b, n, gather, address, tables[r] if big else None, index[first:first + n // row])
+            for a, b, n, big, address, first, r in zip(starts.tolist(), stops, run_bytes.tolist(), native.tolist(),
+                                                       contiguous[starts].tolist(), firsts[starts].tolist(),
+                                                       region[starts].tolist(), strict=True)]
+
+
+def _regions(scattered: np.ndarray, size: np.ndarray, contiguous: np.ndarray, quantum: int,
+             breaks: np.ndarray, run_bytes: np.ndarray) -> np.ndarray:
+    """Which table each copy's scattered side is indexed in: a region number per copy.
+
+    One table over the whole scattered side would be simplest, but NumPy compares address ranges,
+    not bytes: where the contiguous side lies inside the table's range (a host slab mapped between
+    two layer tensors) ``np.take`` buffers its output and an indexed assignment its input, extra
+    copies that made copies 3x slower (measured). And fragments whose starts are not a whole number
+    of rows apart (layer tensors allocated at unrelated offsets) need the byte-granular table, which
+    a gather reads through a temporary copy. So fragments before the contiguous side's range and
+    after it get tables of their own, and so does each start modulo ``quantum`` (the row such a table
+    would use), which makes every table C-contiguous. A run holds one region, so the second cut also
+    cuts runs: where that would leave less than ``ALIGNED_SHARE`` of the bytes of native runs in runs
+    still long enough (many offsets: every tensor at its own), only the first cut is made."""
+    side = (scattered >= int((contiguous + size).max())).astype(np.intp)  # 1: after the contiguous range
+    offset = scattered & (quantum - 1)  # quantum is a power of two
+    if (offset == offset[0]).all():
+        return _numbered(side)
+    region = _numbered(side + 2 * offset)
+    kept = _run_bytes(np.union1d(breaks, np.flatnonzero(region[1:] != region[:-1]) + 1), size)
+    if kept[kept >= GIL_HELD_BELOW_BYTES].sum() >= ALIGNED_SHARE * run_bytes[run_bytes >= GIL_HELD_BELOW_BYTES].sum():
+        return region
+    return _numbered(side)
+
+
+def _reduce_by(ufunc: np.ufunc, values: np.ndarray, region: np.ndarray, count: int) -> np.ndarray:
+    """``ufunc`` (minimum or maximum) over the ``values`` of each of ``count`` regions."""
+    if count == 1:
+        return ufunc.reduce(values, keepdims=True)
+    limits = np.iinfo(np.int64)
+    out = np.full(count, limits.max if ufunc is np.minimum else limits.min, dtype=np.int64)
+    ufunc.at(out, region, values)
+    return out
+
+
+def _numbered(labels: np.ndarray) -> np.ndarray:
+    """``labels`` renumbered 0, 1, ... in their order."""
+    if (labels == labels[0]).all():
+        return np.zeros(len(labels), dtype=np.intp)
+    return np.unique(labels, return_inverse=True)[1]
+
+
+def _run_bytes(breaks: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Bytes of each run when runs start at 0 and at each of ``breaks``."""
+    ends = np.cumsum(size)
+    return np.diff(np.concatenate(([0], ends[breaks - 1], [ends[-1]])))
+
+
+def _loop_runs(breaks: np.ndarray, run_bytes: np.ndarray, gather: bool, count: int) -> list[_Run]:
+    """The runs of ``count`` copies cut at ``breaks``, all copied copy by copy (no table)."""
+    cuts = breaks.tolist()
+    return [_Run(a, b, n, gather, 0, None, _NO_INDEX)
+            for a, b, n in zip([0, *cuts], [*cuts, count], run_bytes.tolist(), strict=True)]
 
 
 def _lowest_bit(values: np.ndarray) -> int:

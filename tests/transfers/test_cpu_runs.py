@@ -7,7 +7,9 @@ Invariants checked:
   apart (``np.take`` over a C-contiguous table of rows) or at unrelated byte offsets (the
   byte-granular table), with 1 and 3 threads; both table kinds and both directions are taken;
 - consecutive slots on both sides (copies merged across blocks, of several sizes) copy bit-exact;
-- a host side lying inside the address range of the scattered side's table copies bit-exact;
+- a host side lying inside the address range of the scattered side copies bit-exact, through tables
+  whose ranges leave it out (NumPy would copy through a buffer otherwise);
+- fragments of one tensor at an offset of their own leave the others in C-contiguous tables;
 - a job mixing runs above and below the size copies every block, the small ones in the loop;
 - blocks of odd-sized fragments (no row of ``MIN_ROW_BYTES`` divides them) copy bit-exact in the loop.
 """
@@ -31,16 +33,19 @@ assert LAYOUT.block_bytes >= GIL_HELD_BELOW_BYTES
 
 
 class Scattered:
-    """Per-fragment tables in one buffer: fragment f of slot s at ``bases[f] + s * FRAGMENT``. With a
-    ``skew``, fragment f starts ``f * skew`` bytes later, so fragments sit at unrelated offsets."""
+    """Per-fragment tables in one buffer: fragment f of slot s at ``bases[f] + s * FRAGMENT``, the
+    table of fragment f ``shifts[f]`` bytes after a whole number of fragments (unrelated offsets
+    where shifts differ by other than whole pages)."""
 
-    def __init__(self, num_slots: int, skew: int, rng: np.random.Generator) -> None:
-        stride = (num_slots + 1) * FRAGMENT + skew
-        self.buffer = rng.integers(0, 256, LAYOUT.num_fragments * stride, dtype=np.uint8)
-        self.offsets = [f * stride for f in range(LAYOUT.num_fragments)]
+    def __init__(self, num_slots: int, shifts: list[int], rng: np.random.Generator,
+                 layout: BlockLayout = LAYOUT) -> None:
+        assert max(shifts) < FRAGMENT
+        stride = (num_slots + 2) * FRAGMENT  # a whole number of pages
+        self.buffer = rng.integers(0, 256, layout.num_fragments * stride, dtype=np.uint8)
+        self.offsets = [f * stride + shift for f, shift in enumerate(shifts)]
         base = self.buffer.ctypes.data
-        self.storage = StridedStorage(LAYOUT, num_slots, [base + o for o in self.offsets],
-                                      [FRAGMENT] * LAYOUT.num_fragments, keepalive=self.buffer)
+        self.storage = StridedStorage(layout, num_slots, [base + o for o in self.offsets],
+                                      [FRAGMENT] * layout.num_fragments, keepalive=self.buffer)
 
     def block(self, slot: int) -> np.ndarray:
         return np.concatenate([self.buffer[o + slot * FRAGMENT:o + (slot + 1) * FRAGMENT] for o in self.offsets])
@@ -55,12 +60,16 @@ def backend(request):
 
 @pytest.fixture
 def runs_taken(monkeypatch) -> Counter:
-    """Bytes copied by native runs, by (gather, C-contiguous table); the runs still copy."""
+    """Bytes copied by native runs, by (gather, C-contiguous table), and under "overlapping" those of
+    runs whose table's address range holds their contiguous side (NumPy then copies through a
+    buffer); the runs still copy."""
     taken: Counter = Counter()
     copy = cpu._Run.copy
 
     def counted(run) -> None:
         taken[(run.gather, bool(run.table.flags.c_contiguous))] += run.nbytes
+        if np.may_share_memory(run.table, cpu._memory(run.contiguous_address, run.nbytes)):  # compares ranges
+            taken["overlapping"] += run.nbytes
         copy(run)
 
     monkeypatch.setattr(cpu._Run, "copy", counted)
@@ -69,7 +78,8 @@ def runs_taken(monkeypatch) -> Counter:
 
 @pytest.mark.parametrize("skew", [0, 64 + 8], ids=["page-apart", "unrelated-offsets"])
 def test_large_blocks_gather_and_scatter_back_bit_exact(backend, skew, rng, run_transfer, runs_taken):
-    device = Scattered(24, skew, rng)
+    shifts = [f * skew for f in range(LAYOUT.num_fragments)]  # with a skew, every fragment at an offset of its own
+    device = Scattered(24, shifts, rng)
     host = np.zeros((16, LAYOUT.block_bytes), np.uint8)
     host_storage = buffer_storage(host, BlockLayout.contiguous(LAYOUT.block_bytes), writable=True)
     blocks, slots = rng.permutation(24)[:10].tolist(), rng.permutation(16)[:10].tolist()
@@ -78,7 +88,7 @@ def test_large_blocks_gather_and_scatter_back_bit_exact(backend, skew, rng, run_
         assert np.array_equal(host[s], device.block(b))
     assert not host[sorted(set(range(16)) - set(slots))].any()
 
-    back = Scattered(24, skew, rng)
+    back = Scattered(24, shifts, rng)
     before = back.buffer.copy()
     targets = rng.permutation(24)[:10].tolist()
     assert run_transfer(backend, Transfer(host_storage, slots, back.storage, targets)) == set()
@@ -104,23 +114,47 @@ def test_consecutive_slots_merge_and_copy_bit_exact(backend, rng, run_transfer, 
     assert sum(runs_taken.values()) == 6 * LAYOUT.block_bytes
 
 
-def test_a_host_side_inside_the_tables_address_range(backend, rng, run_transfer):
-    """Host slots between two halves of the fragment tables: NumPy sees the ranges overlap and stays exact."""
-    num_slots, half = 6, LAYOUT.num_fragments // 2
+def test_a_host_side_inside_the_fragments_address_range(backend, rng, run_transfer, runs_taken):
+    """Host slots between two halves of the fragment tables: each half gets a table of its own, so no
+    table's range holds the host side (NumPy would copy through a buffer), and bytes are exact."""
+    layout = BlockLayout.per_layer(16, FRAGMENT, kv_split=True)  # 1 MiB blocks: half a block is a native run
+    num_slots, half = 6, layout.num_fragments // 2
     table = num_slots * FRAGMENT
-    buffer = rng.integers(0, 256, LAYOUT.num_fragments * table + 4 * LAYOUT.block_bytes, dtype=np.uint8)
+    buffer = rng.integers(0, 256, layout.num_fragments * table + 4 * layout.block_bytes, dtype=np.uint8)
     host_at = half * table
-    offsets = [f * table if f < half else host_at + 4 * LAYOUT.block_bytes + (f - half) * table
-               for f in range(LAYOUT.num_fragments)]
+    offsets = [f * table if f < half else host_at + 4 * layout.block_bytes + (f - half) * table
+               for f in range(layout.num_fragments)]
     base = buffer.ctypes.data
-    device = StridedStorage(LAYOUT, num_slots, [base + o for o in offsets], [FRAGMENT] * LAYOUT.num_fragments,
+    device = StridedStorage(layout, num_slots, [base + o for o in offsets], [FRAGMENT] * layout.num_fragments,
                             keepalive=buffer)
     expect = {b: np.concatenate([buffer[o + b * FRAGMENT:o + (b + 1) * FRAGMENT] for o in offsets]) for b in (5, 0, 3)}
-    host = buffer[host_at:host_at + 4 * LAYOUT.block_bytes].reshape(4, LAYOUT.block_bytes)
-    host_storage = buffer_storage(host, BlockLayout.contiguous(LAYOUT.block_bytes), writable=True)
+    host = buffer[host_at:host_at + 4 * layout.block_bytes].reshape(4, layout.block_bytes)
+    host_storage = buffer_storage(host, BlockLayout.contiguous(layout.block_bytes), writable=True)
     assert run_transfer(backend, Transfer(device, [5, 0, 3], host_storage, [2, 0, 3])) == set()
     for b, s in zip([5, 0, 3], [2, 0, 3], strict=True):
         assert np.array_equal(host[s], expect[b])
+    assert runs_taken == {(True, True): 3 * layout.block_bytes}  # each slot: two runs of half a block
+
+
+def test_one_layer_at_an_offset_of_its_own_keeps_the_others_in_row_tables(backend, rng, run_transfer, runs_taken):
+    """A 1 MiB block whose last layer's tensor (K and V) sits at an unrelated offset, as when one
+    tensor came from the heap: the other 30 fragments of every slot are still one native run over
+    a C-contiguous table, the odd two go through the loop, and every byte lands."""
+    layout = BlockLayout.per_layer(16, FRAGMENT, kv_split=True)  # 32 fragments
+    shifts = [0] * 30 + [72, 72]
+    device = Scattered(12, shifts, rng, layout)
+    host = np.zeros((6, layout.block_bytes), np.uint8)
+    host_storage = buffer_storage(host, BlockLayout.contiguous(layout.block_bytes), writable=True)
+    blocks, slots = [7, 2, 10, 0], [5, 1, 0, 3]
+    assert run_transfer(backend, Transfer(device.storage, blocks, host_storage, slots)) == set()
+    for b, s in zip(blocks, slots, strict=True):
+        assert np.array_equal(host[s], device.block(b))
+    back = Scattered(12, shifts, rng, layout)
+    assert run_transfer(backend, Transfer(host_storage, slots, back.storage, [1, 11, 4, 6])) == set()
+    for b, t in zip(blocks, [1, 11, 4, 6], strict=True):
+        assert np.array_equal(back.block(t), device.block(b))
+    native = 4 * 30 * FRAGMENT
+    assert runs_taken == {(True, True): native, (False, True): native}
 
 
 def test_runs_above_and_below_the_size_in_one_job(backend, rng, run_transfer, runs_taken):
