@@ -198,7 +198,7 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
         return _loop_runs(breaks, run_bytes, gather, len(size))
     region = _regions(scattered, size, contiguous, min(row, TABLE_ROW_BYTES), breaks, run_bytes)
     if region.any():
-        breaks = np.union1d(breaks, np.flatnonzero(region[1:] != region[:-1]) + 1)
+        breaks = _cut_at_regions(breaks, region)
         run_bytes = _run_bytes(breaks, size)
         native = run_bytes >= GIL_HELD_BELOW_BYTES
         if not native.any():
@@ -246,7 +246,7 @@ def _regions(scattered: np.ndarray, size: np.ndarray, contiguous: np.ndarray, qu
     if (offset == offset[0]).all():
         return _numbered(side)
     region = _numbered(side + 2 * offset)
-    kept = _run_bytes(np.union1d(breaks, np.flatnonzero(region[1:] != region[:-1]) + 1), size)
+    kept = _run_bytes(_cut_at_regions(breaks, region), size)
     if kept[kept >= GIL_HELD_BELOW_BYTES].sum() >= ALIGNED_SHARE * run_bytes[run_bytes >= GIL_HELD_BELOW_BYTES].sum():
         return region
     return _numbered(side)
@@ -267,6 +267,11 @@ def _numbered(labels: np.ndarray) -> np.ndarray:
     if (labels == labels[0]).all():
         return np.zeros(len(labels), dtype=np.intp)
     return np.unique(labels, return_inverse=True)[1]
+
+
+def _cut_at_regions(breaks: np.ndarray, region: np.ndarray) -> np.ndarray:
+    """``breaks`` with a break added wherever the region changes from one copy to the next."""
+    return np.union1d(breaks, np.flatnonzero(region[1:] != region[:-1]) + 1)
 
 
 def _run_bytes(breaks: np.ndarray, size: np.ndarray) -> np.ndarray:
