@@ -164,7 +164,7 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
             settle(llm, params, unrelated)
     result: dict = {"seconds": seconds[1:], "steps": steps[1:]}
     if config is not None:
-        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        side = engine.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
     return result
 
