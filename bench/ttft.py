@@ -341,6 +341,7 @@ def main() -> int:
         "hits": hits,
         "prefix_tokens": args.prefix_blocks * BLOCK, "tail_tokens": TAIL, "prompts": args.prompts, "cpu": cpu_model(),
         "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (see the README)
     }))
     return 0
 
