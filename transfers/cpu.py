@@ -196,13 +196,10 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
     native = run_bytes >= GIL_HELD_BELOW_BYTES
     if not native.any() or row < MIN_ROW_BYTES:  # the loop copies every run
         return _loop_runs(breaks, run_bytes, gather, len(size))
-    region = _regions(scattered, size, contiguous, min(row, TABLE_ROW_BYTES), breaks, run_bytes)
-    if region.any():
-        breaks = _cut_at_regions(breaks, region)
-        run_bytes = _run_bytes(breaks, size)
-        native = run_bytes >= GIL_HELD_BELOW_BYTES
-        if not native.any():
-            return _loop_runs(breaks, run_bytes, gather, len(size))
+    region, breaks, run_bytes = _regions(scattered, size, contiguous, min(row, TABLE_ROW_BYTES), breaks, run_bytes)
+    native = run_bytes >= GIL_HELD_BELOW_BYTES
+    if not native.any():
+        return _loop_runs(breaks, run_bytes, gather, len(size))
     count = int(region.max()) + 1
     bases = _reduce_by(np.minimum, scattered, region, count)
     offsets = scattered - bases[region]
@@ -228,8 +225,9 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
 
 
 def _regions(scattered: np.ndarray, size: np.ndarray, contiguous: np.ndarray, quantum: int,
-             breaks: np.ndarray, run_bytes: np.ndarray) -> np.ndarray:
-    """Which table each copy's scattered side is indexed in: a region number per copy.
+             breaks: np.ndarray, run_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which table each copy's scattered side is indexed in: a region number per copy, with the
+    breaks and byte counts of the runs (``breaks``, ``run_bytes``) cut where the region changes.
 
     One table over the whole scattered side would be simplest, but NumPy compares address ranges,
     not bytes: where the contiguous side lies inside the table's range (a host slab mapped between
@@ -243,13 +241,18 @@ def _regions(scattered: np.ndarray, size: np.ndarray, contiguous: np.ndarray, qu
     still long enough (many offsets: every tensor at its own), only the first cut is made."""
     side = (scattered >= int((contiguous + size).max())).astype(np.intp)  # 1: after the contiguous range
     offset = scattered & (quantum - 1)  # quantum is a power of two
-    if (offset == offset[0]).all():
-        return _numbered(side)
-    region = _numbered(side + 2 * offset)
-    kept = _run_bytes(_cut_at_regions(breaks, region), size)
-    if kept[kept >= GIL_HELD_BELOW_BYTES].sum() >= ALIGNED_SHARE * run_bytes[run_bytes >= GIL_HELD_BELOW_BYTES].sum():
-        return region
-    return _numbered(side)
+    if not (offset == offset[0]).all():
+        region = _numbered(side + 2 * offset)
+        cut = _cut_at_regions(breaks, region)
+        kept = _run_bytes(cut, size)
+        native_bytes = run_bytes[run_bytes >= GIL_HELD_BELOW_BYTES].sum()
+        if kept[kept >= GIL_HELD_BELOW_BYTES].sum() >= ALIGNED_SHARE * native_bytes:
+            return region, cut, kept
+    region = _numbered(side)
+    if not region.any():  # one region: the runs stay as they are
+        return region, breaks, run_bytes
+    cut = _cut_at_regions(breaks, region)
+    return region, cut, _run_bytes(cut, size)
 
 
 def _reduce_by(ufunc: np.ufunc, values: np.ndarray, region: np.ndarray, count: int) -> np.ndarray:
