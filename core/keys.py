@@ -36,6 +36,7 @@ MIN_SECRET_BYTES = 16
 _ROOT_PERSON = b"kvtier-root-v2"
 _LINK_PERSON = b"kvtier-link-v2"
 _SECRET_PERSON = b"kvtier-secret-v2"
+_FOLD_PERSON = b"kvtier-fold-v1"
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -134,6 +135,40 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, namespa
     return keys
 
 
+def fold_keys(engine_keys: Sequence[str | bytes], namespace: bytes | str, secret: bytes | None = None) -> list[bytes]:
+    """kvtier keys for keys an engine made itself (SGLang's page hashes, vLLM's offload keys): one 16-byte
+    key per engine key, ``BLAKE2b-128[fold](root + len(key) as 8 bytes + key)`` with ``root`` the
+    chain root of ``namespace`` (``chain_hashes``'s, block size 0: no chain of tokens has it).
+
+    An engine key names a prefix but not the model, rank or layout that decide its bytes; folding it
+    under the namespace gives another key wherever those differ. Keyed with ``secret`` (as the chain
+    is), nobody without the secret can compute a key, so an engine's plain, guessable hash (SGLang's
+    SHA-256 of token ids) never becomes a store's record name. Str keys are UTF-8 encoded: ``"k"``
+    and ``b"k"`` fold alike.
+    """
+    if secret is not None and (not isinstance(secret, bytes) or not secret):
+        raise ValueError("secret must be non-empty bytes (or None for unkeyed keys)")
+    root_hasher, _ = _hashers(secret)
+    ns = _namespace_bytes(namespace)
+    root = root_hasher.copy()
+    root.update(struct.pack("<QQ", 0, len(ns)) + ns)
+    fold = hashlib.blake2b(digest_size=KEY_BYTES, key=hash_key(secret) if secret is not None else b"",
+                           person=_FOLD_PERSON)
+    fold.update(root.digest())
+    keys = []
+    for engine_key in engine_keys:
+        if isinstance(engine_key, str):
+            raw = engine_key.encode("utf-8")
+        elif isinstance(engine_key, bytes):
+            raw = engine_key
+        else:
+            raise TypeError(f"an engine key must be str or bytes, got {type(engine_key).__name__}")
+        h = fold.copy()
+        h.update(len(raw).to_bytes(8, "little") + raw)
+        keys.append(h.digest())
+    return keys
+
+
 def key_secret(env_name: str | None, setting: str = "key_secret_env") -> bytes | None:
     """The secret in the environment variable ``env_name`` (the config's ``setting`` names it: the key
     secret's ``key_secret_env``, a remote tier's ``auth_key_env``), or None when no variable is named.
@@ -189,4 +224,4 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "hash_key", "key_secret"]
+__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key", "key_secret"]

@@ -81,6 +81,7 @@ class LoadResult:
     loaded: int = 0                                  # of those, blocks that arrived intact
     failed: list[int] = field(default_factory=list)  # indices (into keys) of hits that could not be loaded
     per_tier: dict[str, int] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()                    # the tier each hit is read from, in key order
 
     @property
     def ok(self) -> bool:
@@ -200,9 +201,8 @@ class TierStack:
             planned = self.planner.load(keys, dst_slots, dst_medium)
             self._run_demotions(planned.room)
             plan = planned.plan
-            result = LoadResult(len(keys), plan.num_blocks)
-            for index in planned.sources:
-                name = self.tiers[index].name
+            result = LoadResult(len(keys), plan.num_blocks, sources=tuple(self.tiers[i].name for i in planned.sources))
+            for name in result.sources:
                 result.per_tier[name] = result.per_tier.get(name, 0) + 1
             if not plan.num_blocks:
                 future.set_result(result)

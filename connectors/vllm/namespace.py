@@ -11,11 +11,10 @@ length-prefixed, so no choice of names, salts or paths can spell another combina
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from typing import TYPE_CHECKING, Any
 
+from kvtier.connectors.model_files import weights_fingerprint
 from kvtier.core.config import StackConfig
 
 if TYPE_CHECKING:
@@ -52,38 +51,6 @@ def request_namespace(engine: bytes, lora_name: str = "", lora_path: str = "", s
     cache keys them) and its cache salt, each length-prefixed."""
     fields = (engine, lora_name.encode(), lora_path.encode(), salt.encode())
     return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
-
-
-def weights_fingerprint(model: str) -> str | None:
-    """For a model that is a local folder, a digest of the name, size and mtime_ns of every file in
-    it and in its direct subfolders (config, tokenizer and weight files; hidden entries skipped):
-    new weights copied under the same path change it, so blocks computed with the old ones are never
-    served. None for a Hub model id, whose revision names its weights instead."""
-    if not os.path.isdir(model):
-        return None
-    files = []
-    for path in _model_files(model):
-        try:
-            st = os.stat(path)  # follows links: a Hub snapshot folder links to the real blobs
-        except FileNotFoundError:
-            continue
-        files.append((os.path.relpath(path, model), st.st_size, st.st_mtime_ns))
-    return hashlib.blake2b(json.dumps(files).encode(), digest_size=16).hexdigest()
-
-
-def _model_files(folder: str) -> list[str]:
-    """Paths of the regular files of a model folder and of its direct subfolders, sorted. Only one
-    level down: some checkpoints keep weights in a subfolder, none deeper."""
-    out = []
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            out += [sub.path for sub in sorted(os.scandir(entry.path), key=lambda e: e.name)
-                    if sub.is_file() and not sub.name.startswith(".")]
-        elif entry.is_file():
-            out.append(entry.path)
-    return out
 
 
 def _revision(revision: Any) -> str | None:

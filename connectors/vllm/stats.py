@@ -14,19 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-HIT_TIERS = ("host", "disk", "remote")
-COUNTERS = (*(f"hit_blocks_{medium}" for medium in HIT_TIERS), "failed_load_blocks", "stored_blocks",
-            "load_bytes", "load_seconds", "store_bytes", "store_seconds")
-PROMETHEUS_HELP = {
-    "hit_blocks": "Prompt blocks kvtier loaded into vLLM's KV cache instead of vLLM computing them, by tier.",
-    "failed_load_blocks": "Blocks kvtier planned to load that did not arrive intact (vLLM recomputed them).",
-    "stored_blocks": "Blocks kvtier copied out of vLLM's KV cache into its tiers.",
-    "load_bytes": "Bytes kvtier copied into vLLM's KV cache, summed over workers.",
-    "load_seconds": "Seconds kvtier's loads took, summed over jobs and workers.",
-    "store_bytes": "Bytes kvtier copied out of vLLM's KV cache, summed over workers.",
-    "store_seconds": "Seconds kvtier's stores took, summed over jobs and workers.",
-}
-"""Prometheus metric ``vllm:kvtier_<name>`` (a counter: ``_total`` when scraped) for each entry."""
+from kvtier.connectors.counters import COUNTERS, HIT_TIERS, PROMETHEUS_HELP
 
 
 @dataclass

@@ -1,0 +1,245 @@
+"""kvtier as SGLang's HiCache storage backend (L3), loaded by SGLang's ``dynamic`` storage backend:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang.backend",
+        "class_name": "KVTierStorage", "interface_v1": 1, "config": "/etc/kvtier/sglang.yaml"}'
+
+SGLang keeps the GPU (L1) and host (L2) caches; it hands this backend pages of its host pool to store
+(its backup thread) and asks which pages exist and to load them back (its prefetch threads), batch by
+batch, from several threads at once. Each call becomes one plan of kvtier's one planner over the tiers
+the YAML configures (disk, remote, or both; ``settings.py``), executed by a ``TierStack`` whose
+caller's storage is SGLang's host pool itself (``pages.py``): blocks move between the pool's pages and
+the tiers with no copy of their own. SGLang's page keys are folded under the namespace of this rank's
+pages (``namespace.py``) into kvtier's keyed block keys.
+
+The contract SGLang relies on, kept here: a batch call returns per page whether it was stored or
+loaded, never raises, and never returns before kvtier is done with the pages it was given (SGLang reuses
+a page once the call returns): a page that could not be stored or loaded intact is ``False``, and SGLang
+recomputes what it does not get. Every tier bounds its waits (a remote store's calls have a deadline;
+loads from it stage through a kvtier host slot, so a late reply never writes into SGLang's pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvtier.builder import build_stack
+from kvtier.connectors.sglang.metrics import StorageCounters
+from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
+from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
+from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
+from kvtier.core.config import DiskTierConfig, StackConfig
+from kvtier.core.errors import ConfigError, StateError
+from kvtier.core.keys import fold_keys, key_secret
+from kvtier.core.stack import TierStack
+from kvtier.core.storage import BlockStorage, buffer_storage
+
+log = logging.getLogger(__name__)
+
+KV_POOL = "kv"
+"""The name SGLang's hybrid controller gives the KV pool itself among the pools it registers (v2)."""
+
+
+class KVTierStorage(HiCacheStorage):
+    """A kvtier tier stack below SGLang's host cache, one per scheduler process (TP rank)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        """Check the extra config, the kvtier YAML it names and the parallel layout, and read the key
+        secret: anything wrong stops SGLang here, at start. The stack itself is built once SGLang
+        registers its host pool (``register_mem_pool_host``): the pool decides the block geometry."""
+        check_parallelism(storage_config)
+        self.storage_config = storage_config
+        self.config = _rank_config(stack_config(backend_settings(storage_config.extra_config)), storage_config)
+        self.key_secret = key_secret(self.config.key_secret_env)
+        self.stack: TierStack | None = None
+        self.pages: PageGeometry | None = None
+        self.namespace = b""
+        self.counters: StorageCounters | None = None
+
+    # --- start ---------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Open the stack over SGLang's host pool: its pages are the blocks (``pages.py``), this rank's
+        namespace keys them, and a disk tier takes back what an earlier run of the same model stored."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self.stack is not None:
+            raise StateError("kvtier's storage backend already has a host pool")
+        pages = page_geometry(mem_pool_host)
+        check_page_tokens(self.config, pages.page_tokens)
+        model_path, revision = server_model_path()
+        self.namespace = storage_namespace(self.storage_config, mem_pool_host, pages, self.config, model_path,
+                                           revision)
+        config = self.config.model_copy(update={"namespace": self.namespace.decode("ascii")})
+        self.stack = build_stack(config, pages.layout)
+        self.pages = pages
+        self.counters = StorageCounters(self.storage_config.tp_rank, pages.layout.block_bytes)
+        log.info("kvtier storage backend for SGLang (TP rank %d of %d):\n%s", self.storage_config.tp_rank,
+                 self.storage_config.tp_size, self.stack.describe())
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid controller registers each pool of the model here; kvtier serves the KV pool
+        (already registered) and refuses every other (Mamba states, sliding-window or indexer pools) at
+        start, rather than storing a model's KV without the state that goes with it."""
+        if str(host_pool_name) == KV_POOL and host_pool is getattr(self, "mem_pool_host", None):
+            return
+        raise ConfigError(f"kvtier's SGLang storage backend serves the KV pool only; this model also has the host "
+                          f"pool {str(host_pool_name)!r} ({type(host_pool).__name__}), which it cannot store: run "
+                          f"it without kvtier (hybrid models are not supported yet)")
+
+    # --- the zero-copy interface (interface_v1: 1) ---------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages some tier holds (a remote store is asked only past the local hit)."""
+        try:
+            return self._stack().lookup(self._keys(keys)).hits
+        except Exception:
+            log.exception("kvtier: lookup of %d pages failed; answering a miss", len(keys))
+            return 0
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load the leading pages some tier holds into the host pool's pages ``host_indices``."""
+        try:
+            pages = self._pages()
+            return self._load(keys, pages.storage, page_slots(host_indices, pages.page_tokens, pages.storage.num_slots))
+        except Exception:
+            log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
+            return [False] * len(keys)
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the host pool's pages ``host_indices`` under ``keys``."""
+        try:
+            pages = self._pages()
+            return self._store(keys, pages.storage, page_slots(host_indices, pages.page_tokens, pages.storage.num_slots))
+        except Exception:
+            log.exception("kvtier: store of %d pages failed", len(keys))
+            return [False] * len(keys)
+
+    # --- the generic interface (interface_v1: 0): flat page tensors ----------------------------
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """Fill the flat page tensors ``target_locations`` (one per key); each is returned, or None where
+        its page was not loaded."""
+        try:
+            targets = list(target_locations)
+            loaded = self._load(keys, buffer_storage(targets, self._pages().layout, writable=True), range(len(keys)))
+            return [target if ok else None for target, ok in zip(targets, loaded, strict=True)]
+        except Exception:
+            log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
+            return [None] * len(keys)
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store the flat page tensors ``values`` (one per key); True when every page is stored."""
+        try:
+            pages = [value.contiguous() for value in values]
+            return all(self._store(keys, buffer_storage(pages, self._pages().layout), range(len(keys))))
+        except Exception:
+            log.exception("kvtier: store of %d pages failed", len(keys))
+            return False
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- housekeeping --------------------------------------------------------------------------
+
+    def get_stats(self) -> StorageMetrics | None:
+        """Pages and GB/s per load and store call since the last call, for SGLang's storage metrics."""
+        if self.counters is None:
+            return None
+        return StorageMetrics(**dataclasses.asdict(self.counters.take()))
+
+    def clear(self) -> None:
+        """SGLang's "clear the storage backend" request. kvtier keeps its tiers: a disk tier evicts by its
+        policy and a remote store is shared with other engines, so nothing is deleted on request."""
+        log.warning("kvtier keeps its tiers on SGLang's clear request (blocks leave them by eviction)")
+
+    def close(self) -> None:
+        """Wait for copies in flight, copy what only a memory tier holds to a disk tier, release everything."""
+        if self.stack is not None:
+            self.stack.close()
+
+    # --- the calls, once checked ---------------------------------------------------------------
+
+    def _load(self, keys: Sequence[str], dst: BlockStorage, slots: Sequence[int]) -> list[bool]:
+        started = time.perf_counter()
+        result = self._stack().load(self._keys(keys), dst, slots, "host").result()
+        failed = set(result.failed)
+        ok = [i < result.hits and i not in failed for i in range(len(keys))]
+        hits: dict[str, int] = {}
+        for i, tier_name in enumerate(result.sources):
+            if ok[i]:
+                medium = self._stack().planner.tier(tier_name).medium
+                hits[medium] = hits.get(medium, 0) + 1
+        self._counters().loaded(hits, len(failed), time.perf_counter() - started)
+        return ok
+
+    def _store(self, keys: Sequence[str], src: BlockStorage, slots: Sequence[int]) -> list[bool]:
+        started = time.perf_counter()
+        kv_keys = self._keys(keys)
+        stack = self._stack()
+        result = stack.store(kv_keys, src, slots).result()
+        failed = set(result.failed)
+        ok = [key not in failed and not stack.planner.is_new(key) for key in kv_keys]
+        self._counters().stored(result.stored, time.perf_counter() - started)
+        return ok
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return fold_keys(keys, self.namespace, self.key_secret)
+
+    def _stack(self) -> TierStack:
+        if self.stack is None:
+            raise StateError("SGLang has not registered its host pool with kvtier's storage backend yet")
+        return self.stack
+
+    def _pages(self) -> PageGeometry:
+        self._stack()
+        assert self.pages is not None
+        return self.pages
+
+    def _counters(self) -> StorageCounters:
+        self._stack()
+        assert self.counters is not None
+        return self.counters
+
+
+def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> StackConfig:
+    """The configuration this rank opens: a disk tier's slab in a directory of the rank's own (every
+    rank holds its own shard of every page). MLA keeps one copy for the TP group, which only a store
+    shared by the ranks can hold (SGLang lets one rank write it): a disk tier under MLA with TP > 1 is
+    refused."""
+    tiers = list(config.tiers)
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, DiskTierConfig):
+            continue
+        if storage_config.is_mla_model and storage_config.tp_size > 1:
+            raise ConfigError(f"tiers[{i}].medium: disk: an MLA model keeps one copy of its KV for all "
+                              f"{storage_config.tp_size} TP ranks, which SGLang lets one rank write; a disk tier of "
+                              f"each rank would stay empty on the others: use a remote tier")
+        tiers[i] = tier.model_copy(update={"path": str(Path(tier.path) / _rank_directory(storage_config))})
+    return config.model_copy(update={"tiers": tiers})
+
+
+def _rank_directory(storage_config: HiCacheStorageConfig) -> str:
+    """The directory of one scheduler's disk slab: its TP rank, pipeline stage and data-parallel rank."""
+    name = f"rank{storage_config.tp_rank}"
+    if storage_config.pp_size > 1:
+        name += f"-pp{storage_config.pp_rank}"
+    if storage_config.dp_rank:
+        name += f"-dp{storage_config.dp_rank}"
+    return name
