@@ -83,6 +83,13 @@ def page_bytes(host_pool: Any, page: int) -> torch.Tensor:
     return host_pool.get_data_page(page * PAGE, flat=True).view(torch.uint8).clone()
 
 
+def zero_pages(host_pool: Any, pages: range | list[int]) -> None:
+    """Zeros in the given pages (poison before a load into them)."""
+    zeros = torch.zeros_like(host_pool.get_dummy_flat_data_page())
+    for page in pages:
+        host_pool.set_from_flat_data_page(page * PAGE, zeros)
+
+
 def keys(n: int, prefix: str = "k") -> list[str]:
     """SGLang-like page keys: 64 hex digits each."""
     return [f"{prefix}{i:x}".rjust(64, "0") for i in range(n)]
