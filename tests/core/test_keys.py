@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import MAX_KEY_BYTES, Namespace, chain_hashes, key_secret
+from kvtier.core.keys import MAX_KEY_BYTES, Namespace, chain_hashes, fold_keys, key_secret
 from kvtier.core.layout import BlockLayout
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.host import host_tier
@@ -99,6 +99,31 @@ def test_first_two_keys_by_hand(secret):
     first = blake(root + struct.pack("<4q", *toks[:4]), b"kvtier-link-v2")
     second = blake(first + struct.pack("<4q", *toks[4:]), b"kvtier-link-v2")
     assert chain_hashes(toks, 4, ns, secret=secret) == [first, second]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_folded_engine_keys_by_hand(secret):
+    """An engine's own key folded under a namespace: BLAKE2b-128[fold] over the namespace's chain root
+    (block size 0, which no chain of tokens has) and the length-prefixed engine key, keyed as the chain."""
+    ns, engine_key = b"sglang-namespace", "a3f1" * 16
+    key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-secret-v2").digest() if secret else b""
+    root = hashlib.blake2b(struct.pack("<QQ", 0, len(ns)) + ns, digest_size=16, key=key,
+                           person=b"kvtier-root-v2").digest()
+    raw = engine_key.encode()
+    expected = hashlib.blake2b(root + struct.pack("<Q", len(raw)) + raw, digest_size=16, key=key,
+                               person=b"kvtier-fold-v1").digest()
+    assert fold_keys([engine_key], ns, secret) == [expected]
+    assert fold_keys([raw], ns.decode(), secret) == [expected]  # str and bytes fold alike
+
+
+def test_folded_keys_differ_by_namespace_secret_and_key_and_refuse_other_types():
+    keys = ["k1", "k2", "k1" + "k2"]
+    base = fold_keys(keys, "a")
+    assert len(set(base)) == 3 and all(len(k) == 16 for k in base)
+    assert not set(base) & set(fold_keys(keys, "b"))
+    assert not set(base) & set(fold_keys(keys, "a", SECRET))
+    with pytest.raises(TypeError, match="an engine key must be str or bytes, got int"):
+        fold_keys([7], "a")
 
 
 def test_uint64_wraparound_cannot_forge_a_collision():

@@ -6,6 +6,8 @@ delays on every call, and still never a wrong byte or an exception.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
@@ -22,6 +24,7 @@ from helpers.sglang_pools import (
     storage_config,
     zero_pages,
 )
+from kvtier.connectors.sglang.settings import backend_settings, stack_config
 from kvtier.core.errors import ConfigError
 
 
@@ -135,3 +138,10 @@ def test_sglangs_fault_injector_never_yields_a_wrong_byte(tmp_path, monkeypatch)
         assert outcomes["refused"] and outcomes["stored"] and outcomes["loaded"] and outcomes["failed"], outcomes
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("name", ["disk.yaml", "shared.yaml"])
+def test_the_examples_are_configurations_sglang_accepts(name):
+    example = Path(__file__).resolve().parents[3] / "examples" / "sglang" / name
+    config = stack_config(backend_settings(extra_config(str(example))))
+    assert config.tiers[-1].medium == ("disk" if name == "disk.yaml" else "remote")
