@@ -20,23 +20,22 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 PAGE = 4
 """Tokens per page, as in the server tests."""
-DEVICE_TOKENS = 64 * PAGE
 MODULE = "kvtier.connectors.sglang.backend"
 CLASS = "KVTierStorage"
 
 
 def mha_host_pool(layout: str = "layer_first", layers: int = 3, heads: int = 2, head_dim: int = 8,
-                  dtype: torch.dtype = torch.bfloat16) -> Any:
-    """An MHA host pool of twice the device pool's 64 pages."""
-    device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=dtype, head_num=heads, head_dim=head_dim,
-                              layer_num=layers, device="cpu", enable_memory_saver=False)
+                  dtype: torch.dtype = torch.bfloat16, page: int = PAGE, device_pages: int = 64) -> Any:
+    """An MHA host pool of twice the device pool's pages."""
+    device = MHATokenToKVPool(size=device_pages * page, page_size=page, dtype=dtype, head_num=heads,
+                              head_dim=head_dim, layer_num=layers, device="cpu", enable_memory_saver=False)
     cls, info, kwargs = _mha_host_inputs(device)
-    return cls(info, 2.0, 0, PAGE, layout, pin_memory=False, **kwargs)
+    return cls(info, 2.0, 0, page, layout, pin_memory=False, **kwargs)
 
 
 def mla_host_pool(layout: str = "layer_first", layers: int = 3) -> Any:
     """An MLA host pool (latent 16 + rope 8 per token and layer) of twice the device pool's 64 pages."""
-    device = MLATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
+    device = MLATokenToKVPool(size=64 * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
                               qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
     return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
                                 pin_memory=False, device_capacity_tokens=device.size, start_layer=device.start_layer,
@@ -73,21 +72,21 @@ def fill(host_pool: Any, seed: int) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
 
 
-def indices(pages: range | list[int]) -> torch.Tensor:
-    """SGLang's token indices of whole pages (what its controller passes a v1 call)."""
-    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+def indices(pages: range | list[int], page: int = PAGE) -> torch.Tensor:
+    """SGLang's token indices of whole pages of ``page`` tokens (what its controller passes a v1 call)."""
+    return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])
 
 
 def page_bytes(host_pool: Any, page: int) -> torch.Tensor:
     """A copy of one page's bytes in flat-page order (SGLang's ``get_data_page(flat=True)``)."""
-    return host_pool.get_data_page(page * PAGE, flat=True).view(torch.uint8).clone()
+    return host_pool.get_data_page(page * host_pool.page_size, flat=True).view(torch.uint8).clone()
 
 
 def zero_pages(host_pool: Any, pages: range | list[int]) -> None:
     """Zeros in the given pages (poison before a load into them)."""
     zeros = torch.zeros_like(host_pool.get_dummy_flat_data_page())
     for page in pages:
-        host_pool.set_from_flat_data_page(page * PAGE, zeros)
+        host_pool.set_from_flat_data_page(page * host_pool.page_size, zeros)
 
 
 def keys(n: int, prefix: str = "k") -> list[str]:
