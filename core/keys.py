@@ -224,4 +224,5 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key", "key_secret"]
+__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key",
+           "key_secret"]

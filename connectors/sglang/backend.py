@@ -108,8 +108,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load the leading pages some tier holds into the host pool's pages ``host_indices``."""
         try:
-            pages = self._pages()
-            return self._load(keys, pages.storage, page_slots(host_indices, pages.page_tokens, pages.storage.num_slots))
+            return self._load(keys, self._pages().storage, self._page_slots(host_indices))
         except Exception:
             log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
             return [False] * len(keys)
@@ -118,8 +117,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the host pool's pages ``host_indices`` under ``keys``."""
         try:
-            pages = self._pages()
-            return self._store(keys, pages.storage, page_slots(host_indices, pages.page_tokens, pages.storage.num_slots))
+            return self._store(keys, self._pages().storage, self._page_slots(host_indices))
         except Exception:
             log.exception("kvtier: store of %d pages failed", len(keys))
             return [False] * len(keys)
@@ -201,6 +199,11 @@ class KVTierStorage(HiCacheStorage):
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return fold_keys(keys, self.namespace, self.key_secret)
+
+    def _page_slots(self, host_indices: Any) -> list[int]:
+        """The pool's pages that SGLang's token indices name (ValueError for anything but whole pages of it)."""
+        pages = self._pages()
+        return page_slots(host_indices, pages.page_tokens, pages.storage.num_slots)
 
     def _stack(self) -> TierStack:
         if self.stack is None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
 
+
 class BackendSettings(BaseModel):
     """The extra config: SGLang's keys to load kvtier, and ``config``: a kvtier YAML path or the same as a mapping."""
 

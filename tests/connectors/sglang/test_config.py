@@ -57,8 +57,10 @@ def test_an_extra_config_without_kvtiers_config_says_what_to_add():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "lots"}]}, r"tiers\[0\]\.capacity: 'lots' is not a size"),
-    ({"tiers": [{"medium": "gpu"}, {"medium": "host", "capacity": "1GiB"}]}, r"tiers\[0\]\.medium: gpu: SGLang keeps GPU"),
+    ({"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "lots"}]},
+     r"tiers\[0\]\.capacity: 'lots' is not a size"),
+    ({"tiers": [{"medium": "gpu"}, {"medium": "host", "capacity": "1GiB"}]},
+     r"tiers\[0\]\.medium: gpu: SGLang keeps GPU"),
     ({"tiers": [{"medium": "host", "capacity": "1GiB"}]}, r"tiers\[0\]\.medium: host: under SGLang a host tier only"),
     ({"block_bytes": "64KiB", "tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]},
      r"^block_bytes: under SGLang a block is one page"),
