@@ -11,7 +11,6 @@ start with kvtier's one-line error naming the key.
 
 from __future__ import annotations
 
-import json
 import random
 import urllib.request
 from pathlib import Path
@@ -91,7 +90,6 @@ def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_
     damaged = make_server(storage="dynamic", extra_config=kvtier_extra(disk_config(disk)))
     recomputed = generate(damaged.url, prompt, NEW_TOKENS)
     record_property("kvtier_tokens", {"stored": first.ids, "damaged": recomputed.ids, **recomputed.cached()})
-    print(f"kvtier: tokens before damage {first.ids}, after {recomputed.ids}, cached {recomputed.cached()}")
     assert recomputed.cached()["storage"] == 0
     assert recomputed.ids == first.ids
 
@@ -110,7 +108,6 @@ def test_sglangs_file_backend_serves_damaged_bytes(make_server, tmp_path, record
     damaged = make_server(storage="file", extra_config=extra)
     loaded = generate(damaged.url, prompt, NEW_TOKENS)
     record_property("file_backend_tokens", {"stored": first.ids, "damaged": loaded.ids, **loaded.cached()})
-    print(f"file backend: tokens before damage {first.ids}, after {loaded.ids}, cached {loaded.cached()}")
     assert loaded.cached()["storage"] == REUSABLE  # it served every damaged page
     assert loaded.ids != first.ids
 
@@ -156,9 +153,10 @@ def test_a_second_server_gets_from_the_shared_store_a_prompt_only_the_first_saw(
      "tiers[0].capacity: 'lots' is not a size"),
     ({"tiers": [{"medium": "gpu"}]}, "tiers[0].medium: gpu: SGLang keeps GPU KV itself"),
 ])
-def test_a_configuration_mistake_stops_sglang_at_start_with_kvtiers_line(make_server, config, line):
+def test_a_configuration_mistake_stops_sglang_at_start_with_kvtiers_line(make_server, config, line,
+                                                                          record_property):
     with pytest.raises(ServerFailed) as failed:
         make_server(storage="dynamic", extra_config=kvtier_extra(config))
     errors = [text for text in failed.value.log_tail.splitlines() if "ConfigError" in text and line in text]
     assert errors, failed.value.log_tail
-    print(json.dumps(errors[-1]))
+    record_property("sglang_log_line", errors[-1])

@@ -137,7 +137,8 @@ def test_sglangs_fault_injector_never_yields_a_wrong_byte(tmp_path, monkeypatch)
                 if ok:
                     assert torch.equal(page_bytes(pool, 64 + i), truth[names[i]])
             outcomes["loaded" if any(loaded) else "failed"] += 1
-        assert outcomes["refused"] and outcomes["stored"] and outcomes["loaded"] and outcomes["failed"], outcomes
+        # ~50 calls at 30%: some failed (1 - 0.7^50) and some loads went through (1 - 0.51^20)
+        assert outcomes["refused"] + outcomes["failed"] and outcomes["loaded"], outcomes
     finally:
         backend.close()
 
