@@ -148,3 +148,16 @@ def test_the_examples_are_configurations_sglang_accepts(name):
     example = Path(__file__).resolve().parents[3] / "examples" / "sglang" / name
     config = stack_config(backend_settings(extra_config(str(example))))
     assert config.tiers[-1].medium == ("disk" if name == "disk.yaml" else "remote")
+
+
+def test_a_hybrid_models_second_pool_is_refused_at_start_naming_it(tmp_path):
+    """SGLang's hybrid controller registers every pool of a hybrid model (v2); kvtier takes the KV pool it already
+    holds and refuses any other rather than store KV without the state that goes with it."""
+    pool = mha_host_pool()
+    backend = open_backend(pool, {"tiers": [disk(tmp_path)]})
+    try:
+        backend.register_mem_host_pool_v2(pool, "kv")  # the KV pool itself: accepted
+        with pytest.raises(ConfigError, match=r"this model also has the host pool 'swa' \(MHATokenToKVPoolHost\)"):
+            backend.register_mem_host_pool_v2(mha_host_pool(), "swa")
+    finally:
+        backend.close()
