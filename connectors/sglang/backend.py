@@ -28,7 +28,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.builder import build_stack
@@ -36,7 +41,7 @@ from kvtier.connectors.sglang.metrics import StorageCounters
 from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
 from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
 from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
-from kvtier.core.config import DiskTierConfig, StackConfig
+from kvtier.core.config import DiskTierConfig, StackConfig, block_footprint, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.keys import fold_keys, key_secret
 from kvtier.core.stack import TierStack
@@ -74,6 +79,7 @@ class KVTierStorage(HiCacheStorage):
             raise StateError("kvtier's storage backend already has a host pool")
         pages = page_geometry(mem_pool_host)
         check_page_tokens(self.config, pages.page_tokens)
+        _check_room_for_a_batch(self.config, pages.layout.block_bytes)
         model_path, revision = server_model_path()
         self.namespace = storage_namespace(self.storage_config, mem_pool_host, pages, self.config, model_path,
                                            revision)
@@ -219,6 +225,18 @@ class KVTierStorage(HiCacheStorage):
         self._stack()
         assert self.counters is not None
         return self.counters
+
+
+def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
+    """The first tier takes a whole batch SGLang stores in one call (up to STORAGE_BATCH_SIZE pages): a
+    smaller one would refuse every full batch, and SGLang would store nothing while it seemed to work."""
+    pages = capacity_in_blocks(config.tiers[0], page_bytes, config.header_room) or 0
+    if pages < STORAGE_BATCH_SIZE:
+        need = STORAGE_BATCH_SIZE * block_footprint(config.tiers[0], page_bytes, config.header_room)
+        key = "capacity_blocks" if config.tiers[0].capacity_blocks is not None else "capacity"
+        raise ConfigError(f"tiers[0].{key}: holds {pages} of SGLang's pages ({format_size(page_bytes)} each), "
+                          f"fewer than the {STORAGE_BATCH_SIZE} SGLang stores in one call; give at least "
+                          f"{format_size(need)}")
 
 
 def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> StackConfig:

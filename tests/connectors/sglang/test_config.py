@@ -161,3 +161,9 @@ def test_a_hybrid_models_second_pool_is_refused_at_start_naming_it(tmp_path):
             backend.register_mem_host_pool_v2(mha_host_pool(), "swa")
     finally:
         backend.close()
+
+
+def test_a_first_tier_smaller_than_one_of_sglangs_batches_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.capacity_blocks: holds 80 of SGLang's pages \(768B each\), "
+                                          r"fewer than the 128 SGLang stores in one call; give at least 1MiB"):
+        create({"tiers": [{"medium": "disk", "path": str(tmp_path / "kv"), "capacity_blocks": 80}]})
