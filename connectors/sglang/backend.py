@@ -105,7 +105,7 @@ class KVTierStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages some tier holds (a remote store is asked only past the local hit)."""
         try:
-            return self._stack().lookup(self._keys(keys)).hits
+            return self._opened()[0].lookup(self._keys(keys)).hits
         except Exception:
             log.exception("kvtier: lookup of %d pages failed; answering a miss", len(keys))
             return 0
@@ -114,7 +114,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load the leading pages some tier holds into the host pool's pages ``host_indices``."""
         try:
-            return self._load(keys, self._pages().storage, self._page_slots(host_indices))
+            return self._load(keys, self._opened()[1].storage, self._page_slots(host_indices))
         except Exception:
             log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
             return [False] * len(keys)
@@ -123,7 +123,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the host pool's pages ``host_indices`` under ``keys``."""
         try:
-            return self._store(keys, self._pages().storage, self._page_slots(host_indices))
+            return self._store(keys, self._opened()[1].storage, self._page_slots(host_indices))
         except Exception:
             log.exception("kvtier: store of %d pages failed", len(keys))
             return [False] * len(keys)
@@ -135,7 +135,8 @@ class KVTierStorage(HiCacheStorage):
         its page was not loaded."""
         try:
             targets = list(target_locations)
-            loaded = self._load(keys, buffer_storage(targets, self._pages().layout, writable=True), range(len(keys)))
+            dst = buffer_storage(targets, self._opened()[1].layout, writable=True)
+            loaded = self._load(keys, dst, range(len(keys)))
             return [target if ok else None for target, ok in zip(targets, loaded, strict=True)]
         except Exception:
             log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
@@ -146,7 +147,7 @@ class KVTierStorage(HiCacheStorage):
         """Store the flat page tensors ``values`` (one per key); True when every page is stored."""
         try:
             pages = [value.contiguous() for value in values]
-            return all(self._store(keys, buffer_storage(pages, self._pages().layout), range(len(keys))))
+            return all(self._store(keys, buffer_storage(pages, self._opened()[1].layout), range(len(keys))))
         except Exception:
             log.exception("kvtier: store of %d pages failed", len(keys))
             return False
@@ -181,26 +182,30 @@ class KVTierStorage(HiCacheStorage):
     # --- the calls, once checked ---------------------------------------------------------------
 
     def _load(self, keys: Sequence[str], dst: BlockStorage, slots: Sequence[int]) -> list[bool]:
+        """Load the leading pages some tier holds into ``slots`` of ``dst``; per key, whether it arrived intact."""
+        stack, _, counters = self._opened()
         started = time.perf_counter()
-        result = self._stack().load(self._keys(keys), dst, slots, "host").result()
+        result = stack.load(self._keys(keys), dst, slots, "host").result()
         failed = set(result.failed)
         ok = [i < result.hits and i not in failed for i in range(len(keys))]
         hits: dict[str, int] = {}
         for i, tier_name in enumerate(result.sources):
             if ok[i]:
-                medium = self._stack().planner.tier(tier_name).medium
+                medium = stack.planner.tier(tier_name).medium
                 hits[medium] = hits.get(medium, 0) + 1
-        self._counters().loaded(hits, len(failed), time.perf_counter() - started)
+        counters.loaded(hits, len(failed), time.perf_counter() - started)
         return ok
 
     def _store(self, keys: Sequence[str], src: BlockStorage, slots: Sequence[int]) -> list[bool]:
+        """Store ``slots`` of ``src`` under ``keys``; per key, whether a tier holds it now (already held, or
+        landed; not: no room, declined by the policy, or a failed copy)."""
+        stack, _, counters = self._opened()
         started = time.perf_counter()
         kv_keys = self._keys(keys)
-        stack = self._stack()
         result = stack.store(kv_keys, src, slots).result()
         failed = set(result.failed)
         ok = [key not in failed and not stack.planner.is_new(key) for key in kv_keys]
-        self._counters().stored(result.stored, time.perf_counter() - started)
+        counters.stored(result.stored, time.perf_counter() - started)
         return ok
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
@@ -208,23 +213,14 @@ class KVTierStorage(HiCacheStorage):
 
     def _page_slots(self, host_indices: Any) -> list[int]:
         """The pool's pages that SGLang's token indices name (ValueError for anything but whole pages of it)."""
-        pages = self._pages()
+        pages = self._opened()[1]
         return page_slots(host_indices, pages.page_tokens, pages.storage.num_slots)
 
-    def _stack(self) -> TierStack:
-        if self.stack is None:
+    def _opened(self) -> tuple[TierStack, PageGeometry, StorageCounters]:
+        """The stack, the pool's pages and the counters, once SGLang registered its host pool."""
+        if self.stack is None or self.pages is None or self.counters is None:
             raise StateError("SGLang has not registered its host pool with kvtier's storage backend yet")
-        return self.stack
-
-    def _pages(self) -> PageGeometry:
-        self._stack()
-        assert self.pages is not None
-        return self.pages
-
-    def _counters(self) -> StorageCounters:
-        self._stack()
-        assert self.counters is not None
-        return self.counters
+        return self.stack, self.pages, self.counters
 
 
 def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
