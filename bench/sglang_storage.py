@@ -3,13 +3,14 @@ same disk. Runs in the SGLang venv: ``build/venv-sglang/bin/python bench/sglang_
 
 What is measured
     1. The backends alone, on SGLang's real host pool (``helpers.sglang_pools``, an MHA pool of
-       ``--layers`` x ``--kv-heads`` x ``--head-dim`` in bf16, ``--page`` tokens a page), as SGLang's cache
-       controller drives them: kvtier through the zero-copy interface (``batch_set_v1`` / ``batch_get_v1``
-       of the pool's pages), the ``file`` backend through the generic one it implements (the controller
-       copies each page out with ``get_data_page`` before ``batch_set``, and back with
-       ``set_from_flat_data_page`` after ``batch_get``; both inside the time, as in SGLang). Batches of
-       ``--batch`` pages (SGLang's batches are at most 128), new keys for every store, loads of what was
-       stored into other pages, every loaded page compared with what was stored (after the timing).
+       ``--layers`` x ``--kv-heads`` x ``--head-dim`` in bf16, ``--page`` tokens a page, ``--layout``),
+       as SGLang's cache controller drives them: kvtier through the zero-copy interface
+       (``batch_set_v1`` / ``batch_get_v1`` of the pool's pages), the ``file`` backend through the
+       generic one it implements (the controller copies each page out with ``get_data_page`` before
+       ``batch_set``, and back with ``set_from_flat_data_page`` after ``batch_get``; both inside the
+       time, as in SGLang). Batches of ``--batch`` pages (SGLang's batches are at most 128), new keys
+       for every store, loads of what was stored into other pages, every loaded page compared with
+       what was stored (after the timing).
        GB/s of page bytes, best of ``--repeat``.
     2. A real SGLang server on CPU (``sglang_server.harness``: a random-weight Llama, HiCache with the
        direct IO backend) with each backend: per prompt, a first request computes and stores it, then
@@ -61,8 +62,8 @@ def backend_figures(args: argparse.Namespace, directory: Path) -> tuple[dict[str
 
     from helpers import sglang_pools as pools
 
-    pool = pools.mha_host_pool(layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim, page=args.page,
-                               device_pages=args.batch)
+    pool = pools.mha_host_pool(args.layout, layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
+                               page=args.page, device_pages=args.batch)
     page_bytes = pool.get_dummy_flat_data_page().view(torch.uint8).numel()
     kvtier = pools.open_backend(pool, {"tiers": [{"medium": "disk", "path": str(directory / "kvtier"),
                                                   "capacity": 4 * args.repeat * args.batch * (page_bytes + 4096),
@@ -151,6 +152,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page", type=int, default=16, help="tokens per page (part 1)")
+    parser.add_argument("--layout", default="layer_first", choices=["layer_first", "page_first", "page_first_direct"],
+                        help="the host pool's layout (part 1): a page is 2 x layers runs, or 2")
     parser.add_argument("--batch", type=int, default=64, help="pages per storage call (part 1)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--o-direct", default="auto", choices=["auto", "on", "off"], help="kvtier's disk tier (part 1)")
