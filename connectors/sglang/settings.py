@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
+from kvtier.connectors.extra_config import engine_settings
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
 
@@ -39,21 +40,8 @@ class BackendSettings(BaseModel):
 
 def backend_settings(extra_config: dict[str, Any] | None) -> BackendSettings:
     """The extra config, validated; a ConfigError names each key that is unknown, missing or wrong."""
-    extra = extra_config or {}
-    if "config" not in extra:
-        raise ConfigError('hicache-storage-backend-extra-config needs "config": the path of a kvtier YAML file or '
-                          'the same settings inline, e.g. {"config": "/etc/kvtier/sglang.yaml"}')
-    try:
-        return BackendSettings.model_validate(extra)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors(include_url=False):
-            key = ".".join(map(str, err["loc"][:1]))
-            if err["type"] == "extra_forbidden":
-                problems.append(f"unknown key {key!r}; allowed: {', '.join(BackendSettings.model_fields)}")
-            else:
-                problems.append(f"{key}: {err['msg']} (got {err.get('input')!r:.60})")
-        raise ConfigError(f"hicache-storage-backend-extra-config: {'; '.join(problems)}") from None
+    return engine_settings(BackendSettings, extra_config, "hicache-storage-backend-extra-config",
+                           "/etc/kvtier/sglang.yaml")
 
 
 def stack_config(settings: BackendSettings) -> StackConfig:

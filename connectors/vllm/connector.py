@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.connectors.extra_config import engine_settings
 from kvtier.connectors.vllm.geometry import block_layout, block_tokens, replicated, served_groups, state_groups
 from kvtier.connectors.vllm.metadata import StepJobs
 from kvtier.connectors.vllm.namespace import engine_namespace
@@ -86,15 +87,8 @@ class ConnectorSettings(BaseModel):
 
 def connector_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     transfer = vllm_config.kv_transfer_config
-    extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
-    if "config" not in extra:
-        raise ConfigError('kv_connector_extra_config needs "config": the path of a kvtier YAML file or an inline '
-                          'dict, e.g. {"config": "/etc/kvtier.yaml"}')
-    try:
-        return ConnectorSettings.model_validate(extra)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"kv_connector_extra_config: {problems}") from None
+    extra = transfer.kv_connector_extra_config if transfer is not None else None
+    return engine_settings(ConnectorSettings, extra, "kv_connector_extra_config", "/etc/kvtier.yaml")
 
 
 def connector_config(vllm_config: VllmConfig) -> StackConfig:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.required import fail_skip
 from sglang_server.harness import Server, make_model
 
 REQUIRED = os.environ.get("KVTIER_REQUIRE_SGLANG") == "1"
@@ -42,10 +43,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     """Under KVTIER_REQUIRE_SGLANG=1 a skipped test here fails: in CI these tests must run for real."""
     outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped and Path(__file__).parent in item.path.parents:
-        report.outcome = "failed"
-        report.longrepr = f"skipped under KVTIER_REQUIRE_SGLANG=1: {report.longrepr}"
+    if REQUIRED and Path(__file__).parent in item.path.parents:
+        fail_skip(outcome.get_result(), "KVTIER_REQUIRE_SGLANG")
 
 
 @pytest.fixture(scope="session")

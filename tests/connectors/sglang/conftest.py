@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.required import fail_skip
+
 REQUIRED = os.environ.get("KVTIER_REQUIRE_SGLANG") == "1"
 
 try:
@@ -34,10 +36,8 @@ def pytest_report_header(config):
 def pytest_runtest_makereport(item, call):
     """In CI (KVTIER_REQUIRE_SGLANG=1) a skipped backend test fails: they must run for real there."""
     outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped and "tests/connectors/sglang" in str(item.fspath):
-        report.outcome = "failed"
-        report.longrepr = f"skipped under KVTIER_REQUIRE_SGLANG=1: {report.longrepr}"
+    if REQUIRED and "tests/connectors/sglang" in str(item.fspath):
+        fail_skip(outcome.get_result(), "KVTIER_REQUIRE_SGLANG")
 
 
 @pytest.fixture

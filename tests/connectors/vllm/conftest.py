@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.required import fail_skip
+
 REQUIRED = os.environ.get("KVTIER_REQUIRE_VLLM") == "1"
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -40,10 +42,8 @@ def pytest_report_header(config):
 def pytest_runtest_makereport(item, call):
     """In CI (KVTIER_REQUIRE_VLLM=1) a skipped connector test fails: they must run for real there."""
     outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped and "tests/connectors/vllm" in str(item.fspath):
-        report.outcome = "failed"
-        report.longrepr = f"skipped under KVTIER_REQUIRE_VLLM=1: {report.longrepr}"
+    if REQUIRED and "tests/connectors/vllm" in str(item.fspath):
+        fail_skip(outcome.get_result(), "KVTIER_REQUIRE_VLLM")
 
 
 if HAVE_VLLM:
