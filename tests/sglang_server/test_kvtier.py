@@ -1,7 +1,7 @@
 """kvtier as the storage backend (L3) of a real SGLang 0.5.23 server on CPU, loaded by SGLang's ``dynamic`` backend.
 
 What it shows, each on real servers: a prompt SGLang stored comes back from kvtier's disk tier after ``/flush_cache``
-with the same greedy tokens; a server started again on the same disk finds it (SGLang's own restart loses its host
+with the same greedy tokens, and kvtier's counters on SGLang's ``/metrics`` say so; a server started again on the same disk finds it (SGLang's own restart loses its host
 cache); a second server sharing a remote tier (a real redis-server, a real Mooncake Store) gets from it a prompt only
 the first server saw; bytes damaged in the storage between two runs never change the tokens under kvtier (damaged
 pages are misses, recomputed), where SGLang's own ``file`` backend, put through the same steps, loads them and answers
@@ -54,6 +54,14 @@ def disk_blocks(path: Path) -> int:
         return 0
 
 
+def kvtier_counters(url: str) -> dict[str, float]:
+    """kvtier's samples on SGLang's ``/metrics`` (``--enable-metrics``), by name and labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name.startswith("sglang:kvtier_")}
+
+
 def damage_pages(files: list[tuple[Path, int, int]]) -> None:
     """Overwrite each (file, offset, size) run with 0x7F bytes: KV values of about 3e38, which no model survives."""
     for path, offset, size in files:
@@ -66,7 +74,7 @@ def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_
                                                                                           tmp_path, record_property):
     disk = tmp_path / "kv"
     prompt = prompt_ids(1)
-    server = make_server(storage="dynamic", extra_config=kvtier_extra(disk_config(disk)))
+    server = make_server(storage="dynamic", extra_config=kvtier_extra(disk_config(disk)), args=("--enable-metrics",))
     first = generate(server.url, prompt, NEW_TOKENS)
     assert first.cached() == {"device": 0, "host": 0, "storage": 0}
     wait_until(lambda: disk_blocks(disk) >= PAGES, STORED_WITHIN_S, f"{PAGES} pages on kvtier's disk")
@@ -74,6 +82,10 @@ def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_
     again = generate(server.url, prompt, NEW_TOKENS)
     assert again.cached() == {"device": 0, "host": 0, "storage": REUSABLE}
     assert again.ids == first.ids
+    counters = kvtier_counters(server.url)  # made in SGLang's scheduler process, served by its /metrics
+    assert counters['sglang:kvtier_hit_blocks_total{tier="disk",tp_rank="0"}'] == REUSABLE // PAGE_SIZE
+    assert counters['sglang:kvtier_stored_blocks_total{tp_rank="0"}'] >= PAGES
+    assert counters['sglang:kvtier_failed_load_blocks_total{tp_rank="0"}'] == 0
     server.stop()
 
     restarted = make_server(storage="dynamic", extra_config=kvtier_extra(disk_config(disk)))
