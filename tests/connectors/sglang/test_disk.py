@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from helpers.sglang_pools import PAGE, fill, indices, keys, mha_host_pool, mla_host_pool, page_bytes
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 
 def disk(tmp_path, **more) -> dict:
