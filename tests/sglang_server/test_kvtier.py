@@ -1,12 +1,13 @@
 """kvtier as the storage backend (L3) of a real SGLang 0.5.23 server on CPU, loaded by SGLang's ``dynamic`` backend.
 
-What it shows, each on real servers: a prompt SGLang stored comes back from kvtier's disk tier after ``/flush_cache``
-with the same greedy tokens, and kvtier's counters on SGLang's ``/metrics`` say so; a server started again on the same disk finds it (SGLang's own restart loses its host
-cache); a second server sharing a remote tier (a real redis-server, a real Mooncake Store) gets from it a prompt only
-the first server saw; bytes damaged in the storage between two runs never change the tokens under kvtier (damaged
-pages are misses, recomputed), where SGLang's own ``file`` backend, put through the same steps, loads them and answers
-other tokens (both outcomes are written to the test's report); a kvtier configuration with a mistake stops SGLang at
-start with kvtier's one-line error naming the key.
+What it shows, each on real servers: a prompt SGLang stored comes back from kvtier's disk tier after
+``/flush_cache`` with the same greedy tokens, and kvtier's counters on SGLang's ``/metrics`` say so; a server
+started again on the same disk finds it (SGLang's own restart loses its host cache); a second server sharing a
+remote tier (a real redis-server, a real Mooncake Store) gets from it a prompt only the first server saw; bytes
+damaged in the storage between two runs never change the tokens under kvtier (damaged pages are misses,
+recomputed), where SGLang's own ``file`` backend, put through the same steps, loads them and answers other tokens
+(both outcomes are written to the test's report); a kvtier configuration with a mistake stops SGLang at start
+with kvtier's one-line error naming the key.
 """
 
 from __future__ import annotations
