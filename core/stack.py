@@ -31,6 +31,7 @@ without ``close()`` is collected and a finalizer releases its threads, memory an
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -80,12 +81,16 @@ class LoadResult:
     hits: int                                        # leading keys found and planned
     loaded: int = 0                                  # of those, blocks that arrived intact
     failed: list[int] = field(default_factory=list)  # indices (into keys) of hits that could not be loaded
-    per_tier: dict[str, int] = field(default_factory=dict)
     sources: tuple[str, ...] = ()                    # the tier each hit is read from, in key order
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @property
+    def per_tier(self) -> dict[str, int]:
+        """Hits per tier they are read from."""
+        return dict(collections.Counter(self.sources))
 
 
 class TierStack:
@@ -202,8 +207,6 @@ class TierStack:
             self._run_demotions(planned.room)
             plan = planned.plan
             result = LoadResult(len(keys), plan.num_blocks, sources=tuple(self.tiers[i].name for i in planned.sources))
-            for name in result.sources:
-                result.per_tier[name] = result.per_tier.get(name, 0) + 1
             if not plan.num_blocks:
                 future.set_result(result)
                 return future
