@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / "build" / "venv-sglang"
 START_TIMEOUT_S = 240.0
 """A start takes ~25 s on 2 cores; two servers starting at once share them, so the limit is generous."""
+PORT_TRIES = 3
+"""Starts tried on fresh ports when another process took the chosen one first (``Server.start``)."""
 STOP_GRACE_S = 10.0
 """Seconds SGLang gets to exit on SIGTERM before its process group is killed."""
 REQUEST_TIMEOUT_S = 120.0
@@ -171,21 +173,37 @@ class Server:
 
     def start(self) -> Server:
         """Launch SGLang and wait until ``/health`` answers 200. Raises ServerFailed (with the log's tail) when the
-        process exits first, or when it is not healthy within ``start_timeout`` (then it is stopped first)."""
+        process exits first, or when it is not healthy within ``start_timeout`` (then it is stopped first).
+
+        The port is only known to be free when it is chosen; by the time SGLang binds it (~20 s later) another
+        process may hold it (SGLang's own processes pick their ports from the same range). A start that fails on
+        exactly that is repeated on a fresh port, up to PORT_TRIES times."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name} on port {self.port} was already started")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True)
-        try:
-            self._wait_healthy(started + self.start_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = round(time.monotonic() - started, 1)
-        return self
+        attempt = 1
+        while True:
+            started = time.monotonic()
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True)
+            try:
+                self._wait_healthy(started + self.start_timeout)
+            except ServerFailed:
+                self.stop()
+                port_taken = f"bind on address ('127.0.0.1', {self.port})" in self.log_path.read_text(errors="replace")
+                if attempt == PORT_TRIES or not port_taken:
+                    raise
+                self.port = free_port()
+                self.log_path = self.log_dir / f"{self.name}-{self.port}.log"
+                self.proc = None
+                attempt += 1
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            self.start_s = round(time.monotonic() - started, 1)
+            return self
 
     def _wait_healthy(self, deadline: float) -> None:
         """Poll ``/health`` (503 while SGLang starts) until 200, the process exits, or the deadline passes."""
