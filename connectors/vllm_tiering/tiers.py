@@ -1,0 +1,387 @@
+"""kvtier's disk and remote tiers as secondary tiers of vLLM's tiered offloading (``SecondaryTierManager``).
+
+vLLM keeps its CPU tier (the primary) and its own GPU <-> CPU copies; after a chunk lands there it
+hands it to every secondary tier to store (``submit_store``: chunk ids of the CPU tier, pinned until
+the job reports), and on a miss of the CPU tier asks each secondary tier in turn (``lookup``) and
+promotes a hit into a CPU chunk it allocated (``submit_load``). Here each such tier is a kvtier
+``TierStack`` (the one planner, kvtier's tiers and transfer backends) whose caller storage is vLLM's
+CPU tier itself: one ``StridedStorage`` over its rows, slot = chunk id. A disk tier's reads and writes
+go straight between its slab and the CPU tier's chunks; a remote tier stages through a small host
+tier of its own (settings.py says why). Keys: each OffloadKey folded under the namespace of the
+engine's chunks (namespace.py) and the key secret (core/keys.py ``fold_keys``).
+
+vLLM's contract, kept here: every method runs on the scheduler thread (under the tiering manager's
+lock) and must not block. ``submit_store`` and ``submit_load`` only queue the job; one thread per
+direction runs it through the stack (which may wait for room or for a copy) and posts its
+``JobResult``, collected by ``get_finished_jobs``. A disk tier answers ``lookup`` from its index at
+once; a remote tier answers RETRY until vLLM's own ``AsyncLookupManager`` has asked the store (one
+batched query per request and step, off the scheduler thread). A promotion that fails names the
+chunks that did arrive (``successful_keys``); a chunk that arrived damaged is never among them.
+``drain_jobs`` waits until no job touches the CPU tier; ``shutdown`` also closes the stack (a disk
+slab then holds what it held, found again at the next start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfo,
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.builder import build_stack
+from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
+from kvtier.connectors.vllm_tiering.settings import tier_settings
+from kvtier.core.keys import fold_keys, key_secret
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import StridedStorage
+from kvtier.core.tier import BlockState
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger(__name__)
+
+TIER_LABEL = "kvtier_tier"
+"""The label of kvtier's own metrics: the entry's type (vLLM's ``tier`` label names the manager's tiers)."""
+
+METRICS = {
+    "vllm:kvtier_tier_stored_chunks": "Chunks a kvtier secondary tier stored (new ones; already held ones skipped).",
+    "vllm:kvtier_tier_dropped_chunks": "Chunks a kvtier secondary tier did not store: no room, declined by its "
+                                       "policy, or a copy that failed.",
+    "vllm:kvtier_tier_failed_load_chunks": "Chunks a kvtier secondary tier could not promote intact (gone, "
+                                           "damaged, foreign or unsigned): vLLM recomputes them.",
+}
+
+
+@dataclass(frozen=True)
+class KVTierTierInfo(ConfigInfo):
+    """The facts of one kvtier tier on ``vllm:kv_offload_config_info``: its namespace digest (what two
+    engines must share to share chunks) and its tiers."""
+
+    kvtier_namespace: str
+    kvtier_tiers: str
+
+
+class KVTierTier(SecondaryTierManager):
+    """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
+
+    kvtier_medium: ClassVar[Literal["disk", "remote"]]
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+        """Validate the entry (a ConfigError names a wrong key and stops vLLM's start), then open the stack
+        over the CPU tier's chunks; a disk tier finds what an earlier run of the same engine stored."""
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        settings = tier_settings(self.kvtier_medium, tier_type, entry, self.block_size_bytes)
+        namespace = chunk_namespace(offloading_spec.config, self.block_size_bytes, settings.config.namespace)
+        self.config = settings.config.model_copy(update={"namespace": namespace})
+        self._secret = key_secret(self.config.key_secret_env)
+        self._events: list[OffloadingEvent] | None = None
+        if settings.options.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self._events = []
+        self.stack = build_stack(self.config, BlockLayout((self.block_size_bytes,)))
+        self._chunks = _chunk_storage(primary_kv_view)
+        self._info = KVTierTierInfo(hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
+                                    ", ".join(f"{t.name}:{t.medium}:{t.capacity}" for t in self.stack.tiers))
+        self._jobs = _JobRunner(tier_type)
+        self._counts = dict.fromkeys(METRICS, 0)
+        self._counts_lock = threading.Lock()
+        log.info("kvtier secondary tier %s for vLLM's CPU tier (%d chunks of %d bytes):\n%s", tier_type,
+                 self._chunks.num_slots, self.block_size_bytes, self.stack.describe())
+
+    # --- vLLM's questions ------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when a tier of the stack holds the chunk readable, RETRY while it is being stored here."""
+        state = self._state(self._keys([key])[0])
+        if state is BlockState.READY:
+            return LookupResult.HIT
+        return LookupResult.RETRY if state is BlockState.WRITING else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys, chunks = list(job_metadata.keys), [int(c) for c in job_metadata.chunk_ids]
+        self._jobs.submit("store", job_metadata.job_id, lambda: self._store(job_metadata.job_id, keys, chunks), keys)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys, chunks = list(job_metadata.keys), [int(c) for c in job_metadata.chunk_ids]
+        self._jobs.submit("load", job_metadata.job_id, lambda: self._load(job_metadata.job_id, keys, chunks), keys)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """The jobs that ended since the last call; a store's chunks now held here become a BlockStored
+        event (when asked for), a promotion's chunks that did not arrive a miss (``_load_failed``)."""
+        results = []
+        for kind, result, keys in self._jobs.finished():
+            if kind == "store" and keys and self._events is not None:
+                self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
+                                                    locality=self.locality))
+            elif kind == "load" and keys:
+                self._load_failed(keys)
+            results.append(result)
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._jobs.pending() > 0
+
+    def drain_jobs(self) -> None:
+        self._jobs.drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def shutdown(self) -> None:
+        """Wait for the jobs in flight, close the stack (a disk tier's slab keeps its chunks for the next
+        start), and let go of the CPU tier's memory before vLLM releases it."""
+        self._jobs.shutdown()
+        try:
+            self.stack.close()
+        finally:
+            self._chunks.close()
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
+                for name, doc in METRICS.items()}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        with self._counts_lock:
+            counts, self._counts = self._counts, dict.fromkeys(METRICS, 0)
+        stats = OffloadingConnectorStats()
+        for name, value in counts.items():
+            if value:
+                stats.increase_counter(name, value, (self.tier_type,))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return KVTierTierInfo.config_info_keys()
+
+    def config_info(self) -> ConfigInfoMapping:
+        return self._info.as_config_info()
+
+    # --- the jobs, on the runner's threads -------------------------------------------------------
+
+    def _store(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
+        """Store the chunks, in batches the stack's first tier can hold; success unless a copy failed
+        (a chunk with no room is a drop, counted: a full tier stores less). Also returns the chunks
+        the stack holds now."""
+        started = time.perf_counter()
+        stored = dropped = failed = 0
+        kv_keys = self._keys(keys)
+        step = self.stack.tiers[0].capacity
+        for i in range(0, len(kv_keys), step):
+            result = self.stack.store(kv_keys[i:i + step], self._chunks, chunks[i:i + step]).result()
+            stored += result.stored
+            dropped += result.dropped
+            failed += len(result.failed)
+        self._count(**{"vllm:kvtier_tier_stored_chunks": stored,
+                       "vllm:kvtier_tier_dropped_chunks": dropped + failed})
+        held = [key for key, kv_key in zip(keys, kv_keys, strict=True) if not self.stack.planner.is_new(kv_key)]
+        return JobResult(job_id, success=not failed, transfer_time=time.perf_counter() - started,
+                         transfer_bytes=stored * self.block_size_bytes), held
+
+    def _load(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
+        """Promote the chunks in key order, in batches the stack can stage, up to the first that does not
+        arrive intact; the result names those that did. Also returns those that did not."""
+        started = time.perf_counter()
+        kv_keys = self._keys(keys)
+        step = self.stack.tiers[0].capacity
+        arrived = 0
+        for i in range(0, len(kv_keys), step):
+            batch = kv_keys[i:i + step]
+            result = self.stack.load(batch, self._chunks, chunks[i:i + step], "host").result()
+            ok = result.loaded if result.ok else min(result.failed)
+            arrived += ok
+            if ok < len(batch):
+                break
+        if arrived < len(keys):
+            self._count(**{"vllm:kvtier_tier_failed_load_chunks": len(keys) - arrived})
+        return JobResult(job_id, success=arrived == len(keys), successful_keys=keys[:arrived] or None,
+                         transfer_time=time.perf_counter() - started,
+                         transfer_bytes=arrived * self.block_size_bytes), keys[arrived:]
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _load_failed(self, keys: list[OffloadKey]) -> None:
+        """Chunks a promotion did not bring: the stack already treats them as a miss (a damaged slot is
+        dropped, a store's record is a miss for a while); a tier with a lookup cache of its own forgets them."""
+
+    def _keys(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        return fold_keys(keys, self.config.namespace, self._secret)
+
+    def _state(self, key: bytes) -> BlockState:
+        """READY if some tier holds the chunk readable, WRITING if one is being written, else FREE."""
+        states = {tier.state(key) for tier in self.stack.tiers}
+        return next((s for s in (BlockState.READY, BlockState.WRITING) if s in states), BlockState.FREE)
+
+    def _count(self, **counts: int) -> None:
+        with self._counts_lock:
+            for name, value in counts.items():
+                self._counts[name] += value
+
+
+class KVTierDisk(KVTierTier):
+    """kvtier's disk tier: a preallocated slab of checksummed slots in ``path``, found again after a
+    restart, optionally compressed; its own eviction policy (``eviction``, adaptive by default)."""
+
+    kvtier_medium = "disk"
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
+        self.locality = Locality.LOCAL
+
+
+class KVTierRemote(KVTierTier):
+    """kvtier's remote tier: a Mooncake Store or Redis/Valkey shared with other engines, records checked
+    (and with ``auth_key_env`` authenticated) before they are promoted. Whether the store holds a
+    chunk is asked off the scheduler thread (vLLM's ``AsyncLookupManager``): RETRY until it answered."""
+
+    kvtier_medium = "remote"
+    medium = Medium.STORAGE
+    cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
+        self.locality = Locality.REMOTE
+        self._asked = _StoreLookup(self)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """What the stack knows already (staged here, being stored, or recently found in the store), else
+        the store's answer once vLLM's lookup thread has it (RETRY until then)."""
+        known = super().lookup(key, req_context)
+        if known is not LookupResult.MISS:
+            return known
+        found = self._asked.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def _load_failed(self, keys: list[OffloadKey]) -> None:
+        """vLLM's lookup cache would still say HIT for them, and vLLM would ask to promote them again and again."""
+        self._asked.mark_miss(keys)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._asked.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._asked.flush()
+
+    def shutdown(self) -> None:
+        self._asked.shutdown()
+        super().shutdown()
+
+    def query_store(self, keys: list[OffloadKey]) -> list[bool]:
+        """Ask the store which of the chunks it holds (one batched query, bounded by the tier's timeout:
+        an unreachable store answers "none")."""
+        kv_keys = self._keys(keys)
+        remote = self.stack.tiers[-1]
+        remote.query(kv_keys)
+        return [self._state(key) is BlockState.READY for key in kv_keys]
+
+
+class _StoreLookup(AsyncLookupManager):
+    """vLLM's asynchronous lookup, asking a remote tier's store on vLLM's lookup thread."""
+
+    def __init__(self, tier: KVTierRemote) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.query_store(keys)
+
+
+Kind = Literal["store", "load"]
+Run = Callable[[], tuple[JobResult, list[OffloadKey]]]
+
+
+class _JobRunner:
+    """Runs a tier's jobs off the scheduler thread, one thread per direction (a slow store never delays a
+    promotion), and hands back what each returned: its ``JobResult`` and the keys it names. A job that
+    raises is reported failed (a promotion: all its chunks), never lost."""
+
+    def __init__(self, tier_type: str) -> None:
+        self._pools = {kind: ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{tier_type}-{kind}")
+                       for kind in ("store", "load")}
+        self._done: list[tuple[Kind, JobResult, list[OffloadKey]]] = []
+        self._in_flight = 0
+        self._cond = threading.Condition()
+
+    def submit(self, kind: Kind, job_id: int, run: Run, keys: list[OffloadKey]) -> None:
+        with self._cond:
+            self._in_flight += 1
+        self._pools[kind].submit(self._run, kind, job_id, run, keys)
+
+    def finished(self) -> list[tuple[Kind, JobResult, list[OffloadKey]]]:
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def pending(self) -> int:
+        with self._cond:
+            return self._in_flight + len(self._done)
+
+    def drain(self) -> None:
+        """Wait until every submitted job has run (its result waits in ``finished``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight == 0)
+
+    def shutdown(self) -> None:
+        self.drain()
+        for pool in self._pools.values():
+            pool.shutdown()
+
+    def _run(self, kind: Kind, job_id: int, run: Run, keys: list[OffloadKey]) -> None:
+        try:
+            done = (kind, *run())
+        except Exception:
+            log.exception("kvtier secondary tier: %s job %d failed", kind, job_id)
+            done = (kind, JobResult(job_id, success=False), keys if kind == "load" else [])
+        with self._cond:
+            self._done.append(done)
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+
+def _chunk_storage(view: memoryview) -> StridedStorage:
+    """One fragment per chunk: the whole row (every worker's shard and the padding), at its address in
+    the CPU tier's shared region. The array is the only export of the view kvtier holds; ``close``
+    drops it, so vLLM can release the view after shutdown."""
+    rows = np.asarray(view)
+    if rows.ndim != 2 or not rows.flags.c_contiguous:
+        raise ValueError(f"vLLM's CPU tier view must be (chunks, row bytes) and contiguous, got {rows.shape}")
+    row = rows.shape[1] * rows.itemsize
+    return StridedStorage(BlockLayout((row,)), rows.shape[0], [rows.ctypes.data], [row], "cpu", keepalive=rows)
