@@ -144,29 +144,40 @@ def fold_keys(engine_keys: Sequence[str | bytes], namespace: bytes | str, secret
     under the namespace gives another key wherever those differ. Keyed with ``secret`` (as the chain
     is), nobody without the secret can compute a key, so an engine's plain, guessable hash (SGLang's
     SHA-256 of token ids) never becomes a store's record name. Str keys are UTF-8 encoded: ``"k"``
-    and ``b"k"`` fold alike.
+    and ``b"k"`` fold alike. A caller folding keys of one namespace again and again keeps a
+    ``KeyFolder`` instead (the namespace's root is then hashed once).
     """
-    if secret is not None and (not isinstance(secret, bytes) or not secret):
-        raise ValueError("secret must be non-empty bytes (or None for unkeyed keys)")
-    root_hasher, _ = _hashers(secret)
-    ns = _namespace_bytes(namespace)
-    root = root_hasher.copy()
-    root.update(struct.pack("<QQ", 0, len(ns)) + ns)
-    fold = hashlib.blake2b(digest_size=KEY_BYTES, key=hash_key(secret) if secret is not None else b"",
-                           person=_FOLD_PERSON)
-    fold.update(root.digest())
-    keys = []
-    for engine_key in engine_keys:
-        if isinstance(engine_key, str):
-            raw = engine_key.encode("utf-8")
-        elif isinstance(engine_key, bytes):
-            raw = engine_key
-        else:
-            raise TypeError(f"an engine key must be str or bytes, got {type(engine_key).__name__}")
-        h = fold.copy()
-        h.update(len(raw).to_bytes(8, "little") + raw)
-        keys.append(h.digest())
-    return keys
+    return KeyFolder(namespace, secret)(engine_keys)
+
+
+class KeyFolder:
+    """``fold_keys`` for one namespace and secret, the root hashed once: folding then costs one BLAKE2b
+    of the engine key (about 0.4 us), which matters where an engine asks key by key (vLLM's lookups)."""
+
+    def __init__(self, namespace: bytes | str, secret: bytes | None = None) -> None:
+        if secret is not None and (not isinstance(secret, bytes) or not secret):
+            raise ValueError("secret must be non-empty bytes (or None for unkeyed keys)")
+        root_hasher, _ = _hashers(secret)
+        ns = _namespace_bytes(namespace)
+        root = root_hasher.copy()
+        root.update(struct.pack("<QQ", 0, len(ns)) + ns)
+        self._fold = hashlib.blake2b(digest_size=KEY_BYTES, key=hash_key(secret) if secret is not None else b"",
+                                     person=_FOLD_PERSON)
+        self._fold.update(root.digest())
+
+    def __call__(self, engine_keys: Sequence[str | bytes]) -> list[bytes]:
+        keys = []
+        for engine_key in engine_keys:
+            if isinstance(engine_key, str):
+                raw = engine_key.encode("utf-8")
+            elif isinstance(engine_key, bytes):
+                raw = engine_key
+            else:
+                raise TypeError(f"an engine key must be str or bytes, got {type(engine_key).__name__}")
+            h = self._fold.copy()
+            h.update(len(raw).to_bytes(8, "little") + raw)
+            keys.append(h.digest())
+        return keys
 
 
 def key_secret(env_name: str | None, setting: str = "key_secret_env") -> bytes | None:
@@ -224,5 +235,5 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key",
+__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "KeyFolder", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key",
            "key_secret"]

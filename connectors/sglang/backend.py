@@ -43,7 +43,7 @@ from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slo
 from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
 from kvtier.core.config import DiskTierConfig, StackConfig, block_footprint, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, StateError
-from kvtier.core.keys import fold_keys, key_secret
+from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import BlockStorage, buffer_storage
 
@@ -67,6 +67,7 @@ class KVTierStorage(HiCacheStorage):
         self.stack: TierStack | None = None
         self.pages: PageGeometry | None = None
         self.namespace = b""
+        self._fold = KeyFolder(self.namespace, self.key_secret)  # the rank's own once the pool is registered
         self.counters: StorageCounters | None = None
 
     # --- start ---------------------------------------------------------------------------------
@@ -83,6 +84,7 @@ class KVTierStorage(HiCacheStorage):
         model_path, revision = server_model_path()
         self.namespace = storage_namespace(self.storage_config, mem_pool_host, pages, self.config, model_path,
                                            revision)
+        self._fold = KeyFolder(self.namespace, self.key_secret)
         config = self.config.model_copy(update={"namespace": self.namespace.decode("ascii")})
         self.stack = build_stack(config, pages.layout)
         self.pages = pages
@@ -209,7 +211,7 @@ class KVTierStorage(HiCacheStorage):
         return ok
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        return fold_keys(keys, self.namespace, self.key_secret)
+        return self._fold(keys)
 
     def _page_slots(self, host_indices: Any) -> list[int]:
         """The pool's pages that SGLang's token indices name (ValueError for anything but whole pages of it)."""

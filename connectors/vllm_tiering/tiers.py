@@ -8,7 +8,7 @@ promotes a hit into a CPU chunk it allocated (``submit_load``). Here each such t
 CPU tier itself: one ``StridedStorage`` over its rows, slot = chunk id. A disk tier's reads and writes
 go straight between its slab and the CPU tier's chunks; a remote tier stages through a small host
 tier of its own (settings.py says why). Keys: each OffloadKey folded under the namespace of the
-engine's chunks (namespace.py) and the key secret (core/keys.py ``fold_keys``).
+engine's chunks (namespace.py) and the key secret (core/keys.py ``KeyFolder``).
 
 vLLM's contract, kept here: every method runs on the scheduler thread (under the tiering manager's
 lock) and must not block. ``submit_store`` and ``submit_load`` only queue the job; one thread per
@@ -55,7 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.builder import build_stack
 from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
 from kvtier.connectors.vllm_tiering.settings import tier_settings
-from kvtier.core.keys import fold_keys, key_secret
+from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import BlockState
@@ -91,6 +91,7 @@ class KVTierTier(SecondaryTierManager):
     """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
 
     kvtier_medium: ClassVar[Literal["disk", "remote"]]
+    medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
@@ -100,7 +101,7 @@ class KVTierTier(SecondaryTierManager):
         settings = tier_settings(self.kvtier_medium, tier_type, entry, self.block_size_bytes)
         namespace = chunk_namespace(offloading_spec.config, self.block_size_bytes, settings.config.namespace)
         self.config = settings.config.model_copy(update={"namespace": namespace})
-        self._secret = key_secret(self.config.key_secret_env)
+        self._fold = KeyFolder(namespace, key_secret(self.config.key_secret_env))
         self._events: list[OffloadingEvent] | None = None
         if settings.options.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self._events = []
@@ -108,7 +109,7 @@ class KVTierTier(SecondaryTierManager):
         self._chunks = _chunk_storage(primary_kv_view)
         self._info = KVTierTierInfo(hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
                                     ", ".join(f"{t.name}:{t.medium}:{t.capacity}" for t in self.stack.tiers))
-        self._jobs = _JobRunner(tier_type)
+        self._jobs = _JobRunner(tier_type, self.config.transfer.io_threads)
         self._counts = dict.fromkeys(METRICS, 0)
         self._counts_lock = threading.Lock()
         log.info("kvtier secondary tier %s for vLLM's CPU tier (%d chunks of %d bytes):\n%s", tier_type,
@@ -212,33 +213,31 @@ class KVTierTier(SecondaryTierManager):
                          transfer_bytes=stored * self.block_size_bytes), held
 
     def _load(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
-        """Promote the chunks in key order, in batches the stack can stage, up to the first that does not
-        arrive intact; the result names those that did. Also returns those that did not."""
+        """Promote the chunks, in batches the stack can stage; the result names those that arrived intact
+        (a batch loads the prefix its tiers hold, and a chunk whose copy failed its checks never counts).
+        Also returns those that did not arrive."""
         started = time.perf_counter()
         kv_keys = self._keys(keys)
         step = self.stack.tiers[0].capacity
-        arrived = 0
+        arrived: list[OffloadKey] = []
+        missed: list[OffloadKey] = []
         for i in range(0, len(kv_keys), step):
-            batch = kv_keys[i:i + step]
-            result = self.stack.load(batch, self._chunks, chunks[i:i + step], "host").result()
-            ok = result.loaded if result.ok else min(result.failed)
-            arrived += ok
-            if ok < len(batch):
-                break
-        if arrived < len(keys):
-            self._count(**{"vllm:kvtier_tier_failed_load_chunks": len(keys) - arrived})
-        return JobResult(job_id, success=arrived == len(keys), successful_keys=keys[:arrived] or None,
+            result = self.stack.load(kv_keys[i:i + step], self._chunks, chunks[i:i + step], "host").result()
+            failed = set(result.failed)
+            for j, key in enumerate(keys[i:i + step]):
+                (arrived if j < result.hits and j not in failed else missed).append(key)
+        if missed:
+            self._count(**{"vllm:kvtier_tier_failed_load_chunks": len(missed)})
+        return JobResult(job_id, success=not missed, successful_keys=arrived or None,
                          transfer_time=time.perf_counter() - started,
-                         transfer_bytes=arrived * self.block_size_bytes), keys[arrived:]
-
-    # --- helpers ---------------------------------------------------------------------------------
+                         transfer_bytes=len(arrived) * self.block_size_bytes), missed
 
     def _load_failed(self, keys: list[OffloadKey]) -> None:
         """Chunks a promotion did not bring: the stack already treats them as a miss (a damaged slot is
         dropped, a store's record is a miss for a while); a tier with a lookup cache of its own forgets them."""
 
     def _keys(self, keys: Sequence[OffloadKey]) -> list[bytes]:
-        return fold_keys(keys, self.config.namespace, self._secret)
+        return self._fold(keys)
 
     def _state(self, key: bytes) -> BlockState:
         """READY if some tier holds the chunk readable, WRITING if one is being written, else FREE."""
@@ -256,7 +255,6 @@ class KVTierDisk(KVTierTier):
     restart, optionally compressed; its own eviction policy (``eviction``, adaptive by default)."""
 
     kvtier_medium = "disk"
-    medium = Medium.STORAGE
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
@@ -270,7 +268,6 @@ class KVTierRemote(KVTierTier):
     chunk is asked off the scheduler thread (vLLM's ``AsyncLookupManager``): RETRY until it answered."""
 
     kvtier_medium = "remote"
-    medium = Medium.STORAGE
     cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
@@ -329,12 +326,14 @@ Run = Callable[[], tuple[JobResult, list[OffloadKey]]]
 
 
 class _JobRunner:
-    """Runs a tier's jobs off the scheduler thread, one thread per direction (a slow store never delays a
-    promotion), and hands back what each returned: its ``JobResult`` and the keys it names. A job that
-    raises is reported failed (a promotion: all its chunks), never lost."""
+    """Runs a tier's jobs off the scheduler thread and hands back what each returned: its ``JobResult``
+    and the keys it names. A job that raises is reported failed (a promotion: all its chunks), never
+    lost. ``threads`` jobs per direction run at once (the tier's ``transfer.io_threads``): vLLM submits
+    a job per request and step, often of a few chunks, and one at a time would leave the disk one read
+    deep; a pool per direction keeps a burst of stores from delaying promotions."""
 
-    def __init__(self, tier_type: str) -> None:
-        self._pools = {kind: ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{tier_type}-{kind}")
+    def __init__(self, tier_type: str, threads: int) -> None:
+        self._pools = {kind: ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{tier_type}-{kind}")
                        for kind in ("store", "load")}
         self._done: list[tuple[Kind, JobResult, list[OffloadKey]]] = []
         self._in_flight = 0
