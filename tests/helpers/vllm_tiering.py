@@ -20,7 +20,15 @@ import uuid
 from collections.abc import Sequence
 
 import numpy as np
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
@@ -51,7 +59,7 @@ class TieringEngine:
     """vLLM's tiering manager of one engine (scheduler side), with its CPU tier's rows in reach."""
 
     def __init__(self, model_dir, secondary_tiers: Sequence[dict], cpu_chunks: int = 8, eviction_policy: str = "lru",
-                 num_gpu_blocks: int = 64, extra: dict | None = None) -> None:
+                 num_gpu_blocks: int = 64, extra: dict | None = None, kv_events: bool = False) -> None:
         kv_config = kv_cache_config(num_gpu_blocks)
         group = kv_config.kv_cache_groups[0]
         block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # one GPU block of every layer
@@ -68,7 +76,8 @@ class TieringEngine:
                                              enable_chunked_prefill=True, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                                 engine_id=self.engine_id, kv_connector_extra_config=extra_config),
-            device_config=DeviceConfig("cpu"))
+            device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null") if kv_events else None)
         config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
         self.manager = self.connector.connector_scheduler.manager

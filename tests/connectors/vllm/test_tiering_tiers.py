@@ -11,13 +11,15 @@ vLLM's backpressure detector then drops stores. A wrong entry stops vLLM's start
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
+from helpers.mooncake_server import MooncakeMaster, SegmentOwner
 from helpers.redis_server import redis_server
 from helpers.vllm_tiering import TieringEngine, chunk_bytes, chunk_key, kvtier_tier
 from kvtier.core.errors import ConfigError
@@ -90,6 +92,23 @@ def test_chunks_cascade_to_disk_leave_the_cpu_tier_and_come_back_bit_exact(engin
     assert_promoted_exact(engine, keys[3:6])
 
 
+def test_the_example_config_runs_as_written(engines, tmp_path):
+    """examples/vllm/tiering.json, its disk path and size and the CPU tier's size changed: vLLM builds kvtier's
+    disk tier with vLLM's backpressure detector and kvtier's policy for its CPU tier, and chunks cascade
+    and come back."""
+    example = json.loads((Path(__file__).parents[3] / "examples" / "vllm" / "tiering.json").read_text())
+    extra = example["kv_connector_extra_config"]
+    (entry,) = extra["secondary_tiers"]
+    entry.update(path=str(tmp_path / "disk"), capacity="1MiB")
+    engine = engines([entry], eviction_policy=extra["eviction_policy"])
+    assert type(engine.manager.primary_tier._policy).__name__ == "KVTierAdaptive"
+    assert engine.tiers[0].bp_detector is not None
+    keys = [chunk_key(i) for i in range(8)]
+    for key in keys:
+        engine.store([key])
+    assert_promoted_exact(engine, keys[:3])
+
+
 def test_a_new_engine_on_the_same_directory_finds_the_chunks(engines, tmp_path):
     keys = [chunk_key(i) for i in range(8)]
     first = engines([disk_tier(tmp_path / "disk")])
@@ -126,6 +145,38 @@ def flip_byte_of(directory: Path, chunk: np.ndarray) -> None:
     with open(slab, "r+b") as f:
         f.seek(at + 100)
         f.write(bytes([data[at + 100] ^ 0x01]))
+
+
+def test_stored_chunks_are_announced_with_the_tiers_medium_and_locality(engines, tmp_path):
+    engine = engines([disk_tier(tmp_path / "disk", enable_kv_events=True)], kv_events=True)
+    keys = [chunk_key(i) for i in range(3)]
+    for key in keys:
+        engine.store([key])
+    with engine.manager.lock:
+        events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    assert [k for e in events for k in e.keys] == keys
+    assert all(not e.removed and e.locality is Locality.LOCAL for e in events)
+
+
+def test_a_cache_reset_waits_for_the_tiers_jobs_and_keeps_the_disk(engines, tmp_path):
+    """vLLM's reset_cache (sleep, weight update) drains every tier's jobs before it frees the CPU tier's
+    chunks: no copy may still read one. kvtier's disk keeps what it stored."""
+    engine = engines([disk_tier(tmp_path / "disk")], cpu_chunks=16)
+    keys = [chunk_key(i) for i in range(12)]
+    ctx = engine.request()
+    with engine.manager.lock:
+        out = engine.manager.prepare_store(keys, ctx)
+    for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        engine.rows[chunk] = chunk_bytes(key, engine.chunk_size)
+    with engine.manager.lock:
+        engine.manager.complete_store(keys, ctx)  # 12 chunks cascade; the reset comes while they are in flight
+        engine.manager.reset_cache()
+        assert not engine.manager.has_pending_work()
+    engine.finish(ctx)
+    with engine.manager.lock:
+        engine.manager.on_reset_flushed()
+    assert not any(in_cpu_tier(engine, key) for key in keys)
+    assert_promoted_exact(engine, keys[:8])
 
 
 def test_the_tier_takes_its_settings_from_the_entry(engines, tmp_path):
@@ -194,6 +245,21 @@ def test_a_second_engine_promotes_the_first_ones_chunks_from_the_store(engines, 
     second = engines([remote_tier(redis)])
     assert_promoted_exact(second, keys[:3])
     assert counters(second)["failed_load_chunks"] == 0
+
+
+def test_a_mooncake_store_serves_a_second_engine(engines):
+    keys = [chunk_key(i) for i in range(4)]
+    with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
+        entry = kvtier_tier("KVTierRemote", backend="mooncake", timeout=TIMEOUT,
+                            mooncake={"master": master.address, "metadata_server": master.metadata_url})
+        first = engines([entry])
+        for key in keys:
+            first.store([key])
+        first.tiers[0].stack.wait_idle()
+        second = engines([entry])
+        assert_promoted_exact(second, keys[:3])
+        first.shutdown()
+        second.shutdown()
 
 
 def test_records_without_the_right_mac_are_misses(engines, redis, monkeypatch):
