@@ -27,7 +27,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -103,8 +103,12 @@ class KVTierTier(SecondaryTierManager):
         self.config = settings.config.model_copy(update={"namespace": namespace})
         self._fold = KeyFolder(namespace, key_secret(self.config.key_secret_env))
         self._events: list[OffloadingEvent] | None = None
-        if settings.options.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
-            self._events = []
+        if settings.options.enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning("%s: enable_kv_events is set but vLLM publishes no KV cache events (kv_events_config); "
+                            "this tier announces nothing", tier_type)
         self.stack = build_stack(self.config, BlockLayout((self.block_size_bytes,)))
         self._chunks = _chunk_storage(primary_kv_view)
         self._info = KVTierTierInfo(hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
@@ -153,6 +157,14 @@ class KVTierTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """A use of chunks (vLLM's manager forwards its touches to every tier): each kvtier tier holding one
+        tells its eviction policy, as a read would (a pin taken and released at once)."""
+        kv_keys = self._keys(list(keys))
+        for tier in self.stack.tiers:
+            if not tier.by_key:
+                tier.unpin([key for key in kv_keys if tier.try_pin(key)])
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events:

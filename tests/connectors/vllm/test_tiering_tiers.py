@@ -147,6 +147,28 @@ def flip_byte_of(directory: Path, chunk: np.ndarray) -> None:
         f.write(bytes([data[at + 100] ^ 0x01]))
 
 
+def test_a_touched_chunk_outlives_an_untouched_one_on_disk(engines, tmp_path):
+    engine = engines([disk_tier(tmp_path / "disk", capacity_blocks=4, eviction="lru")], cpu_chunks=2)
+    keys = [chunk_key(i) for i in range(5)]
+    for key in keys[:4]:
+        engine.store([key])
+    ctx = engine.request()
+    with engine.manager.lock:
+        engine.manager.touch(keys[:1], ctx)  # the oldest chunk, used again
+    engine.finish(ctx)
+    engine.store(keys[4:])  # a full disk tier makes room: its LRU victim is the oldest untouched chunk
+    assert [tier_holds(engine, key) for key in keys] == [True, False, True, True, True]
+
+
+def tier_holds(engine: TieringEngine, key) -> bool:
+    """Whether the first secondary tier itself answers HIT (no promotion starts)."""
+    ctx = engine.request()
+    with engine.manager.lock:
+        found = engine.tiers[0].lookup(key, ctx) is LookupResult.HIT
+    engine.finish(ctx)
+    return found
+
+
 def test_stored_chunks_are_announced_with_the_tiers_medium_and_locality(engines, tmp_path):
     engine = engines([disk_tier(tmp_path / "disk", enable_kv_events=True)], kv_events=True)
     keys = [chunk_key(i) for i in range(3)]
