@@ -84,54 +84,27 @@ for _name, _value in (("VLLM_TARGET_DEVICE", "cpu"), ("CUDA_VISIBLE_DEVICES", ""
                       ("VLLM_LOGGING_LEVEL", "ERROR")):
     os.environ.setdefault(_name, _value)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    LookupResult,
-    OffloadKey,
-    ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' driver of vLLM's tiering
 
+import numpy as np  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+
+from helpers.vllm_harness import MODEL_JSON  # noqa: E402
+from helpers.vllm_helpers import BLOCK  # noqa: E402
+from helpers.vllm_tiering import DEFERRED, MODULE, POLL_S, TieringEngine, maximal_prefix  # noqa: E402
 from kvtier.core.config import format_size, parse_size  # noqa: E402
 from kvtier.tiers.disk_files import SLAB_NAME  # noqa: E402
 
 logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM's CPU platform warns about this test model's settings
 
-MODULE = "kvtier.connectors.vllm_tiering"
 POLICY_BENCH = Path(__file__).resolve().parent / "vllm_tiering_policy.py"
 TIERS = ("kvtier", "fs")
 WAYS = ("store", "load")
 SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
-GPU_BLOCK = 16  # tokens per GPU block
-LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
-KV_SPEC = FullAttentionSpec(block_size=GPU_BLOCK, num_kv_heads=8, head_size=64, dtype=torch.float16)
-BLOCK_BYTES = KV_SPEC.page_size_bytes * len(LAYERS)  # one GPU block of every layer: 64 KiB
-# vLLM's ModelConfig reads only this file: no weights, no tokenizer.
-MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 512, "num_hidden_layers": 2,
-              "num_attention_heads": 8, "ffn_dim": 1024, "vocab_size": 50272, "max_position_embeddings": 4096,
-              "torch_dtype": "float16"}
+HEAD_SIZE = 256  # the tests' KV cache (two layers of 2 KV heads, fp16, 16-token blocks) with 32 KiB pages
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * HEAD_SIZE * 2  # one GPU block of both layers (K and V): 64 KiB
 PROBE = 64  # bytes of a chunk searched for in kvtier's slab
-POLL_S = 0.001  # pause between steps while work is in flight: vLLM's engine core sleeps 1 ms after a step that ran
-# no model (v1/engine/core.py, _process_engine_step), to let transfer threads have the GIL
-TIMEOUT_S = 120.0
+TIMEOUT_S = 120.0  # the longest a batch's cascades, promotions or lookups may take
 
 
 # --- the chunks ------------------------------------------------------------------------------------
@@ -184,33 +157,6 @@ def split(items: Sequence, parts: int) -> list[Sequence]:
 # --- vLLM's manager, driven as its scheduler drives it ---------------------------------------------
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
-    """Two layers of 8 KV heads x 64 dims in fp16, layer-outer in one buffer (never allocated here)."""
-    page = KV_SPEC.page_size_bytes
-    tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
-                           layer_stride=page * num_blocks, block_stride=page)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), KV_SPEC)])
-    config.kv_cache_layout = "LBHNC"
-    return config
-
-
-def vllm_config(model_dir: Path, extra: dict, num_gpu_blocks: int) -> VllmConfig:
-    """A VllmConfig selecting vLLM's OffloadingConnector with this extra config, for the local model."""
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
-                                 max_model_len=4096),
-        cache_config=CacheConfig(block_size=GPU_BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                            engine_id=f"kvtier-bench-{uuid.uuid4().hex[:12]}",
-                                            kv_connector_extra_config=extra),
-        device_config=DeviceConfig("cpu"))
-    config.cache_config.num_gpu_blocks = num_gpu_blocks
-    return config
-
-
 def tier_entry(tier: str, path: Path, chunks: int) -> dict:
     """The ``secondary_tiers`` entry of ``tier`` in ``path``, as a user writes it. kvtier's disk tier gets
     room for every chunk and some to spare, so that none is evicted."""
@@ -228,57 +174,23 @@ class Promotion:
     promoted: bool = False  # some lookup started a promotion (answered HIT_PENDING)
 
 
-class Engine:
-    """The scheduler side of one vLLM engine with tiered offloading: its manager and its CPU tier's rows."""
+class Engine(TieringEngine):
+    """The scheduler side of one vLLM engine with tiered offloading (the tests' driver), timed batch by batch."""
 
     def __init__(self, model_dir: Path, entry: dict, chunk_bytes: int, cpu_bytes: int) -> None:
         blocks_per_chunk = chunk_bytes // BLOCK_BYTES
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru",
-                 "block_size": GPU_BLOCK * blocks_per_chunk, "secondary_tiers": [dict(entry)]}
-        num_gpu_blocks = 4 * blocks_per_chunk
-        config = vllm_config(model_dir, extra, num_gpu_blocks)
-        self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
-                                                             kv_cache_config(num_gpu_blocks))
-        self.manager = self.connector.connector_scheduler.manager
-        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
-        if self.rows.shape[1] != chunk_bytes:
-            raise RuntimeError(f"vLLM made CPU rows of {self.rows.shape[1]} bytes, not {chunk_bytes}")
-        (self.tier,) = self.manager.secondary_tiers
-        self._ids = 0
+        super().__init__(model_dir, [entry], num_gpu_blocks=4 * blocks_per_chunk, head_size=HEAD_SIZE,
+                         cpu_bytes=cpu_bytes, extra={"block_size": BLOCK * blocks_per_chunk})
+        if self.chunk_size != chunk_bytes:
+            raise RuntimeError(f"vLLM made CPU rows of {self.chunk_size} bytes, not {chunk_bytes}")
+        (self.tier,) = self.tiers
 
     @property
     def cpu_chunks(self) -> int:
         return self.rows.shape[0]
 
-    def request(self) -> ReqContext:
-        self._ids += 1
-        ctx = ReqContext(req_id=f"bench-{self._ids}")
-        with self.manager.lock:
-            self.manager.on_new_request(ctx)
-        return ctx
-
-    def finish(self, ctx: ReqContext) -> None:
-        with self.manager.lock:
-            self.manager.on_request_finished(ctx)
-
-    def step(self) -> None:
-        """The end of a scheduler step: finished jobs collected, promotions submitted, lookups flushed."""
-        with self.manager.lock:
-            self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-
-    def settle(self) -> None:
-        """Steps until no job is in flight (cascades and promotions finished and collected)."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            self.step()
-            with self.manager.lock:
-                if not self.manager.has_pending_work():
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError("the tiering manager still has work in flight")
-            time.sleep(POLL_S)
-
-    def store(self, groups: Sequence[Sequence[OffloadKey]], write: Callable[[np.ndarray, OffloadKey], None]) -> float:
+    def store_batch(self, groups: Sequence[Sequence[OffloadKey]],
+                    write: Callable[[np.ndarray, OffloadKey], None]) -> float:
         """One request per group stores its chunks into the CPU tier (the worker writes each row first);
         returns the seconds from the first ``complete_store`` until every cascade has finished."""
         prepared = []
@@ -321,17 +233,10 @@ class Engine:
         return result, contexts
 
     def _prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext, result: Promotion) -> int:
-        """vLLM's maximal-prefix lookup (its scheduler's ``_maximal_prefix_lookup``): the chunks up to the
-        first MISS, or -1 when some answer says to ask again at the next step."""
-        hits, deferred = 0, False
-        for key in keys:
-            answer = self.manager.lookup(key, ctx)
-            if answer is LookupResult.MISS:
-                break
-            hits += answer is not LookupResult.RETRY
-            deferred |= answer is not LookupResult.HIT
-            result.promoted |= answer is LookupResult.HIT_PENDING
-        return -1 if deferred else hits
+        """The request's chunks up to the first MISS, or -1 when some answer says to ask again next step."""
+        hits, answers = maximal_prefix(self.manager, keys, ctx)
+        result.promoted |= LookupResult.HIT_PENDING in answers
+        return -1 if answers & DEFERRED else hits
 
     def read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[np.ndarray]:
         """The CPU tier's rows of ``keys`` (HITs), pinned while the worker would copy them."""
@@ -354,13 +259,6 @@ class Engine:
             return bool(stack.tiers[0].storage.slab.o_direct)
         return bool(self.tier._use_o_direct)
 
-    def shutdown(self) -> None:
-        """Shut down as vLLM does at exit (this driver's view of the rows goes first: vLLM releases its
-        memoryview, which it cannot while an export of it lives)."""
-        self.rows = None
-        self.connector.shutdown()
-
-
 # --- the measurements ------------------------------------------------------------------------------
 
 
@@ -368,7 +266,7 @@ def store_all(engine: Engine, chunks: Chunks, requests: int) -> float:
     """Seconds to cascade every chunk, batch by batch (each batch fills the CPU tier)."""
     seconds = 0.0
     for batch in batches(chunks.keys, engine.cpu_chunks):
-        seconds += engine.store(split(batch, requests), chunks.write)
+        seconds += engine.store_batch(split(batch, requests), chunks.write)
     return seconds
 
 

@@ -39,6 +39,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,9 +48,12 @@ from pathlib import Path
 for _name, _value in (("VLLM_TARGET_DEVICE", "cpu"), ("CUDA_VISIBLE_DEVICES", ""), ("HF_HUB_OFFLINE", "1")):
     os.environ.setdefault(_name, _value)
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' driver of vLLM's managers
+
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
+from helpers.vllm_tiering import serve  # noqa: E402
 from kvtier.replay.trace import Request, load_trace  # noqa: E402
 from kvtier.replay.workload import WORKLOADS, generate  # noqa: E402
 
@@ -57,7 +61,6 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" /
 MODULE_PATH = "kvtier.connectors.vllm_tiering"
 # column -> (vLLM's cache_policy, cache_policy_module_path)
 POLICIES = {"lru": ("lru", None), "arc": ("arc", None), "adaptive": ("KVTierAdaptive", MODULE_PATH)}
-TOKENS_PER_BLOCK = 512  # the Mooncake trace's block size; only the keys' order within a request matters
 
 
 def workload(name: str, trace: Path) -> list[Request]:
@@ -78,28 +81,6 @@ def keyed(requests: Sequence[Request]) -> list[list[OffloadKey]]:
             row.append(key)
         out.append(row)
     return out
-
-
-def serve(manager: CPUOffloadingManager, req_id: str, keys: list[OffloadKey]) -> int:
-    """One request as vLLM's connector drives the manager; its prefix hits."""
-    ctx = ReqContext(req_id=req_id)
-    for index, key in enumerate(keys):
-        ctx.set_offload_key_position(key, (index + 1) * TOKENS_PER_BLOCK)
-    manager.on_new_request(ctx)
-    hits = 0
-    for key in keys:
-        if manager.lookup(key, ctx) is not LookupResult.HIT:
-            break
-        hits += 1
-    if hits:
-        manager.prepare_load(keys[:hits], ctx)
-        manager.complete_load(keys[:hits], ctx)
-    if hits < len(keys):
-        stored = manager.prepare_store(keys[hits:], ctx)
-        if stored is not None:  # no room: vLLM drops the store
-            manager.complete_store(stored.keys_to_store, ctx)
-    manager.on_request_finished(ctx)
-    return hits
 
 
 def replay(requests: list[list[OffloadKey]], capacity: int, policy: str) -> float:

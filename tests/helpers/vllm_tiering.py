@@ -9,7 +9,8 @@ lookups under the manager's lock, GPU -> CPU stores (``prepare_store``, the work
 bytes into the CPU tier's row (the shared region's memoryview) between ``prepare_store`` and
 ``complete_store``, as its DMA would, and a test reads a promoted row back from there.
 
-Imports vLLM: only tests/connectors/vllm (whose conftest sets vLLM's environment up) use it.
+Imports vLLM: tests/connectors/vllm (whose conftest sets vLLM's environment up) and bench/vllm_tiering.py
+use it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from helpers.vllm_harness import kv_cache_config
 from helpers.vllm_helpers import BLOCK
 
 MODULE = "kvtier.connectors.vllm_tiering"
+POLL_S = 0.001
+"""Pause between steps while work is in flight: vLLM's engine core sleeps 1 ms after a step that ran no model
+(``v1/engine/core.py``), which lets transfer threads have the GIL."""
 
 
 def kvtier_tier(kind: str, **settings) -> dict:
@@ -55,16 +59,64 @@ def chunk_bytes(key: OffloadKey, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def maximal_prefix(manager, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, set[LookupResult]]:
+    """vLLM's maximal-prefix lookup (its offloading scheduler's ``_maximal_prefix_lookup``), under the
+    caller's hold of the manager's lock: how many leading chunks are HIT, HIT_PENDING or RETRY before
+    the first MISS, and the answers seen (a RETRY or HIT_PENDING among them: ask again next step;
+    RETRY chunks are not counted)."""
+    hits, answers = 0, set()
+    for key in keys:
+        answer = manager.lookup(key, ctx)
+        answers.add(answer)
+        if answer is LookupResult.MISS:
+            break
+        hits += answer is not LookupResult.RETRY
+    return hits, answers
+
+
+DEFERRED = frozenset({LookupResult.RETRY, LookupResult.HIT_PENDING})
+"""Answers after which vLLM's scheduler asks again at the next step."""
+
+
+def serve(manager, req_id: str, chain: Sequence[OffloadKey]) -> int:
+    """One request as vLLM's offloading connector drives a CPU tier's manager (metadata only): the
+    chain's keys positioned in the request, its leading HITs loaded, the rest stored (a store the tier
+    has no room for is dropped, as vLLM drops it), the request finished. Returns its prefix hits."""
+    ctx = ReqContext(req_id=req_id)
+    for index, key in enumerate(chain):
+        ctx.set_offload_key_position(key, (index + 1) * BLOCK)
+    with manager.lock:
+        manager.on_new_request(ctx)
+        hits = 0
+        for key in chain:
+            if manager.lookup(key, ctx) is not LookupResult.HIT:
+                break
+            hits += 1
+        if hits:
+            manager.prepare_load(chain[:hits], ctx)
+            manager.complete_load(chain[:hits], ctx)
+        if hits < len(chain):
+            out = manager.prepare_store(chain[hits:], ctx)
+            if out is not None:
+                manager.complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+    return hits
+
+
 class TieringEngine:
     """vLLM's tiering manager of one engine (scheduler side), with its CPU tier's rows in reach."""
 
     def __init__(self, model_dir, secondary_tiers: Sequence[dict], cpu_chunks: int = 8, eviction_policy: str = "lru",
-                 num_gpu_blocks: int = 64, extra: dict | None = None, kv_events: bool = False) -> None:
-        kv_config = kv_cache_config(num_gpu_blocks)
+                 num_gpu_blocks: int = 64, extra: dict | None = None, kv_events: bool = False,
+                 head_size: int = 8, cpu_bytes: int | None = None) -> None:
+        """``cpu_chunks`` chunks of one GPU block each in the CPU tier (or ``cpu_bytes`` of it, with chunks of
+        ``extra["block_size"]`` tokens); a GPU block holds two layers of ``kv_cache_config(head_size)``."""
+        kv_config = kv_cache_config(num_gpu_blocks, head_size=head_size)
         group = kv_config.kv_cache_groups[0]
         block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # one GPU block of every layer
         self.engine_id = f"kvtier-test-{uuid.uuid4().hex[:12]}"
-        extra_config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_chunks * max(block, 4096),
+        cpu_bytes = cpu_bytes or cpu_chunks * max(block, 4096)
+        extra_config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
                         "eviction_policy": eviction_policy, "secondary_tiers": list(secondary_tiers), **(extra or {})}
         if eviction_policy not in ("lru", "arc"):
             extra_config["cache_policy_module_path"] = MODULE
@@ -72,7 +124,7 @@ class TieringEngine:
             model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
                                      max_model_len=2048),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
                                              enable_chunked_prefill=True, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                                 engine_id=self.engine_id, kv_connector_extra_config=extra_config),
@@ -120,7 +172,7 @@ class TieringEngine:
         with self.manager.lock:
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
-    def settle(self, timeout: float = 30.0) -> None:
+    def settle(self, timeout: float = 120.0) -> None:
         """Steps until no tier has work in flight (cascades and promotions finished and collected)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -128,8 +180,9 @@ class TieringEngine:
             with self.manager.lock:
                 if not self.manager.has_pending_work():
                     return
-            assert time.monotonic() < deadline, "the tiering manager still has work in flight"
-            time.sleep(0.005)
+            if time.monotonic() > deadline:
+                raise TimeoutError("the tiering manager still has work in flight")
+            time.sleep(POLL_S)
 
     def lookup(self, keys: Sequence[OffloadKey], timeout: float = 30.0) -> int:
         """How many leading chunks of ``keys`` are offloaded, asked as vLLM's scheduler asks (its maximal
@@ -140,19 +193,13 @@ class TieringEngine:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                hits, deferred = 0, False
                 with self.manager.lock:
-                    for key in keys:
-                        answer = self.manager.lookup(key, ctx)
-                        if answer is LookupResult.MISS:
-                            break
-                        hits += answer is not LookupResult.RETRY
-                        deferred |= answer is not LookupResult.HIT
-                if not deferred:
+                    hits, answers = maximal_prefix(self.manager, keys, ctx)
+                if not answers & DEFERRED:
                     return hits
                 assert time.monotonic() < deadline, "lookups still deferred"
                 self.step()
-                time.sleep(0.005)
+                time.sleep(POLL_S)
         finally:
             self.finish(ctx)
 

@@ -22,6 +22,8 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 
+from helpers.vllm_tiering import serve
+
 MODULE = "kvtier.connectors.vllm_tiering"
 POLICIES = {"lru": None, "arc": None, "KVTierAdaptive": MODULE}
 
@@ -236,27 +238,6 @@ def test_mark_evictable_bookkeeping_follows_the_manager(make):
 
 
 # --- vLLM's managers driving the policy ---
-
-
-def serve(manager, req_id: str, chain: list[OffloadKey]) -> int:
-    """One request as vLLM's offloading connector drives a manager; its prefix hits."""
-    ctx = context(req_id, chain)
-    with manager.lock:
-        manager.on_new_request(ctx)
-        hits = 0
-        for k in chain:
-            if manager.lookup(k, ctx) is not LookupResult.HIT:
-                break
-            hits += 1
-        if hits:
-            manager.prepare_load(chain[:hits], ctx)
-            manager.complete_load(chain[:hits], ctx)
-        if hits < len(chain):
-            out = manager.prepare_store(chain[hits:], ctx)
-            if out is not None:
-                manager.complete_store(out.keys_to_store, ctx)
-        manager.on_request_finished(ctx)
-    return hits
 
 
 def cpu_manager(name: str, capacity: int) -> CPUOffloadingManager:
