@@ -108,10 +108,11 @@ class TieringEngine:
 
     def __init__(self, model_dir, secondary_tiers: Sequence[dict], cpu_chunks: int = 8, eviction_policy: str = "lru",
                  num_gpu_blocks: int = 64, extra: dict | None = None, kv_events: bool = False,
-                 head_size: int = 8, cpu_bytes: int | None = None) -> None:
+                 head_size: int = 8, cpu_bytes: int | None = None, kv_config=None, tp: int = 1) -> None:
         """``cpu_chunks`` chunks of one GPU block each in the CPU tier (or ``cpu_bytes`` of it, with chunks of
-        ``extra["block_size"]`` tokens); a GPU block holds two layers of ``kv_cache_config(head_size)``."""
-        kv_config = kv_cache_config(num_gpu_blocks, head_size=head_size)
+        ``extra["block_size"]`` tokens); a GPU block holds two layers of ``kv_cache_config(head_size)``, or
+        is one of ``kv_config``'s; ``tp`` workers each hold a shard of it (a CPU tier row holds them all)."""
+        kv_config = kv_config or kv_cache_config(num_gpu_blocks, head_size=head_size)
         group = kv_config.kv_cache_groups[0]
         block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # one GPU block of every layer
         self.engine_id = f"kvtier-test-{uuid.uuid4().hex[:12]}"
@@ -131,6 +132,7 @@ class TieringEngine:
             device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null") if kv_events else None)
         config.cache_config.num_gpu_blocks = num_gpu_blocks
+        config.parallel_config.tensor_parallel_size = config.parallel_config.world_size = tp
         self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
         self.manager = self.connector.connector_scheduler.manager
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)

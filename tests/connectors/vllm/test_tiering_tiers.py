@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner
 from helpers.redis_server import redis_server
+from helpers.vllm_harness import hybrid_kv_cache_config
 from helpers.vllm_tiering import TieringEngine, chunk_bytes, chunk_key, kvtier_tier
 from kvtier.core.errors import ConfigError
 
@@ -107,6 +108,36 @@ def test_the_example_config_runs_as_written(engines, tmp_path):
     for key in keys:
         engine.store([key])
     assert_promoted_exact(engine, keys[:3])
+
+
+def test_both_groups_of_a_hybrid_model_cascade_and_come_back(engines, tmp_path):
+    """A full-attention and a sliding-window group (vLLM's hybrid KV cache manager): each group's chunks
+    are kvtier blocks of their own (the OffloadKey names the group), promoted bit-exact; the groups and
+    the window are part of the namespace."""
+    engine = engines([disk_tier(tmp_path / "disk")], kv_config=hybrid_kv_cache_config(64, window=32))
+    keys = [chunk_key(i, group) for i in range(4) for group in (0, 1)]
+    for key in keys:
+        engine.store([key])
+    assert_promoted_exact(engine, keys[:2])
+    assert_promoted_exact(engine, keys[2:4])
+    groups = json.loads(engine.tiers[0].config.namespace)["groups"]
+    assert [window for _, _, window in groups] == [None, 2]  # vLLM's window of 32 tokens, in 16-token chunks
+
+
+def test_under_tensor_parallelism_a_chunk_holds_every_ranks_shard(engines, tmp_path):
+    """With TP=2 vLLM's CPU tier row holds both ranks' shards side by side: kvtier stores the row as one
+    block, and the TP size enters the namespace, so a TP=1 engine on the same directory finds none."""
+    keys = [chunk_key(i) for i in range(6)]
+    wide = engines([disk_tier(tmp_path / "disk")], tp=2)
+    namespace = json.loads(wide.tiers[0].config.namespace)
+    assert namespace["parallel"][:2] == [2, 2]  # world size, TP size
+    assert wide.chunk_size == 2 * namespace["worker_block_bytes"]  # two 2 KiB shards in one 4 KiB row
+    for key in keys:
+        wide.store([key])
+    assert_promoted_exact(wide, keys[:3])
+    wide.shutdown()
+    narrow = engines([disk_tier(tmp_path / "disk", reinitialise=True)])
+    assert narrow.lookup(keys[:3]) == 0
 
 
 def test_a_new_engine_on_the_same_directory_finds_the_chunks(engines, tmp_path):
