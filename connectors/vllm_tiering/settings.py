@@ -60,6 +60,10 @@ def tier_settings(medium: Literal["disk", "remote"], tier_type: str, entry: dict
     entry = dict(entry)
     option_keys = [key for key in AdapterOptions.model_fields if medium == "remote" or key != "staging_blocks"]
     tier_keys = [key for key in TIER_CONFIGS[medium].model_fields if key != "medium"]
+    if "medium" in entry:
+        raise ConfigError(f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "
+                          f"{medium} tier; KVTierDisk and KVTierRemote are the two kvtier tiers vLLM can cascade to, "
+                          f"vLLM's CPU tier being the memory tier); remove medium")
     unknown = sorted(set(entry) - set(option_keys) - set(tier_keys) - set(STACK_KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} ({tier_type} is kvtier's {medium} tier); allowed: "
@@ -80,7 +84,7 @@ def _validated(build, where: str):
     try:
         return build()
     except ConfigError as exc:
-        message = str(exc).replace("config: ", "")
+        message = "; ".join(str(exc).replace("config: ", "").splitlines())
         for i in range(2):
             message = message.replace(f"tiers[{i}].", "")
         message = message.replace("block_bytes", "vLLM's chunk size")
