@@ -19,6 +19,7 @@ from typing import Any, TypeGuard
 
 from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
+from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import chain_hashes, check_key, key_secret
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 from kvtier.core.storage import buffer_storage
@@ -77,7 +78,7 @@ class KVTier:
         keys = self.keys(tokens_or_keys)
         storage = buffer_storage(blocks, self.layout)
         if storage.num_slots < len(keys):
-            raise ValueError(f"{len(keys)} keys but only {storage.num_slots} blocks given")
+            raise ArgumentError(f"{len(keys)} keys but only {storage.num_slots} blocks given")
         return self.stack.store(keys, storage, range(len(keys)))
 
     def load(self, tokens_or_keys: TokensOrKeys, out: Blocks):
@@ -89,7 +90,7 @@ class KVTier:
         keys = self.keys(tokens_or_keys)
         storage = buffer_storage(out, self.layout, writable=True)
         if storage.num_slots < len(keys):
-            raise ValueError(f"{len(keys)} keys but room for only {storage.num_slots} blocks in out")
+            raise ArgumentError(f"{len(keys)} keys but room for only {storage.num_slots} blocks in out")
         return self.stack.load(keys, storage, range(len(keys)))
 
     # --- asyncio -------------------------------------------------------------------------------

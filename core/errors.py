@@ -9,6 +9,15 @@ class ConfigError(KvtierError, ValueError):
     """A configuration file or dict is invalid; the message names the key, the value and what is allowed."""
 
 
+class ArgumentError(KvtierError, ValueError):
+    """A call's arguments do not fit together or the object they build (keys and slots of different
+    lengths, a stack of tiers that disagree on the block size)."""
+
+
+class StoreError(KvtierError):
+    """A shared store could not be asked at all (unreachable, timed out, refused): no per-record answer."""
+
+
 class StateError(KvtierError, RuntimeError):
     """An operation does not fit a block's or a job's current state (commit without reserve, unpin below zero)."""
 

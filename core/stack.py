@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvtier.core.errors import CapacityError, ClosedError, StateError
+from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
@@ -100,15 +100,15 @@ class TierStack:
                  placement: str = "write_back", capabilities: Capabilities | None = None,
                  route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route) -> None:
         if not tiers:
-            raise ValueError("a stack needs at least one tier")
+            raise ArgumentError("a stack needs at least one tier")
         if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
+            raise ArgumentError(f"tier names must be unique, got {names}")
         block_bytes = {t.block_bytes for t in tiers}
         if len(block_bytes) != 1:
-            raise ValueError(f"tiers disagree on the block size: {sorted(block_bytes)}")
+            raise ArgumentError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
         for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
@@ -153,7 +153,7 @@ class TierStack:
         Raises CapacityError when the new blocks outnumber the first tier.
         """
         if len(keys) != len(src_slots):
-            raise ValueError(f"{len(keys)} keys but {len(src_slots)} source slots")
+            raise ArgumentError(f"{len(keys)} keys but {len(src_slots)} source slots")
         for key in keys:  # before any room is made: a key no tier can hold is refused with nothing moved
             check_key(key)
         future: Future[StoreResult] = Future()
@@ -192,7 +192,7 @@ class TierStack:
         for CUDA memory and "host" otherwise.
         """
         if len(keys) != len(dst_slots):
-            raise ValueError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
+            raise ArgumentError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
         dst_medium = dst_medium or ("gpu" if dst.device == "cuda" else "host")
         future: Future[LoadResult] = Future()
         self._ask_remote(keys)

@@ -8,6 +8,7 @@ from kvtier.builder import build_stack
 from kvtier.connectors.api import KVTier
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import (
+    ArgumentError,
     CapacityError,
     ClosedError,
     ConfigError,
@@ -15,6 +16,7 @@ from kvtier.core.errors import (
     FenceError,
     KvtierError,
     StateError,
+    StoreError,
     TransferError,
 )
 from kvtier.core.keys import Namespace, chain_hashes
@@ -22,7 +24,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 
 __all__ = [
-    "BlockLayout", "CapacityError", "ClosedError", "ConfigError", "DoubleFreeError", "FenceError", "KVTier",
-    "KvtierError", "LoadResult", "Namespace", "StackConfig", "StackLookup", "StateError", "StoreResult",
-    "TierStack", "TransferError", "build_stack", "chain_hashes", "load_config",
+    "ArgumentError", "BlockLayout", "CapacityError", "ClosedError", "ConfigError", "DoubleFreeError", "FenceError",
+    "KVTier", "KvtierError", "LoadResult", "Namespace", "StackConfig", "StackLookup", "StateError", "StoreError",
+    "StoreResult", "TierStack", "TransferError", "build_stack", "chain_hashes", "load_config",
 ]

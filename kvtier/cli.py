@@ -13,10 +13,13 @@ import argparse
 import json
 import sys
 
-from rich.console import Console
-from rich.table import Table
+try:
+    from rich.console import Console
+    from rich.table import Table
 
-from kvtier.replay_cli import add_replay_parser, run_replay
+    from kvtier.replay_cli import add_replay_parser, run_replay
+except ImportError as exc:  # the command's own dependencies are an extra: engines never need them
+    raise SystemExit(f"the kvtier command needs its extra: pip install 'kvtier[cli]' ({exc})") from None
 from kvtier.tiers.disk import DiskTierError, inspect_slab
 
 

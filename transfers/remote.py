@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.core.errors import ClosedError, TransferError
+from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import KEYED_DEVICE, OnComplete, Quarantine, Transfer, TransferBackend
-from kvtier.tiers.remote.client import Piece, StoreClient, StoreError
+from kvtier.tiers.remote.client import Piece, StoreClient
 from kvtier.tiers.remote.link import Call, StoreLink
 from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat
 from kvtier.tiers.remote.tier import RemoteStorage

@@ -22,15 +22,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from kvtier.core.errors import StoreError
+
+__all__ = ["Piece", "Record", "StoreClient", "StoreError"]  # StoreError, what every client raises, with its kin
+
 Piece = tuple[int, int]
 """(address, size) of a piece of host memory."""
 
 Record = Sequence[Piece]
 """One record's bytes: its pieces, in order."""
-
-
-class StoreError(Exception):
-    """The store could not be asked at all (unreachable, timed out, refused): no per-record answer."""
 
 
 class StoreClient(ABC):

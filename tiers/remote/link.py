@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar, cast
 
-from kvtier.core.errors import ClosedError
+from kvtier.core.errors import ClosedError, StoreError
 from kvtier.core.transfer import Latch
-from kvtier.tiers.remote.client import StoreClient, StoreError
+from kvtier.tiers.remote.client import StoreClient
 
 log = logging.getLogger(__name__)
 

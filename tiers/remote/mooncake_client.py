@@ -41,8 +41,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.core.errors import ClosedError, ConfigError
-from kvtier.tiers.remote.client import Record, StoreClient, StoreError
+from kvtier.core.errors import ClosedError, ConfigError, StoreError
+from kvtier.tiers.remote.client import Record, StoreClient
 
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900

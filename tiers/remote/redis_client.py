@@ -32,7 +32,8 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
-from kvtier.tiers.remote.client import Piece, Record, StoreClient, StoreError
+from kvtier.core.errors import StoreError
+from kvtier.tiers.remote.client import Piece, Record, StoreClient
 
 SOCKET_TIMEOUT_FACTOR = 3
 CLIENT_NAME = "kvtier"

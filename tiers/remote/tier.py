@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.core.errors import StateError, TransferError
+from kvtier.core.errors import StateError, StoreError, TransferError
 from kvtier.core.keys import check_key
 from kvtier.core.layout import BlockLayout
 from kvtier.core.metrics import TierStats
@@ -28,7 +28,6 @@ from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.core.transfer import KEYED_DEVICE
 from kvtier.policies import LRUPolicy
-from kvtier.tiers.remote.client import StoreError
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.record import RecordFormat
 
