@@ -23,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.slots import slot_problem, slot_stride
-from kvtier.policies import EvictionPolicy, PolicyError, check_policy_name, eviction_policy_class
+from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy_name, eviction_policy_class
 
 # --- sizes ------------------------------------------------------------------------------------
 
@@ -346,6 +346,12 @@ class StackConfig(_Model):
         if eviction is not None:
             return eviction
         return LAST_TIER_EVICTION if i == self.last_local_tier else UPPER_TIER_EVICTION
+
+    def tier_policy(self, i: int) -> tuple[EvictionPolicy, Watermark | None]:
+        """A new eviction policy for tier ``i`` (``tier_eviction``) and its watermark, if it has one: what
+        every place that builds the tier's index (a stack, vLLM's scheduler side) gives it."""
+        wm = self.tiers[i].watermark
+        return eviction_policy(self.tier_eviction(i))(), Watermark(wm.high, wm.low) if wm is not None else None
 
     @property
     def last_local_tier(self) -> int:

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.core.config import (
+    DiskTierConfig,
     RemoteTierConfig,
     StackConfig,
     block_footprint,
     capacity_in_blocks,
-    eviction_policy,
     format_size,
 )
 from kvtier.core.errors import ConfigError, KvtierError
@@ -26,7 +26,6 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend
-from kvtier.policies import Watermark
 from kvtier.tiers.disk import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
@@ -79,14 +78,10 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
     if blocks < 1:
         raise ConfigError(f"{where}: capacity holds no block of {layout.block_bytes} bytes"
                           f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
-    wm = tier_cfg.watermark
-    watermark = Watermark(wm.high, wm.low) if wm is not None else None
-    policy = eviction_policy(config.tier_eviction(i))()
+    policy, watermark = config.tier_policy(i)
     medium_options: dict[str, object] = {}
-    if tier_cfg.medium == "disk":
-        medium_options = {"path": tier_cfg.path, "namespace": config.namespace, "o_direct": tier_cfg.o_direct,
-                          "compression": tier_cfg.compression, "slot_bytes": tier_cfg.slot_bytes,
-                          "shared_directory": tier_cfg.shared_directory, "reinitialise": tier_cfg.reinitialise}
+    if isinstance(tier_cfg, DiskTierConfig):
+        medium_options = {"config": tier_cfg, "namespace": config.namespace}
     elif tier_cfg.medium == "host":
         medium_options = {"header_room": config.header_room}
     try:

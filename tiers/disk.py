@@ -35,6 +35,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import ClosedError, ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
@@ -299,6 +300,15 @@ class DiskSlab:
     ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
     """
 
+    @classmethod
+    def from_config(cls, tier_cfg: DiskTierConfig, num_slots: int, layout: BlockLayout, namespace: str,
+                    path: str | os.PathLike | None = None) -> DiskSlab:
+        """The slab a disk tier's settings describe, in ``path`` instead of theirs where given (a vLLM
+        worker's directory of its rank): the one place that turns those settings into a slab."""
+        return cls(tier_cfg.path if path is None else path, num_slots, layout, namespace, tier_cfg.o_direct,
+                   tier_cfg.compression, tier_cfg.slot_bytes, shared_directory=tier_cfg.shared_directory,
+                   reinitialise=tier_cfg.reinitialise)
+
     def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
                  o_direct: str = "auto", compression: str = "none", slot_bytes: int | None = None, *,
                  shared_directory: bool = False, reinitialise: bool = False) -> None:
@@ -523,25 +533,17 @@ class FileStorage(BlockStorage):
 
 
 def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
-              watermark: Watermark | None = None, is_fenced=None, *, path: str | os.PathLike,
-              namespace: str = "", o_direct: str = "auto", compression: str = "none",
-              slot_bytes: int | None = None, shared_directory: bool = False, reinitialise: bool = False) -> Tier:
-    """A tier over the slab in ``path``, holding again every block a previous process committed there
-    under the same namespace, block size and slot geometry (codec and slot size).
-
-    ``compression`` ("none", "lz4", "zstd") and ``slot_bytes`` (room per block on disk, see
-    ``kvtier.core.slots.slot_room``) set the geometry; ``num_slots`` is the block count (``slot_stride`` turns a byte
-    budget into one). Raises ConfigError for a bad combination or a codec whose package is missing.
-    ``shared_directory`` and ``reinitialise``: what the directory may be and hold (``disk_files``, ``DiskSlab``).
+              watermark: Watermark | None = None, is_fenced=None, *, config: DiskTierConfig,
+              namespace: str = "") -> Tier:
+    """A tier of ``num_slots`` blocks over the slab its ``config`` describes, holding again every block a
+    previous process committed there under the same namespace, block size and slot geometry (codec and
+    slot size). Raises ConfigError for a bad combination or a codec whose package is missing.
     """
-    if o_direct not in ("auto", "on", "off"):
-        raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
-    slab = DiskSlab(path, num_slots, layout, namespace, o_direct, compression, slot_bytes,
-                    shared_directory=shared_directory, reinitialise=reinitialise)
+    slab = DiskSlab.from_config(config, num_slots, layout, namespace)
     try:
         recovered, damaged = slab.scan()
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
-        packing = "" if slab.codec is None else f", {compression} into {slab.room} B slots"
+        packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
         tier = Tier(name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced,
                     f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered")
         tier.restore([(key, slot) for _, key, slot in recovered])

@@ -60,13 +60,12 @@ from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import blocks_on_every_rank
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
-from kvtier.core.config import DiskTierConfig, StackConfig, eviction_policy
+from kvtier.core.config import DiskTierConfig, StackConfig
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
-from kvtier.policies import Watermark
 from kvtier.tiers.remote.factory import remote_tier
 from kvtier.tiers.remote.tier import KNOWN_FOR_S, RemoteTier
 
@@ -163,10 +162,8 @@ class SchedulerSide:
         position = {config.tier_name(j): j for j in range(len(config.tiers))}
         self.tiers: list[Tier] = []
         for name, medium, slots in tier_slots(config, layout.block_bytes):
-            wm = config.tiers[position[name]].watermark
-            policy = eviction_policy(config.tier_eviction(position[name]))()
-            self.tiers.append(Tier(name, medium, SlotCount(layout, slots), policy,
-                                   Watermark(wm.high, wm.low) if wm else None, self.jobs.is_fenced))
+            policy, watermark = config.tier_policy(position[name])
+            self.tiers.append(Tier(name, medium, SlotCount(layout, slots), policy, watermark, self.jobs.is_fenced))
         self.remote: RemoteTier | None = None
         self._lookups: ThreadPoolExecutor | None = None
         remote = config.remote

@@ -131,9 +131,8 @@ class WorkerSide:
                     continue  # rank 0 holds the one copy below host memory
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
-                    slab = DiskSlab(rank_directory(tier_cfg.path, rank), slots[name], self.layout, namespace,
-                                    tier_cfg.o_direct, tier_cfg.compression, tier_cfg.slot_bytes,
-                                    shared_directory=tier_cfg.shared_directory, reinitialise=tier_cfg.reinitialise)
+                    slab = DiskSlab.from_config(tier_cfg, slots[name], self.layout, namespace,
+                                                rank_directory(tier_cfg.path, rank))
                     # Marks every old header without touching it: the blocks the scheduler side kept
                     # (recovery.py) stay readable, and any slot is cleared before new bytes land in it.
                     slab.scan()
