@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MEDIA = ("gpu", "host", "disk", "remote")
+from kvtier.core.media import MEDIA
 
 
 @dataclass(frozen=True)

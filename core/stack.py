@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
+from kvtier.core.media import caller_medium
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import Capabilities, plan_route
 from kvtier.core.stages import StagedRun
@@ -193,7 +194,7 @@ class TierStack:
         """
         if len(keys) != len(dst_slots):
             raise ArgumentError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
-        dst_medium = dst_medium or ("gpu" if dst.device == "cuda" else "host")
+        dst_medium = dst_medium or caller_medium(dst.device)
         future: Future[LoadResult] = Future()
         self._ask_remote(keys)
         with self._lock:

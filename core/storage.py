@@ -16,6 +16,7 @@ import numpy as np
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST_DEVICE
 
 
 class BlockStorage:
@@ -61,7 +62,7 @@ class StridedStorage(BlockStorage):
     """
 
     def __init__(self, layout: BlockLayout, num_slots: int, bases: Sequence[int] | np.ndarray, strides: Sequence[int],
-                 device: str = "cpu", keepalive: Any = None, on_close: Callable[[], None] | None = None) -> None:
+                 device: str = HOST_DEVICE, keepalive: Any = None, on_close: Callable[[], None] | None = None) -> None:
         super().__init__(layout, num_slots, device, keepalive, on_close)
         self.bases = np.asarray(bases, dtype=np.int64)
         self.strides = np.asarray(strides, dtype=np.int64)
@@ -93,7 +94,7 @@ class GroupedStorage(BlockStorage):
 class SlotListStorage(BlockStorage):
     """Each slot is its own contiguous buffer at ``slot_bases[s]`` (a list of separate arrays)."""
 
-    def __init__(self, layout: BlockLayout, slot_bases: Sequence[int], device: str = "cpu",
+    def __init__(self, layout: BlockLayout, slot_bases: Sequence[int], device: str = HOST_DEVICE,
                  keepalive: Any = None) -> None:
         self.slot_bases = np.asarray(slot_bases, dtype=np.int64)
         super().__init__(layout, len(self.slot_bases), device, keepalive)
@@ -102,7 +103,7 @@ class SlotListStorage(BlockStorage):
         return self.slot_bases[slots][:, None] + self.layout.offsets[None, :]
 
 
-def contiguous_storage(base: int, num_slots: int, layout: BlockLayout, device: str = "cpu",
+def contiguous_storage(base: int, num_slots: int, layout: BlockLayout, device: str = HOST_DEVICE,
                        keepalive: Any = None, on_close: Callable[[], None] | None = None,
                        header_room: int = 0) -> StridedStorage:
     """A slab of ``num_slots`` back-to-back blocks starting at address ``base``, each after
@@ -122,7 +123,7 @@ def buffer_info(array: Any, writable: bool) -> tuple[int, int, str]:
             raise TransferError("block buffers must be C-contiguous")
         if writable and not array.flags.writeable:
             raise TransferError("the destination array is read-only")
-        return array.ctypes.data, array.nbytes, "cpu"
+        return array.ctypes.data, array.nbytes, HOST_DEVICE
     if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # a torch tensor, without importing torch
         if not array.is_contiguous():
             raise TransferError("block tensors must be contiguous")
@@ -140,7 +141,8 @@ def buffer_storage(blocks: Any, layout: BlockLayout, writable: bool = False) -> 
         devices = {d for _, _, d in infos}
         if len(devices) > 1:
             raise TransferError(f"blocks live on several devices: {sorted(devices)}")
-        return SlotListStorage(layout, [a for a, _, _ in infos], devices.pop() if devices else "cpu", list(blocks))
+        device = devices.pop() if devices else HOST_DEVICE
+        return SlotListStorage(layout, [a for a, _, _ in infos], device, list(blocks))
     address, nbytes, device = buffer_info(blocks, writable)
     if nbytes % layout.block_bytes:
         raise TransferError(f"a buffer of {nbytes} bytes is not a whole number of {layout.block_bytes}-byte blocks")

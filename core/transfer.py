@@ -23,9 +23,9 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.core.errors import TransferError
+from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
 
-KEYED_DEVICE = "remote"
 """The device of a storage addressed by key alone (a remote store's records): it has no slots."""
 
 log = logging.getLogger(__name__)

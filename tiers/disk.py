@@ -39,6 +39,7 @@ from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import ClosedError, ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import FILE_DEVICE
 from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
@@ -525,7 +526,7 @@ class FileStorage(BlockStorage):
     """A slab file as block storage: "addresses" are file offsets of each slot's data (after its header)."""
 
     def __init__(self, slab: DiskSlab, layout: BlockLayout) -> None:
-        super().__init__(BlockLayout.contiguous(layout.block_bytes), slab.num_slots, "file", slab, slab.close)
+        super().__init__(BlockLayout.contiguous(layout.block_bytes), slab.num_slots, FILE_DEVICE, slab, slab.close)
         self.slab = slab
 
     def _addresses(self, slots):

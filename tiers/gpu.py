@@ -14,6 +14,7 @@ import numpy as np
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
@@ -59,10 +60,10 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
         refuse_more_than_memory(num_slots * layout.block_bytes)
         arrays = [np.empty((num_slots, nbytes), dtype=np.uint8) for nbytes in layout.fragment_bytes]
         storage = StridedStorage(layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
-                                 "cpu", arrays)
+                                 HOST_DEVICE, arrays)
         return Tier(name, "gpu", storage, policy, watermark, is_fenced, "numpy arrays standing in for a GPU (no torch)")
-    device = "cuda" if use_cuda() else "cpu"
-    if device == "cpu":
+    device = CUDA_DEVICE if use_cuda() else HOST_DEVICE
+    if device == HOST_DEVICE:
         refuse_more_than_memory(num_slots * layout.block_bytes)
     try:
         tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device)
@@ -70,10 +71,10 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
     except RuntimeError as exc:
         # torch says it cannot allocate with OutOfMemoryError on CUDA and a plain RuntimeError on CPU (with
         # valid shapes nothing else fails there); a MemoryError is what the stack builder names the tier for.
-        if device == "cuda" and not isinstance(exc, torch.cuda.OutOfMemoryError):
+        if device == CUDA_DEVICE and not isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         raise MemoryError(str(exc)) from exc
-    if device == "cuda":
+    if device == CUDA_DEVICE:
         note = f"CUDA device {torch.cuda.current_device()}"
     else:
         note = "CPU tensors standing in for a GPU (no CUDA)"

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import contiguous_storage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
@@ -75,7 +76,7 @@ class HostSlab:
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.address = self.array.ctypes.data
         self.pinned = _cuda_register(self.address, self.nbytes)
-        self.storage = contiguous_storage(self.address, num_slots, layout, "cpu", self, self.close, header_room)
+        self.storage = contiguous_storage(self.address, num_slots, layout, HOST_DEVICE, self, self.close, header_room)
 
     def close(self) -> None:
         if self._map.closed:

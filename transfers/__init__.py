@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvtier.core.config import RemoteTierConfig, TransferConfig
-from kvtier.core.transfer import KEYED_DEVICE, TransferBackend
+from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE
+from kvtier.core.transfer import TransferBackend
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.transfers.cpu import CPUBackend
@@ -36,10 +37,10 @@ def backends_for(transfer: TransferConfig, devices: Collection[str],
     other backend has started threads that would have to be stopped again.
     """
     backends: list[TransferBackend] = []
-    if "cuda" in devices:
+    if CUDA_DEVICE in devices:
         backends.append(CUDABackend(transfer.cuda_copy))
     backends.append(CPUBackend(transfer.threads))
-    if "file" in devices:
+    if FILE_DEVICE in devices:
         backends.append(DiskBackend(transfer.io_threads))
     if KEYED_DEVICE in devices:
         if remote is None:

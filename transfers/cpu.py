@@ -22,6 +22,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.media import HOST_DEVICE
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 
 GIL_HELD_BELOW_BYTES = 256 * 1024
@@ -56,7 +57,7 @@ class CPUBackend(TransferBackend):
     """memmove on a thread pool: host memory to host memory, and CPU tensors standing in for a GPU."""
 
     name = "cpu"
-    pairs = frozenset({("cpu", "cpu")})
+    pairs = frozenset({(HOST_DEVICE, HOST_DEVICE)})
 
     def __init__(self, threads: int = 2) -> None:
         if threads < 1:

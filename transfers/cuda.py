@@ -33,6 +33,7 @@ import numpy as np
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 from kvtier.transfers.cuda_driver import BatchCopy, chunk_copies, copy_kernel
@@ -117,7 +118,7 @@ class CUDABackend(TransferBackend):
     """Copies between GPU memory and host memory (pinned for speed; pageable works, slower)."""
 
     name = "cuda"
-    pairs = frozenset({("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")})
+    pairs = frozenset({(CUDA_DEVICE, HOST_DEVICE), (HOST_DEVICE, CUDA_DEVICE), (CUDA_DEVICE, CUDA_DEVICE)})
 
     def __init__(self, mode: str = "auto", device: int | None = None, compute_stream: Any = None,
                  kernel_below_bytes: int = KERNEL_BELOW_BYTES) -> None:
@@ -153,7 +154,7 @@ class CUDABackend(TransferBackend):
             raise TransferError(f"the CUDA backend cannot copy {src_device} -> {dst_device}")
         transfer.src.check_slots(transfer.src_slots)  # before anything is enqueued: all or nothing
         transfer.dst.check_slots(transfer.dst_slots)
-        lane = self._lanes["load" if src_device == "cpu" else "store"]
+        lane = self._lanes["load" if src_device == HOST_DEVICE else "store"]
         runtime = self._cupy.cuda.runtime
         with self._lock:  # jobs enter a lane's stream and its report queue in the same order
             if self._closed:

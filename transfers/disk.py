@@ -38,6 +38,7 @@ import xxhash
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
+from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.compression import Codec, CorruptPayload
@@ -82,7 +83,7 @@ class DiskBackend(TransferBackend):
     """Moves blocks between host memory ("cpu") and slab files ("file") on a pool of I/O threads."""
 
     name = "disk"
-    pairs = frozenset({("cpu", "file"), ("file", "cpu")})
+    pairs = frozenset({(HOST_DEVICE, FILE_DEVICE), (FILE_DEVICE, HOST_DEVICE)})
 
     def __init__(self, io_threads: int = 8) -> None:
         if io_threads < 1:
@@ -100,7 +101,7 @@ class DiskBackend(TransferBackend):
             raise TransferError(f"the disk backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
         if transfer.keys is None:
             raise TransferError("disk transfers need the blocks' keys (they are written into slot headers)")
-        writing = transfer.dst.device == "file"
+        writing = transfer.dst.device == FILE_DEVICE
         storage = transfer.dst if writing else transfer.src
         assert isinstance(storage, FileStorage)
         blocks = self._blocks(transfer, transfer.keys, writing)

@@ -30,8 +30,9 @@ import numpy as np
 
 from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import KEYED_DEVICE, OnComplete, Quarantine, Transfer, TransferBackend
+from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
 from kvtier.tiers.remote.client import Piece, StoreClient
 from kvtier.tiers.remote.link import Call, StoreLink
 from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat
@@ -45,7 +46,7 @@ class RemoteBackend(TransferBackend):
     transfers at once as the link has clients."""
 
     name = "remote"
-    pairs = frozenset({("cpu", KEYED_DEVICE), (KEYED_DEVICE, "cpu")})
+    pairs = frozenset({(HOST_DEVICE, KEYED_DEVICE), (KEYED_DEVICE, HOST_DEVICE)})
 
     def __init__(self, link: StoreLink) -> None:
         self.link = link

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 
 
@@ -59,7 +60,8 @@ def page_geometry(host_pool: Any) -> PageGeometry:
     if first.device.type != "cpu" or bases.min() < start or last.max() > end:
         raise ConfigError(f"{what}: its pages do not lie in its host buffer")
     layout = BlockLayout(tuple(size for _, size in runs))
-    storage = StridedStorage(layout, num_pages, bases, [page_bytes] * layout.num_fragments, "cpu", keepalive=buffer)
+    storage = StridedStorage(layout, num_pages, bases, [page_bytes] * layout.num_fragments, HOST_DEVICE,
+                             keepalive=buffer)
     return PageGeometry(layout, storage, page_tokens, tuple(first.shape))
 
 

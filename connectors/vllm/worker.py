@@ -46,6 +46,7 @@ from kvtier.connectors.vllm.recovery import rank_directory
 from kvtier.core.config import RemoteTierConfig, StackConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
+from kvtier.core.media import HOST_DEVICE
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import OnComplete, Transfer, TransferRegistry
@@ -152,10 +153,10 @@ class WorkerSide:
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
         devices = {gpu.device, *(storage.device for storage in self.storages.values())}
         self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.remote))
-        for src, dst in ((gpu.device, "cpu"), ("cpu", gpu.device)):
+        for src, dst in ((gpu.device, HOST_DEVICE), (HOST_DEVICE, gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
-        self.in_step_copies = CopiesHere(self.transfers) if gpu.device == "cpu" else self.transfers
+        self.in_step_copies = CopiesHere(self.transfers) if gpu.device == HOST_DEVICE else self.transfers
 
     # --- running jobs --------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
 from kvtier.connectors.vllm_tiering.settings import tier_settings
 from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import BlockState
 
@@ -400,4 +401,4 @@ def _chunk_storage(view: memoryview) -> StridedStorage:
     if rows.ndim != 2 or not rows.flags.c_contiguous:
         raise ValueError(f"vLLM's CPU tier view must be (chunks, row bytes) and contiguous, got {rows.shape}")
     row = rows.shape[1] * rows.itemsize
-    return StridedStorage(BlockLayout((row,)), rows.shape[0], [rows.ctypes.data], [row], "cpu", keepalive=rows)
+    return StridedStorage(BlockLayout((row,)), rows.shape[0], [rows.ctypes.data], [row], HOST_DEVICE, keepalive=rows)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from kvtier.core.errors import StateError, StoreError, TransferError
 from kvtier.core.keys import check_key
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.metrics import TierStats
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier, Usage
-from kvtier.core.transfer import KEYED_DEVICE
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.record import RecordFormat
