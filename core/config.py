@@ -11,99 +11,26 @@ does not do what its author thinks.
 from __future__ import annotations
 
 import importlib.resources
-import re
-import typing
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvtier.core.errors import ConfigError
+from kvtier.core.config_messages import Problems, explain
+from kvtier.core.errors import ConfigError, shown
+from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.slots import slot_problem, slot_stride
+from kvtier.core.strict_yaml import read_yaml
 from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy_name, eviction_policy_class
 
-# --- sizes ------------------------------------------------------------------------------------
-
-_UNITS: dict[str, int] = {
-    "b": 1,
-    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
-    "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
-}
-_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def _not_a_size(value: Any) -> ConfigError:
-    return ConfigError(f"{_show(value)} is not a size: use a number with a unit, e.g. 512MiB or 8GiB "
-                       f"(units: {_UNIT_NAMES})")
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string with a unit ("512MiB", "1.5 GiB", "8gb"); units are case-insensitive.
-
-    KB/MB/GB/TB are powers of 1000 and KiB/MiB/GiB/TiB powers of 1024, as on disk labels and in
-    ``free -h`` respectively; a bare number string means bytes. The result must be a positive
-    whole number of bytes, since a tier cannot hold a fraction of a byte.
-    """
-    if isinstance(value, bool):
-        raise _not_a_size(value)
-    if isinstance(value, int):
-        if value <= 0:
-            raise ConfigError(f"{value!r} is not a positive size in bytes; use e.g. 512MiB or 8GiB")
-        return value
-    if not isinstance(value, str):
-        raise _not_a_size(value)
-    match = _SIZE_RE.match(value)
-    if match is None or match.group(2).lower() not in _UNITS | {"": 1}:
-        raise _not_a_size(value)
-    number, unit = match.groups()
-    try:
-        exact = Decimal(number) * _UNITS.get(unit.lower(), 1)
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
-        raise _not_a_size(value) from None
-    if exact <= 0:
-        raise ConfigError(f"{_show(value)} is not a positive size; use e.g. 512MiB or 8GiB")
-    if exact != exact.to_integral_value():
-        raise ConfigError(f"{_show(value)} is not a whole number of bytes ({exact} bytes)")
-    return int(exact)
-
-
-def format_size(n: int) -> str:
-    """The shortest exact binary-unit spelling of a byte count, for messages (262144 -> '256KiB')."""
-    for unit, factor in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return f"{n}B"
-
-
-Size = Annotated[int, BeforeValidator(parse_size)]
-
-
-def _size_or_zero(value: Any) -> int:
-    """A size, or 0 (``0`` or ``"0"``) for "none at all"."""
-    return 0 if value is not False and value in (0, "0") else parse_size(value)
-
-
-SizeOrZero = Annotated[int, BeforeValidator(_size_or_zero)]
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 """The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    """A value as the user would recognise it in a message: its repr, shortened if long."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _Problems(ValueError):
-    """Errors found by a cross-field check, each at its own key path below the validated model."""
-
-    def __init__(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
-        super().__init__("; ".join(msg for _, msg in problems))
-        self.problems = problems
+def _env_name(example: str) -> str:
+    """What a field naming an environment variable expects, for the message when it gets something else."""
+    return f"the name of an environment variable, e.g. {example}"
 
 
 # --- models -----------------------------------------------------------------------------------
@@ -222,8 +149,10 @@ class DiskTierConfig(_SizedTierConfig):
 class MooncakeConfig(_Model):
     """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
 
-    master: str = Field(pattern=r"^[^\s:/]+:\d{1,5}$")  # host:port of mooncake_master's RPC service
-    metadata_server: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://\S+$")  # e.g. http://host:8080/metadata
+    master: str = Field(pattern=r"^[^\s:/]+:\d{1,5}$",
+                        description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)")
+    metadata_server: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://\S+$",
+                                 description="a URL, e.g. http://127.0.0.1:8080/metadata")
     # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
     # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
     segment_size: SizeOrZero = 0
@@ -234,8 +163,9 @@ class MooncakeConfig(_Model):
 class RedisConfig(_Model):
     """How to reach a Redis or Valkey server. The password comes from the environment (``password_env``)."""
 
-    url: str = Field(pattern=r"^rediss?://\S+$")  # redis://host:port/db, or rediss:// for TLS
-    password_env: EnvName | None = None
+    url: str = Field(pattern=r"^rediss?://\S+$",  # redis://host:port/db, or rediss:// for TLS
+                     description="a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0")
+    password_env: EnvName | None = Field(None, description=_env_name("KVTIER_REDIS_PASSWORD"))
     pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
     ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
 
@@ -272,8 +202,10 @@ class RemoteTierConfig(_TierConfig):
     medium: Literal["remote"]
     backend: Literal["mooncake", "redis"]
     timeout: float = Field(2.0, gt=0)  # seconds any call to the store may take; then it is a miss or a drop
-    prefix: str = Field("kvtier", pattern=r"^\S+$")  # record names start with it
-    auth_key_env: EnvName | None = None  # a MAC secret: records without a valid MAC are misses
+    prefix: str = Field("kvtier", pattern=r"^\S+$",  # record names start with it
+                        description="a name without spaces, e.g. kvtier")
+    # a MAC secret: records without a valid MAC are misses
+    auth_key_env: EnvName | None = Field(None, description=_env_name("KVTIER_REMOTE_MAC_KEY"))
     placement: Literal["write_through", "write_back"] = "write_through"
     mooncake: MooncakeConfig | None = None
     redis: RedisConfig | None = None
@@ -295,7 +227,7 @@ class RemoteTierConfig(_TierConfig):
                 problems.append(((backend,), f"settings for {backend} but the backend is {self.backend}; remove "
                                              f"them or set backend: {backend}"))
         if problems:
-            raise _Problems(problems)
+            raise Problems(problems)
         return self
 
 
@@ -326,7 +258,7 @@ class StackConfig(_Model):
     namespace: str = ""
     # The name of an environment variable holding a per-deployment secret that keys the block hash
     # (kvtier.core.keys): keys then cannot be computed from a guessed prompt by anyone without it.
-    key_secret_env: EnvName | None = None
+    key_secret_env: EnvName | None = Field(None, description=_env_name("KVTIER_KEY_SECRET"))
     tiers: list[TierConfig] = Field(min_length=1)
     placement: Literal["write_through", "write_back"] = "write_back"
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -374,9 +306,6 @@ class StackConfig(_Model):
     @model_validator(mode="after")
     def _cross_field(self) -> StackConfig:
         problems: list[tuple[tuple[str | int, ...], str]] = []
-        for i, tier in enumerate(self.tiers):
-            if not isinstance(tier, RemoteTierConfig):
-                tier.eviction = self.tier_eviction(i)
         if self.block_bytes is not None and self.block_bytes % self.fragments:
             problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
                                               f"bytes) cannot be cut into {self.fragments} equal fragments; "
@@ -414,7 +343,7 @@ class StackConfig(_Model):
                                      f"block_bytes {format_size(self.block_bytes)}; give at least "
                                      f"{format_size(need)}"))
         if problems:
-            raise _Problems(problems)
+            raise Problems(problems)
         return self
 
     def _remote_problems(self, i: int, tier: RemoteTierConfig) -> list[tuple[tuple[str | int, ...], str]]:
@@ -468,61 +397,6 @@ def default_config_path() -> Path:
     return Path(str(importlib.resources.files("kvtier").joinpath("default.yaml")))
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys, which plain YAML loading would silently let the last one win,
-    and aliases (``*name``, also in merge keys ``<<: *name``): a few hundred bytes of nested aliases expand
-    to billions of values, and a cache config has nothing worth sharing that way."""
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not allowed in a kvtier config; write the value out",
-                event.start_mark)
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key; the base class reports it
-                continue
-            if first is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path, source: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, not a YAML file") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot be read: {exc.strerror or exc}") from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        detail = exc.problem or exc.context or "invalid YAML"
-        context = f" ({exc.context})" if exc.context and exc.problem else ""
-        refused = isinstance(exc, (yaml.composer.ComposerError, yaml.constructor.ConstructorError))
-        kind = "YAML error" if refused else "YAML syntax error"
-        raise ConfigError(f"{source}: {where}{kind}: {detail}{context}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: YAML error: {exc}") from None
-
-
 def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
     """A validated StackConfig from a YAML file's path or a dict; any mistake raises one ConfigError.
 
@@ -539,18 +413,19 @@ def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
         if isinstance(source, str) and "\n" in source:
             raise ConfigError("load_config takes a path to a YAML file or a dict, not YAML text; "
                               "parse it first with yaml.safe_load(text)")
-        data = _read_yaml(Path(source).expanduser(), name)
+        data = read_yaml(Path(source).expanduser(), name)
         if data is None:
             raise ConfigError(f"{name}: the file is empty; it needs at least a 'tiers' list")
     else:
         raise ConfigError(f"load_config takes a path to a YAML file or a dict, got {type(source).__name__}")
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: the top level must be a mapping of keys ({', '.join(StackConfig.model_fields)}), "
-                          f"got {type(data).__name__} {_show(data)}")
+                          f"got {type(data).__name__} {shown(data)}")
     try:
         config = StackConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{name}: {path}: {msg}" if path else f"{name}: {msg}" for path, msg in _explain(exc)]
+        problems = explain(exc, StackConfig, TIER_CONFIGS)
+        lines = [f"{name}: {path}: {msg}" if path else f"{name}: {msg}" for path, msg in problems]
         raise ConfigError("\n".join(dict.fromkeys(lines))) from None
     _import_policies(config, name)
     return config
@@ -576,129 +451,6 @@ def _import_policies(config: StackConfig, name: str) -> None:
             lines.append(f"{name}: tiers[{i}].eviction: {exc}")
     if lines:
         raise ConfigError("\n".join(lines))
-
-
-# --- error messages ---------------------------------------------------------------------------
-
-
-def _key_path(loc: tuple[str | int, ...]) -> str:
-    """``('tiers', 1, 'host', 'capacity')`` -> ``tiers[1].capacity``: indices in brackets, union tags dropped."""
-    out = ""
-    prev: str | int | None = None
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(prev, int) and part in TIER_CONFIGS:
-            pass  # pydantic's discriminator tag, not a key the user wrote
-        else:
-            out += f".{part}" if out else str(part)
-        prev = part
-    return out
-
-
-def _only_model(annotation: Any) -> type[BaseModel] | None:
-    """The one model class inside a field's type (``X | None``, ``list[X]``), or None if zero or several."""
-    found: list[type[BaseModel]] = []
-
-    def walk(tp: Any) -> None:
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            found.append(tp)
-        for arg in typing.get_args(tp):
-            walk(arg)
-
-    walk(annotation)
-    return found[0] if len(found) == 1 else None
-
-
-def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
-    """The model that validated the mapping at ``loc`` (with pydantic's tags), for listing its keys."""
-    model: type[BaseModel] | None = StackConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if model is None and part in TIER_CONFIGS:
-            model = TIER_CONFIGS[part]
-        elif model is not None and part in model.model_fields:
-            model = _only_model(model.model_fields[part].annotation)
-        else:
-            return None
-    return model
-
-
-def _literal_values(loc: tuple[str | int, ...]) -> list[Any] | None:
-    model = _model_at(loc[:-1])
-    field = model.model_fields.get(loc[-1]) if model is not None and isinstance(loc[-1], str) else None
-    if field is None:
-        return None
-    for tp in [field.annotation, *typing.get_args(field.annotation)]:
-        if typing.get_origin(tp) is Literal:
-            return list(typing.get_args(tp))
-    return None
-
-
-_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
-               "bool_type": "true or false", "list_type": "a list", "int_from_float": "an integer"}
-_ENV_NAME = "the name of an environment variable, e.g. {}"
-_PATTERN_MEANINGS = {"key_secret_env": _ENV_NAME.format("KVTIER_KEY_SECRET"),
-                     "auth_key_env": _ENV_NAME.format("KVTIER_REMOTE_MAC_KEY"),
-                     "password_env": _ENV_NAME.format("KVTIER_REDIS_PASSWORD"),
-                     "url": "a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0",
-                     "master": "host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)",
-                     "metadata_server": "a URL, e.g. http://127.0.0.1:8080/metadata",
-                     "prefix": "a name without spaces, e.g. kvtier"}
-_BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "at least"),
-           "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
-
-
-def _explain(exc: ValidationError) -> list[tuple[str, str]]:
-    """Each pydantic error as (key path, message naming the value and what is allowed)."""
-    out: list[tuple[str, str]] = []
-    media = ", ".join(TIER_CONFIGS)
-    for err in exc.errors(include_url=False):
-        kind, loc, value, ctx = err["type"], tuple(err["loc"]), err.get("input"), err.get("ctx") or {}
-        path = _key_path(loc)
-        if kind == "extra_forbidden":
-            model = _model_at(loc[:-1])
-            allowed = f"; allowed: {', '.join(model.model_fields)}" if model is not None else ""
-            out.append((path, f"unknown key {str(loc[-1])!r}{allowed}"))
-        elif kind == "missing":
-            out.append((_key_path(loc[:-1]), f"missing key {str(loc[-1])!r}"))
-        elif kind == "union_tag_invalid":
-            shown = _show(value["medium"]) if isinstance(value, dict) and "medium" in value else _show(ctx.get("tag"))
-            out.append((_key_path(loc + ("medium",)), f"{shown} is not a medium; allowed: {media}"))
-        elif kind == "union_tag_not_found":
-            out.append((path, f"missing key 'medium'; allowed media: {media}"))
-        elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            model = _model_at(loc)
-            keys = f" with keys {', '.join(model.model_fields)}" if model is not None else \
-                f" such as {{medium: host, capacity: 8GiB}} (media: {media})"
-            out.append((path, f"expected a mapping{keys}, got {_show(value)}"))
-        elif kind == "literal_error":
-            values = _literal_values(loc)
-            shown = ", ".join(map(str, values)) if values else ctx.get("expected", "?")
-            out.append((path, f"{_show(value)} is not allowed; allowed: {shown}"))
-        elif kind in ("value_error", "assertion_error"):
-            error = ctx.get("error")
-            if isinstance(error, _Problems):
-                out.extend((_key_path(loc + sub), msg) for sub, msg in error.problems)
-            else:
-                out.append((path, str(error) if error is not None else err["msg"]))
-        elif kind in _TYPE_NAMES:
-            out.append((path, f"expected {_TYPE_NAMES[kind]}, got {_show(value)}"))
-        elif kind in _BOUNDS:
-            key, words = _BOUNDS[kind]
-            out.append((path, f"{_show(value)} is too {'small' if key[0] == 'g' else 'large'}; "
-                              f"must be {words} {ctx.get(key)}"))
-        elif kind == "too_short" and isinstance(value, list) and not value:
-            out.append((path, f"needs at least {ctx.get('min_length', 1)} entry, got an empty list"))
-        elif kind == "string_too_short":
-            out.append((path, f"{_show(value)} is empty; give a non-empty string"))
-        elif kind == "string_pattern_mismatch":
-            wanted = _PATTERN_MEANINGS.get(str(loc[-1]), f"a string matching {ctx.get('pattern')}")
-            out.append((path, f"{_show(value)} is not {wanted}"))
-        else:
-            out.append((path, f"{err['msg']} (got {_show(value)})"))
-    return out
 
 
 __all__ = [

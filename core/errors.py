@@ -1,5 +1,15 @@
 """Exceptions kvtier raises. Each names what was wrong so the caller can act on it."""
 
+from __future__ import annotations
+
+from typing import Any
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as the user would recognise it in a message: its repr, shortened if long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class KvtierError(Exception):
     """Base of every error kvtier raises on purpose."""

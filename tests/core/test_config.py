@@ -86,7 +86,8 @@ def test_loads_from_file(tmp_path):
 def test_defaults():
     cfg = load_config({"tiers": [{"medium": "host", "capacity_blocks": 4}]})
     assert (cfg.block_tokens, cfg.block_bytes, cfg.fragments, cfg.namespace) == (16, None, 1, "")
-    assert cfg.tiers[0].eviction == "adaptive" and cfg.tiers[0].watermark is None
+    assert cfg.tier_eviction(0) == "adaptive" and cfg.tiers[0].watermark is None
+    assert cfg.tiers[0].eviction is None  # the default is the config's answer, not written into the model
 
 
 def test_default_eviction_depends_on_the_tier_place():
@@ -94,10 +95,10 @@ def test_default_eviction_depends_on_the_tier_place():
     the stack (the prefix-ordered S3-FIFO measured best). A given policy is kept anywhere."""
     cfg = load_config({"tiers": [{"medium": "gpu", "capacity_blocks": 4}, {"medium": "host", "capacity_blocks": 8},
                                  {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x"}]})
-    assert [t.eviction for t in cfg.tiers] == ["lru", "lru", "adaptive"]
+    assert [cfg.tier_eviction(i) for i in range(3)] == ["lru", "lru", "adaptive"]
     cfg = load_config({"tiers": [{"medium": "host", "capacity_blocks": 8, "eviction": "arc"},
                                  {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x", "eviction": "lru"}]})
-    assert [t.eviction for t in cfg.tiers] == ["arc", "lru"]
+    assert [cfg.tier_eviction(i) for i in range(2)] == ["arc", "lru"]
 
 
 def test_default_config_loads():
