@@ -1,12 +1,7 @@
-"""ARC, S3-FIFO and prefix-ordered S3-FIFO, and every registered policy against the EvictionPolicy contract.
+"""ARC, S3-FIFO and prefix-ordered S3-FIFO: their own orderings. The EvictionPolicy contract, over every
+registered policy, is tests/contracts/test_eviction_policy.py.
 
 Invariants checked:
-- for every registered policy, with and without a given capacity, under any sequence of valid
-  insert/touch/remove/evict calls: ``evict(n, protected)`` returns distinct tracked keys, none
-  protected, exactly min(n, unprotected tracked) of them, and forgets them; ``remove`` forgets a key;
-  ``len`` and ``in`` always agree with a plain set model; misuse (insert of a tracked key,
-  touch/remove of an untracked one) raises KeyError and changes nothing;
-- every short name in EVICTION_POLICIES builds with no arguments and drives a tier;
 - ARC: a key read twice survives a scan of one-time keys that pushes LRU's copy out; a key
   inserted again while in a ghost list lands in T2 and moves the T1 target; ghost lists stay within
   ARC's bounds (|T1|+|B1| <= c, all four <= 2c); capacity None learns the most keys ever tracked;
@@ -22,94 +17,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvtier.core.layout import BlockLayout
 from kvtier.policies import (
-    EVICTION_POLICIES,
-    AdaptivePolicy,
     ARCPolicy,
     LRUPolicy,
     PrefixS3FIFOPolicy,
     S3FIFOPolicy,
-    eviction_policy_class,
 )
-from kvtier.tiers.host import host_tier
-
-FACTORIES = {name: cls for name, cls in EVICTION_POLICIES.items()}
-FACTORIES.update({
-    "arc(capacity=4)": lambda: ARCPolicy(4),
-    "s3fifo(capacity=4)": lambda: S3FIFOPolicy(4),
-    "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
-    "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
-    "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
-})
-
-# One operation: (kind, key index, n, protected key indexes); keys are drawn from a small pool so
-# that reinsertion after eviction (ghost hits) happens often.
-operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict", "admit"]),
-              st.integers(0, 11), st.integers(0, 5), st.frozensets(st.integers(0, 11), max_size=6)),
-    max_size=80)
 
 
 def key(i: int) -> bytes:
     return b"k%02d" % i
-
-
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-@settings(max_examples=150, deadline=None)
-@given(ops=operations)
-def test_contract_under_random_operations(name, ops):
-    policy = FACTORIES[name]()
-    tracked: set[bytes] = set()
-    for kind, i, n, protected_ids in ops:
-        k = key(i)
-        if kind == "insert":
-            if k in tracked:
-                with pytest.raises(KeyError):
-                    policy.insert(k)
-            else:
-                policy.insert(k)
-                tracked.add(k)
-        elif kind == "admit":
-            if k not in tracked:  # a tier asks only about blocks it does not hold; asking tracks nothing
-                assert isinstance(policy.admit(k), bool)
-        elif kind in ("touch", "remove"):
-            if k in tracked:
-                getattr(policy, kind)(k)
-                if kind == "remove":
-                    tracked.discard(k)
-            else:
-                with pytest.raises(KeyError):
-                    getattr(policy, kind)(k)
-        else:
-            protected = {key(j) for j in protected_ids}
-            victims = policy.evict(n, protected)
-            assert len(victims) == len(set(victims)), "a key evicted twice"
-            assert set(victims) <= tracked, "evicted a key that is not tracked"
-            assert not set(victims) & protected, "evicted a protected key"
-            assert len(victims) == min(max(n, 0), len(tracked - protected)), "evicted too few or too many"
-            tracked -= set(victims)
-        assert len(policy) == len(tracked)
-        assert all(k in policy for k in tracked)
-        assert all(key(j) not in policy for j in range(12) if key(j) not in tracked)
-    # Whatever is left can be drained, and then nothing is tracked.
-    assert sorted(policy.evict(len(tracked) + 1, ())) == sorted(tracked)
-    assert len(policy) == 0
-
-
-@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
-def test_every_short_name_builds_and_drives_a_tier(name):
-    cls = eviction_policy_class(name)
-    tier = host_tier("host", 4, BlockLayout.contiguous(8), cls())
-    for batch in ([b"a", b"b", b"c"], [b"d"], [b"e", b"f"]):
-        tier.reserve(batch)
-        tier.commit(batch)
-        tier.check_invariants()
-    tier.pin([b"f"])
-    assert b"f" not in tier.evict(4)
-    tier.unpin([b"f"])
-    tier.check_invariants()
-    tier.close()
 
 
 def filled(policy, *keys):
@@ -266,16 +183,6 @@ def test_prefix_s3fifo_counts_pending_keys():
     assert len(prefix) == 1 and b"a" not in prefix
     prefix.touch(b"b")
     assert prefix.evict(5, ()) == [b"b"]
-
-
-@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
-def test_restored_blocks_leave_oldest_first(name):
-    """A disk tier restored at start hands its blocks oldest use first: they must leave in that
-    order, also under the prefix variant, which reverses batches of inserts (a chain), not these."""
-    policy = EVICTION_POLICIES[name]()
-    policy.restore([b"a", b"b", b"c", b"d"])
-    assert len(policy) == 4 and b"d" in policy
-    assert policy.evict(4, ()) == [b"a", b"b", b"c", b"d"]
 
 
 def test_prefix_s3fifo_restore_after_a_pending_batch():

@@ -1,0 +1,307 @@
+"""A whole stack over a shared store (``KVTier``: a host tier, maybe a disk tier, then the remote tier), run
+against every store in ``helpers.stores.STORES`` for real, its faults injected by killing and restarting
+the store's servers.
+
+To add a backend: subclass ``helpers.stores.StoreUnderTest`` and add it to ``STORES``; every test here
+then runs over it. What one store does beyond this (Redis: a server that hangs or dies under a load, the
+password from the environment; Mooncake: its master or segment owner killed mid-load, the memory an
+engine lends) stays in tests/tiers/remote/test_redis_stack.py and test_mooncake_stack.py.
+
+What it shows: blocks round-trip bit-exact between stacks (with or without a disk tier between) and
+between processes through the store, and a local hit never asks the store; placed write-back, the store
+gets only the host tier's victims; another namespace finds nothing, not even its name's record copied from
+another namespace; a record damaged, truncated, lengthened, foreign, or (with auth on) unsigned or signed
+with another secret is a miss, and the block is recomputed and stored again; a missing MAC secret opens
+nothing; a dead store fails exactly the blocks it was to serve, within the timeout, and local hits go on;
+after a restart the store is empty, then fills again; the store's own eviction never yields wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers.stack_helpers import assert_clean
+from kvtier import KVTier
+from kvtier.core.errors import ConfigError
+from kvtier.tiers.remote.record import HEADER_BYTES
+
+BLOCK = 64 * 1024
+TOKENS = 16
+TIMEOUT = 2.0
+WAIT = 30.0
+"""Seconds any future here may take; a test that hits it fails instead of hanging."""
+
+
+def prompt(n: int, start: int = 0) -> list[int]:
+    """Token ids of ``n`` full blocks; ``start`` makes another prompt."""
+    return list(range(start * 1000, start * 1000 + TOKENS * n))
+
+
+def data(n: int, seed: int = 0, block: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, block), dtype=np.uint8)
+
+
+@pytest.fixture
+def config(request, tmp_path):
+    """``config(store, **options)``: a stack config dict over ``store``, its records named under a prefix of
+    the test's own (a store is shared by the tests that do it no harm)."""
+    prefix = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-80:]
+
+    def make(store, host: int = 16, disk: str | None = None, namespace: str = "model-a",
+             auth_env: str | None = None, placement: str = "write_through", block: int = BLOCK) -> dict:
+        tiers: list[dict] = [{"medium": "host", "capacity_blocks": host}]
+        if disk is not None:
+            tiers.append({"medium": "disk", "path": str(tmp_path / disk), "capacity_blocks": 32})
+        remote = store.tier(timeout=TIMEOUT, placement=placement, prefix=prefix)
+        if auth_env is not None:
+            remote["auth_key_env"] = auth_env
+        return {"block_bytes": block, "block_tokens": TOKENS, "namespace": namespace, "tiers": [*tiers, remote]}
+
+    return make
+
+
+def stored(config: dict, tokens: list[int], blocks: np.ndarray) -> dict:
+    """Store ``blocks`` through a stack of its own and wait until they reached the store; its stats."""
+    with KVTier.open(config) as kv:
+        assert kv.store(tokens, blocks).result(WAIT).stored == len(blocks)
+        kv.wait_idle(WAIT)
+        return kv.stats()
+
+
+def load(kv: KVTier, tokens: list[int], n: int, block: int = BLOCK):
+    out = np.zeros((n, block), np.uint8)
+    return kv.load(tokens, out).result(WAIT), out
+
+
+def remote(kv: KVTier):
+    return kv.stack.tiers[-1]
+
+
+def record_names(kv: KVTier, tokens: list[int]) -> list[str]:
+    return [remote(kv).records[0].name(key) for key in kv.keys(tokens)]
+
+
+# --- sharing -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("disk", [None, "disk"], ids=["host", "host-disk"])
+def test_blocks_round_trip_between_stacks_through_the_store(config, store, disk):
+    tokens, blocks = prompt(8), data(8)
+    stats = stored(config(store, disk=None if disk is None else "writer-disk"), tokens, blocks)
+    assert stats["remote"]["committed"] == 8
+    with KVTier.open(config(store, disk=None if disk is None else "reader-disk")) as kv:
+        assert store.holds(record_names(kv, tokens)) == [True] * 8
+        assert kv.locate(tokens).tiers == ("remote",) * 8
+        result, out = load(kv, tokens, 8)
+        assert (result.loaded, result.failed, result.per_tier) == (8, [], {"remote": 8})
+        assert np.array_equal(out, blocks)
+        asked = store.existence_queries()
+        assert kv.locate(tokens).tiers == ("host",) * 8  # staged through host memory, kept there
+        assert store.existence_queries() == asked  # a local hit never asks the store
+        assert kv.stats()["remote"]["hits"] == 8
+        assert_clean(kv)
+
+
+def test_placed_write_back_the_store_gets_the_host_tiers_victims_only(config, store):
+    first, second = prompt(4), prompt(4, start=1)
+    blocks = data(4)
+    with KVTier.open(config(store, host=4, placement="write_back")) as kv:
+        kv.store(first, blocks).result(WAIT)
+        kv.wait_idle(WAIT)
+        assert store.holds(record_names(kv, first)) == [False] * 4  # nothing is copied while the host keeps it
+        kv.store(second, data(4, seed=1)).result(WAIT)  # pushes the first prompt out of host memory
+        kv.wait_idle(WAIT)
+        assert kv.stats()["host"]["demoted"] == 4 and kv.stats()["remote"]["committed"] == 4
+        assert store.holds(record_names(kv, first + second)) == [True] * 4 + [False] * 4
+    with KVTier.open(config(store)) as fresh:
+        assert fresh.lookup(second) == 0
+        result, out = load(fresh, first, 4)
+        assert result.loaded == 4 and np.array_equal(out, blocks)
+
+
+CHILD = """
+import json, sys
+import numpy as np
+from kvtier import KVTier
+config, n = json.loads(sys.argv[1]), int(sys.argv[2])
+blocks = np.random.default_rng(5).integers(0, 256, (n, config["block_bytes"]), dtype=np.uint8)
+with KVTier.open(config) as kv:
+    result = kv.store(list(range(config["block_tokens"] * n)), blocks).result(30)
+    kv.wait_idle(30)
+    print(json.dumps({"stored": result.stored, "in_store": kv.stats()["remote"]["committed"]}))
+"""
+
+
+def test_two_processes_with_the_same_config_share_blocks(config, store):
+    cfg = config(store)
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg), "6"], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert json.loads(child.stdout) == {"stored": 6, "in_store": 6}
+    with KVTier.open(cfg) as kv:
+        result, out = load(kv, prompt(6), 6)
+        assert result.loaded == 6 and np.array_equal(out, data(6, seed=5))
+
+
+def test_another_namespace_finds_nothing_not_even_under_a_copied_name(config, store):
+    tokens, blocks = prompt(4), data(4)
+    stored(config(store, namespace="model-a"), tokens, blocks)
+    with KVTier.open(config(store, namespace="model-a")) as a, KVTier.open(config(store, namespace="model-b")) as b:
+        keys = a.keys(tokens)
+        assert b.lookup(tokens) == 0 and b.lookup(keys) == 0  # its names differ, even for the same keys
+        size = HEADER_BYTES + BLOCK
+        ours, theirs = remote(a).records[0].name(keys[0]), remote(b).records[0].name(keys[0])
+        store.write(theirs, store.read(ours, size))  # model-a's record under model-b's name
+        assert b.lookup(keys) == 1
+        result, _ = load(b, keys, 4)
+        assert (result.hits, result.failed) == (1, [0])  # its header names another namespace: a miss
+        assert b.stats()["remote"]["read_errors"] == 1
+        mine = data(4, seed=9)  # model-b's own bytes for these keys, computed again and stored over it
+        assert b.store(keys, mine).result(WAIT).stored == 4
+        b.wait_idle(WAIT)
+    with KVTier.open(config(store, namespace="model-b")) as b, KVTier.open(config(store, namespace="model-a")) as a:
+        for kv, expected in ((b, mine), (a, blocks)):
+            result, out = load(kv, keys, 4)
+            assert result.loaded == 4 and np.array_equal(out, expected)
+
+
+# --- damaged and forged records ------------------------------------------------------------------
+
+
+def test_a_damaged_truncated_or_lengthened_record_is_a_miss_and_the_block_is_recomputed(config, store):
+    tokens, blocks = prompt(5), data(5)
+    stored(config(store), tokens, blocks)
+    with KVTier.open(config(store)) as kv:
+        names = record_names(kv, tokens)
+        size = HEADER_BYTES + BLOCK
+        whole = store.read(names[3], size)
+        store.write(names[1], b"\xff" * size)  # garbage of the right size
+        store.write(names[2], whole[:-1])  # truncated
+        store.write(names[3], whole + b"\x00" * 4096)  # a whole record, and more after it
+        result, out = load(kv, tokens, 5)
+        assert result.failed == [1, 2, 3]
+        assert np.array_equal(out[0], blocks[0]) and np.array_equal(out[4], blocks[4])
+        assert kv.lookup(tokens) == 1  # failed loads are forgotten: a miss from block 1 on
+        recomputed = kv.store(tokens, blocks).result(WAIT)  # what the engine does: compute again, store
+        assert recomputed.stored == 3  # blocks 1 to 3; 0 and 4 are in host memory already
+        kv.wait_idle(WAIT)
+    with KVTier.open(config(store)) as fresh:
+        result, out = load(fresh, tokens, 5)
+        assert result.loaded == 5 and np.array_equal(out, blocks)
+
+
+def test_with_auth_on_records_without_the_secret_or_with_another_are_misses(config, store, monkeypatch):
+    monkeypatch.setenv("KVTIER_TEST_MAC", "first-secret-0123456789")
+    monkeypatch.setenv("KVTIER_TEST_OTHER_MAC", "second-secret-0123456789")
+    tokens, blocks = prompt(3), data(3)
+    stored(config(store), tokens, blocks)  # written without a MAC
+    with KVTier.open(config(store, auth_env="KVTIER_TEST_MAC")) as signed:
+        result, _ = load(signed, tokens, 3)
+        assert (result.hits, result.loaded) == (3, 0)  # found, refused
+        assert signed.store(tokens, blocks).result(WAIT).stored == 3  # recomputed, stored signed
+        signed.wait_idle(WAIT)
+    with KVTier.open(config(store, auth_env="KVTIER_TEST_OTHER_MAC")) as other:
+        result, _ = load(other, tokens, 3)
+        assert (result.hits, result.loaded) == (3, 0)
+    with KVTier.open(config(store, auth_env="KVTIER_TEST_MAC")) as same:
+        result, out = load(same, tokens, 3)
+        assert result.loaded == 3 and np.array_equal(out, blocks)
+
+
+def test_a_missing_mac_secret_opens_nothing(config, store, monkeypatch):
+    monkeypatch.delenv("KVTIER_TEST_MAC", raising=False)
+    threads = threading.active_count()
+    with pytest.raises(ConfigError, match="^auth_key_env: the environment variable KVTIER_TEST_MAC is unset"):
+        KVTier.open(config(store, auth_env="KVTIER_TEST_MAC"))
+    assert threading.active_count() <= threads  # no thread of the stack was left behind
+
+
+# --- a store that fails --------------------------------------------------------------------------
+
+
+def test_a_dead_store_fails_exactly_its_blocks_within_the_timeout_and_local_hits_go_on(config, fresh_store):
+    tokens, blocks = prompt(8), data(8)
+    stored(config(fresh_store), tokens, blocks)
+    with KVTier.open(config(fresh_store)) as kv:
+        assert kv.store(tokens[:2 * TOKENS], blocks[:2]).result(WAIT).stored == 2  # blocks 0 and 1 in host memory
+        assert kv.locate(tokens).tiers == ("host",) * 2 + ("remote",) * 6
+        fresh_store.kill()
+        started = time.monotonic()
+        result, out = load(kv, tokens, 8)
+        assert (result.loaded, result.failed) == (2, [2, 3, 4, 5, 6, 7])
+        assert time.monotonic() - started < TIMEOUT + 1.0
+        assert np.array_equal(out[:2], blocks[:2])
+        started = time.monotonic()
+        assert kv.lookup(tokens) == 2 and time.monotonic() - started < TIMEOUT + 1.0  # a dead store: a miss
+        result, out = load(kv, tokens, 8)
+        assert (result.hits, result.loaded) == (2, 2) and np.array_equal(out[:2], blocks[:2])
+        assert_clean(kv)
+
+
+def test_after_a_restart_the_store_is_empty_and_new_stores_land_and_hit(config, fresh_store):
+    before, after, blocks = prompt(4), prompt(4, start=5), data(4, seed=5)
+    stored(config(fresh_store), before, data(4))
+    with KVTier.open(config(fresh_store)) as kv:
+        assert kv.lookup(before) == 4  # the store's answer counts for a few seconds...
+        fresh_store.restart()
+        result, _ = load(kv, before, 4)
+        assert (result.hits, result.loaded) == (4, 0)  # ...so the load finds the store empty: all failed
+        assert kv.lookup(before) == 0
+        attempts, deadline = 0, time.monotonic() + WAIT
+        while kv.stats()["remote"]["committed"] < 4 and time.monotonic() < deadline:
+            attempts += 1  # a store that does not reconnect at once makes the first stores counted drops
+            assert kv.store(after, blocks).result(WAIT).stored == 4  # in host memory, whatever the store does
+            kv.wait_idle(WAIT)
+            if kv.stats()["remote"]["committed"] < 4:
+                kv.stack.tiers[0].evict(4)  # so that the next store sends them again
+        assert kv.stats()["remote"]["committed"] == 4
+        if fresh_store.RECONNECTS_AT_ONCE:
+            assert attempts == 1  # the connections that broke were made again within the first stores
+    with KVTier.open(config(fresh_store)) as fresh:
+        assert fresh.lookup(before) == 0
+        result, out = load(fresh, after, 4)
+        assert result.loaded == 4 and np.array_equal(out, blocks)
+
+
+def test_the_stores_own_eviction_never_yields_wrong_bytes(config, store_class, tmp_path):
+    count, block = store_class.SMALL
+    with store_class.small(tmp_path / "small") as small:
+        cfg = config(small, host=8, block=block)
+        tokens, blocks = prompt(count), data(count, block=block)
+        with KVTier.open(cfg) as kv:
+            keys = kv.keys(tokens)
+            for at in range(0, count, 8):  # through a host tier of 8 blocks, each batch on to the store first
+                assert kv.store(keys[at:at + 8], blocks[at:at + 8]).result(WAIT).stored == 8
+                kv.wait_idle(WAIT)
+            assert kv.stats()["remote"]["committed"] + kv.stats()["remote"]["aborted"] == count
+        with KVTier.open(cfg) as reader:
+            held = held_runs(small, reader, keys, longest=8)
+            assert 0 < sum(map(len, held)) < count  # it evicted, and kept some
+            loaded = 0
+            for run in held:  # a run of records the store held, in one load (it may evict more meanwhile)
+                result, out = load(reader, [keys[i] for i in run], len(run), block)
+                arrived = [j for j in range(result.hits) if j not in result.failed]
+                assert all(np.array_equal(out[j], blocks[run[j]]) for j in arrived), "a block came back wrong"
+                loaded += len(arrived)
+            assert loaded > 0
+
+
+def held_runs(store, kv: KVTier, keys: list[bytes], longest: int) -> list[list[int]]:
+    """The indices of the ``keys`` whose records ``store`` holds now, in runs of consecutive ones of up to
+    ``longest`` (eviction leaves holes in every prefix, a load stops at the first, and stages through a
+    host tier of ``longest`` blocks)."""
+    held = store.holds([remote(kv).records[0].name(key) for key in keys])
+    runs: list[list[int]] = []
+    for i, here in enumerate(held):
+        if here and runs and runs[-1][-1] == i - 1 and len(runs[-1]) < longest:
+            runs[-1].append(i)
+        elif here:
+            runs.append([i])
+    return runs

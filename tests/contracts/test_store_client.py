@@ -1,0 +1,268 @@
+"""The ``StoreClient`` contract (kvtier.tiers.remote.client), run against every store in
+``helpers.stores.STORES`` for real: a Redis server, a Mooncake master with a segment owner.
+
+To add a backend: subclass ``helpers.stores.StoreUnderTest`` for its servers and client and add it to
+``STORES``; every test here then runs against it (ids ``[redis]``, ``[mooncake]``, ...).
+
+What every client promises (client.py's docstrings), checked here:
+- a record is the concatenation of its pieces: records of 1 to 3 pieces and of 1 byte to 1 MiB go in
+  and come back bit-exact, each batch's answers in the batch's order, each record into its own pieces;
+  empty batches are empty answers;
+- ``put`` replaces a record of the same name whole, also one of another size, also right after a read;
+- ``get`` is True only for a record of exactly the pieces' total size: a missing, shorter or longer one
+  is False for itself alone, and the rest of its batch arrives;
+- ``remove`` forgets records and ignores missing names; ``exists`` agrees with what was put and removed;
+- a record outlives the client, and the process, that wrote it;
+- after ``close()`` (twice is fine) a call raises the backend's error or answers False, and writes into
+  no buffer;
+- a dead store fails every call with StoreError within the backend's bound; a hung one within its
+  window, and the same client is answered again once the store resumes;
+- after a restart the store is empty and takes records again;
+- a store too small for what it is given evicts, and never returns wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from helpers.stores import bounded, retry
+from kvtier.core.errors import StoreError
+
+TIMEOUT = 1.0
+HUNG_TIMEOUT = 0.25
+
+PIECES = {"one-byte": (1,), "header-and-slot": (40, 64 << 10), "three-odd-pieces": (64, 4095, 7),
+          "one-mebibyte": (1 << 20,)}
+"""Record shapes: the byte counts of each record's pieces, in order."""
+
+CALLS_AFTER_CLOSE_REFUSED = {
+    "redis": "RedisClient.close() only disconnects; the next call connects again and fills its buffers "
+             "(tiers/remote/redis_client.py, close), where client.py says no call writes into any buffer after it",
+}
+"""Backends that disagree with ``close()``'s promise, and how (see the test)."""
+
+
+class Records:
+    """``count`` records whose pieces have the byte counts ``sizes``, piece p of every record in an array of
+    its own (as the remote tier's headers and host slots are)."""
+
+    def __init__(self, count: int, sizes: tuple[int, ...]) -> None:
+        self.arrays = [np.zeros((count, size), np.uint8) for size in sizes]
+
+    def fill(self, rng: np.random.Generator) -> Records:
+        for array in self.arrays:
+            array[:] = rng.integers(0, 256, array.shape, dtype=np.uint8)
+        return self
+
+    def pieces(self, indices=None) -> list[list[tuple[int, int]]]:
+        indices = range(len(self.arrays[0])) if indices is None else indices
+        return [[(array[i].ctypes.data, array.shape[1]) for array in self.arrays] for i in indices]
+
+    def record(self, i: int) -> bytes:
+        """Record ``i`` as the store holds it: its pieces one after the other."""
+        return b"".join(array[i].tobytes() for array in self.arrays)
+
+
+@pytest.fixture(scope="module")
+def client(store):
+    """One client of the module's store for the tests that do it no harm (an engine, too, makes many calls
+    on one client)."""
+    shared = store.client(timeout=TIMEOUT)
+    yield shared
+    bounded(shared.close)
+
+
+def call(method, *args):
+    """``method(*args)``, failing the test instead of hanging on a hung store."""
+    return bounded(method, *args)[0]
+
+
+# --- records in, records out ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", PIECES.values(), ids=PIECES)
+def test_records_round_trip_bit_exact_in_the_batchs_order(store, client, names, rng, sizes):
+    source, target = Records(6, sizes).fill(rng), Records(6, sizes)
+    keys = names(6)
+    assert call(client.exists, keys) == [False] * 6
+    assert call(client.put, keys, source.pieces()) == [True] * 6
+    assert store.read(keys[2], sum(sizes)) == source.record(2)  # the pieces, concatenated
+    assert call(client.exists, [*keys, names(1, "absent")[0]]) == [True] * 6 + [False]
+    order = rng.permutation(6).tolist()
+    assert call(client.get, [keys[i] for i in order], target.pieces(order)) == [True] * 6
+    assert all(target.record(i) == source.record(i) for i in range(6))
+
+
+def test_a_record_written_in_one_piece_reads_into_several(store, client, names, rng):
+    source, target = Records(1, (1000,)).fill(rng), Records(1, (100, 899, 1))
+    key = names(1)
+    assert call(client.put, key, source.pieces()) == [True]
+    assert call(client.get, key, target.pieces()) == [True] and target.record(0) == source.record(0)
+
+
+def test_empty_batches_are_empty_answers(client):
+    assert call(client.exists, []) == call(client.put, [], []) == call(client.get, [], []) == []
+    assert call(client.remove, []) is None
+
+
+def test_put_replaces_a_record_whole_even_one_just_read_or_of_another_size(client, names, rng):
+    shape = (64, 32 << 10)
+    first, second, target = Records(4, shape).fill(rng), Records(4, shape).fill(rng), Records(4, shape)
+    keys = names(4)
+    assert call(client.put, keys, first.pieces()) == [True] * 4
+    assert call(client.get, keys, target.pieces()) == [True] * 4  # Mooncake leases a record it served
+    assert call(client.put, keys, second.pieces()) == [True] * 4
+    assert call(client.get, keys, target.pieces()) == [True] * 4
+    assert all(target.record(i) == second.record(i) for i in range(4))
+    longer, into = Records(1, (64, (32 << 10) + 7)).fill(rng), Records(1, (64, (32 << 10) + 7))
+    assert call(client.put, keys[:1], longer.pieces()) == [True]
+    assert call(client.get, keys[:1], target.pieces([0])) == [False]  # the old size is gone
+    assert call(client.get, keys[:1], into.pieces()) == [True] and into.record(0) == longer.record(0)
+
+
+def test_a_missing_shorter_or_longer_record_fails_only_itself(client, names, rng):
+    size = 32 << 10
+    source = Records(4, (size,)).fill(rng)
+    keys = names(4)
+    assert call(client.put, keys, source.pieces()) == [True] * 4
+    shorter, longer, same = Records(1, (size - 1,)), Records(1, (size + 1,)), Records(3, (size,))
+    batch = [keys[0], keys[1], names(1, "absent")[0], keys[2], keys[3]]
+    pieces = [*shorter.pieces(), *longer.pieces(), *same.pieces([0]), *same.pieces([1, 2])]
+    assert call(client.get, batch, pieces) == [False, False, False, True, True]
+    assert same.record(1) == source.record(2) and same.record(2) == source.record(3)
+
+
+def test_remove_forgets_records_and_ignores_missing_names(client, names, rng):
+    source, target = Records(4, (4096,)).fill(rng), Records(4, (4096,))
+    keys = names(4)
+    assert call(client.put, keys, source.pieces()) == [True] * 4
+    assert call(client.remove, [keys[0], keys[1], names(1, "never-stored")[0]]) is None
+    assert call(client.exists, keys) == [False, False, True, True]
+    assert call(client.get, keys, target.pieces()) == [False, False, True, True]
+    assert target.record(3) == source.record(3)
+
+
+WRITER = """
+import json, sys
+import numpy as np
+from kvtier.core.config import RemoteTierConfig
+from kvtier.tiers.remote.factory import connector
+tier, name = json.loads(sys.argv[1]), sys.argv[2]
+client = connector(RemoteTierConfig.model_validate(tier)).connect()
+data = np.random.default_rng(7).integers(0, 256, 40 + (256 << 10), dtype=np.uint8)
+print(client.put([name], [[(data.ctypes.data, 40), (data.ctypes.data + 40, 256 << 10)]]))
+client.close()
+"""
+
+
+def test_a_record_outlives_the_client_and_the_process_that_wrote_it(store, client, names):
+    """The writer is a client the factory builds from a tier's config (a Mooncake one lending no memory:
+    the record lives in the owner's segment); it puts, closes and exits."""
+    key = names(1)[0]
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), json.dumps(store.tier(timeout=2.0)), key],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[True]", done.stderr[-2000:]
+    target = Records(1, (40 + (256 << 10),))
+    assert call(client.get, [key], target.pieces()) == [True]
+    expected = np.random.default_rng(7).integers(0, 256, 40 + (256 << 10), dtype=np.uint8)
+    assert target.record(0) == expected.tobytes()
+
+
+def test_after_close_no_call_writes_into_a_buffer(request, store, names, rng):
+    """client.py: "afterwards no call of this client writes into any buffer". A closed client refuses a call
+    (with the backend's ``CLOSED_CALLS_RAISE``) or answers False; the buffers stay as they were either way."""
+    if store.name in CALLS_AFTER_CLOSE_REFUSED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=CALLS_AFTER_CLOSE_REFUSED[store.name]))
+    closing = store.client(timeout=TIMEOUT)
+    source, target = Records(2, (4096,)).fill(rng), Records(2, (4096,))
+    keys = names(2)
+    assert call(closing.put, keys, source.pieces()) == [True, True]
+    bounded(closing.close)
+    bounded(closing.close)
+    target.arrays[0][:] = 0xAB
+    if store.CLOSED_CALLS_RAISE is not None:
+        with pytest.raises(store.CLOSED_CALLS_RAISE):
+            call(closing.get, keys, target.pieces())
+    else:
+        assert call(closing.get, keys, target.pieces()) == [False, False]
+    assert (target.arrays[0] == 0xAB).all()
+
+
+# --- a store that fails --------------------------------------------------------------------------
+
+
+def test_a_dead_store_fails_every_call_with_store_error_in_bounded_time(fresh_store, rng):
+    client = fresh_store.client(timeout=TIMEOUT)
+    records = Records(4, (64 << 10,)).fill(rng)
+    keys = [f"dead/{i}" for i in range(4)]
+    assert call(client.put, keys, records.pieces()) == [True] * 4
+    fresh_store.kill()
+    costs = []
+    for method, args in ((client.exists, (keys,)), (client.get, (keys, records.pieces())),
+                         (client.put, (keys, records.pieces()))):
+        start = time.monotonic()
+        with pytest.raises(StoreError):
+            bounded(method, *args)
+        costs.append(round(time.monotonic() - start, 2))
+    assert max(costs) < fresh_store.DEAD_WITHIN_S, f"calls against a dead {fresh_store.name} took {costs} s"
+    bounded(client.close)
+
+
+def test_a_hung_store_fails_calls_within_its_window_and_answers_once_it_resumes(fresh_store):
+    client = fresh_store.client(timeout=HUNG_TIMEOUT)
+    records = Records(2, (4096,))
+    keys = ["hung/a", "hung/b"]
+    assert call(client.exists, keys) == [False, False]  # connected before the store hangs
+    low, high = fresh_store.hung_window(HUNG_TIMEOUT)
+    fresh_store.hang()
+    try:
+        for method, args in ((client.exists, (keys,)), (client.get, (keys, records.pieces()))):
+            start = time.monotonic()
+            with pytest.raises(StoreError):
+                bounded(method, *args)
+            took = time.monotonic() - start
+            assert low < took < high, f"{method.__name__} against a hung {fresh_store.name} took {took:.2f} s"
+    finally:
+        fresh_store.resume()
+    assert retry(lambda: client.exists(keys)) == [False, False]
+    bounded(client.close)
+
+
+def test_after_a_restart_the_store_is_empty_and_takes_records_again(fresh_store, rng):
+    client = fresh_store.client(timeout=2.0)
+    old, new, target = Records(4, (64 << 10,)).fill(rng), Records(4, (64 << 10,)).fill(rng), Records(4, (64 << 10,))
+    olds, news = [f"old/{i}" for i in range(4)], [f"new/{i}" for i in range(4)]
+    assert call(client.put, olds, old.pieces()) == [True] * 4
+    fresh_store.restart()
+    if fresh_store.RECONNECTS_AT_ONCE:  # the broken idle connection is replaced within the first call
+        assert call(client.exists, olds) == [False] * 4
+    else:
+        assert retry(lambda: client.exists(olds)) == [False] * 4
+    assert call(client.get, olds[:1], target.pieces([0])) == [False]
+    assert retry(lambda: client.put(news, new.pieces()), until=all) == [True] * 4
+    assert call(client.get, news, target.pieces()) == [True] * 4
+    assert all(target.record(i) == new.record(i) for i in range(4))
+    bounded(client.close)
+
+
+def test_a_store_too_small_evicts_but_never_returns_wrong_bytes(store_class, tmp_path, rng):
+    count, size = store_class.SMALL
+    with store_class.small(tmp_path) as small:
+        client = small.client(timeout=2.0)
+        try:
+            source, target = Records(count, (size,)).fill(rng), Records(count, (size,))
+            keys = [f"evict/{i}" for i in range(count)]
+            stored = [ok for at in range(0, count, 8)
+                      for ok in call(client.put, keys[at:at + 8], source.pieces(range(at, at + 8)))]
+            loaded = call(client.get, keys, target.pieces())
+            assert 0 < sum(loaded) < count and sum(stored) >= sum(loaded)
+            assert all(target.record(i) == source.record(i) for i in range(count) if loaded[i])
+        finally:
+            bounded(client.close)
