@@ -198,7 +198,7 @@ class Lookup:
 @dataclass
 class Outcome:
     """What a finished plan did: the plan blocks ``lost`` (the caller recomputes them), the keys each
-    tier ``stored`` and ``dropped``, and the blocks each tier served a load (``hits``).
+    tier ``stored`` and ``dropped``, and the blocks each tier served a load (``served``).
 
     Blocks the job quarantined (a remote store's call past its deadline may still touch their memory)
     are lost too, and their memory stays out of use until ``Planner.lift(outcome)``: the slots a read
@@ -208,7 +208,7 @@ class Outcome:
     lost: set[int]
     stored: dict[str, list[bytes]] = field(default_factory=dict)
     dropped: dict[str, list[bytes]] = field(default_factory=dict)
-    hits: dict[str, int] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
     quarantined: dict[str, list[int]] = field(default_factory=dict)
     held: dict[str, list[bytes]] = field(default_factory=dict)
 
@@ -567,7 +567,7 @@ class Planner:
         """Put back into use the memory a finished plan's quarantine kept out of it (``Outcome``): once
         the store calls that might have touched it have really returned."""
         for name, slots in outcome.quarantined.items():
-            self.tier(name).release(slots)
+            self.tier(name).lift_quarantine(slots)
         for name, keys in outcome.held.items():
             self.tier(name).unpin(keys)
 
@@ -587,7 +587,7 @@ class Planner:
         arrived, failed, never = copy.keys_not_in(gone), copy.keys_in(gone - held), copy.keys_in(gone & refused)
         if never:
             tier.refuse(never)
-            tier.record(incompressible=len(never))
+            tier.count(incompressible=len(never))
         tier.commit(arrived)
         _add(outcome.stored, tier.name, arrived)
         if held:
@@ -615,9 +615,9 @@ class Planner:
             if lost_here:
                 _add(outcome.dropped, tier.name, tier.discard(copy.keys_in(lost_here)))
             if served:
-                outcome.hits[tier.name] = outcome.hits.get(tier.name, 0) + len(served)
+                outcome.served[tier.name] = outcome.served.get(tier.name, 0) + len(served)
             counts["hits"] = len(served)
-        tier.record(**counts)
+        tier.count(**counts)
 
 
 def _add(per_tier: dict[str, list[bytes]], name: str, keys: list[bytes]) -> None:

@@ -307,7 +307,7 @@ class Tier:
         """Release reserved blocks whose write failed but may still land: a store call that outlived
         its deadline can write into their slots later. The keys leave the tier (a later load or store
         of them is not held up); the slots stay taken, out of every reader's and writer's reach, until
-        ``release``. Returns the slots. Raises StateError (and quarantines none) for a key not reserved."""
+        ``lift_quarantine``. Returns the slots. Raises StateError (and quarantines none) for a key not reserved."""
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "quarantine")
@@ -318,15 +318,15 @@ class Tier:
             self.stats.aborted += len(keys)
             return slots
 
-    def release(self, slots: Iterable[int]) -> None:
+    def lift_quarantine(self, slots: Iterable[int]) -> None:
         """Free quarantined slots: nothing can write into them any more. Raises StateError (and frees
         none) for a slot that is not quarantined."""
         with self._lock:
             slots = list(slots)
             stray = [slot for slot in slots if slot not in self._quarantined]
             if stray or len(set(slots)) != len(slots):
-                raise StateError(f"release of slots {sorted(stray) or slots} of tier {self.name!r} that are not "
-                                 f"quarantined (once each)")
+                raise StateError(f"quarantine lift of slots {sorted(stray) or slots} of tier {self.name!r} that "
+                                 f"are not quarantined (once each)")
             for slot in slots:
                 self._quarantined.remove(slot)
                 self._allocator.free(slot)
@@ -438,7 +438,7 @@ class Tier:
 
     # --- accounting ----------------------------------------------------------------------------
 
-    def record(self, **counts: int) -> None:
+    def count(self, **counts: int) -> None:
         """Add to the named ``stats`` counters (for the stack, which counts hits and demotions)."""
         with self._lock:
             for name, n in counts.items():

@@ -297,7 +297,7 @@ class DiskSlab:
     """The slab file and its directory: geometry, file descriptors (the main one holds the lock), and
     the newest header sequence number.
 
-    Thread safety: positioned I/O on the descriptors is safe from any thread. ``record`` and
+    Thread safety: positioned I/O on the descriptors is safe from any thread. ``count`` and
     ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
     """
 
@@ -322,7 +322,7 @@ class DiskSlab:
         self.room = checked_slot_room(self.dir, block_bytes, compression, slot_bytes)  # payload bytes a slot holds
         self.slot_stride = PAGE + self.room
         self.namespace = namespace_digest(namespace, layout)
-        self.record = lambda **counts: None  # where the backend counts incompressible blocks
+        self.count = lambda **counts: None  # where the backend counts incompressible blocks
         self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
         self.file_bytes = PAGE + num_slots * self.slot_stride
         self.fd: int | None = None  # the main descriptor, holding the lock; None once closed
@@ -548,8 +548,8 @@ def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPo
         tier = Tier(name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced,
                     f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered")
         tier.restore([(key, slot) for _, key, slot in recovered])
-        tier.record(damaged=damaged)
-        slab.record, slab.refuse = tier.record, tier.refuse
+        tier.count(damaged=damaged)
+        slab.count, slab.refuse = tier.count, tier.refuse
         return tier
     except BaseException:
         slab.close()

@@ -199,7 +199,7 @@ class DiskBackend(TransferBackend):
         checksum = xxhash.xxh3_64_intdigest(raw.data)
         payload = codec.compress(raw)
         if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
-            slab.record(incompressible=1)
+            slab.count(incompressible=1)
             slab.refuse([b.key])
             return {b.index}
         padded = round_up_to_page(len(payload))

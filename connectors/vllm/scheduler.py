@@ -430,7 +430,7 @@ class SchedulerSide:
         def done(job: Job) -> None:
             outcome = self._finish(plan, job)
             failed = len(outcome.lost) + count - plan.num_blocks  # lost on the way, or never planned
-            self.stats.record_load(self._per_medium(outcome.hits), failed)
+            self.stats.record_load(self._per_medium(outcome.served), failed)
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
         # (a block staged through host memory since the lookup still loads in this step, only slower)

@@ -564,10 +564,10 @@ def test_quarantined_slots_stay_taken_and_out_of_reach_until_released(tier):
     assert not set(fresh) & set(slots)
     assert tier.reserve([k(3)], allow_evict=True) is None  # the quarantined slots are not free
     with pytest.raises(StateError):
-        tier.release([fresh[0]])  # not quarantined
+        tier.lift_quarantine([fresh[0]])  # not quarantined
     with pytest.raises(StateError):
-        tier.release([slots[0], slots[0]])
-    tier.release(slots)
+        tier.lift_quarantine([slots[0], slots[0]])
+    tier.lift_quarantine(slots)
     assert tier.usage().used == 2 and tier.leaks() == {"pinned": 0, "writing": 2}
     tier.abort([k(0), k(2)])
     assert tier.usage().used == 0
@@ -704,13 +704,13 @@ def test_stats_and_record(tier):
     tier.reserve([k(3)])
     tier.abort([k(3)])
     tier.evict(2)
-    tier.record(hits=2, bytes_out=128)
-    tier.record(hits=1)
+    tier.count(hits=2, bytes_out=128)
+    tier.count(hits=1)
     assert tier.stats.as_dict() == {"committed": 3, "aborted": 1, "evicted": 2, "demoted": 0, "hits": 3,
                                     "bytes_in": 3 * LAYOUT.block_bytes, "bytes_out": 128, "read_errors": 0,
                                     "damaged": 0, "incompressible": 0, "demotion_refused": 0, "declined": 0}
     with pytest.raises(AttributeError):
-        tier.record(nonsense=1)
+        tier.count(nonsense=1)
 
 
 def test_usage_and_repr(make_tier, kind):

@@ -3,7 +3,10 @@ CPU memmove between host memory and per-layer arrays, disk I/O to a slab file, a
 (over a real Redis server). The CUDA backend's tests stay in tests/gpu, which skip without CUDA.
 
 To add a backend: write a ``Rig`` for it below (its backend, the storage it moves blocks to and from, how
-to make a block there unreadable) and add it to ``RIGS``; every test here then runs over it.
+to make a block there unreadable) and add it to ``RIGS``; every test here then runs over it, and a test
+fails while a backend in kvtier.transfers has no rig. The remote backend's rig runs over Redis alone: the
+backend is the same over every store, each store's client is tests/contracts/test_store_client.py's
+business, and a Mooncake link takes a second to close per test.
 
 Each test moves blocks between host memory (numpy arrays, checked byte by byte) and the backend's far
 storage (``Rig.far``), where a store leaves them and a load takes them back. What every backend promises:

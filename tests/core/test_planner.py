@@ -268,7 +268,7 @@ def test_a_staged_load_stages_through_host_and_stops_where_it_cannot(jobs):
     assert disk.leaks()["pinned"] == 2  # k(3) was let go
 
     outcome = planner.finish(plan, run(jobs, plan, failed=[0, 1]))
-    assert outcome.hits == {"disk": 1} and outcome.lost == {0, 1}
+    assert outcome.served == {"disk": 1} and outcome.lost == {0, 1}
     assert outcome.stored == {"host": [k(1), k(2)]}  # staged blocks stay cached in host memory...
     assert outcome.dropped == {"host": [k(0), k(1)]}  # ...unless reading them out failed: unreadable
     assert disk.state(k(1)) is BlockState.READY  # its disk copy was read whole: kept
@@ -338,7 +338,7 @@ def test_a_load_from_the_store_stages_through_host_even_into_host_memory(jobs):
     assert {f.tier for f in plan.fences} == {"host"}  # nothing to fence in a store addressed by key
 
     outcome = planner.finish(plan, run(jobs, plan, failed=[2], first_stage_failed=[2]))
-    assert outcome.hits == {"host": 1, "remote": 1} and outcome.stored == {"host": [k(1)]}
+    assert outcome.served == {"host": 1, "remote": 1} and outcome.stored == {"host": [k(1)]}
     assert remote.state(k(2)) is BlockState.FREE and remote.stats.read_errors == 1  # failed: not known any more
     assert remote.state(k(1)) is BlockState.READY and host.leaks() == {"pinned": 0, "writing": 0}
 

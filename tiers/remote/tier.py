@@ -93,7 +93,7 @@ class RemoteTier(Tier):
         try:
             found = self.link.ask(lambda client: client.exists(names))
         except StoreError:
-            self.record(lookup_errors=1)
+            self.count(lookup_errors=1)
             return 0
         ranks = len(self.records)
         present = [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
