@@ -185,8 +185,9 @@ def run_transfer(backend: DiskBackend, transfer: Transfer, timeout: float = 120.
         raise TransferFailed(f"a disk transfer of {transfer.num_blocks} blocks did not complete in {timeout} s")
     elapsed = time.perf_counter() - start
     if result["failed"]:
-        raise TransferFailed(f"{len(result['failed'])} of {transfer.num_blocks} blocks failed "
-                             f"(first: {min(result['failed'])})")
+        raise TransferFailed(
+            f"{len(result['failed'])} of {transfer.num_blocks} blocks failed (first: {min(result['failed'])})"
+        )
     return elapsed
 
 
@@ -241,8 +242,10 @@ class DiskSide:
     def verify(self) -> None:
         if not np.array_equal(self.src.array, self.dst.array):
             bad = int(np.flatnonzero(self.src.array != self.dst.array)[0]) // self.layout.block_bytes
-            raise Mismatch(f"{self.layout.block_bytes // KiB} KiB blocks: block {bad} loaded from disk "
-                           f"differs from the bytes stored")
+            raise Mismatch(
+                f"{self.layout.block_bytes // KiB} KiB blocks: block {bad} loaded from disk "
+                f"differs from the bytes stored"
+            )
 
     def close(self) -> None:
         self.storage.close()
@@ -301,7 +304,7 @@ class Reference:
         with memoryview(self.out) as view:
             start = time.perf_counter()
             for at in range(0, self.nbytes, REF_CHUNK):
-                piece = view[at:at + REF_CHUNK]
+                piece = view[at : at + REF_CHUNK]
                 if os.pwrite(self.fd, piece, at) != len(piece):
                     raise OSError(errno.EIO, "reference: short write")
             os.fdatasync(self.fd)
@@ -321,7 +324,7 @@ class Reference:
         with memoryview(self.back) as view:
             start = time.perf_counter()
             for at in range(0, self.nbytes, REF_CHUNK):
-                piece = view[at:at + REF_CHUNK]
+                piece = view[at : at + REF_CHUNK]
                 if os.preadv(self.fd, [piece], at) != len(piece):
                     raise OSError(errno.EIO, "reference: short read")
             elapsed = time.perf_counter() - start
@@ -347,16 +350,25 @@ def run_fio(fio: str, root: str, block_bytes: int, nbytes: int, iodepth: int, re
     """Sequential write (end_fsync) then read, direct=1, ``repeat`` times: the best GB/s of each, from
     fio's JSON; an error is recorded, not raised."""
     path = os.path.join(root, "fio.dat")
-    common = [f"--filename={path}", f"--bs={block_bytes}", f"--size={nbytes}", "--direct=1",
-              "--ioengine=libaio", f"--iodepth={iodepth}", "--numjobs=1", "--output-format=json"]
+    common = [
+        f"--filename={path}",
+        f"--bs={block_bytes}",
+        f"--size={nbytes}",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--iodepth={iodepth}",
+        "--numjobs=1",
+        "--output-format=json",
+    ]
     out: dict = {"bs": block_bytes, "iodepth": iodepth, "ioengine": "libaio", "write_gbps": None, "read_gbps": None}
     try:
         for rw, extra in (("write", ["--end_fsync=1"]), ("read", [])) * repeat:
-            proc = subprocess.run([fio, f"--name=kvtier-{rw}", f"--rw={rw}", *common, *extra],
-                                  capture_output=True, text=True, timeout=120)
+            proc = subprocess.run(
+                [fio, f"--name=kvtier-{rw}", f"--rw={rw}", *common, *extra], capture_output=True, text=True, timeout=120
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"fio {rw} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-            text = proc.stdout[proc.stdout.find("{"):]  # fio may print notes before the JSON
+            text = proc.stdout[proc.stdout.find("{") :]  # fio may print notes before the JSON
             job = json.loads(text)["jobs"][0]
             if job.get("error"):
                 raise RuntimeError(f"fio {rw} job error {job['error']}")
@@ -409,8 +421,9 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         side.timed_load(counting, keys)
         calls["load"] = counting.take()
 
-        times: dict[str, list[float]] = {name: [] for name in ("store fresh", "store reused", "load", "ref fresh",
-                                                               "ref overwrite", "ref read")}
+        times: dict[str, list[float]] = {
+            name: [] for name in ("store fresh", "store reused", "load", "ref fresh", "ref overwrite", "ref read")
+        }
 
         def keep(name: str, seconds: float) -> None:
             times[name].append(seconds)
@@ -428,30 +441,35 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         fio = run_fio(args.fio, root, size.block_bytes, size.nbytes, args.io_threads, args.repeat) if args.fio else None
         best = {name: min(seconds) for name, seconds in times.items()}
         gbps = {name: size.nbytes / seconds / GB for name, seconds in best.items()}
-        pairs = (("store fresh", "ref fresh", "write, fresh file", "write"),
-                 ("store reused", "ref overwrite", "write, overwrite", "write"),
-                 ("load", "ref read", "read", "read"))
+        pairs = (
+            ("store fresh", "ref fresh", "write, fresh file", "write"),
+            ("store reused", "ref overwrite", "write, overwrite", "write"),
+            ("load", "ref read", "read", "read"),
+        )
         rows = []
         for op, ref_name, ref_label, fio_dir in pairs:
             c = calls[op]
             # each kvtier figure over the reference measured right after it: a pair shares the disk's mood
             paired = sorted(ref_s / op_s for op_s, ref_s in zip(times[op], times[ref_name], strict=True))
-            rows.append({
-                "block_bytes": size.block_bytes,
-                "op": op,
-                "blocks": size.blocks,
-                "bytes": size.nbytes,
-                "gbps": round(gbps[op], 3),
-                "reference": ref_label,
-                "reference_gbps": round(gbps[ref_name], 3),
-                "ratio": round(statistics.median(paired), 3),
-                "ratio_min": round(paired[0], 3),
-                "ratio_max": round(paired[-1], 3),
-                "ratio_best": round(gbps[op] / gbps[ref_name], 3),
-                "fio_gbps": fio.get(f"{fio_dir}_gbps") if fio else None,
-                "ms": round(best[op] * 1e3, 1),
-                "pwritev": c["pwritev"], "preadv": c["preadv"],
-            })
+            rows.append(
+                {
+                    "block_bytes": size.block_bytes,
+                    "op": op,
+                    "blocks": size.blocks,
+                    "bytes": size.nbytes,
+                    "gbps": round(gbps[op], 3),
+                    "reference": ref_label,
+                    "reference_gbps": round(gbps[ref_name], 3),
+                    "ratio": round(statistics.median(paired), 3),
+                    "ratio_min": round(paired[0], 3),
+                    "ratio_max": round(paired[-1], 3),
+                    "ratio_best": round(gbps[op] / gbps[ref_name], 3),
+                    "fio_gbps": fio.get(f"{fio_dir}_gbps") if fio else None,
+                    "ms": round(best[op] * 1e3, 1),
+                    "pwritev": c["pwritev"],
+                    "preadv": c["preadv"],
+                }
+            )
         info = {"o_direct": side.o_direct, "reference_o_direct": ref.o_direct, "fio": fio}
         return rows, info
     finally:
@@ -496,11 +514,13 @@ def codecs() -> tuple[list[tuple[str, object, object]], list[str]]:
     found, missing = [], []
     try:
         import lz4.frame as lz4f
+
         found.append(("lz4", lz4f.compress, lz4f.decompress))
     except ImportError:
         missing.append("lz4 is not installed (pip install lz4): skipped")
     try:
         import zstandard
+
         cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
         found.append(("zstd-1", cctx.compress, dctx.decompress))
     except ImportError:
@@ -516,6 +536,7 @@ def bench_compression(nbytes: int, repeat: int, seed: int) -> tuple[list[dict], 
     raw_bytes = raw.tobytes()
     rows = []
     for name, compress, decompress in available:
+
         def pack_raw(compress=compress):
             return [compress(raw_bytes)]
 
@@ -543,10 +564,14 @@ def bench_compression(nbytes: int, repeat: int, seed: int) -> tuple[list[dict], 
                 best_c, best_d = min(best_c, t1 - t0), min(best_d, t2 - t1)
             if not np.array_equal(back, raw):
                 raise Mismatch(f"{name} {layout}: decompressed bytes differ from the input")
-            row = {"codec": name, "layout": layout, "bytes": nbytes,
-                   "ratio": round(nbytes / sum(len(f) for f in frames), 3),
-                   "compress_mbps": round(nbytes / best_c / MB, 1),
-                   "decompress_mbps": round(nbytes / best_d / MB, 1)}
+            row = {
+                "codec": name,
+                "layout": layout,
+                "bytes": nbytes,
+                "ratio": round(nbytes / sum(len(f) for f in frames), 3),
+                "compress_mbps": round(nbytes / best_c / MB, 1),
+                "decompress_mbps": round(nbytes / best_d / MB, 1),
+            }
             if layout == "byte-split":
                 row["high_plane_ratio"] = round(nbytes / 2 / len(frames[0]), 3)
                 row["low_plane_ratio"] = round(nbytes / 2 / len(frames[1]), 3)
@@ -569,16 +594,41 @@ def checksum_gbps(nbytes: int, repeat: int) -> float:
 
 
 def print_table(rows: list[dict], header_line: str) -> None:
-    header = ("block", "op", "blocks", "MiB", "syscalls/job", "kvtier GB/s", "reference", "ref GB/s", "ratio",
-              "paired min-max", "best/best", "fio GB/s")
+    header = (
+        "block",
+        "op",
+        "blocks",
+        "MiB",
+        "syscalls/job",
+        "kvtier GB/s",
+        "reference",
+        "ref GB/s",
+        "ratio",
+        "paired min-max",
+        "best/best",
+        "fio GB/s",
+    )
     lines = []
     for r in rows:
         calls = " ".join(f"{r[k]} {k}" for k in ("pwritev", "preadv") if r[k])
         fio = "-" if r["fio_gbps"] is None else f"{r['fio_gbps']:.2f}"
         label = f"{r['block_bytes'] // MiB} MiB" if r["block_bytes"] >= MiB else f"{r['block_bytes'] // KiB} KiB"
-        lines.append((label, r["op"], str(r["blocks"]), str(r["bytes"] // MiB), calls, f"{r['gbps']:.2f}",
-                      r["reference"], f"{r['reference_gbps']:.2f}", f"{r['ratio']:.2f}",
-                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['ratio_best']:.2f}", fio))
+        lines.append(
+            (
+                label,
+                r["op"],
+                str(r["blocks"]),
+                str(r["bytes"] // MiB),
+                calls,
+                f"{r['gbps']:.2f}",
+                r["reference"],
+                f"{r['reference_gbps']:.2f}",
+                f"{r['ratio']:.2f}",
+                f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                f"{r['ratio_best']:.2f}",
+                fio,
+            )
+        )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     left = {0, 1, 4, 6}
     fmt = "  ".join(("{:<%d}" if i in left else "{:>%d}") % w for i, w in enumerate(widths))
@@ -597,9 +647,18 @@ def print_compression(rows: list[dict], notes: list[str], nbytes: int) -> None:
     if not rows:
         return
     header = ("codec", "layout", "ratio", "compress MB/s", "decompress MB/s", "high plane", "low plane")
-    lines = [(r["codec"], r["layout"], f"{r['ratio']:.3f}", f"{r['compress_mbps']:.0f}",
-              f"{r['decompress_mbps']:.0f}", f"{r['high_plane_ratio']:.3f}" if "high_plane_ratio" in r else "-",
-              f"{r['low_plane_ratio']:.3f}" if "low_plane_ratio" in r else "-") for r in rows]
+    lines = [
+        (
+            r["codec"],
+            r["layout"],
+            f"{r['ratio']:.3f}",
+            f"{r['compress_mbps']:.0f}",
+            f"{r['decompress_mbps']:.0f}",
+            f"{r['high_plane_ratio']:.3f}" if "high_plane_ratio" in r else "-",
+            f"{r['low_plane_ratio']:.3f}" if "low_plane_ratio" in r else "-",
+        )
+        for r in rows
+    ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(("{:<%d}" if i < 2 else "{:>%d}") % w for i, w in enumerate(widths))
     print(fmt.format(*header))
@@ -613,17 +672,28 @@ def print_compression(rows: list[dict], notes: list[str], nbytes: int) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=None,
-                   help="directory on the filesystem to measure; a scratch folder is made inside it and "
-                        "removed afterwards (default: a temporary folder under /tmp)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the filesystem to measure; a scratch folder is made inside it and "
+        "removed afterwards (default: a temporary folder under /tmp)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="repetitions: GB/s are the best, ratios the median of paired runs (default 3)",
+    )
     p.add_argument("--io-threads", type=int, default=8, help="DiskBackend I/O threads (default 8, its default)")
     p.add_argument("--large-mib", type=int, default=512, help="bytes per measurement for 2 MiB blocks (default 512)")
     p.add_argument("--small-mib", type=int, default=256, help="bytes per measurement for 64 KiB blocks (default 256)")
     p.add_argument("--compress-mib", type=int, default=8, help="bf16 bytes for the compression section (default 8)")
-    p.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto",
-                   help="the disk slab's o_direct setting; 'off' also makes the reference buffered (default auto)")
+    p.add_argument(
+        "--o-direct",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the disk slab's o_direct setting; 'off' also makes the reference buffered (default auto)",
+    )
     p.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -647,8 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     fio_version = None
     if args.fio:
         try:
-            fio_version = subprocess.run([args.fio, "--version"], capture_output=True, text=True,
-                                         timeout=10).stdout.strip()
+            fio_version = subprocess.run(
+                [args.fio, "--version"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             fio_version = "unknown version"
 
@@ -679,19 +750,25 @@ def main(argv: list[str] | None = None) -> int:
     direct = "O_DIRECT" if big["o_direct"] else f"buffered I/O ({why}; caches dropped before reads)"
     ref_direct = "O_DIRECT" if big["reference_o_direct"] else f"buffered ({why}), caches dropped before reads"
     print(f"directory {root} on {fstype} ({source} mounted at {mount}); kvtier slab: {direct}")
-    print(f"reference: sequential {REF_CHUNK // MiB} MiB pwrite + fdatasync / preadv, {ref_direct}, from and into "
-          f"the same host memory as kvtier; {args.repeat} repetitions interleaved with kvtier: GB/s = best, "
-          f"ratio = median of kvtier / the reference run right after it")
+    print(
+        f"reference: sequential {REF_CHUNK // MiB} MiB pwrite + fdatasync / preadv, {ref_direct}, from and into "
+        f"the same host memory as kvtier; {args.repeat} repetitions interleaved with kvtier: GB/s = best, "
+        f"ratio = median of kvtier / the reference run right after it"
+    )
     if args.fio:
-        print(f"fio: {fio_version}, libaio, iodepth={args.io_threads}, bs = block size, direct=1, "
-              f"write with end_fsync=1 (fio's bw figure, best of {args.repeat})")
+        print(
+            f"fio: {fio_version}, libaio, iodepth={args.io_threads}, bs = block size, direct=1, "
+            f"write with end_fsync=1 (fio's bw figure, best of {args.repeat})"
+        )
         for block_bytes, i in info.items():
             if i["fio"] and i["fio"].get("error"):
                 print(f"  fio failed for {block_bytes // KiB} KiB: {i['fio']['error']}")
     else:
         print("fio: " + ("skipped (--no-fio)" if args.no_fio else "not installed; no fio figures"))
-    print("kvtier times are whole jobs, submit to on_complete (a store writes each slot's header page and bytes "
-          "in one call, runs of slots in one pwritev, no fdatasync)")
+    print(
+        "kvtier times are whole jobs, submit to on_complete (a store writes each slot's header page and bytes "
+        "in one call, runs of slots in one pwritev, no fdatasync)"
+    )
     print(f"xxh3-64 checksum, one thread: {xxh3:.1f} GB/s (every block is hashed on store and on load)")
     print()
     print_table(rows, f"kvtier DiskBackend(io_threads={args.io_threads}) host <-> disk vs plain sequential I/O")
@@ -700,8 +777,11 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["block_bytes"], r["op"]): r for r in rows}
 
     def figures(block_bytes: int) -> dict:
-        f = {"block_bytes": block_bytes, "blocks": by[(block_bytes, "load")]["blocks"],
-             "bytes": by[(block_bytes, "load")]["bytes"]}
+        f = {
+            "block_bytes": block_bytes,
+            "blocks": by[(block_bytes, "load")]["blocks"],
+            "bytes": by[(block_bytes, "load")]["bytes"],
+        }
         for op in ("store fresh", "store reused", "load"):
             r = by[(block_bytes, op)]
             key = op.replace(" ", "_")
@@ -721,31 +801,41 @@ def main(argv: list[str] | None = None) -> int:
     runtime = time.perf_counter() - started
     print()
     print(f"total runtime {runtime:.1f} s; loads verified bit-exact against the stored bytes for both block sizes")
-    print(json.dumps({
-        "bench": "disk",
-        "ratio": round(min(large["store_ratio"], large["load_ratio"]), 3),
-        "small_ratio": round(min(small["store_ratio"], small["load_ratio"]), 3),
-        **{k: v for k, v in large.items()},
-        "small": small,
-        "fs_type": fstype,
-        "mount": mount,
-        "o_direct": big["o_direct"],
-        "reference_o_direct": big["reference_o_direct"],
-        "reference": f"sequential {REF_CHUNK // MiB} MiB O_DIRECT pwrite + fdatasync / preadv, same directory, "
-                     f"same host memory as kvtier",
-        "fio": ({"installed": True, "version": fio_version, **{str(b): i["fio"] for b, i in info.items()}}
-                if args.fio else {"installed": bool(shutil.which("fio")), "skipped": args.no_fio,
-                                  "note": "fio not run" if args.no_fio else "fio is not installed"}),
-        "io_threads": args.io_threads,
-        "repeat": args.repeat,
-        "cpus": os.cpu_count(),
-        "checksum_xxh3_gbps": round(xxh3, 2),
-        "verified": True,
-        "runtime_s": round(runtime, 1),
-        "table": rows,
-        "compression": compression,
-        "compression_notes": compression_notes,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "disk",
+                "ratio": round(min(large["store_ratio"], large["load_ratio"]), 3),
+                "small_ratio": round(min(small["store_ratio"], small["load_ratio"]), 3),
+                **{k: v for k, v in large.items()},
+                "small": small,
+                "fs_type": fstype,
+                "mount": mount,
+                "o_direct": big["o_direct"],
+                "reference_o_direct": big["reference_o_direct"],
+                "reference": f"sequential {REF_CHUNK // MiB} MiB O_DIRECT pwrite + fdatasync / preadv, same directory, "
+                f"same host memory as kvtier",
+                "fio": (
+                    {"installed": True, "version": fio_version, **{str(b): i["fio"] for b, i in info.items()}}
+                    if args.fio
+                    else {
+                        "installed": bool(shutil.which("fio")),
+                        "skipped": args.no_fio,
+                        "note": "fio not run" if args.no_fio else "fio is not installed",
+                    }
+                ),
+                "io_threads": args.io_threads,
+                "repeat": args.repeat,
+                "cpus": os.cpu_count(),
+                "checksum_xxh3_gbps": round(xxh3, 2),
+                "verified": True,
+                "runtime_s": round(runtime, 1),
+                "table": rows,
+                "compression": compression,
+                "compression_notes": compression_notes,
+            }
+        )
+    )
     return 0
 
 

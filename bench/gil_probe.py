@@ -50,8 +50,9 @@ class ReleasingBackend(CPUBackend):
     """The CPU backend with every copy releasing the GIL: what the size rule avoids."""
 
     def _copy(self, copies, lo: int, hi: int) -> None:
-        for s, d, n in zip(copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist(),
-                           strict=True):
+        for s, d, n in zip(
+            copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist(), strict=True
+        ):
             ctypes.memmove(d, s, n)
 
 
@@ -117,18 +118,30 @@ def main() -> int:
         backend.close()
         releasing.close()
     for s, d in zip(src_slots, dst_slots, strict=True):
-        if not np.array_equal(src_buf[s * FRAGMENT:(s + 1) * FRAGMENT], dst_buf[d * FRAGMENT:(d + 1) * FRAGMENT]):
+        if not np.array_equal(src_buf[s * FRAGMENT : (s + 1) * FRAGMENT], dst_buf[d * FRAGMENT : (d + 1) * FRAGMENT]):
             print(f"slot {s} -> {d}: bytes differ", file=sys.stderr)
             return 1
-    print(f"{args.copies} copies of {FRAGMENT // 1024} KiB, {args.threads} threads, switch interval "
-          f"{sys.getswitchinterval() * 1000:g} ms (median of {args.repeat})")
+    print(
+        f"{args.copies} copies of {FRAGMENT // 1024} KiB, {args.threads} threads, switch interval "
+        f"{sys.getswitchinterval() * 1000:g} ms (median of {args.repeat})"
+    )
     print(f"  alone                                {alone:8.2f} ms")
     print(f"  beside a busy Python thread          {beside:8.2f} ms")
     print(f"  every copy releasing the GIL, beside {per_copy_release:8.2f} ms")
-    print(json.dumps({"ratio": round(alone / beside, 3), "alone_ms": round(alone, 3), "busy_ms": round(beside, 3),
-                      "per_copy_release_busy_ms": round(per_copy_release, 3), "copies": args.copies,
-                      "fragment_bytes": FRAGMENT, "threads": args.threads,
-                      "gil_held_below_bytes": cpu.GIL_HELD_BELOW_BYTES}))
+    print(
+        json.dumps(
+            {
+                "ratio": round(alone / beside, 3),
+                "alone_ms": round(alone, 3),
+                "busy_ms": round(beside, 3),
+                "per_copy_release_busy_ms": round(per_copy_release, 3),
+                "copies": args.copies,
+                "fragment_bytes": FRAGMENT,
+                "threads": args.threads,
+                "gil_held_below_bytes": cpu.GIL_HELD_BELOW_BYTES,
+            }
+        )
+    )
     return 0
 
 

@@ -98,8 +98,9 @@ class Rig:
         layout = BlockLayout((fragment,) * frags)
         blocks = self.pool_bytes // layout.block_bytes
         base = self.gpu.data_ptr()
-        gpu = StridedStorage(layout, blocks, [base + f * blocks * fragment for f in range(frags)],
-                             [fragment] * frags, "cuda", self.gpu)
+        gpu = StridedStorage(
+            layout, blocks, [base + f * blocks * fragment for f in range(frags)], [fragment] * frags, "cuda", self.gpu
+        )
         host = contiguous_storage(self.slab.address, blocks, layout, "cpu", self.slab)
         return layout, gpu, host
 
@@ -151,7 +152,7 @@ def make_transfers(rig: Rig, fragment: int, batch: int, direction: str, rng):
     n = gpu.num_slots
     gpu_ids, host_ids = rng.permutation(n), rng.permutation(n)
     store = Transfer(gpu, gpu_ids[:batch].tolist(), host, host_ids[:batch].tolist())
-    load = Transfer(host, host_ids[batch:2 * batch].tolist(), gpu, gpu_ids[batch:2 * batch].tolist())
+    load = Transfer(host, host_ids[batch : 2 * batch].tolist(), gpu, gpu_ids[batch : 2 * batch].tolist())
     return layout, {"store": [store], "load": [load], "both": [store, load]}[direction]
 
 
@@ -166,10 +167,10 @@ def verify(rig: Rig, layout, transfer, rng, sample: int = 16) -> None:
             for address, device in ((src[i, f], transfer.src.device), (dst[i, f], transfer.dst.device)):
                 if device == "cuda":
                     offset = int(address) - gpu_base
-                    sides.append(rig.gpu[offset:offset + size].cpu().numpy())
+                    sides.append(rig.gpu[offset : offset + size].cpu().numpy())
                 else:
                     offset = int(address) - host_base
-                    sides.append(rig.slab.array[offset:offset + size])
+                    sides.append(rig.slab.array[offset : offset + size])
             if not np.array_equal(*sides):
                 sys.exit(f"CORRECTNESS FAILURE: block {i} fragment {f} differs after the copy")
 
@@ -183,8 +184,12 @@ def measure(rig: Rig, backends: dict, args, rng) -> list[dict]:
                 if 2 * batch * layout.block_bytes > rig.pool_bytes:
                     continue
                 nbytes = batch * layout.block_bytes
-                row = {"fragment_kib": fragment // KIB, "blocks": batch, "direction": direction,
-                       "job_mib": nbytes * len(transfers) / MIB}
+                row = {
+                    "fragment_kib": fragment // KIB,
+                    "blocks": batch,
+                    "direction": direction,
+                    "job_mib": nbytes * len(transfers) / MIB,
+                }
                 for name, backend in backends.items():
                     times, reference = [], []
                     run_job(backend, transfers)  # warm-up (kernel compile, first-touch of the pool)
@@ -204,8 +209,9 @@ def measure(rig: Rig, backends: dict, args, rng) -> list[dict]:
                 for name in backends:
                     row[f"{name}_ratio"] = row[f"{name}_gbs"] / row["reference_gbs"]
                 rows.append(row)
-                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                      flush=True)
+                print(
+                    " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+                )
     return rows
 
 
@@ -256,8 +262,13 @@ def print_table(rows: list[dict], methods: list[str]) -> None:
     header = ["frag KiB", "blocks", "dir", "MiB", "ref GB/s"] + [f"{m} GB/s (ratio)" for m in methods]
     print("  ".join(f"{h:>16}" for h in header))
     for row in rows:
-        cells = [row["fragment_kib"], row["blocks"], row["direction"], f"{row['job_mib']:.1f}",
-                 f"{row['reference_gbs']:.1f}"]
+        cells = [
+            row["fragment_kib"],
+            row["blocks"],
+            row["direction"],
+            f"{row['job_mib']:.1f}",
+            f"{row['reference_gbs']:.1f}",
+        ]
         cells += [f"{row[m + '_gbs']:.1f} ({row[m + '_ratio']:.2f})" for m in methods]
         print("  ".join(f"{c:>16}" for c in cells))
 
@@ -280,15 +291,19 @@ def main() -> None:
     one_way = [r for r in rows if r["direction"] != "both" and r["blocks"] >= args.bandwidth_batch]
     both_2mib = [r for r in rows if r["direction"] == "both" and r["fragment_kib"] == 2048]
     headline = "auto" if "auto" in methods else methods[0]
-    print(json.dumps({
-        "ratio": min(r[f"{headline}_ratio"] for r in one_way) if one_way else None,
-        "method": headline,
-        "ratio_all_batches": min(r[f"{headline}_ratio"] for r in rows if r["direction"] != "both"),
-        "both_directions_2mib_gbs": max((r[f"{headline}_gbs"] for r in both_2mib), default=None),
-        "device": torch.cuda.get_device_name(),
-        "sm_interference": sm,
-        "rows": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "ratio": min(r[f"{headline}_ratio"] for r in one_way) if one_way else None,
+                "method": headline,
+                "ratio_all_batches": min(r[f"{headline}_ratio"] for r in rows if r["direction"] != "both"),
+                "both_directions_2mib_gbs": max((r[f"{headline}_gbs"] for r in both_2mib), default=None),
+                "device": torch.cuda.get_device_name(),
+                "sm_interference": sm,
+                "rows": rows,
+            }
+        )
+    )
     for backend in backends.values():
         backend.close()
 

@@ -118,9 +118,9 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("packed K/V", kv_heads=8, kv_split=False),   # 64 KiB fragments, 32 per block
-    Variant("K/V split", kv_heads=8, kv_split=True),     # 32 KiB fragments, 64 per block
-    Variant("K/V split", kv_heads=4, kv_split=True),     # 16 KiB fragments, 64 per block
+    Variant("packed K/V", kv_heads=8, kv_split=False),  # 64 KiB fragments, 32 per block
+    Variant("K/V split", kv_heads=8, kv_split=True),  # 32 KiB fragments, 64 per block
+    Variant("K/V split", kv_heads=4, kv_split=True),  # 16 KiB fragments, 64 per block
 )
 
 
@@ -151,8 +151,9 @@ class Reference:
     """Plain copies by as many threads as the backend has, each cut into equal parts copied at once (both
     ``np.copyto`` and ``np.take`` release the GIL): a contiguous copy, and a take of scattered fragments."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray, take_src: np.ndarray, take_dst: np.ndarray,
-                 threads: int) -> None:
+    def __init__(
+        self, src: np.ndarray, dst: np.ndarray, take_src: np.ndarray, take_dst: np.ndarray, threads: int
+    ) -> None:
         self.src, self.dst, self.threads = src, dst, threads
         self.take_src, self.take_dst = take_src, take_dst
         self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
@@ -165,10 +166,10 @@ class Reference:
         contiguous run of ``take_dst`` (``np.take``, which releases the GIL), split over the threads: what
         copying fragments of that size between those memories gets here with no kvtier code between them
         (the per-fragment ceiling)."""
-        table = self.take_src[:self.take_src.size // fragment * fragment].reshape(-1, fragment)
+        table = self.take_src[: self.take_src.size // fragment * fragment].reshape(-1, fragment)
         count = nbytes // fragment
         index = rng.permutation(len(table))[:count]
-        out = self.take_dst[:count * fragment].reshape(count, fragment)
+        out = self.take_dst[: count * fragment].reshape(count, fragment)
         # mode "raise" would buffer ``out``
         return self._timed(count, lambda a, b: np.take(table, index[a:b], axis=0, out=out[a:b], mode="wrap"))
 
@@ -206,11 +207,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def verify(backend: CPUBackend, variant: Variant, tensors: list[torch.Tensor], dev, slab: HostSlab,
-           n: int, rng: np.random.Generator) -> None:
+def verify(
+    backend: CPUBackend,
+    variant: Variant,
+    tensors: list[torch.Tensor],
+    dev,
+    slab: HostSlab,
+    n: int,
+    rng: np.random.Generator,
+) -> None:
     """Store device blocks A into host slots H, load H into device blocks B; check bytes bit for bit."""
     perm = rng.permutation(dev.num_slots)
-    a, b = perm[:n], perm[n:2 * n]
+    a, b = perm[:n], perm[n : 2 * n]
     h = rng.permutation(slab.storage.num_slots)[:n]
     for t in tensors:  # poison the destinations so a copy that never happened cannot pass
         t.index_fill_(0, torch.from_numpy(b), 0.0)
@@ -226,14 +234,15 @@ def verify(backend: CPUBackend, variant: Variant, tensors: list[torch.Tensor], d
         raise AssertionError(f"{what}: fragment {bad} differs after a store and a load into other device blocks")
 
 
-def _host_mismatch(layout: BlockLayout, tensors: list[torch.Tensor], slab: HostSlab, a: np.ndarray,
-                   h: np.ndarray) -> int | None:
+def _host_mismatch(
+    layout: BlockLayout, tensors: list[torch.Tensor], slab: HostSlab, a: np.ndarray, h: np.ndarray
+) -> int | None:
     """The first fragment whose bytes in host slots ``h`` differ from device blocks ``a``, or None."""
     host = slab.array.reshape(slab.storage.num_slots, layout.block_bytes)
     a_t = torch.from_numpy(a)
     for f, (off, size) in enumerate(zip(layout.offsets.tolist(), layout.sizes.tolist(), strict=True)):
         expect = tensors[f].index_select(0, a_t).view(torch.uint8).reshape(len(a), size).numpy()
-        if not np.array_equal(host[h, off:off + size], expect):
+        if not np.array_equal(host[h, off : off + size], expect):
             return f
     return None
 
@@ -247,14 +256,22 @@ def _device_mismatch(tensors: list[torch.Tensor], a: np.ndarray, b: np.ndarray) 
     return None
 
 
-def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], repeat: int, reference: Reference,
-                  rng: np.random.Generator) -> list[dict]:
+def bench_variant(
+    variant: Variant,
+    backend: CPUBackend,
+    batches: list[int],
+    repeat: int,
+    reference: Reference,
+    rng: np.random.Generator,
+) -> list[dict]:
     layout = variant.layout
     max_batch = max(batches)
     # Room for disjoint source and destination ids and real scatter, in layer tensors of a real cache's
     # size (vLLM's are larger still): allocations this large are mmapped, at the same offset in a page.
-    num_device = max(2 * max_batch, LAYER_TENSOR_BYTES // (2 * variant.fragment_bytes if variant.kv_split
-                                                            else variant.fragment_bytes))
+    num_device = max(
+        2 * max_batch,
+        LAYER_TENSOR_BYTES // (2 * variant.fragment_bytes if variant.kv_split else variant.fragment_bytes),
+    )
     tensors = make_device(variant, num_device, seed=int(rng.integers(1 << 31)))
     dev = device_storage(tensors, layout)
     slab = HostSlab(max_batch, layout)
@@ -292,21 +309,23 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
             take_gbps = nbytes / best["take"] / GB
             for direction in ("store", "load"):
                 gbps = nbytes / best[direction] / GB
-                rows.append({
-                    "threads": backend.threads,
-                    "fragment_bytes": variant.fragment_bytes,
-                    "layout": variant.name,
-                    "fragments_per_block": layout.num_fragments,
-                    "direction": direction,
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "memmoves": copies[direction],
-                    "gbps": round(gbps, 3),
-                    "reference_gbps": round(ref_gbps, 3),
-                    "ratio": round(gbps / ref_gbps, 3),
-                    "fragment_take_gbps": round(take_gbps, 3),
-                    "ratio_vs_take": round(gbps / take_gbps, 3),
-                })
+                rows.append(
+                    {
+                        "threads": backend.threads,
+                        "fragment_bytes": variant.fragment_bytes,
+                        "layout": variant.name,
+                        "fragments_per_block": layout.num_fragments,
+                        "direction": direction,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "memmoves": copies[direction],
+                        "gbps": round(gbps, 3),
+                        "reference_gbps": round(ref_gbps, 3),
+                        "ratio": round(gbps / ref_gbps, 3),
+                        "fragment_take_gbps": round(take_gbps, 3),
+                        "ratio_vs_take": round(gbps / take_gbps, 3),
+                    }
+                )
         return rows
     finally:
         dev.close()
@@ -315,11 +334,35 @@ def bench_variant(variant: Variant, backend: CPUBackend, batches: list[int], rep
 
 
 def print_table(rows: list[dict], threads: int, reference_note: str) -> None:
-    header = ("fragment", "layout", "dir", "blocks", "MiB", "memmoves", "kvtier GB/s", "memcpy GB/s", "ratio",
-              "take GB/s", "vs take")
-    lines = [(f"{r['fragment_bytes'] // 1024} KiB", r["layout"], r["direction"], str(r["blocks"]),
-              str(r["bytes"] // MiB), str(r["memmoves"]), f"{r['gbps']:.2f}", f"{r['reference_gbps']:.2f}",
-              f"{r['ratio']:.2f}", f"{r['fragment_take_gbps']:.2f}", f"{r['ratio_vs_take']:.2f}") for r in rows]
+    header = (
+        "fragment",
+        "layout",
+        "dir",
+        "blocks",
+        "MiB",
+        "memmoves",
+        "kvtier GB/s",
+        "memcpy GB/s",
+        "ratio",
+        "take GB/s",
+        "vs take",
+    )
+    lines = [
+        (
+            f"{r['fragment_bytes'] // 1024} KiB",
+            r["layout"],
+            r["direction"],
+            str(r["blocks"]),
+            str(r["bytes"] // MiB),
+            str(r["memmoves"]),
+            f"{r['gbps']:.2f}",
+            f"{r['reference_gbps']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['fragment_take_gbps']:.2f}",
+            f"{r['ratio_vs_take']:.2f}",
+        )
+        for r in rows
+    ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(f"kvtier CPUBackend(threads={threads}) gather/scatter vs {reference_note}")
@@ -366,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     for threads in sorted({args.threads, 1}, reverse=True):  # the backend's threads, and one against one
-        backend, reference = CPUBackend(threads=threads), Reference(ref_src, ref_dst, take_src.numpy(), take_dst,
-                                                                    threads)
+        backend, reference = (
+            CPUBackend(threads=threads),
+            Reference(ref_src, ref_dst, take_src.numpy(), take_dst, threads),
+        )
         try:
             for variant in VARIANTS:
                 rows += bench_variant(variant, backend, args.blocks, args.repeat, reference, rng)
@@ -380,29 +425,36 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             backend.close()
             reference.close()
-        print_table([r for r in rows if r["threads"] == threads], threads,
-                    f"one contiguous copy of the same bytes by {threads} thread(s) (best of {args.repeat} each)")
+        print_table(
+            [r for r in rows if r["threads"] == threads],
+            threads,
+            f"one contiguous copy of the same bytes by {threads} thread(s) (best of {args.repeat} each)",
+        )
     runtime = time.perf_counter() - started
     print(f"total runtime {runtime:.1f} s; verified bit-exact for every variant")
     worst = {t: min(r["ratio"] for r in rows if r["threads"] == t) for t in {r["threads"] for r in rows}}
     worst_take = {t: min(r["ratio_vs_take"] for r in rows if r["threads"] == t) for t in worst}
-    print(json.dumps({
-        "bench": "host_copy",
-        "ratio": worst[args.threads],
-        "ratio_one_thread": worst[1],
-        "ratio_vs_take": worst_take[args.threads],
-        "ratio_vs_take_one_thread": worst_take[1],
-        "reference": "np.copyto of the same bytes, contiguous, split over as many threads as the backend has",
-        "take_reference": "np.take of the same bytes as random fragment-sized rows of a torch tensor as large as "
-                          "the device cache into one contiguous run of a host slab, same threads",
-        "threads": args.threads,
-        "blocks": args.blocks,
-        "repeat": args.repeat,
-        "cpus": os.cpu_count(),
-        "verified": True,
-        "runtime_s": round(runtime, 1),
-        "table": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "host_copy",
+                "ratio": worst[args.threads],
+                "ratio_one_thread": worst[1],
+                "ratio_vs_take": worst_take[args.threads],
+                "ratio_vs_take_one_thread": worst_take[1],
+                "reference": "np.copyto of the same bytes, contiguous, split over as many threads as the backend has",
+                "take_reference": "np.take of the same bytes as random fragment-sized rows of a torch tensor as large "
+                "as the device cache into one contiguous run of a host slab, same threads",
+                "threads": args.threads,
+                "blocks": args.blocks,
+                "repeat": args.repeat,
+                "cpus": os.cpu_count(),
+                "verified": True,
+                "runtime_s": round(runtime, 1),
+                "table": rows,
+            }
+        )
+    )
     return 0
 
 

@@ -43,7 +43,7 @@ def xxh3_chain(token_ids: list[int] | np.ndarray, block_size: int, namespace: by
     prev = xxhash.xxh3_128_digest(b"kvtier\0" + namespace)
     keys = []
     for i in range(len(token_ids) // block_size):
-        prev = xxhash.xxh3_128_digest(prev + data[i * stride:(i + 1) * stride])
+        prev = xxhash.xxh3_128_digest(prev + data[i * stride : (i + 1) * stride])
         keys.append(prev)
     return keys
 
@@ -54,7 +54,7 @@ def vllm_sha256_chain(token_ids: list[int] | np.ndarray, block_size: int) -> lis
     prev = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL)).digest()
     keys = []
     for i in range(len(tokens) // block_size):
-        block = tuple(tokens[i * block_size:(i + 1) * block_size])
+        block = tuple(tokens[i * block_size : (i + 1) * block_size])
         prev = hashlib.sha256(pickle.dumps((prev, block, None), protocol=pickle.HIGHEST_PROTOCOL)).digest()
         keys.append(prev)
     return keys
@@ -77,9 +77,11 @@ def measure(args) -> dict[str, dict[str, float]]:
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(0, 150_000, args.tokens)
     prompt = rng.integers(0, 150_000, 2048).tolist()
-    cases = {"us_per_16_block": (long_prompt, 16, args.tokens // 16),
-             "us_per_512_block": (long_prompt, 512, args.tokens // 512),
-             "us_per_2048_prompt": (prompt, 16, 1)}
+    cases = {
+        "us_per_16_block": (long_prompt, 16, args.tokens // 16),
+        "us_per_512_block": (long_prompt, 512, args.tokens // 512),
+        "us_per_2048_prompt": (prompt, 16, 1),
+    }
     out: dict[str, dict[str, float]] = {name: {} for name in VARIANTS}
     for case, (tokens, block_size, per) in cases.items():
         number = max(1, args.number * 65536 // (len(tokens) * 16)) if per > 1 else args.number
@@ -99,16 +101,23 @@ def main() -> int:
     args = parser.parse_args()
 
     results = measure(args)
-    print(f"{'hash':20} {'us/16-tok block':>16} {'us/512-tok block':>17} {'us/2048-tok prompt':>19} "
-          f"{'keys/s (16)':>12} {'keys/s (512)':>13}")
+    print(
+        f"{'hash':20} {'us/16-tok block':>16} {'us/512-tok block':>17} {'us/2048-tok prompt':>19} "
+        f"{'keys/s (16)':>12} {'keys/s (512)':>13}"
+    )
     for name, r in results.items():
-        print(f"{name:20} {r['us_per_16_block']:16.3f} {r['us_per_512_block']:17.3f} {r['us_per_2048_prompt']:19.1f} "
-              f"{r['keys_per_s_16']:12,.0f} {r['keys_per_s_512']:13,.0f}")
+        print(
+            f"{name:20} {r['us_per_16_block']:16.3f} {r['us_per_512_block']:17.3f} {r['us_per_2048_prompt']:19.1f} "
+            f"{r['keys_per_s_16']:12,.0f} {r['keys_per_s_512']:13,.0f}"
+        )
     xxh3, blake, keyed = (results[name]["us_per_16_block"] for name in ("xxh3-128", "blake2b-128", "blake2b-128 keyed"))
     prompt = {name: results[name]["us_per_2048_prompt"] for name in VARIANTS}
-    summary = {"ratio": round(xxh3 / blake, 3), "ratio_keyed": round(xxh3 / keyed, 3),
-               "ratio_2048_prompt": round(prompt["xxh3-128"] / prompt["blake2b-128"], 3),
-               **{f"{name} {k}": round(v, 3) for name, r in results.items() for k, v in r.items()}}
+    summary = {
+        "ratio": round(xxh3 / blake, 3),
+        "ratio_keyed": round(xxh3 / keyed, 3),
+        "ratio_2048_prompt": round(prompt["xxh3-128"] / prompt["blake2b-128"], 3),
+        **{f"{name} {k}": round(v, 3) for name, r in results.items() for k, v in r.items()},
+    }
     print(json.dumps(summary))
     return 0
 

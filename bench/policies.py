@@ -108,7 +108,7 @@ def future_count(requests: Sequence[Request], capacity: int) -> ReplayResult:
         for item in parked:
             heapq.heappush(heap, item)
         if need > 0:
-            missing = missing[:len(missing) - need]
+            missing = missing[: len(missing) - need]
         admitted = set(missing)
         for h in ids:
             remaining[h] -= 1
@@ -144,7 +144,7 @@ def reuse_oracle(requests: Sequence[Request], capacity: int, horizon: int) -> Re
             pos += 1
         protected = set(ids)
         for queue in queues:
-            victims = [k for k in queue if k not in protected][:max(0, len(resident) - capacity)]
+            victims = [k for k in queue if k not in protected][: max(0, len(resident) - capacity)]
             for victim in victims:
                 del queue[victim], resident[victim]
             evictions += len(victims)
@@ -166,8 +166,11 @@ def workload(name: str, trace: Path) -> list[Request]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake JSONL trace of workload 'mooncake'")
-    parser.add_argument("--workloads", default=",".join(["mooncake", *WORKLOADS]),
-                        help="comma separated: mooncake and the names of kvtier.replay.workload.WORKLOADS")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(["mooncake", *WORKLOADS]),
+        help="comma separated: mooncake and the names of kvtier.replay.workload.WORKLOADS",
+    )
     parser.add_argument("--capacities", default="1000,4000,16000", help="cache sizes in blocks, comma separated")
     parser.add_argument("--policy", default="adaptive", help="the policy the JSON line judges against LRU")
     args = parser.parse_args(argv)
@@ -187,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         requests = workload(name, Path(args.trace))
         references = sum(len(r.hash_ids) for r in requests)
-        print(f"\n{name}: {len(requests)} requests, {references} block references, "
-              f"{len({h for r in requests for h in r.hash_ids})} distinct blocks")
+        print(
+            f"\n{name}: {len(requests)} requests, {references} block references, "
+            f"{len({h for r in requests for h in r.hash_ids})} distinct blocks"
+        )
         cells[name] = {}
         for capacity in capacities:
             row = cells[name][str(capacity)] = {"belady": belady(requests, capacity).hit_ratio}
@@ -205,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         for label in ["belady", *EVICTION_POLICIES, *CONTEXT]:
             line = f"{label:<16}" + "".join(
                 f"{cells[name][str(c)][label]:>9.3f} ({cells[name][str(c)][label] / cells[name][str(c)]['lru']:.2f}x)"
-                if cells[name][str(c)]["lru"] else f"{cells[name][str(c)][label]:>18.3f}" for c in capacities)
+                if cells[name][str(c)]["lru"]
+                else f"{cells[name][str(c)][label]:>18.3f}"
+                for c in capacities
+            )
             print(line)
     print("\n(hit ratio, and in brackets its share of LRU's at the same size; the last three read the future)")
 
@@ -219,20 +227,30 @@ def main(argv: list[str] | None = None) -> int:
     small = capacities[:2]
     ratio = min(share(n, c, args.policy) for n in names for c in capacities)
     vs_lru_small = min(share(n, c, args.policy) for n in names for c in small)
-    weak = {f"{n}@{c}": round(share(n, c, args.policy), 4) for n in names for c in capacities
-            if share(n, c, "belady") >= 1.5}
-    print(f"{args.policy}: worst share of LRU {ratio:.3f} (at the {len(small)} smallest sizes {vs_lru_small:.3f}); "
-          f"where Belady >= 1.5x LRU: {weak}; refs/s {per_second[args.policy] / per_second['lru']:.2f}x LRU's")
-    print(json.dumps({
-        "ratio": round(ratio, 4),
-        "vs_lru_small": round(vs_lru_small, 4),
-        "policy": args.policy,
-        "where_belady_1.5x_lru": weak,
-        "refs_per_second": {p: round(v) for p, v in per_second.items()},
-        "hit_ratio": cells,
-        "capacities": capacities,
-        "trace": str(args.trace),
-    }))
+    weak = {
+        f"{n}@{c}": round(share(n, c, args.policy), 4)
+        for n in names
+        for c in capacities
+        if share(n, c, "belady") >= 1.5
+    }
+    print(
+        f"{args.policy}: worst share of LRU {ratio:.3f} (at the {len(small)} smallest sizes {vs_lru_small:.3f}); "
+        f"where Belady >= 1.5x LRU: {weak}; refs/s {per_second[args.policy] / per_second['lru']:.2f}x LRU's"
+    )
+    print(
+        json.dumps(
+            {
+                "ratio": round(ratio, 4),
+                "vs_lru_small": round(vs_lru_small, 4),
+                "policy": args.policy,
+                "where_belady_1.5x_lru": weak,
+                "refs_per_second": {p: round(v) for p, v in per_second.items()},
+                "hit_ratio": cells,
+                "capacities": capacities,
+                "trace": str(args.trace),
+            }
+        )
+    )
     return 0
 
 

@@ -89,6 +89,7 @@ OWNER_SIZE = "2GB"  # the segment owner's store memory: a round holds at most 4 
 
 # --- the reference: each backend's own client --------------------------------------------------
 
+
 class MooncakeReference:
     """A ``MooncakeDistributedStore`` of its own, set up as kvtier sets up its client, with the slab
     registered."""
@@ -171,6 +172,7 @@ def view(piece: tuple[int, int]) -> memoryview:
 
 # --- servers and configs -----------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def mooncake_store() -> Iterator[tuple[dict, Callable[[], MooncakeReference]]]:
     from helpers.mooncake_server import MooncakeMaster, SegmentOwner, mooncake_problem
@@ -201,11 +203,16 @@ def tier_config(backend: str, options: dict, mac: bool) -> dict:
 
 
 def stack_config(tier: dict, block_bytes: int, blocks: int) -> dict:
-    return {"block_tokens": TOKENS, "block_bytes": block_bytes, "namespace": NAMESPACE, "tiers": [
-        {"medium": "host", "capacity_blocks": STACK_HOST_BATCHES * blocks, "eviction": "lru"}, tier]}
+    return {
+        "block_tokens": TOKENS,
+        "block_bytes": block_bytes,
+        "namespace": NAMESPACE,
+        "tiers": [{"medium": "host", "capacity_blocks": STACK_HOST_BATCHES * blocks, "eviction": "lru"}, tier],
+    }
 
 
 # --- one backend, one block size ---------------------------------------------------------------
+
 
 class Rig:
     """A slab of random blocks, kvtier's backend (MAC off and on) and the reference between it and the
@@ -224,9 +231,15 @@ class Rig:
         self.reference = reference
         reference.register(self.slab)
         plain = RemoteTierConfig.model_validate(tier_config(backend, options, mac=False))
-        self.remote = {mac: RemoteStorage(self.layout, record_format(
-            RemoteTierConfig.model_validate(tier_config(backend, options, mac)), self.layout, NAMESPACE))
-            for mac in (False, True)}
+        self.remote = {
+            mac: RemoteStorage(
+                self.layout,
+                record_format(
+                    RemoteTierConfig.model_validate(tier_config(backend, options, mac)), self.layout, NAMESPACE
+                ),
+            )
+            for mac in (False, True)
+        }
         self.backend = RemoteBackend(StoreLink(connector(plain), TIMEOUT, "loads and stores"))
         self.tier = remote_tier("remote", plain, self.layout, NAMESPACE)
         stack = stack_config(tier_config(backend, options, mac=False), block_bytes, blocks)
@@ -242,8 +255,9 @@ class Rig:
         self.slab.close()
 
     def keys(self, tag: str) -> list[bytes]:
-        return [hashlib.blake2b(f"{tag}/{self.round}/{i}".encode(), digest_size=16).digest()
-                for i in range(self.blocks)]
+        return [
+            hashlib.blake2b(f"{tag}/{self.round}/{i}".encode(), digest_size=16).digest() for i in range(self.blocks)
+        ]
 
     def names(self, keys: list[bytes], mac: bool = False) -> list[str]:
         return [self.remote[mac].records.name(key) for key in keys]
@@ -257,8 +271,11 @@ class Rig:
     def transfer(self, keys: list[bytes], storing: bool, mac: bool = False) -> float:
         """Seconds from submit until on_complete of one batch; raises unless every block made it."""
         slots, remote = list(range(self.blocks)), self.remote[mac]
-        transfer = (Transfer(self.slab.storage, slots, remote, (), keys) if storing
-                    else Transfer(remote, (), self.slab.storage, slots, keys))
+        transfer = (
+            Transfer(self.slab.storage, slots, remote, (), keys)
+            if storing
+            else Transfer(remote, (), self.slab.storage, slots, keys)
+        )
         done = threading.Event()
         failed: list[set[int]] = []
 
@@ -272,8 +289,10 @@ class Rig:
             raise RuntimeError("a kvtier transfer never completed")
         took = time.perf_counter() - start
         if failed[0]:
-            raise RuntimeError(f"kvtier {'stored' if storing else 'loaded'} {len(failed[0])} of {self.blocks} "
-                               f"blocks wrong or not at all")
+            raise RuntimeError(
+                f"kvtier {'stored' if storing else 'loaded'} {len(failed[0])} of {self.blocks} "
+                f"blocks wrong or not at all"
+            )
         return took
 
     # the stacks
@@ -292,8 +311,10 @@ class Rig:
         loaded = self.reader.load(tokens, out).result(4 * TIMEOUT)
         load_s = time.perf_counter() - start
         if stored.stored != self.blocks or loaded.loaded != self.blocks or not np.array_equal(out, data):
-            raise RuntimeError(f"the stacks stored {stored.stored} and loaded {loaded.loaded} of {self.blocks} "
-                               f"blocks (or not bit-exact)")
+            raise RuntimeError(
+                f"the stacks stored {stored.stored} and loaded {loaded.loaded} of {self.blocks} "
+                f"blocks (or not bit-exact)"
+            )
         self.reference.remove(self.names(self.writer.keys(tokens)))
         return store_s, load_s
 
@@ -362,14 +383,21 @@ def lookup_latencies(rig: Rig, samples: int) -> dict[str, dict[str, float]]:
         if found != len(keys) or not all(present):
             raise RuntimeError(f"a lookup found {found} (kvtier) / {sum(present)} (client) of {len(keys)} keys")
     rig.reference.remove(rig.names(rig.keys("lookup")))
-    return {who: {"p50_ms": round(float(np.percentile(s, 50)) * 1e3, 3),
-                  "p99_ms": round(float(np.percentile(s, 99)) * 1e3, 3)} for who, s in seconds.items()}
+    return {
+        who: {
+            "p50_ms": round(float(np.percentile(s, 50)) * 1e3, 3),
+            "p99_ms": round(float(np.percentile(s, 99)) * 1e3, 3),
+        }
+        for who, s in seconds.items()
+    }
 
 
 def summarize(times: list[dict[str, float]], nbytes: int) -> dict:
     med = {name: statistics.median(t[name] for t in times) for name in times[0]}
-    gbps = {name: round(nbytes / med[name] / GB, 3) for name in
-            ("store", "load", "ref_store", "ref_load", "mac_store", "mac_load", "stack_store", "stack_load")}
+    gbps = {
+        name: round(nbytes / med[name] / GB, 3)
+        for name in ("store", "load", "ref_store", "ref_load", "mac_store", "mac_load", "stack_store", "stack_load")
+    }
     return {
         "gbps": gbps,
         "store_ratio": round(med["ref_store"] / med["store"], 3),
@@ -377,8 +405,10 @@ def summarize(times: list[dict[str, float]], nbytes: int) -> dict:
         "ratio": round(min(med["ref_store"] / med["store"], med["ref_load"] / med["load"]), 3),
         "stack_store_ratio": round(med["ref_store"] / med["stack_store"], 3),
         "stack_load_ratio": round(med["ref_load"] / med["stack_load"], 3),
-        "mac_cost_ms": {"store": round((med["mac_store"] - med["store"]) * 1e3, 2),
-                        "load": round((med["mac_load"] - med["load"]) * 1e3, 2)},
+        "mac_cost_ms": {
+            "store": round((med["mac_store"] - med["store"]) * 1e3, 2),
+            "load": round((med["mac_load"] - med["load"]) * 1e3, 2),
+        },
         "ms": {name: round(value * 1e3, 2) for name, value in med.items()},
     }
 
@@ -407,8 +437,12 @@ def bench_size(backend: str, options: dict, make_reference, block_bytes: int, ar
 def bench_backend(backend: str, args) -> dict[str, dict]:
     """Every block size against one server; lookups (which do not depend on it) with the first."""
     with STORES[backend]() as (options, make_reference):
-        results = {f"{size // KiB}KiB": bench_size(backend, options, make_reference, size, args,
-                                                   args.lookups if size == HEADLINE else 0) for size in SIZES}
+        results = {
+            f"{size // KiB}KiB": bench_size(
+                backend, options, make_reference, size, args, args.lookups if size == HEADLINE else 0
+            )
+            for size in SIZES
+        }
     results["lookup"] = results[f"{HEADLINE // KiB}KiB"].pop("lookup")
     return results
 
@@ -418,18 +452,28 @@ def print_backend(backend: str, results: dict[str, dict], blocks: int) -> None:
     for size in (f"{size // KiB}KiB" for size in SIZES):
         r = results[size]
         g = r["gbps"]
-        print(f"  {size:>7}  store {g['store']:6.2f} / {g['ref_store']:6.2f} = {r['store_ratio']:.2f}"
-              f"   load {g['load']:6.2f} / {g['ref_load']:6.2f} = {r['load_ratio']:.2f}")
-        print(f"           stack store {g['stack_store']:6.2f} = {r['stack_store_ratio']:.2f} of the client's"
-              f"   stack load {g['stack_load']:6.2f} = {r['stack_load_ratio']:.2f} (+ a memcpy host -> caller)")
-        print(f"           MAC on: store {g['mac_store']:6.2f} (+{r['mac_cost_ms']['store']} ms per batch)"
-              f"   load {g['mac_load']:6.2f} (+{r['mac_cost_ms']['load']} ms per batch)")
+        print(
+            f"  {size:>7}  store {g['store']:6.2f} / {g['ref_store']:6.2f} = {r['store_ratio']:.2f}"
+            f"   load {g['load']:6.2f} / {g['ref_load']:6.2f} = {r['load_ratio']:.2f}"
+        )
+        print(
+            f"           stack store {g['stack_store']:6.2f} = {r['stack_store_ratio']:.2f} of the client's"
+            f"   stack load {g['stack_load']:6.2f} = {r['stack_load_ratio']:.2f} (+ a memcpy host -> caller)"
+        )
+        print(
+            f"           MAC on: store {g['mac_store']:6.2f} (+{r['mac_cost_ms']['store']} ms per batch)"
+            f"   load {g['mac_load']:6.2f} (+{r['mac_cost_ms']['load']} ms per batch)"
+        )
         if "remove_missing" in r["ms"]:
-            print(f"           kvtier's forced remove before a put: {r['ms']['remove_missing']} ms per batch of new "
-                  f"names, {r['ms']['remove_present']} ms of stored ones")
+            print(
+                f"           kvtier's forced remove before a put: {r['ms']['remove_missing']} ms per batch of new "
+                f"names, {r['ms']['remove_present']} ms of stored ones"
+            )
     lk = results["lookup"]
-    print(f"  lookup of {LOOKUP_KEYS} keys (ms): kvtier p50 {lk['kvtier']['p50_ms']} p99 {lk['kvtier']['p99_ms']}; "
-          f"client p50 {lk['reference']['p50_ms']} p99 {lk['reference']['p99_ms']}")
+    print(
+        f"  lookup of {LOOKUP_KEYS} keys (ms): kvtier p50 {lk['kvtier']['p50_ms']} p99 {lk['kvtier']['p99_ms']}; "
+        f"client p50 {lk['reference']['p50_ms']} p99 {lk['reference']['p99_ms']}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -454,17 +498,28 @@ def main(argv: list[str] | None = None) -> int:
         print_backend(backend, result, args.blocks)
     headline = {backend: result[f"{HEADLINE // KiB}KiB"]["ratio"] for backend, result in results.items()}
     runtime = time.perf_counter() - started
-    print(f"ratio: min over backends of min(store, load) kvtier / client for {HEADLINE // MiB} MiB blocks, MAC off; "
-          f"runtime {runtime:.0f} s")
-    print(json.dumps({
-        "bench": "remote",
-        "ratio": min(headline.values()),
-        "ratio_by_backend": headline,
-        "reference": {"mooncake": "batch_put_from / batch_get_into, slab registered",
-                      "redis": "redis-py pipeline of SET / MGET copied into the slots"},
-        "blocks": args.blocks, "repeat": args.repeat, "cpus": os.cpu_count(), "runtime_s": round(runtime, 1),
-        "results": results,
-    }))
+    print(
+        f"ratio: min over backends of min(store, load) kvtier / client for {HEADLINE // MiB} MiB blocks, MAC off; "
+        f"runtime {runtime:.0f} s"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "remote",
+                "ratio": min(headline.values()),
+                "ratio_by_backend": headline,
+                "reference": {
+                    "mooncake": "batch_put_from / batch_get_into, slab registered",
+                    "redis": "redis-py pipeline of SET / MGET copied into the slots",
+                },
+                "blocks": args.blocks,
+                "repeat": args.repeat,
+                "cpus": os.cpu_count(),
+                "runtime_s": round(runtime, 1),
+                "results": results,
+            }
+        )
+    )
     return 0
 
 

@@ -75,17 +75,37 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "request_finished_all_groups", "take_events", "on_new_request", "has_pending_push_work",
-         "get_kv_connector_stats", "get_external_cache_hit_sources", "get_loaded_kv_cache_group_ids",
-         "has_pending_block_frees", "register_finished_partial_tail")
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "on_new_request",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "has_pending_block_frees",
+    "register_finished_partial_tail",
+)
 TIERING = "tiering_kvtier_disk"
 TIERING_MODULE = "kvtier.connectors.vllm_tiering"
 BLOCK = 16
 LAYERS = 8
-MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 1024,
-              "num_hidden_layers": LAYERS, "num_attention_heads": 8, "ffn_dim": 4096, "vocab_size": 50272,
-              "max_position_embeddings": 4096, "torch_dtype": "float16"}
+MODEL_JSON = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 1024,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 8,
+    "ffn_dim": 4096,
+    "vocab_size": 50272,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float16",
+}
 
 
 def kv_cache_config(num_blocks: int, window: int | None = None):
@@ -107,14 +127,27 @@ def kv_cache_config(num_blocks: int, window: int | None = None):
     if window is None:
         groups = [KVCacheGroupSpec(layers, spec)]
     else:
-        windowed = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.float16,
-                                     sliding_window=window)
+        windowed = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.float16, sliding_window=window
+        )
         groups = [KVCacheGroupSpec(layers[0::2], spec), KVCacheGroupSpec(layers[1::2], windowed)]
     per_group = len(groups[0].layer_names)
-    tensors = [KVCacheTensor(size=page * num_blocks * per_group, layers=list(g.layer_names),
-                             layer_stride=page * num_blocks, block_stride=page) for g in groups]
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
-                           hash_block_size=BLOCK, cache_hit_alignment_tokens=BLOCK)
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks * per_group,
+            layers=list(g.layer_names),
+            layer_stride=page * num_blocks,
+            block_stride=page,
+        )
+        for g in groups
+    ]
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        hash_block_size=BLOCK,
+        cache_hit_alignment_tokens=BLOCK,
+    )
     config.kv_cache_layout = "LBHNC"
     return config, page * LAYERS
 
@@ -126,18 +159,31 @@ def make_scheduler(model_dir: Path, connector: str, extra: dict, gpu_blocks: int
 
     module = "kvtier.connectors.vllm" if connector == "KVTierConnector" else None
     config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
-                                 max_model_len=4096),
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096
+        ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
-                                            kv_role="kv_both", kv_connector_extra_config=extra),
-        device_config=DeviceConfig("cpu"))
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=32,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
     config.cache_config.num_gpu_blocks = gpu_blocks
     kv_config, _ = kv_cache_config(gpu_blocks, window)
-    return Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
 
 
 def time_hooks(connector) -> tuple[dict[str, float], list[float]]:
@@ -215,7 +261,7 @@ def stream_chunks(args, groups: int) -> int:
         tokens = prompt + [11] * args.output_tokens
         parent = 0
         for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-            parent = hash((parent, *tokens[start:start + BLOCK]))
+            parent = hash((parent, *tokens[start : start + BLOCK]))
             seen.add(parent)
     return len(seen) * groups
 
@@ -255,11 +301,20 @@ def step(scheduler) -> tuple[int, int]:
     out = scheduler.schedule()
     recving, worker_meta, loaded, stored = worker_answer(out.kv_connector_metadata)
     req_ids = list(out.num_scheduled_tokens)
-    sampled = [[11] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
-               for r in req_ids]
-    scheduler.update_from_output(out, ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-        kv_connector_output=KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)))
+    sampled = [
+        [11] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in req_ids
+    ]
+    scheduler.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=recving or None, kv_connector_worker_meta=worker_meta
+            ),
+        ),
+    )
     return loaded, stored
 
 
@@ -278,8 +333,12 @@ def drain_secondary(scheduler, timeout: float = 600.0) -> dict:
     drain_s = time.perf_counter() - started
     (tier,) = tiering_manager(scheduler.connector).secondary_tiers
     (disk,) = tier.stack.stats().values()
-    return {"drain_s": round(drain_s, 3), "disk_stored": disk["committed"], "disk_loaded": disk["hits"],
-            "disk_evicted": disk["evicted"]}
+    return {
+        "drain_s": round(drain_s, 3),
+        "disk_stored": disk["committed"],
+        "disk_loaded": disk["hits"],
+        "disk_evicted": disk["evicted"],
+    }
 
 
 def run_stream(scheduler, args) -> dict:
@@ -292,10 +351,17 @@ def run_stream(scheduler, args) -> dict:
 
     init_none_hash(sha256)
     spent, cpu = time_hooks(scheduler.connector)
-    pending = [Request(request_id=f"r{i}", prompt_token_ids=prompt,
-                       sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
-                       pooling_params=None, mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
-               for i, prompt in enumerate(stream_prompts(args))]
+    pending = [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=args.output_tokens, ignore_eos=True),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        for i, prompt in enumerate(stream_prompts(args))
+    ]
     steps = loaded = stored = 0
     while pending or scheduler.has_unfinished_requests() or connector_busy(scheduler.connector):
         for _ in range(min(args.arrivals, len(pending))):
@@ -304,9 +370,14 @@ def run_stream(scheduler, args) -> dict:
         loaded, stored, steps = loaded + n_loaded, stored + n_stored, steps + 1
         if steps > 100_000:
             raise RuntimeError("the stream did not finish")
-    result = {"seconds": sum(spent.values()), "cpu_seconds": cpu[0], "steps": steps, "loaded_blocks": loaded,
-              "stored_blocks": stored,
-              "per_hook_ms": {k: round(v * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+    result = {
+        "seconds": sum(spent.values()),
+        "cpu_seconds": cpu[0],
+        "steps": steps,
+        "loaded_blocks": loaded,
+        "stored_blocks": stored,
+        "per_hook_ms": {k: round(v * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
+    }
     if tiering_manager(scheduler.connector) is not None:
         result.update(drain_secondary(scheduler))
     return result
@@ -336,25 +407,39 @@ def main() -> int:
     parser.add_argument("--cpu-blocks", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3, help="runs per connector, interleaved; best kept")
     parser.add_argument("--window", type=int, default=8 * BLOCK, help="sliding window of the hybrid model (tokens)")
-    parser.add_argument("--stream", choices=("chat", "shared"), default="chat",
-                        help="chat: request i is the next turn of conversation i %% prefixes (its whole history, "
-                             "then 20 new tokens); shared: every request is its prefix and 20 tokens of its own")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where the tiering runs' disk tier puts its slab (default: a temporary directory)")
+    parser.add_argument(
+        "--stream",
+        choices=("chat", "shared"),
+        default="chat",
+        help="chat: request i is the next turn of conversation i %% prefixes (its whole history, "
+        "then 20 new tokens); shared: every request is its prefix and 20 tokens of its own",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the tiering runs' disk tier puts its slab (default: a temporary directory)",
+    )
     args = parser.parse_args()
 
     _, block_bytes = kv_cache_config(1)
     host_bytes = args.cpu_blocks * -(-block_bytes // 4096) * 4096  # vLLM's CPU blocks are page-aligned
     setups = {
-        "kvtier": ("KVTierConnector", {"config": {"tiers": [{"medium": "host", "capacity": host_bytes,
-                                                              "eviction": "lru"}]}}),
+        "kvtier": (
+            "KVTierConnector",
+            {"config": {"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}},
+        ),
         "vllm": ("OffloadingConnector", {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
-        TIERING: ("OffloadingConnector", {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_bytes,
-                                          "eviction_policy": "lru"}),
+        TIERING: (
+            "OffloadingConnector",
+            {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"},
+        ),
     }
     models = {"full": None, "hybrid": args.window}
-    chunks = {model: stream_chunks(args, len(kv_cache_config(1, window)[0].kv_cache_groups))
-              for model, window in models.items()}
+    chunks = {
+        model: stream_chunks(args, len(kv_cache_config(1, window)[0].kv_cache_groups))
+        for model, window in models.items()
+    }
     best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -373,29 +458,49 @@ def main() -> int:
                             shutil.rmtree(disk, ignore_errors=True)
                     if (model, name) not in best or result["ms_per_step"] < best[(model, name)]["ms_per_step"]:
                         best[(model, name)] = result
-    print(f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
-          f"{args.gpu_blocks} GPU blocks, {host_bytes / 2**30:.2f} GiB of host memory; best of {args.repeat}")
+    print(
+        f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
+        f"{args.gpu_blocks} GPU blocks, {host_bytes / 2**30:.2f} GiB of host memory; best of {args.repeat}"
+    )
     width = max(map(len, setups))
-    print(f"{'model':7} {'connector':{width}} {'steps':>6} {'ms/step':>9} {'cpu ms':>7} {'loaded':>7} {'stored':>7}  "
-          f"slowest hooks (ms total)")
+    print(
+        f"{'model':7} {'connector':{width}} {'steps':>6} {'ms/step':>9} {'cpu ms':>7} {'loaded':>7} {'stored':>7}  "
+        f"slowest hooks (ms total)"
+    )
     for (model, name), r in best.items():
         hooks = ", ".join(f"{k} {v}" for k, v in list(r["per_hook_ms"].items())[:3])
-        print(f"{model:7} {name:{width}} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['cpu_ms_per_step']:>7.3f} "
-              f"{r['loaded_blocks']:>7} "
-              f"{r['stored_blocks']:>7}  {hooks}")
+        print(
+            f"{model:7} {name:{width}} {r['steps']:>6} {r['ms_per_step']:>9.3f} {r['cpu_ms_per_step']:>7.3f} "
+            f"{r['loaded_blocks']:>7} "
+            f"{r['stored_blocks']:>7}  {hooks}"
+        )
     for model in models:
         r = best[(model, TIERING)]
-        print(f"{model}, {TIERING}: the disk tier stored {r['disk_stored']} chunks and promoted {r['disk_loaded']} "
-              f"(room for {chunks[model]}, {r['disk_evicted']} evicted); its last cascades finished {r['drain_s']} s "
-              f"after the stream")
-    ratios = {model: round(best[(model, "kvtier")]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
-              for model in models}
-    tiering_ratios = {model: round(best[(model, TIERING)]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
-                      for model in models}
-    print(json.dumps({"ratio": max(ratios.values()), "ratios": ratios, "tiering_ratio": max(tiering_ratios.values()),
-                      "tiering_ratios": tiering_ratios,
-                      "models": {model: {name: best[(model, name)] for name in setups} for model in models},
-                      "args": {**vars(args), "dir": str(args.dir) if args.dir else None}}))
+        print(
+            f"{model}, {TIERING}: the disk tier stored {r['disk_stored']} chunks and promoted {r['disk_loaded']} "
+            f"(room for {chunks[model]}, {r['disk_evicted']} evicted); its last cascades finished {r['drain_s']} s "
+            f"after the stream"
+        )
+    ratios = {
+        model: round(best[(model, "kvtier")]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
+        for model in models
+    }
+    tiering_ratios = {
+        model: round(best[(model, TIERING)]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
+        for model in models
+    }
+    print(
+        json.dumps(
+            {
+                "ratio": max(ratios.values()),
+                "ratios": ratios,
+                "tiering_ratio": max(tiering_ratios.values()),
+                "tiering_ratios": tiering_ratios,
+                "models": {model: {name: best[(model, name)] for name in setups} for model in models},
+                "args": {**vars(args), "dir": str(args.dir) if args.dir else None},
+            }
+        )
+    )
     return 0
 
 

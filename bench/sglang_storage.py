@@ -62,12 +62,28 @@ def backend_figures(args: argparse.Namespace, directory: Path) -> tuple[dict[str
 
     from helpers import sglang_pools as pools
 
-    pool = pools.mha_host_pool(args.layout, layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
-                               page=args.page, device_pages=args.batch)
+    pool = pools.mha_host_pool(
+        args.layout,
+        layers=args.layers,
+        heads=args.kv_heads,
+        head_dim=args.head_dim,
+        page=args.page,
+        device_pages=args.batch,
+    )
     page_bytes = pool.get_dummy_flat_data_page().view(torch.uint8).numel()
-    kvtier = pools.open_backend(pool, {"tiers": [{"medium": "disk", "path": str(directory / "kvtier"),
-                                                  "capacity": 4 * args.repeat * args.batch * (page_bytes + 4096),
-                                                  "o_direct": args.o_direct}]})
+    kvtier = pools.open_backend(
+        pool,
+        {
+            "tiers": [
+                {
+                    "medium": "disk",
+                    "path": str(directory / "kvtier"),
+                    "capacity": 4 * args.repeat * args.batch * (page_bytes + 4096),
+                    "o_direct": args.o_direct,
+                }
+            ]
+        },
+    )
     file_cfg = pools.storage_config({"file_storage_path": str(directory / "file")}, pool)
     file = StorageBackendFactory.create_backend("file", file_cfg, pool)
     src, dst = range(0, args.batch), range(args.batch, 2 * args.batch)
@@ -95,14 +111,19 @@ def backend_figures(args: argparse.Namespace, directory: Path) -> tuple[dict[str
                         if page is not None:
                             pool.set_from_flat_data_page(p * args.page, page)
                 times[name]["load"].append(time.perf_counter() - started)
-                if not all(ok) or not all(got) or not all(
-                        torch.equal(pools.page_bytes(pool, p), e) for p, e in zip(dst, expected, strict=True)):
+                if (
+                    not all(ok)
+                    or not all(got)
+                    or not all(torch.equal(pools.page_bytes(pool, p), e) for p, e in zip(dst, expected, strict=True))
+                ):
                     raise SystemExit(f"{name}: a page did not round-trip (stored {ok}, loaded {got})")
     finally:
         kvtier.close()
     batch_bytes = args.batch * page_bytes
-    out = {name: {f"{op}_GBps": round(batch_bytes / min(t) / 1e9, 3) for op, t in ops.items()}
-           for name, ops in times.items()}
+    out = {
+        name: {f"{op}_GBps": round(batch_bytes / min(t) / 1e9, 3) for op, t in ops.items()}
+        for name, ops in times.items()
+    }
     return out, page_bytes
 
 
@@ -116,10 +137,14 @@ def server_figures(args: argparse.Namespace, directory: Path) -> dict[str, dict]
     model = make_model(directory / "model")
     prompts = [[(7 * p + 13 * i) % 900 + 50 for i in range(args.prompt_tokens)] for p in range(args.prompts)]
     backends = {
-        "kvtier": {"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang.backend",
-                   "class_name": "KVTierStorage", "interface_v1": 1, "prefetch_threshold": 4,
-                   "config": {"tiers": [{"medium": "disk", "path": str(directory / "kvtier-server"),
-                                         "capacity": "1GiB"}]}},
+        "kvtier": {
+            "backend_name": "kvtier",
+            "module_path": "kvtier.connectors.sglang.backend",
+            "class_name": "KVTierStorage",
+            "interface_v1": 1,
+            "prefetch_threshold": 4,
+            "config": {"tiers": [{"medium": "disk", "path": str(directory / "kvtier-server"), "capacity": "1GiB"}]},
+        },
         "file": {"file_storage_path": str(directory / "file-server"), "prefetch_threshold": 4},
     }
     out = {}
@@ -137,9 +162,12 @@ def server_figures(args: argparse.Namespace, directory: Path) -> dict[str, dict]
                 if hit.ids != first.ids:
                     raise SystemExit(f"{name}: the storage hit generated other tokens")
                 storage_tokens.append(hit.cached()["storage"])
-        out[name] = {"hit_ms_median": round(1000 * statistics.median(latencies), 2),
-                     "hit_ms": [round(1000 * t, 2) for t in latencies], "storage_tokens": storage_tokens,
-                     "start_s": server.start_s}
+        out[name] = {
+            "hit_ms_median": round(1000 * statistics.median(latencies), 2),
+            "hit_ms": [round(1000 * t, 2) for t in latencies],
+            "storage_tokens": storage_tokens,
+            "start_s": server.start_s,
+        }
         full = (args.prompt_tokens - 1) // 4 * 4
         if min(storage_tokens) < full:
             raise SystemExit(f"{name}: storage served {storage_tokens} tokens, not the {full} of every prompt's pages")
@@ -152,8 +180,12 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page", type=int, default=16, help="tokens per page (part 1)")
-    parser.add_argument("--layout", default="layer_first", choices=["layer_first", "page_first", "page_first_direct"],
-                        help="the host pool's layout (part 1): a page is 2 x layers runs, or 2")
+    parser.add_argument(
+        "--layout",
+        default="layer_first",
+        choices=["layer_first", "page_first", "page_first_direct"],
+        help="the host pool's layout (part 1): a page is 2 x layers runs, or 2",
+    )
     parser.add_argument("--batch", type=int, default=64, help="pages per storage call (part 1)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--o-direct", default="auto", choices=["auto", "on", "off"], help="kvtier's disk tier (part 1)")
@@ -173,12 +205,23 @@ def main() -> None:
         servers = server_figures(args, directory)
         print(f"storage hit in a real SGLang server, {args.prompt_tokens}-token prompts, median of {args.prompts}:")
         for name, figures in servers.items():
-            print(f"  {name:7s} {figures['hit_ms_median']:8.2f} ms  (all: {figures['hit_ms']}, storage tokens "
-                  f"{figures['storage_tokens']})")
+            print(
+                f"  {name:7s} {figures['hit_ms_median']:8.2f} ms  (all: {figures['hit_ms']}, storage tokens "
+                f"{figures['storage_tokens']})"
+            )
     ratio = servers["file"]["hit_ms_median"] / servers["kvtier"]["hit_ms_median"]
-    print(json.dumps({"ratio": round(ratio, 3), "cpu": cpu_model(), "page_bytes": page_bytes,
-                      "backends": backends, "servers": servers,
-                      "settings": {k: v for k, v in vars(args).items() if k != "dir"}}))
+    print(
+        json.dumps(
+            {
+                "ratio": round(ratio, 3),
+                "cpu": cpu_model(),
+                "page_bytes": page_bytes,
+                "backends": backends,
+                "servers": servers,
+                "settings": {k: v for k, v in vars(args).items() if k != "dir"},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,16 @@ def make_model(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=16384)
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        max_position_embeddings=16384,
+    )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
@@ -116,14 +124,19 @@ def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str, remote: dict | N
     if mode in ("kvtier-host", "kvtier-host-in-step"):
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}]}
     if mode == "kvtier-disk":
-        return {"placement": "write_through", "tiers": [
-            {"medium": "host", "capacity_blocks": prefix_blocks},
-            {"medium": "disk", "capacity_blocks": 4 * prefix_blocks, "path": disk_dir}]}
+        return {
+            "placement": "write_through",
+            "tiers": [
+                {"medium": "host", "capacity_blocks": prefix_blocks},
+                {"medium": "disk", "capacity_blocks": 4 * prefix_blocks, "path": disk_dir},
+            ],
+        }
     return None
 
 
-def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir: str,
-          remote: dict | None = None) -> dict:
+def child(
+    model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir: str, remote: dict | None = None
+) -> dict:
     """One engine, one mode: the TTFT of each prompt with prefix A after the first (which puts A in
     place; in the remote mode the store has it already). ``PUBLISH``: computes A and B once each and
     waits until the store holds both."""
@@ -132,14 +145,26 @@ def child(model_dir: str, mode: str, prefix_blocks: int, prompts: int, disk_dir:
     config = kvtier_config(mode, prefix_blocks, disk_dir, remote)
     kwargs = {}
     if config is not None:
-        kwargs["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
-                                        "kv_connector_module_path": "kvtier.connectors.vllm", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"config": config}}
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"config": config},
+        }
         if mode == "kvtier-host-in-step":
             kwargs["kv_transfer_config"]["kv_connector_extra_config"]["host_hits"] = "in_step"
     length = prefix_blocks * BLOCK + TAIL
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
-              max_model_len=length + 8, max_num_batched_tokens=length + 8, seed=0, **kwargs)
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=length + 8,
+        max_num_batched_tokens=length + 8,
+        seed=0,
+        **kwargs,
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prefix_a = [1 + i % 450 for i in range(prefix_blocks * BLOCK)]
     prefix_b = [451 + i % 450 for i in range(prefix_blocks * BLOCK)]
@@ -223,8 +248,20 @@ def publish(llm, params, prefixes: list[list[int]], unrelated: list[dict], withi
 
 
 def run_child(model_dir: str, mode: str, args: argparse.Namespace, disk_dir: str, remote: dict | None = None) -> dict:
-    command = [sys.executable, __file__, "--child", mode, "--model", model_dir, "--disk", disk_dir,
-               "--prefix-blocks", str(args.prefix_blocks), "--prompts", str(args.prompts)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--model",
+        model_dir,
+        "--disk",
+        disk_dir,
+        "--prefix-blocks",
+        str(args.prefix_blocks),
+        "--prompts",
+        str(args.prompts),
+    ]
     if remote is not None:
         command += ["--remote-tier", json.dumps(remote)]
     if args.switch_interval is not None:
@@ -233,7 +270,7 @@ def run_child(model_dir: str, mode: str, args: argparse.Namespace, disk_dir: str
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} run failed:\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @contextlib.contextmanager
@@ -268,11 +305,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-blocks", type=int, default=16, help="shared prefix length in 128-token blocks")
     parser.add_argument("--prompts", type=int, default=5, help="timed prompts per mode")
-    parser.add_argument("--remote", choices=("mooncake", "redis", "none"), default="mooncake",
-                        help="the store of the kvtier-remote mode (none: leave that mode out)")
-    parser.add_argument("--switch-interval", type=float,
-                        help="sys.setswitchinterval(S) in every engine process (default: Python's, 5 ms): how "
-                             "long a kvtier thread may wait for the GIL while vLLM's loop runs")
+    parser.add_argument(
+        "--remote",
+        choices=("mooncake", "redis", "none"),
+        default="mooncake",
+        help="the store of the kvtier-remote mode (none: leave that mode out)",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval(S) in every engine process (default: Python's, 5 ms): how "
+        "long a kvtier thread may wait for the GIL while vLLM's loop runs",
+    )
     parser.add_argument("--child", choices=(*MODES, PUBLISH), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--disk", help=argparse.SUPPRESS)
@@ -281,8 +325,10 @@ def main() -> int:
     if args.child:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
-        print("RESULT " + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk,
-                                           args.remote_tier)))
+        print(
+            "RESULT "
+            + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk, args.remote_tier))
+        )
         return 0
 
     modes = [m for m in MODES if m != "kvtier-remote" or args.remote != "none"]
@@ -298,31 +344,41 @@ def main() -> int:
                 with remote_store(args.remote, args.prefix_blocks, work) as remote:
                     published = run_child(model_dir, PUBLISH, args, disk_dir, remote)
                     if published["committed"] != published["expected"]:
-                        print(f"the first engine stored {published['committed']} of {published['expected']} "
-                              f"blocks in the store", file=sys.stderr)
+                        print(
+                            f"the first engine stored {published['committed']} of {published['expected']} "
+                            f"blocks in the store",
+                            file=sys.stderr,
+                        )
                         return 1
                     results[mode] = run_child(model_dir, mode, args, disk_dir, remote)
     expected = 2 * args.prefix_blocks * args.prompts  # A and B prompts after their first: the whole prefix
     hits = {mode: results[mode]["hits"] for mode in modes if mode.startswith("kvtier-")}
-    wanted = {"kvtier-host": {"host": expected}, "kvtier-host-in-step": {"host": expected},
-              "kvtier-disk": {"host": 0, "disk": expected},
-              # every A and B prompt, the first included (another engine computed them), from the store
-              "kvtier-remote": {"host": 0, "remote": 2 * args.prefix_blocks * (args.prompts + 1)}}
+    wanted = {
+        "kvtier-host": {"host": expected},
+        "kvtier-host-in-step": {"host": expected},
+        "kvtier-disk": {"host": 0, "disk": expected},
+        # every A and B prompt, the first included (another engine computed them), from the store
+        "kvtier-remote": {"host": 0, "remote": 2 * args.prefix_blocks * (args.prompts + 1)},
+    }
     if any(hits[mode] != wanted[mode] for mode in hits):
         print(f"unexpected hits: {hits} (expected {wanted})", file=sys.stderr)
         return 1
     ttft = {mode: statistics.median(r["seconds"]) for mode, r in results.items()}
-    print(f"{cpu_model()}: prefix {args.prefix_blocks} blocks x {BLOCK} tokens + {TAIL}-token tail, {args.prompts} "
-          f"prompts per mode (median time to first token)"
-          + (f"; remote store: {args.remote}" if args.remote != "none" else ""))
+    print(
+        f"{cpu_model()}: prefix {args.prefix_blocks} blocks x {BLOCK} tokens + {TAIL}-token tail, {args.prompts} "
+        f"prompts per mode (median time to first token)"
+        + (f"; remote store: {args.remote}" if args.remote != "none" else "")
+    )
     for mode in modes:
         speedup = ttft["recompute"] / ttft[mode]
         print(f"  {mode:<13} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
     print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
     splits = {mode: step_split(r) for mode, r in results.items()}
     for mode in ("vllm-cache", "kvtier-host", "kvtier-host-in-step"):
-        print(f"  {mode:<19} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
-              f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms")
+        print(
+            f"  {mode:<19} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
+            f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms"
+        )
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "ratio_in_step": round(ttft["vllm-cache"] / ttft["kvtier-host-in-step"], 4),
@@ -333,16 +389,23 @@ def main() -> int:
     if "kvtier-remote" in ttft:
         summary["speedup_remote"] = round(ttft["recompute"] / ttft["kvtier-remote"], 3)
         summary["remote_backend"] = args.remote
-    print(json.dumps({
-        **summary,
-        "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
-        "steps_ms": splits,
-        "seconds": {mode: r["seconds"] for mode, r in results.items()},
-        "hits": hits,
-        "prefix_tokens": args.prefix_blocks * BLOCK, "tail_tokens": TAIL, "prompts": args.prompts, "cpu": cpu_model(),
-        "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (see the README)
-    }))
+    print(
+        json.dumps(
+            {
+                **summary,
+                "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
+                "steps_ms": splits,
+                "seconds": {mode: r["seconds"] for mode, r in results.items()},
+                "hits": hits,
+                "prefix_tokens": args.prefix_blocks * BLOCK,
+                "tail_tokens": TAIL,
+                "prompts": args.prompts,
+                "cpu": cpu_model(),
+                "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (see the README)
+            }
+        )
+    )
     return 0
 
 

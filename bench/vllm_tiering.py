@@ -80,8 +80,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-for _name, _value in (("VLLM_TARGET_DEVICE", "cpu"), ("CUDA_VISIBLE_DEVICES", ""), ("HF_HUB_OFFLINE", "1"),
-                      ("VLLM_LOGGING_LEVEL", "ERROR")):
+for _name, _value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("CUDA_VISIBLE_DEVICES", ""),
+    ("HF_HUB_OFFLINE", "1"),
+    ("VLLM_LOGGING_LEVEL", "ERROR"),
+):
     os.environ.setdefault(_name, _value)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' driver of vLLM's tiering
@@ -136,7 +140,7 @@ class Chunks:
     def probe(self, key: OffloadKey) -> bytes:
         """64 bytes from the middle of the chunk: what kvtier's slab is searched for."""
         middle = self.size // 16  # in words: half the chunk
-        return (self.base[middle:middle + PROBE // 8] ^ self.words[self.index[key]]).tobytes()
+        return (self.base[middle : middle + PROBE // 8] ^ self.words[self.index[key]]).tobytes()
 
 
 def _key(name: str) -> OffloadKey:
@@ -145,7 +149,7 @@ def _key(name: str) -> OffloadKey:
 
 
 def batches(items: Sequence, size: int) -> list[Sequence]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def split(items: Sequence, parts: int) -> list[Sequence]:
@@ -179,8 +183,14 @@ class Engine(TieringEngine):
 
     def __init__(self, model_dir: Path, entry: dict, chunk_bytes: int, cpu_bytes: int) -> None:
         blocks_per_chunk = chunk_bytes // BLOCK_BYTES
-        super().__init__(model_dir, [entry], num_gpu_blocks=4 * blocks_per_chunk, head_size=HEAD_SIZE,
-                         cpu_bytes=cpu_bytes, extra={"block_size": BLOCK * blocks_per_chunk})
+        super().__init__(
+            model_dir,
+            [entry],
+            num_gpu_blocks=4 * blocks_per_chunk,
+            head_size=HEAD_SIZE,
+            cpu_bytes=cpu_bytes,
+            extra={"block_size": BLOCK * blocks_per_chunk},
+        )
         if self.chunk_size != chunk_bytes:
             raise RuntimeError(f"vLLM made CPU rows of {self.chunk_size} bytes, not {chunk_bytes}")
         (self.tier,) = self.tiers
@@ -189,8 +199,9 @@ class Engine(TieringEngine):
     def cpu_chunks(self) -> int:
         return self.rows.shape[0]
 
-    def store_batch(self, groups: Sequence[Sequence[OffloadKey]],
-                    write: Callable[[np.ndarray, OffloadKey], None]) -> float:
+    def store_batch(
+        self, groups: Sequence[Sequence[OffloadKey]], write: Callable[[np.ndarray, OffloadKey], None]
+    ) -> float:
         """One request per group stores its chunks into the CPU tier (the worker writes each row first);
         returns the seconds from the first ``complete_store`` until every cascade has finished."""
         prepared = []
@@ -259,6 +270,7 @@ class Engine(TieringEngine):
             return bool(stack.tiers[0].storage.slab.o_direct)
         return bool(self.tier._use_o_direct)
 
+
 # --- the measurements ------------------------------------------------------------------------------
 
 
@@ -290,9 +302,9 @@ class Lookups:
     """The secondary tier's answers to one batch of keys, and what they cost."""
 
     found: int
-    call_us: float      # mean time of one lookup call
+    call_us: float  # mean time of one lookup call
     definite_us: float  # mean time per key until every key had a definite answer (the batch's wall time / keys)
-    batch_ms: float     # that wall time
+    batch_ms: float  # that wall time
 
 
 def tier_lookups(engine: Engine, keys: Sequence[OffloadKey]) -> Lookups:
@@ -371,7 +383,7 @@ def corrupted_outcome(engine: Engine, chunks: Chunks, key: OffloadKey) -> str:
 
 def ask_once(engine: Engine, chunks: Chunks, key: OffloadKey) -> str:
     result, (ctx,) = engine.promote([[key]])
-    found = [key][:result.hits[0]]
+    found = [key][: result.hits[0]]
     rows = engine.read(found, ctx)
     if found:
         outcome = "intact" if chunks.matches(rows[0], key) else "wrong bytes"
@@ -454,10 +466,18 @@ class TierRun:
         seconds, loaded, wrong = load_all(engine, self.chunks, self.setup.requests)
         engine.shutdown()
         self.figures.update(
-            load_s=seconds, load_gbps=self.total / seconds / 1e9, loaded=loaded, mismatches=wrong,
-            recovered=present.found, absent_found=absent.found, lookup_hit_us=present.call_us,
-            lookup_miss_us=absent.call_us, lookup_hit_definite_us=present.definite_us,
-            lookup_miss_definite_us=absent.definite_us, lookup_batch_ms=present.batch_ms)
+            load_s=seconds,
+            load_gbps=self.total / seconds / 1e9,
+            loaded=loaded,
+            mismatches=wrong,
+            recovered=present.found,
+            absent_found=absent.found,
+            lookup_hit_us=present.call_us,
+            lookup_miss_us=absent.call_us,
+            lookup_hit_definite_us=present.definite_us,
+            lookup_miss_definite_us=absent.definite_us,
+            lookup_batch_ms=present.batch_ms,
+        )
 
     def flip(self) -> None:
         """Damage one byte of the victim on disk, restart, and ask for it."""
@@ -471,8 +491,11 @@ class TierRun:
         engine = self.engine()
         outcome = corrupted_outcome(engine, self.chunks, self.victim)
         engine.shutdown()
-        self.figures.update(flipped_byte=outcome, flipped_byte_ok=outcome in ("miss", "failed promotion, then miss"),
-                            flipped_file=os.path.relpath(path, self.root))
+        self.figures.update(
+            flipped_byte=outcome,
+            flipped_byte_ok=outcome in ("miss", "failed promotion, then miss"),
+            flipped_file=os.path.relpath(path, self.root),
+        )
 
 
 def run_size(label: str, total: int, setup: Setup, base: Path, repeat: int) -> dict:
@@ -481,9 +504,12 @@ def run_size(label: str, total: int, setup: Setup, base: Path, repeat: int) -> d
     flipped byte is tried in the first repetition."""
     size = SIZES[label]
     chunks = Chunks(label, size, max(1, total // size))
-    print(f"\n{label} chunks: {len(chunks.keys)} ({format_size(len(chunks.keys) * size)}), CPU tier "
-          f"{format_size(setup.cpu_bytes)} ({setup.cpu_bytes // size} chunks a batch, {setup.requests} requests "
-          f"each), {repeat} repetitions", flush=True)
+    print(
+        f"\n{label} chunks: {len(chunks.keys)} ({format_size(len(chunks.keys) * size)}), CPU tier "
+        f"{format_size(setup.cpu_bytes)} ({setup.cpu_bytes // size} chunks a batch, {setup.requests} requests "
+        f"each), {repeat} repetitions",
+        flush=True,
+    )
     figures: dict[str, list[dict]] = {tier: [] for tier in TIERS}
     for rep in range(repeat):
         started = time.perf_counter()
@@ -500,9 +526,15 @@ def run_size(label: str, total: int, setup: Setup, base: Path, repeat: int) -> d
         for run in runs:
             figures[run.tier].append(run.figures)
             shutil.rmtree(run.root, ignore_errors=True)
-        print(f"  {rep + 1}/{repeat} ({' first, '.join(order)} second): " + "; ".join(
-            f"{way} " + ", ".join(f"{t} {figures[t][-1][f'{way}_gbps']:.3f}" for t in TIERS) + " GB/s"
-            for way in WAYS) + f" ({time.perf_counter() - started:.1f} s)", flush=True)
+        print(
+            f"  {rep + 1}/{repeat} ({' first, '.join(order)} second): "
+            + "; ".join(
+                f"{way} " + ", ".join(f"{t} {figures[t][-1][f'{way}_gbps']:.3f}" for t in TIERS) + " GB/s"
+                for way in WAYS
+            )
+            + f" ({time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
     return summary(figures, len(chunks.keys))
 
 
@@ -515,34 +547,59 @@ def summary(figures: dict[str, list[dict]], count: int) -> dict:
         row: dict = {}
         for way in WAYS:
             speeds = [r[f"{way}_gbps"] for r in reps]
-            row.update({f"{way}_gbps": round(median(speeds), 3), f"{way}_gbps_best": round(max(speeds), 3),
-                        f"{way}_gbps_all": [round(v, 3) for v in speeds]})
-        for name in ("lookup_hit_us", "lookup_miss_us", "lookup_hit_definite_us", "lookup_miss_definite_us",
-                     "lookup_batch_ms"):
+            row.update(
+                {
+                    f"{way}_gbps": round(median(speeds), 3),
+                    f"{way}_gbps_best": round(max(speeds), 3),
+                    f"{way}_gbps_all": [round(v, 3) for v in speeds],
+                }
+            )
+        for name in (
+            "lookup_hit_us",
+            "lookup_miss_us",
+            "lookup_hit_definite_us",
+            "lookup_miss_definite_us",
+            "lookup_batch_ms",
+        ):
             row[name] = round(median(r[name] for r in reps), 2)
-        row.update(recovered=min(r["recovered"] for r in reps), absent_found=max(r["absent_found"] for r in reps),
-                   loaded=min(r["loaded"] for r in reps), mismatches=sum(r["mismatches"] for r in reps),
-                   o_direct=all(r["o_direct"] for r in reps))
+        row.update(
+            recovered=min(r["recovered"] for r in reps),
+            absent_found=max(r["absent_found"] for r in reps),
+            loaded=min(r["loaded"] for r in reps),
+            mismatches=sum(r["mismatches"] for r in reps),
+            o_direct=all(r["o_direct"] for r in reps),
+        )
         row.update({k: reps[0][k] for k in ("flipped_byte", "flipped_byte_ok", "flipped_file")})
         out[tier] = row
-    out["ratio"] = {way: round(median(k[f"{way}_gbps"] / f[f"{way}_gbps"]
-                                      for k, f in zip(figures["kvtier"], figures["fs"], strict=True)), 4)
-                    for way in WAYS}
+    out["ratio"] = {
+        way: round(
+            median(k[f"{way}_gbps"] / f[f"{way}_gbps"] for k, f in zip(figures["kvtier"], figures["fs"], strict=True)),
+            4,
+        )
+        for way in WAYS
+    }
     return out
 
 
 # --- the report ------------------------------------------------------------------------------------
 
 
-ROWS = (("store GB/s (median)", "store_gbps", "{:.3f}"), ("store GB/s (best)", "store_gbps_best", "{:.3f}"),
-        ("load GB/s (median)", "load_gbps", "{:.3f}"), ("load GB/s (best)", "load_gbps_best", "{:.3f}"),
-        ("lookup hit us/key (call)", "lookup_hit_us", "{:.2f}"),
-        ("lookup miss us/key (call)", "lookup_miss_us", "{:.2f}"),
-        ("lookup hit us/key (definite)", "lookup_hit_definite_us", "{:.2f}"),
-        ("lookup miss us/key (definite)", "lookup_miss_definite_us", "{:.2f}"),
-        ("recovered after restart", "recovered", "{}"), ("absent keys found", "absent_found", "{}"),
-        ("promoted", "loaded", "{}"), ("promoted with wrong bytes", "mismatches", "{}"),
-        ("flipped byte", "flipped_byte", "{}"), ("O_DIRECT", "o_direct", "{}"))
+ROWS = (
+    ("store GB/s (median)", "store_gbps", "{:.3f}"),
+    ("store GB/s (best)", "store_gbps_best", "{:.3f}"),
+    ("load GB/s (median)", "load_gbps", "{:.3f}"),
+    ("load GB/s (best)", "load_gbps_best", "{:.3f}"),
+    ("lookup hit us/key (call)", "lookup_hit_us", "{:.2f}"),
+    ("lookup miss us/key (call)", "lookup_miss_us", "{:.2f}"),
+    ("lookup hit us/key (definite)", "lookup_hit_definite_us", "{:.2f}"),
+    ("lookup miss us/key (definite)", "lookup_miss_definite_us", "{:.2f}"),
+    ("recovered after restart", "recovered", "{}"),
+    ("absent keys found", "absent_found", "{}"),
+    ("promoted", "loaded", "{}"),
+    ("promoted with wrong bytes", "mismatches", "{}"),
+    ("flipped byte", "flipped_byte", "{}"),
+    ("O_DIRECT", "o_direct", "{}"),
+)
 
 
 def print_table(sizes: dict) -> None:
@@ -609,8 +666,17 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = min(parts.values())
     wall = time.perf_counter() - started
     print(f"\nratio (min over sizes and directions of kvtier/fs GB/s, paired medians) {ratio:.3f}; wall {wall:.1f} s")
-    result = {"ratio": ratio, "ratios": parts, "sizes": sizes, "filesystem": fs_kind, "total_bytes": total,
-              "cpu_bytes": cpu_bytes, "requests": args.requests, "repeat": args.repeat, "wall_s": round(wall, 1)}
+    result = {
+        "ratio": ratio,
+        "ratios": parts,
+        "sizes": sizes,
+        "filesystem": fs_kind,
+        "total_bytes": total,
+        "cpu_bytes": cpu_bytes,
+        "requests": args.requests,
+        "repeat": args.repeat,
+        "wall_s": round(wall, 1),
+    }
     if args.policy:
         policy = run_policy()
         result["policy"] = policy

@@ -130,10 +130,16 @@ def print_table(cells: dict[str, dict[str, float]]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake JSONL trace of workload 'mooncake'")
-    parser.add_argument("--workloads", default="mooncake,chat",
-                        help="comma separated: mooncake and the names of kvtier.replay.workload.WORKLOADS")
-    parser.add_argument("--fractions", default="0.025,0.1,0.4",
-                        help="capacities as fractions of each workload's distinct blocks, comma separated")
+    parser.add_argument(
+        "--workloads",
+        default="mooncake,chat",
+        help="comma separated: mooncake and the names of kvtier.replay.workload.WORKLOADS",
+    )
+    parser.add_argument(
+        "--fractions",
+        default="0.025,0.1,0.4",
+        help="capacities as fractions of each workload's distinct blocks, comma separated",
+    )
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n != "mooncake" and n not in WORKLOADS]
@@ -147,12 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
     cells, seconds = measure(names, fractions, Path(args.trace))
     wall = time.perf_counter() - start
     ratio = min(share(row) for rows in cells.values() for row in rows.values())
-    print(f"\n(hit ratio; share = adaptive / max(lru, arc)); worst share {ratio:.4f}; "
-          f"seconds per policy: " + ", ".join(f"{p} {s:.1f}" for p, s in seconds.items()) + f"; wall {wall:.1f} s")
+    print(
+        f"\n(hit ratio; share = adaptive / max(lru, arc)); worst share {ratio:.4f}; "
+        f"seconds per policy: " + ", ".join(f"{p} {s:.1f}" for p, s in seconds.items()) + f"; wall {wall:.1f} s"
+    )
     result = {
         "ratio": round(ratio, 4),
-        "hit_ratio": {name: {c: {p: round(v, 5) for p, v in row.items()} for c, row in rows.items()}
-                      for name, rows in cells.items()},
+        "hit_ratio": {
+            name: {c: {p: round(v, 5) for p, v in row.items()} for c, row in rows.items()}
+            for name, rows in cells.items()
+        },
         "share": {name: {c: round(share(row), 4) for c, row in rows.items()} for name, rows in cells.items()},
         "fractions": fractions,
         "seconds": {p: round(s, 2) for p, s in seconds.items()},

@@ -56,8 +56,7 @@ class KVTier:
         (keyed with the secret of ``key_secret_env`` when set). Given keys must be 1 to MAX_KEY_BYTES
         bytes each (TypeError or ValueError otherwise), the most a tier keeps whole."""
         if _are_token_ids(tokens_or_keys):
-            return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace,
-                                secret=self.key_secret)
+            return chain_hashes(tokens_or_keys, self.config.block_tokens, self.config.namespace, secret=self.key_secret)
         return [check_key(bytes(k) if isinstance(k, (bytes, bytearray)) else k) for k in tokens_or_keys]
 
     # --- blocking calls returning futures ------------------------------------------------------

@@ -9,11 +9,18 @@ counters named ``<engine>:kvtier_<name>`` (``_total`` when scraped), hits with a
 from __future__ import annotations
 
 HIT_TIERS = ("host", "disk", "remote")
-COUNTERS = (*(f"hit_blocks_{medium}" for medium in HIT_TIERS), "failed_load_blocks", "stored_blocks",
-            "load_bytes", "load_seconds", "store_bytes", "store_seconds")
+COUNTERS = (
+    *(f"hit_blocks_{medium}" for medium in HIT_TIERS),
+    "failed_load_blocks",
+    "stored_blocks",
+    "load_bytes",
+    "load_seconds",
+    "store_bytes",
+    "store_seconds",
+)
 PROMETHEUS_HELP = {
     "hit_blocks": "Prompt blocks kvtier loaded into the engine's KV cache instead of the engine computing them, "
-                  "by tier.",
+    "by tier.",
     "failed_load_blocks": "Blocks kvtier planned to load that did not arrive intact (the engine recomputed them).",
     "stored_blocks": "Blocks kvtier copied out of the engine's KV cache into its tiers.",
     "load_bytes": "Bytes kvtier copied into the engine's KV cache, summed over workers.",

@@ -18,8 +18,10 @@ def engine_settings(model: type[Settings], extra: dict[str, Any] | None, where: 
     """``extra`` as ``model``; ``where`` names the engine's option in messages, ``example`` a YAML path for them."""
     extra = extra or {}
     if "config" not in extra:
-        raise ConfigError(f'{where} needs "config": the path of a kvtier YAML file or the same settings inline, '
-                          f'e.g. {{"config": "{example}"}}')
+        raise ConfigError(
+            f'{where} needs "config": the path of a kvtier YAML file or the same settings inline, '
+            f'e.g. {{"config": "{example}"}}'
+        )
     try:
         return model.model_validate(extra)
     except ValidationError as exc:

@@ -34,8 +34,11 @@ def _model_files(folder: str) -> list[str]:
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
-            out += [sub.path for sub in sorted(os.scandir(entry.path), key=lambda e: e.name)
-                    if sub.is_file() and not sub.name.startswith(".")]
+            out += [
+                sub.path
+                for sub in sorted(os.scandir(entry.path), key=lambda e: e.name)
+                if sub.is_file() and not sub.name.startswith(".")
+            ]
         elif entry.is_file():
             out.append(entry.path)
     return out

@@ -85,8 +85,10 @@ class _TierConfig(_Model):
 
     def _both_capacities(self) -> None:
         if self.capacity is not None and self.capacity_blocks is not None:
-            raise ValueError(f"give capacity or capacity_blocks, not both (capacity={format_size(self.capacity)}, "
-                             f"capacity_blocks={self.capacity_blocks})")
+            raise ValueError(
+                f"give capacity or capacity_blocks, not both (capacity={format_size(self.capacity)}, "
+                f"capacity_blocks={self.capacity_blocks})"
+            )
 
 
 class GpuTierConfig(_TierConfig):
@@ -149,10 +151,12 @@ class DiskTierConfig(_SizedTierConfig):
 class MooncakeConfig(_Model):
     """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
 
-    master: str = Field(pattern=r"^[^\s:/]+:\d{1,5}$",
-                        description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)")
-    metadata_server: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://\S+$",
-                                 description="a URL, e.g. http://127.0.0.1:8080/metadata")
+    master: str = Field(
+        pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)"
+    )
+    metadata_server: str = Field(
+        pattern=r"^[a-z][a-z0-9+.-]*://\S+$", description="a URL, e.g. http://127.0.0.1:8080/metadata"
+    )
     # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
     # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
     segment_size: SizeOrZero = 0
@@ -163,8 +167,10 @@ class MooncakeConfig(_Model):
 class RedisConfig(_Model):
     """How to reach a Redis or Valkey server. The password comes from the environment (``password_env``)."""
 
-    url: str = Field(pattern=r"^rediss?://\S+$",  # redis://host:port/db, or rediss:// for TLS
-                     description="a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0")
+    url: str = Field(
+        pattern=r"^rediss?://\S+$",  # redis://host:port/db, or rediss:// for TLS
+        description="a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0",
+    )
     password_env: EnvName | None = Field(None, description=_env_name("KVTIER_REDIS_PASSWORD"))
     pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
     ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
@@ -173,8 +179,10 @@ class RedisConfig(_Model):
     @classmethod
     def _no_password(cls, value: str) -> str:
         if urlsplit(value).password is not None:
-            raise ValueError("the URL carries a password; remove it and name an environment variable holding "
-                             "it in password_env (a secret never belongs in a config file)")
+            raise ValueError(
+                "the URL carries a password; remove it and name an environment variable holding "
+                "it in password_env (a secret never belongs in a config file)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -202,8 +210,11 @@ class RemoteTierConfig(_TierConfig):
     medium: Literal["remote"]
     backend: Literal["mooncake", "redis"]
     timeout: float = Field(2.0, gt=0)  # seconds any call to the store may take; then it is a miss or a drop
-    prefix: str = Field("kvtier", pattern=r"^\S+$",  # record names start with it
-                        description="a name without spaces, e.g. kvtier")
+    prefix: str = Field(
+        "kvtier",
+        pattern=r"^\S+$",  # record names start with it
+        description="a name without spaces, e.g. kvtier",
+    )
     # a MAC secret: records without a valid MAC are misses
     auth_key_env: EnvName | None = Field(None, description=_env_name("KVTIER_REMOTE_MAC_KEY"))
     placement: Literal["write_through", "write_back"] = "write_through"
@@ -213,19 +224,38 @@ class RemoteTierConfig(_TierConfig):
     @model_validator(mode="after")
     def _store_owns_its_memory(self) -> RemoteTierConfig:
         problems: list[tuple[tuple[str | int, ...], str]] = []
-        for key, what in (("capacity", "capacity"), ("capacity_blocks", "capacity"), ("eviction", "eviction policy"),
-                          ("watermark", "watermark")):
+        for key, what in (
+            ("capacity", "capacity"),
+            ("capacity_blocks", "capacity"),
+            ("eviction", "eviction policy"),
+            ("watermark", "watermark"),
+        ):
             if getattr(self, key) is not None:
-                problems.append(((key,), f"a remote tier has no {what}: the store manages its own memory and "
-                                         f"evicts by itself (size it on the server); remove {key}"))
+                problems.append(
+                    (
+                        (key,),
+                        f"a remote tier has no {what}: the store manages its own memory and "
+                        f"evicts by itself (size it on the server); remove {key}",
+                    )
+                )
         for backend in REMOTE_BACKENDS:
             given = getattr(self, backend) is not None
             if backend == self.backend and not given:
-                problems.append(((), f"missing key {backend!r}: the {backend} backend's settings "
-                                     f"({', '.join(_BACKEND_CONFIGS[backend].model_fields)})"))
+                problems.append(
+                    (
+                        (),
+                        f"missing key {backend!r}: the {backend} backend's settings "
+                        f"({', '.join(_BACKEND_CONFIGS[backend].model_fields)})",
+                    )
+                )
             if backend != self.backend and given:
-                problems.append(((backend,), f"settings for {backend} but the backend is {self.backend}; remove "
-                                             f"them or set backend: {backend}"))
+                problems.append(
+                    (
+                        (backend,),
+                        f"settings for {backend} but the backend is {self.backend}; remove "
+                        f"them or set backend: {backend}",
+                    )
+                )
         if problems:
             raise Problems(problems)
         return self
@@ -233,10 +263,15 @@ class RemoteTierConfig(_TierConfig):
 
 _BACKEND_CONFIGS: dict[str, type[_Model]] = {"mooncake": MooncakeConfig, "redis": RedisConfig}
 
-TIER_CONFIGS: dict[str, type[_TierConfig]] = {"gpu": GpuTierConfig, "host": HostTierConfig, "disk": DiskTierConfig,
-                                              "remote": RemoteTierConfig}
-TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig | RemoteTierConfig,
-                       Field(discriminator="medium")]
+TIER_CONFIGS: dict[str, type[_TierConfig]] = {
+    "gpu": GpuTierConfig,
+    "host": HostTierConfig,
+    "disk": DiskTierConfig,
+    "remote": RemoteTierConfig,
+}
+TierConfig = Annotated[
+    GpuTierConfig | HostTierConfig | DiskTierConfig | RemoteTierConfig, Field(discriminator="medium")
+]
 
 
 UPPER_TIER_EVICTION = "lru"
@@ -307,27 +342,45 @@ class StackConfig(_Model):
     def _cross_field(self) -> StackConfig:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if self.block_bytes is not None and self.block_bytes % self.fragments:
-            problems.append((("fragments",), f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
-                                              f"bytes) cannot be cut into {self.fragments} equal fragments; "
-                                              f"block_bytes must be divisible by fragments"))
+            problems.append(
+                (
+                    ("fragments",),
+                    f"block_bytes {format_size(self.block_bytes)} ({self.block_bytes} "
+                    f"bytes) cannot be cut into {self.fragments} equal fragments; "
+                    f"block_bytes must be divisible by fragments",
+                )
+            )
         first_of_medium: dict[str, int] = {}
         first_of_name: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
             if tier.medium == "gpu" and i != 0:
-                problems.append((("tiers", i, "medium"), "a gpu tier may only be the first tier (tiers[0]), "
-                                                         "since the engine reads KV from GPU memory"))
+                problems.append(
+                    (
+                        ("tiers", i, "medium"),
+                        "a gpu tier may only be the first tier (tiers[0]), since the engine reads KV from GPU memory",
+                    )
+                )
             if isinstance(tier, RemoteTierConfig):
                 problems.extend(self._remote_problems(i, tier))
             if tier.medium in first_of_medium:
-                problems.append((("tiers", i, "medium"), f"a second {tier.medium!r} tier (tiers["
-                                                         f"{first_of_medium[tier.medium]}] is one); "
-                                                         f"at most one tier per medium"))
+                problems.append(
+                    (
+                        ("tiers", i, "medium"),
+                        f"a second {tier.medium!r} tier (tiers["
+                        f"{first_of_medium[tier.medium]}] is one); "
+                        f"at most one tier per medium",
+                    )
+                )
             else:
                 first_of_medium[tier.medium] = i
                 name = self.tier_name(i)  # same-medium duplicates are reported once, above
                 if name in first_of_name:
-                    problems.append((("tiers", i, "name"), f"{name!r} is already the name of tiers["
-                                                           f"{first_of_name[name]}]; tier names must be unique"))
+                    problems.append(
+                        (
+                            ("tiers", i, "name"),
+                            f"{name!r} is already the name of tiers[{first_of_name[name]}]; tier names must be unique",
+                        )
+                    )
                 else:
                     first_of_name[name] = i
             if self.block_bytes is not None and isinstance(tier, DiskTierConfig):
@@ -338,10 +391,14 @@ class StackConfig(_Model):
             if self.block_bytes is not None and tier.capacity is not None:
                 need = block_footprint(tier, self.block_bytes)
                 if tier.capacity < need:
-                    problems.append((("tiers", i, "capacity"),
-                                     f"{format_size(tier.capacity)} ({tier.capacity} bytes) holds no block of "
-                                     f"block_bytes {format_size(self.block_bytes)}; give at least "
-                                     f"{format_size(need)}"))
+                    problems.append(
+                        (
+                            ("tiers", i, "capacity"),
+                            f"{format_size(tier.capacity)} ({tier.capacity} bytes) holds no block of "
+                            f"block_bytes {format_size(self.block_bytes)}; give at least "
+                            f"{format_size(need)}",
+                        )
+                    )
         if problems:
             raise Problems(problems)
         return self
@@ -353,17 +410,32 @@ class StackConfig(_Model):
         through host memory to reach the store)."""
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if i != len(self.tiers) - 1:
-            problems.append((("tiers", i, "medium"), "a remote tier may only be the last tier: the store evicts "
-                                                     "and loses blocks by itself, so no tier of kvtier's can sit "
-                                                     "below it"))
+            problems.append(
+                (
+                    ("tiers", i, "medium"),
+                    "a remote tier may only be the last tier: the store evicts "
+                    "and loses blocks by itself, so no tier of kvtier's can sit "
+                    "below it",
+                )
+            )
         if not any(t.medium == "host" for t in self.tiers):
-            problems.append((("tiers", i, "medium"), "a remote tier needs a host tier above it: blocks reach the "
-                                                     "store from host memory and come back through it"))
+            problems.append(
+                (
+                    ("tiers", i, "medium"),
+                    "a remote tier needs a host tier above it: blocks reach the "
+                    "store from host memory and come back through it",
+                )
+            )
         elif tier.placement == "write_back" and i > 0 and self.tiers[i - 1].medium != "host":
-            problems.append((("tiers", i, "placement"), f"write_back needs the host tier directly above the remote "
-                                                        f"tier (tiers[{i - 1}] is {self.tiers[i - 1].medium}): its "
-                                                        f"victims would need a copy through host memory to reach "
-                                                        f"the store; use write_through"))
+            problems.append(
+                (
+                    ("tiers", i, "placement"),
+                    f"write_back needs the host tier directly above the remote "
+                    f"tier (tiers[{i - 1}] is {self.tiers[i - 1].medium}): its "
+                    f"victims would need a copy through host memory to reach "
+                    f"the store; use write_through",
+                )
+            )
         return problems
 
 
@@ -384,8 +456,10 @@ def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None, header_ro
     if tier_cfg.capacity is None:
         return None
     if not block_bytes or block_bytes <= 0:
-        raise ConfigError(f"tier {tier_cfg.name or tier_cfg.medium!r}: capacity is given in bytes, so block_bytes "
-                          f"is needed to count its blocks; got block_bytes={block_bytes!r}")
+        raise ConfigError(
+            f"tier {tier_cfg.name or tier_cfg.medium!r}: capacity is given in bytes, so block_bytes "
+            f"is needed to count its blocks; got block_bytes={block_bytes!r}"
+        )
     return tier_cfg.capacity // block_footprint(tier_cfg, block_bytes, header_room)
 
 
@@ -411,16 +485,20 @@ def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
     elif isinstance(source, (str, Path)):
         name = str(source)
         if isinstance(source, str) and "\n" in source:
-            raise ConfigError("load_config takes a path to a YAML file or a dict, not YAML text; "
-                              "parse it first with yaml.safe_load(text)")
+            raise ConfigError(
+                "load_config takes a path to a YAML file or a dict, not YAML text; "
+                "parse it first with yaml.safe_load(text)"
+            )
         data = read_yaml(Path(source).expanduser(), name)
         if data is None:
             raise ConfigError(f"{name}: the file is empty; it needs at least a 'tiers' list")
     else:
         raise ConfigError(f"load_config takes a path to a YAML file or a dict, got {type(source).__name__}")
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}: the top level must be a mapping of keys ({', '.join(StackConfig.model_fields)}), "
-                          f"got {type(data).__name__} {shown(data)}")
+        raise ConfigError(
+            f"{name}: the top level must be a mapping of keys ({', '.join(StackConfig.model_fields)}), "
+            f"got {type(data).__name__} {shown(data)}"
+        )
     try:
         config = StackConfig.model_validate(data)
     except ValidationError as exc:
@@ -454,8 +532,22 @@ def _import_policies(config: StackConfig, name: str) -> None:
 
 
 __all__ = [
-    "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "MooncakeConfig", "RedisConfig", "RemoteTierConfig", "Size",
-    "StackConfig", "TIER_CONFIGS", "TierConfig",
-    "TransferConfig", "WatermarkConfig", "block_footprint", "capacity_in_blocks", "default_config_path",
-    "format_size", "load_config", "parse_size",
+    "DiskTierConfig",
+    "GpuTierConfig",
+    "HostTierConfig",
+    "MooncakeConfig",
+    "RedisConfig",
+    "RemoteTierConfig",
+    "Size",
+    "StackConfig",
+    "TIER_CONFIGS",
+    "TierConfig",
+    "TransferConfig",
+    "WatermarkConfig",
+    "block_footprint",
+    "capacity_in_blocks",
+    "default_config_path",
+    "format_size",
+    "load_config",
+    "parse_size",
 ]

@@ -85,10 +85,20 @@ def _literal_values(field: FieldInfo | None) -> list[Any] | None:
     return None
 
 
-_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
-               "bool_type": "true or false", "list_type": "a list", "int_from_float": "an integer"}
-_BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "at least"),
-           "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "a list",
+    "int_from_float": "an integer",
+}
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "at least"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "at most"),
+}
 
 
 def explain(exc: ValidationError, root: type[BaseModel], tagged: Tagged) -> list[tuple[str, str]]:
@@ -113,8 +123,11 @@ def explain(exc: ValidationError, root: type[BaseModel], tagged: Tagged) -> list
             out.append((path, f"missing key 'medium'; allowed media: {media}"))
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             model = _model_at(loc, root, tagged)
-            keys = f" with keys {', '.join(model.model_fields)}" if model is not None else \
-                f" such as {{medium: host, capacity: 8GiB}} (media: {media})"
+            keys = (
+                f" with keys {', '.join(model.model_fields)}"
+                if model is not None
+                else f" such as {{medium: host, capacity: 8GiB}} (media: {media})"
+            )
             out.append((path, f"expected a mapping{keys}, got {shown(value)}"))
         elif kind == "literal_error":
             values = _literal_values(_field_at(loc, root, tagged))
@@ -130,16 +143,20 @@ def explain(exc: ValidationError, root: type[BaseModel], tagged: Tagged) -> list
             out.append((path, f"expected {_TYPE_NAMES[kind]}, got {shown(value)}"))
         elif kind in _BOUNDS:
             key, words = _BOUNDS[kind]
-            out.append((path, f"{shown(value)} is too {'small' if key[0] == 'g' else 'large'}; "
-                              f"must be {words} {ctx.get(key)}"))
+            out.append(
+                (path, f"{shown(value)} is too {'small' if key[0] == 'g' else 'large'}; must be {words} {ctx.get(key)}")
+            )
         elif kind == "too_short" and isinstance(value, list) and not value:
             out.append((path, f"needs at least {ctx.get('min_length', 1)} entry, got an empty list"))
         elif kind == "string_too_short":
             out.append((path, f"{shown(value)} is empty; give a non-empty string"))
         elif kind == "string_pattern_mismatch":
             field = _field_at(loc, root, tagged)
-            wanted = field.description if field is not None and field.description else \
-                f"a string matching {ctx.get('pattern')}"
+            wanted = (
+                field.description
+                if field is not None and field.description
+                else f"a string matching {ctx.get('pattern')}"
+            )
             out.append((path, f"{shown(value)} is not {wanted}"))
         else:
             out.append((path, f"{err['msg']} (got {shown(value)})"))

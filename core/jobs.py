@@ -152,31 +152,57 @@ class WorkerReport:
     holds: dict[int, int] = field(default_factory=dict)
     lifted: dict[int, int] = field(default_factory=dict)
 
-    def add(self, job_id: int, failed: Iterable[int] = (), refused: Iterable[int] = (),
-            first_stage_failed: Iterable[int] = (), quarantined: Iterable[int] = ()) -> None:
+    def add(
+        self,
+        job_id: int,
+        failed: Iterable[int] = (),
+        refused: Iterable[int] = (),
+        first_stage_failed: Iterable[int] = (),
+        quarantined: Iterable[int] = (),
+    ) -> None:
         quarantined = frozenset(quarantined)
-        self._merge(WorkerReport({job_id: 1}, {job_id: frozenset(failed) | quarantined}, {job_id: frozenset(refused)},
-                                 {job_id: frozenset(first_stage_failed)}, {job_id: quarantined},
-                                 {job_id: 1} if quarantined else {}))
+        self._merge(
+            WorkerReport(
+                {job_id: 1},
+                {job_id: frozenset(failed) | quarantined},
+                {job_id: frozenset(refused)},
+                {job_id: frozenset(first_stage_failed)},
+                {job_id: quarantined},
+                {job_id: 1} if quarantined else {},
+            )
+        )
 
     def lift(self, job_id: int) -> None:
         """One earlier report's quarantine for ``job_id`` is over."""
         self._merge(WorkerReport(lifted={job_id: 1}))
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:
-        merged = WorkerReport(dict(self.finished), dict(self.failed), dict(self.refused), dict(self.first_stage_failed),
-                              dict(self.quarantined), dict(self.holds), dict(self.lifted))
+        merged = WorkerReport(
+            dict(self.finished),
+            dict(self.failed),
+            dict(self.refused),
+            dict(self.first_stage_failed),
+            dict(self.quarantined),
+            dict(self.holds),
+            dict(self.lifted),
+        )
         merged._merge(other)
         return merged
 
     def _merge(self, other: WorkerReport) -> None:
-        for ours_count, theirs_count in ((self.finished, other.finished), (self.holds, other.holds),
-                                         (self.lifted, other.lifted)):
+        for ours_count, theirs_count in (
+            (self.finished, other.finished),
+            (self.holds, other.holds),
+            (self.lifted, other.lifted),
+        ):
             for job_id, count in theirs_count.items():
                 ours_count[job_id] = ours_count.get(job_id, 0) + count
-        for ours, theirs in ((self.failed, other.failed), (self.refused, other.refused),
-                             (self.first_stage_failed, other.first_stage_failed),
-                             (self.quarantined, other.quarantined)):
+        for ours, theirs in (
+            (self.failed, other.failed),
+            (self.refused, other.refused),
+            (self.first_stage_failed, other.first_stage_failed),
+            (self.quarantined, other.quarantined),
+        ):
             for job_id, blocks in theirs.items():
                 if blocks:
                     ours[job_id] = ours.get(job_id, frozenset()) | blocks
@@ -192,8 +218,14 @@ class JobManager:
         self._held: dict[int, Job] = {}  # ended jobs whose quarantined blocks are not lifted yet
         self._fences: dict[tuple[str, int], dict[int, bool]] = {}  # (tier, slot) -> {job id: writes}
 
-    def create(self, kind: str, num_blocks: int, expected_reports: int = 1, fences: Iterable[Fence] = (),
-               on_done: Callable[[Job], None] | None = None) -> Job:
+    def create(
+        self,
+        kind: str,
+        num_blocks: int,
+        expected_reports: int = 1,
+        fences: Iterable[Fence] = (),
+        on_done: Callable[[Job], None] | None = None,
+    ) -> Job:
         """A new PENDING job. Raises FenceError (creating nothing) when a fence conflicts with a job in flight."""
         if expected_reports < 1:
             raise ValueError("a job expects at least one report")
@@ -268,8 +300,9 @@ class JobManager:
             for job_id, count in lifted.items():
                 job = self._held.get(job_id)
                 if job is None or count > job.holds:
-                    raise StateError(f"job {job_id} got {count} lifted quarantine(s) but holds "
-                                     f"{0 if job is None else job.holds}")
+                    raise StateError(
+                        f"job {job_id} got {count} lifted quarantine(s) but holds {0 if job is None else job.holds}"
+                    )
             for job_id, count in lifted.items():
                 job = self._held[job_id]
                 job.holds -= count
@@ -311,8 +344,10 @@ class JobManager:
     def wait(self, job: Job, timeout: float | None = None) -> Job:
         """Block until the job is final and its callbacks ran; TimeoutError if it does not end in time."""
         if not job._done.wait(timeout):
-            raise TimeoutError(f"job {job.id} ({job.kind}) did not complete within {timeout} s: "
-                               f"{job.reports}/{job.expected_reports} reports")
+            raise TimeoutError(
+                f"job {job.id} ({job.kind}) did not complete within {timeout} s: "
+                f"{job.reports}/{job.expected_reports} reports"
+            )
         return job
 
     def is_fenced(self, tier: str, slot: int) -> bool:
@@ -338,8 +373,10 @@ class JobManager:
         for job in jobs:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not job._lifted.wait(remaining):
-                raise TimeoutError(f"job {job.id} ({job.kind}) still holds {job.holds} quarantine(s) after "
-                                   f"{timeout} s: a store call past its deadline has not returned")
+                raise TimeoutError(
+                    f"job {job.id} ({job.kind}) still holds {job.holds} quarantine(s) after "
+                    f"{timeout} s: a store call past its deadline has not returned"
+                )
 
     def in_flight(self) -> list[Job]:
         """Jobs not yet final (or whose callbacks are still running)."""

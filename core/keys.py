@@ -61,8 +61,10 @@ def _hashers(secret: bytes | None) -> tuple[hashlib.blake2b, hashlib.blake2b]:
     """Root and link hashers, keyed with the secret when there is one, copied for every hash: a
     copy skips BLAKE2b's parameter setup, a good part of the cost of hashing one small block."""
     key = hash_key(secret) if secret is not None else b""
-    return (hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_ROOT_PERSON),
-            hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_LINK_PERSON))
+    return (
+        hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_ROOT_PERSON),
+        hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_LINK_PERSON),
+    )
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
@@ -74,8 +76,9 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be a flat sequence of ints, got an array of shape {tokens.shape}")
-    if tokens.size and (not np.issubdtype(tokens.dtype, np.integer)
-                        or tokens.dtype == np.uint64 and tokens.max() > _INT64_MAX):
+    if tokens.size and (
+        not np.issubdtype(tokens.dtype, np.integer) or tokens.dtype == np.uint64 and tokens.max() > _INT64_MAX
+    ):
         _refuse(tokens if isinstance(token_ids, np.ndarray) else token_ids)
     return tokens.astype("<i8", copy=False).tobytes(), tokens.size
 
@@ -87,13 +90,19 @@ def _refuse(token_ids: Sequence[int] | np.ndarray) -> None:
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"token_ids must be integers, got {token!r} ({type(token).__name__}) at index {i}")
         if not -_INT64_MAX - 1 <= int(token) <= _INT64_MAX:
-            raise ValueError(f"token id {int(token)} at index {i} is outside int64; token ids must fit in a "
-                             f"signed 64-bit integer")
+            raise ValueError(
+                f"token id {int(token)} at index {i} is outside int64; token ids must fit in a signed 64-bit integer"
+            )
     raise TypeError(f"token_ids must be integers within int64, got dtype {np.asarray(token_ids).dtype}")
 
 
-def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: bytes | str = b"",
-                 parent: bytes | None = None, secret: bytes | None = None) -> list[bytes]:
+def chain_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    namespace: bytes | str = b"",
+    parent: bytes | None = None,
+    secret: bytes | None = None,
+) -> list[bytes]:
     """One 16-byte key per full block of ``block_size`` tokens; a trailing partial block gets none.
 
     ``key_i = BLAKE2b-128[link](key_{i-1} + tokens of block i as little-endian int64)`` and
@@ -129,7 +138,7 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, namespa
     for i in range(n_tokens // block_size):
         h = link.copy()
         h.update(parent)
-        h.update(data[i * stride:(i + 1) * stride])
+        h.update(data[i * stride : (i + 1) * stride])
         parent = h.digest()
         keys.append(parent)
     return keys
@@ -161,8 +170,9 @@ class KeyFolder:
         ns = _namespace_bytes(namespace)
         root = root_hasher.copy()
         root.update(struct.pack("<QQ", 0, len(ns)) + ns)
-        self._fold = hashlib.blake2b(digest_size=KEY_BYTES, key=hash_key(secret) if secret is not None else b"",
-                                     person=_FOLD_PERSON)
+        self._fold = hashlib.blake2b(
+            digest_size=KEY_BYTES, key=hash_key(secret) if secret is not None else b"", person=_FOLD_PERSON
+        )
         self._fold.update(root.digest())
 
     def __call__(self, engine_keys: Sequence[str | bytes]) -> list[bytes]:
@@ -193,13 +203,17 @@ def key_secret(env_name: str | None, setting: str = "key_secret_env") -> bytes |
         return None
     value = os.environb.get(os.fsencode(env_name), b"")
     if not value:
-        raise ConfigError(f"{setting}: the environment variable {env_name} is unset or empty; set it to a secret "
-                          f"of at least {MIN_SECRET_BYTES} bytes (e.g. the output of `openssl rand -hex 32`), the "
-                          f"same in every process that shares the cache, or remove {setting}")
+        raise ConfigError(
+            f"{setting}: the environment variable {env_name} is unset or empty; set it to a secret "
+            f"of at least {MIN_SECRET_BYTES} bytes (e.g. the output of `openssl rand -hex 32`), the "
+            f"same in every process that shares the cache, or remove {setting}"
+        )
     if len(value) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{setting}: the environment variable {env_name} holds {len(value)} bytes, fewer "
-                          f"than the {MIN_SECRET_BYTES} a secret needs; set it to a longer random value "
-                          f"(e.g. the output of `openssl rand -hex 32`)")
+        raise ConfigError(
+            f"{setting}: the environment variable {env_name} holds {len(value)} bytes, fewer "
+            f"than the {MIN_SECRET_BYTES} a secret needs; set it to a longer random value "
+            f"(e.g. the output of `openssl rand -hex 32`)"
+        )
     return value
 
 
@@ -210,8 +224,10 @@ def check_key(key: object) -> bytes:
     if not isinstance(key, bytes):
         raise TypeError(f"a block key must be bytes, got {type(key).__name__}")
     if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"a block key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)} bytes "
-                         f"(key {key[:16].hex()}...); hash longer identifiers down to {KEY_BYTES} bytes")
+        raise ValueError(
+            f"a block key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)} bytes "
+            f"(key {key[:16].hex()}...); hash longer identifiers down to {KEY_BYTES} bytes"
+        )
     return key
 
 
@@ -235,5 +251,14 @@ class Namespace:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-__all__ = ["KEY_BYTES", "MAX_KEY_BYTES", "KeyFolder", "Namespace", "chain_hashes", "check_key", "fold_keys", "hash_key",
-           "key_secret"]
+__all__ = [
+    "KEY_BYTES",
+    "MAX_KEY_BYTES",
+    "KeyFolder",
+    "Namespace",
+    "chain_hashes",
+    "check_key",
+    "fold_keys",
+    "hash_key",
+    "key_secret",
+]

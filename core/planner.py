@@ -103,8 +103,12 @@ class Copy(NamedTuple):
             return self
         if not keep:
             return None
-        return Copy(self.src.pick(keep), self.dst.pick(keep), tuple(self.keys[i] for i in keep),
-                    tuple(self.blocks[i] for i in keep))
+        return Copy(
+            self.src.pick(keep),
+            self.dst.pick(keep),
+            tuple(self.keys[i] for i in keep),
+            tuple(self.blocks[i] for i in keep),
+        )
 
 
 def copy_of(src: str | None, dst: str | None, rows: Iterable[Row]) -> Copy:
@@ -232,8 +236,12 @@ class SlotCount(BlockStorage):
 class Planner:
     """The brain over ``tiers`` (fastest first); ``route`` and ``capabilities`` decide which loads stage."""
 
-    def __init__(self, tiers: Sequence[Tier], route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
-                 capabilities: Capabilities | None = None) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
+        capabilities: Capabilities | None = None,
+    ) -> None:
         self.tiers = list(tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
         self._route = route
@@ -258,7 +266,7 @@ class Planner:
         stage_of = self.staging(dst_medium) if dst_medium is not None else (None,) * len(self.tiers)
         sources = [0] * (self.tiers[0].lookup(keys) if stage_of[0] is None else 0)
         staging: dict[int, int] = {}
-        for key in keys[len(sources):]:
+        for key in keys[len(sources) :]:
             index = next((i for i, t in enumerate(self.tiers) if t.state(key) is BlockState.READY), None)
             if index is None:
                 break
@@ -338,13 +346,13 @@ class Planner:
         dirty = [key for key, ok in zip(dirty, admitted, strict=True) if ok]
         room.drop(tier, tier.end_evict(clean))
         slots, below_pending = self._reserve(index + 1, dirty, room)
-        rest = dirty[len(slots):]
+        rest = dirty[len(slots) :]
         if rest and below_pending:
             tier.end_evict(rest, drop=False)
         else:
             room.drop(tier, tier.end_evict(rest))
         if slots:
-            room.demotions.append(self._demotion(index, dirty[:len(slots)], slots))
+            room.demotions.append(self._demotion(index, dirty[: len(slots)], slots))
         return tier.usage().evicting + (len(rest) if below_pending else 0)
 
     def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int | None], int]:
@@ -364,7 +372,7 @@ class Planner:
         """The leading keys tier ``index``'s policy admits: a store is a prefix of a chain, and a block
         after a declined one could never be a hit there without it."""
         admitted = self._admits(index, keys)
-        return keys[:admitted.index(False)] if False in admitted else keys
+        return keys[: admitted.index(False)] if False in admitted else keys
 
     def _take_free(self, index: int, keys: Sequence[bytes]) -> list[int | None]:
         """Reserve free slots of tier ``index`` for the leading keys that fit, evicting nothing (all of
@@ -397,12 +405,12 @@ class Planner:
         admitted = self._admitted_prefix(0, keys)
         declined = len(keys) - len(admitted)
         slots, _ = self._reserve(0, admitted, room)
-        keys = keys[:len(slots)]
+        keys = keys[: len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
             if self.tiers[index].by_key:
                 break
-            below, _ = self._reserve(index, self._admitted_prefix(index, keys[:len(slots)]), room)
+            below, _ = self._reserve(index, self._admitted_prefix(index, keys[: len(slots)]), room)
             if not below:
                 break
             stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
@@ -436,8 +444,8 @@ class Planner:
             return Planned(plan_of("store", [], []), room)
         src_slots = tier.pin(keys)
         slots, _ = self._reserve(target, keys, room)
-        tier.unpin(keys[len(slots):])
-        keys = keys[:len(slots)]
+        tier.unpin(keys[len(slots) :])
+        keys = keys[: len(slots)]
         stages = [[copy_of(tier.name, lower.name, numbered(keys, src_slots, slots))]] if keys else []
         return Planned(plan_of("store", keys, stages), room)
 
@@ -490,8 +498,9 @@ class Planner:
             slots.append(self._slots_of(self.tiers[index], [key])[0])
         return run, sources, slots
 
-    def _release_past(self, keys: Sequence[bytes], sources: list[int], staged: dict[int, dict[int, int | None]],
-                      stop: int) -> None:
+    def _release_past(
+        self, keys: Sequence[bytes], sources: list[int], staged: dict[int, dict[int, int | None]], stop: int
+    ) -> None:
         """Unpin the sources, and abort the staging slots, of the blocks from ``stop`` on (not loaded)."""
         for stage, slots in staged.items():
             past = [b for b in slots if b >= stop]
@@ -501,9 +510,16 @@ class Planner:
         for i in range(stop, len(sources)):
             self.tiers[sources[i]].unpin([keys[i]])
 
-    def _load_stages(self, keys: Sequence[bytes], dst_slots: Sequence[int], sources: list[int], slots: Slots,
-                     run: int, stage_of: tuple[int | None, ...], staged: dict[int, dict[int, int | None]]
-                     ) -> list[list[Copy]]:
+    def _load_stages(
+        self,
+        keys: Sequence[bytes],
+        dst_slots: Sequence[int],
+        sources: list[int],
+        slots: Slots,
+        run: int,
+        stage_of: tuple[int | None, ...],
+        staged: dict[int, dict[int, int | None]],
+    ) -> list[list[Copy]]:
         """A load's copies: first into the staging tiers (per source and staging tier), then from the
         tier each block ends up in (its source or its staging tier) into the caller's blocks. The
         first ``run`` blocks come from the first tier, in one piece unless that tier stages."""
@@ -559,8 +575,17 @@ class Planner:
             for copy in stage:
                 if copy.src.tier is not None:
                     held = self._held_by(copy, copy.dst.tier, job)
-                    self._let_go(self.tier(copy.src.tier), plan.kind, copy, written.get(copy.src.tier, set()), lost,
-                                 lost_by_stage[k], named, held, outcome)
+                    self._let_go(
+                        self.tier(copy.src.tier),
+                        plan.kind,
+                        copy,
+                        written.get(copy.src.tier, set()),
+                        lost,
+                        lost_by_stage[k],
+                        named,
+                        held,
+                        outcome,
+                    )
         return outcome
 
     def lift(self, outcome: Outcome) -> None:
@@ -579,8 +604,9 @@ class Planner:
         return job.quarantined_blocks & set(copy.blocks)
 
     @staticmethod
-    def _land(tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int],
-              outcome: Outcome) -> set[bytes]:
+    def _land(
+        tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int], outcome: Outcome
+    ) -> set[bytes]:
         """Commit the blocks of ``copy`` that arrived in its destination ``tier``, quarantine the slots
         of those a read may still write into (``held``), abort the others; returns the aborted keys
         the tier can never hold."""
@@ -595,8 +621,17 @@ class Planner:
         return set(tier.abort(failed)) if failed else set()
 
     @staticmethod
-    def _let_go(tier: Tier, kind: str, copy: Copy, wrote: set[int], lost: set[int], lost_here: set[int],
-                refused: set[bytes], held: set[int], outcome: Outcome) -> None:
+    def _let_go(
+        tier: Tier,
+        kind: str,
+        copy: Copy,
+        wrote: set[int],
+        lost: set[int],
+        lost_here: set[int],
+        refused: set[bytes],
+        held: set[int],
+        outcome: Outcome,
+    ) -> None:
         """Release the sources ``copy`` read in ``tier``: those the plan held (pinned or being
         evicted), not the blocks an earlier stage of it wrote there (``wrote``), and not those a write
         may still read (``held``: they stay pinned until ``lift``); a load also drops what failed to

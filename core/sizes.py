@@ -12,16 +12,23 @@ from kvtier.core.errors import ConfigError, shown
 
 _UNITS: dict[str, int] = {
     "b": 1,
-    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
-    "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
 def _not_a_size(value: Any) -> ConfigError:
-    return ConfigError(f"{shown(value)} is not a size: use a number with a unit, e.g. 512MiB or 8GiB "
-                       f"(units: {_UNIT_NAMES})")
+    return ConfigError(
+        f"{shown(value)} is not a size: use a number with a unit, e.g. 512MiB or 8GiB (units: {_UNIT_NAMES})"
+    )
 
 
 def parse_size(value: Any) -> int:
@@ -56,7 +63,7 @@ def parse_size(value: Any) -> int:
 
 def format_size(n: int) -> str:
     """The shortest exact binary-unit spelling of a byte count, for messages (262144 -> '256KiB')."""
-    for unit, factor in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= factor and n % factor == 0:
             return f"{n // factor}{unit}"
     return f"{n}B"

@@ -31,8 +31,10 @@ def slot_problem(block_bytes: int, compression: str, slot_bytes: int | None) -> 
     if slot_bytes < PAGE:
         return f"slot_bytes {slot_bytes} is less than {PAGE} (4KiB), the smallest slot"
     if compression == "none" and slot_bytes != block_bytes:
-        return (f"slot_bytes {slot_bytes} is smaller than block_bytes {block_bytes}, which only fits with "
-                f"compression: lz4 or zstd")
+        return (
+            f"slot_bytes {slot_bytes} is smaller than block_bytes {block_bytes}, which only fits with "
+            f"compression: lz4 or zstd"
+        )
     return None
 
 

@@ -70,19 +70,19 @@ class StackLookup:
 @dataclass
 class StoreResult:
     requested: int
-    stored: int = 0                                  # new blocks now readable in the first tier
-    present: int = 0                                 # blocks that were already there (or being written)
-    dropped: int = 0                                 # blocks that found no room ("a full tier stores less")
+    stored: int = 0  # new blocks now readable in the first tier
+    present: int = 0  # blocks that were already there (or being written)
+    dropped: int = 0  # blocks that found no room ("a full tier stores less")
     failed: list[bytes] = field(default_factory=list)  # blocks whose copy failed
 
 
 @dataclass
 class LoadResult:
     requested: int
-    hits: int                                        # leading keys found and planned
-    loaded: int = 0                                  # of those, blocks that arrived intact
+    hits: int  # leading keys found and planned
+    loaded: int = 0  # of those, blocks that arrived intact
     failed: list[int] = field(default_factory=list)  # indices (into keys) of hits that could not be loaded
-    sources: tuple[str, ...] = ()                    # the tier each hit is read from, in key order
+    sources: tuple[str, ...] = ()  # the tier each hit is read from, in key order
 
     @property
     def ok(self) -> bool:
@@ -97,9 +97,15 @@ class LoadResult:
 class TierStack:
     """Tiers ordered fastest first, the transfer backends that move bytes between them, one job manager."""
 
-    def __init__(self, tiers: Sequence[Tier], backends: Sequence[TransferBackend], jobs: JobManager | None = None,
-                 placement: str = "write_back", capabilities: Capabilities | None = None,
-                 route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        backends: Sequence[TransferBackend],
+        jobs: JobManager | None = None,
+        placement: str = "write_back",
+        capabilities: Capabilities | None = None,
+        route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
+    ) -> None:
         if not tiers:
             raise ArgumentError("a stack needs at least one tier")
         if placement not in PLACEMENTS:
@@ -113,8 +119,9 @@ class TierStack:
         self.transfers = TransferRegistry(backends)
         for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
-                self.transfers.backend(src.storage.device, dst.storage.device,
-                                       f"between tier {upper.name!r} and tier {lower.name!r}")
+                self.transfers.backend(
+                    src.storage.device, dst.storage.device, f"between tier {upper.name!r} and tier {lower.name!r}"
+                )
         self.tiers = list(tiers)
         self._remote = next((t for t in self.tiers if t.by_key), None)
         self.jobs = jobs or JobManager()
@@ -165,8 +172,9 @@ class TierStack:
             new = {k: s for k, s in dict(zip(keys, src_slots, strict=True)).items() if self.planner.is_new(k)}
             result.present = len(keys) - len(new)
             if len(new) > top.capacity:
-                raise CapacityError(f"{len(new)} new blocks can never fit in tier {top.name!r} of "
-                                    f"{top.capacity} blocks")
+                raise CapacityError(
+                    f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks"
+                )
             self._await_room(0, len(new))
             planned = self.planner.store(list(new), list(new.values()))
             self._run_demotions(planned.room)
@@ -184,8 +192,9 @@ class TierStack:
             self._execute(plan, landed, caller=src)
         return future
 
-    def load(self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int],
-             dst_medium: str | None = None) -> Future[LoadResult]:
+    def load(
+        self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int], dst_medium: str | None = None
+    ) -> Future[LoadResult]:
         """Copy the longest present prefix of ``keys`` into blocks ``dst_slots`` of ``dst``.
 
         Only the prefix that ``lookup`` would report is loaded; the result says how many blocks that
@@ -255,13 +264,17 @@ class TierStack:
     def wait_idle(self, timeout: float | None = 60.0) -> None:
         """Wait until background work (write-through hops, watermark demotions) and every job are done."""
         if on_kvtier_thread():
-            raise StateError("wait_idle() cannot run in a kvtier completion callback: the callback's own job "
-                             "is not over until it returns")
+            raise StateError(
+                "wait_idle() cannot run in a kvtier completion callback: the callback's own job "
+                "is not over until it returns"
+            )
         self._resources.wait_idle(timeout)
 
     def describe(self) -> str:
-        lines = [f"kvtier stack: {len(self.tiers)} tier(s), placement {self.placement}, "
-                 f"transfer backends: {', '.join(b.name for b in self.transfers.backends)}"]
+        lines = [
+            f"kvtier stack: {len(self.tiers)} tier(s), placement {self.placement}, "
+            f"transfer backends: {', '.join(b.name for b in self.transfers.backends)}"
+        ]
         lines += [f"  {i}. {tier!r}" for i, tier in enumerate(self.tiers)]
         return "\n".join(lines)
 
@@ -286,8 +299,9 @@ class TierStack:
             try:
                 self._copy_down_to_disk(timeout)
             except Exception as exc:  # e.g. thread pools refusing work at interpreter exit: release anyway
-                log.warning("%s closed without copying the blocks only its memory tiers hold to disk: %s",
-                            self._name, exc)
+                log.warning(
+                    "%s closed without copying the blocks only its memory tiers hold to disk: %s", self._name, exc
+                )
             self._resources.release(timeout)
         finally:
             self._release_over.set()
@@ -296,7 +310,7 @@ class TierStack:
         """Copy every block a tier holds that the tier below lacks into it, top down, as far as the
         lowest disk tier: what a restart finds is then everything the stack held."""
         for index in range(len(self.tiers) - 1):
-            if not any(t.medium == "disk" for t in self.tiers[index + 1:]):
+            if not any(t.medium == "disk" for t in self.tiers[index + 1 :]):
                 break
             with self._lock:
                 self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
@@ -356,8 +370,9 @@ class TierStack:
         """Start the demotions the planner planned to make room; returns their jobs."""
         return [self._execute(plan) for plan in room.demotions]
 
-    def _execute(self, plan: Plan, then: Callable[[Outcome], None] | None = None,
-                 caller: BlockStorage | None = None) -> Job:
+    def _execute(
+        self, plan: Plan, then: Callable[[Outcome], None] | None = None, caller: BlockStorage | None = None
+    ) -> Job:
         """Run ``plan`` in-process: one job holding its fences, its stages on the transfer backends
         (``caller`` is the storage its ``ENGINE`` endpoint names). When the job ends the planner
         finishes the plan, ``then(outcome)`` runs, and every tier that stored blocks gets its
@@ -377,8 +392,9 @@ class TierStack:
         self.jobs.start(job.id)
         storages = self._storages if caller is None else {**self._storages, ENGINE: caller}
         # The run reports to the job manager, not through a closure over the stack: see _Resources.
-        run = StagedRun(plan.stages, plan.num_blocks, storages, self.transfers,
-                        functools.partial(_report, self.jobs, job.id))
+        run = StagedRun(
+            plan.stages, plan.num_blocks, storages, self.transfers, functools.partial(_report, self.jobs, job.id)
+        )
         run.start()
         if run.start_errors and job.state.final:  # nothing could start: the caller hears why
             raise run.start_errors[0]
@@ -438,8 +454,9 @@ class _Resources:
         self.jobs = jobs
         self.work: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.errors: list[BaseException] = []
-        self.worker = threading.Thread(target=_background, args=(self.work, self.errors), name="kvtier-stack",
-                                       daemon=True)
+        self.worker = threading.Thread(
+            target=_background, args=(self.work, self.errors), name="kvtier-stack", daemon=True
+        )
 
     def wait_idle(self, timeout: float | None) -> None:
         while True:
@@ -490,9 +507,12 @@ def _release_dropped(resources: _Resources, what: str) -> None:
     """Finalizer of a stack dropped without close(): wait for its jobs in flight, stop its threads,
     close its backends and tiers (freeing memory and the disk lock). Unlike close() it does not copy
     blocks that only memory tiers hold down to disk: those are lost, so it warns."""
-    warnings.warn(f"{what} was dropped without close(); its threads and files are released now, but blocks only "
-                  f"its memory tiers held are not written to disk: call close() or use it in a with block",
-                  ResourceWarning, stacklevel=2)
+    warnings.warn(
+        f"{what} was dropped without close(); its threads and files are released now, but blocks only "
+        f"its memory tiers held are not written to disk: call close() or use it in a with block",
+        ResourceWarning,
+        stacklevel=2,
+    )
 
     def release() -> None:
         resources.wait_idle(60.0)

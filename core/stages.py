@@ -39,19 +39,25 @@ class StagedRun:
     copy reads the stages before k again.
     """
 
-    def __init__(self, stages: Sequence[Sequence[Copy]], num_blocks: int, storages: Mapping[str | None, BlockStorage],
-                 transfers: Submits, done: Callable[[StagedRun], None],
-                 refused: Callable[[list[bytes]], set[bytes]] = lambda keys: set(),
-                 on_stage: Callable[[int], None] = lambda k: None) -> None:
+    def __init__(
+        self,
+        stages: Sequence[Sequence[Copy]],
+        num_blocks: int,
+        storages: Mapping[str | None, BlockStorage],
+        transfers: Submits,
+        done: Callable[[StagedRun], None],
+        refused: Callable[[list[bytes]], set[bytes]] = lambda keys: set(),
+        on_stage: Callable[[int], None] = lambda k: None,
+    ) -> None:
         self.stages = stages
         self.num_blocks = num_blocks
         self.storages = storages
         self.transfers = transfers
-        self.failed: set[int] = set()              # lost in some stage (an error or a refusal)
-        self.refused: set[int] = set()             # of those, refused for good by their destination
+        self.failed: set[int] = set()  # lost in some stage (an error or a refusal)
+        self.refused: set[int] = set()  # of those, refused for good by their destination
         self.first_stage_failed: set[int] = set()
-        self.quarantined: set[int] = set()         # of the failed, those whose memory may still be touched
-        self.start_errors: list[Exception] = []    # why copies could not start (their blocks failed)
+        self.quarantined: set[int] = set()  # of the failed, those whose memory may still be touched
+        self.start_errors: list[Exception] = []  # why copies could not start (their blocks failed)
         self._quarantines: list[Quarantine] = []
         self._done = done
         self._refused = refused
@@ -121,8 +127,13 @@ class StagedRun:
     def _submit(self, copy: Copy, on_complete: Callable[..., None]) -> None:
         """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""
         try:
-            transfer = Transfer(self.storages[copy.src.tier], copy.src.slots or (), self.storages[copy.dst.tier],
-                                copy.dst.slots or (), copy.keys)
+            transfer = Transfer(
+                self.storages[copy.src.tier],
+                copy.src.slots or (),
+                self.storages[copy.dst.tier],
+                copy.dst.slots or (),
+                copy.keys,
+            )
             self.transfers.submit(transfer, on_complete)
         except (TransferError, ClosedError, KeyError) as exc:
             self.start_errors.append(exc)

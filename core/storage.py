@@ -22,8 +22,14 @@ from kvtier.core.media import HOST_DEVICE
 class BlockStorage:
     """Fragment addresses of ``num_slots`` blocks with one ``layout`` on one ``device`` ("cpu" or "cuda")."""
 
-    def __init__(self, layout: BlockLayout, num_slots: int, device: str, keepalive: Any = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        device: str,
+        keepalive: Any = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.layout = layout
         self.num_slots = int(num_slots)
         self.device = device
@@ -61,8 +67,16 @@ class StridedStorage(BlockStorage):
     per-layer tensors (one base per layer tensor, its block stride).
     """
 
-    def __init__(self, layout: BlockLayout, num_slots: int, bases: Sequence[int] | np.ndarray, strides: Sequence[int],
-                 device: str = HOST_DEVICE, keepalive: Any = None, on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        bases: Sequence[int] | np.ndarray,
+        strides: Sequence[int],
+        device: str = HOST_DEVICE,
+        keepalive: Any = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(layout, num_slots, device, keepalive, on_close)
         self.bases = np.asarray(bases, dtype=np.int64)
         self.strides = np.asarray(strides, dtype=np.int64)
@@ -94,8 +108,9 @@ class GroupedStorage(BlockStorage):
 class SlotListStorage(BlockStorage):
     """Each slot is its own contiguous buffer at ``slot_bases[s]`` (a list of separate arrays)."""
 
-    def __init__(self, layout: BlockLayout, slot_bases: Sequence[int], device: str = HOST_DEVICE,
-                 keepalive: Any = None) -> None:
+    def __init__(
+        self, layout: BlockLayout, slot_bases: Sequence[int], device: str = HOST_DEVICE, keepalive: Any = None
+    ) -> None:
         self.slot_bases = np.asarray(slot_bases, dtype=np.int64)
         super().__init__(layout, len(self.slot_bases), device, keepalive)
 
@@ -103,15 +118,28 @@ class SlotListStorage(BlockStorage):
         return self.slot_bases[slots][:, None] + self.layout.offsets[None, :]
 
 
-def contiguous_storage(base: int, num_slots: int, layout: BlockLayout, device: str = HOST_DEVICE,
-                       keepalive: Any = None, on_close: Callable[[], None] | None = None,
-                       header_room: int = 0) -> StridedStorage:
+def contiguous_storage(
+    base: int,
+    num_slots: int,
+    layout: BlockLayout,
+    device: str = HOST_DEVICE,
+    keepalive: Any = None,
+    on_close: Callable[[], None] | None = None,
+    header_room: int = 0,
+) -> StridedStorage:
     """A slab of ``num_slots`` back-to-back blocks starting at address ``base``, each after
     ``header_room`` bytes of its own: room where a transfer may put a header that then moves with the
     block as one piece (a remote store's record)."""
     stride = layout.block_bytes + header_room
-    storage = StridedStorage(layout, num_slots, base + header_room + layout.offsets, [stride] * layout.num_fragments,
-                             device, keepalive, on_close)
+    storage = StridedStorage(
+        layout,
+        num_slots,
+        base + header_room + layout.offsets,
+        [stride] * layout.num_fragments,
+        device,
+        keepalive,
+        on_close,
+    )
     storage.header_room = header_room
     return storage
 

@@ -19,8 +19,11 @@ class StrictLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not allowed in a kvtier config; write the value out",
-                event.start_mark)
+                None,
+                None,
+                f"aliases (*{event.anchor}) are not allowed in a kvtier config; write the value out",
+                event.start_mark,
+            )
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -35,7 +38,8 @@ class StrictLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 

@@ -75,7 +75,7 @@ class _Entry:
     state: BlockState
     pins: int = 0
     evicting: bool = False  # chosen as a victim, waiting for its demotion copy; still readable
-    refused: bool = False   # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
+    refused: bool = False  # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
 
 
 class Usage(NamedTuple):
@@ -104,9 +104,16 @@ class Tier:
     """Whether the tier above demotes its victims into this one (a remote tier placed write-through does
     not: blocks reach it from host memory as soon as they are there, by plans of their own)."""
 
-    def __init__(self, name: str, medium: str, storage: BlockStorage, policy: EvictionPolicy,
-                 watermark: Watermark | None = None,
-                 is_fenced: Callable[[str, int], bool] | None = None, note: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        medium: str,
+        storage: BlockStorage,
+        policy: EvictionPolicy,
+        watermark: Watermark | None = None,
+        is_fenced: Callable[[str, int], bool] | None = None,
+        note: str = "",
+    ) -> None:
         self.name = name
         self.medium = medium
         self.storage = storage
@@ -132,8 +139,10 @@ class Tier:
 
     def __repr__(self) -> str:
         u = self.usage()
-        return (f"{type(self).__name__}(name={self.name!r}, medium={self.medium!r}, device={self.storage.device!r}, "
-                f"used={u.used}/{u.capacity} blocks of {self.block_bytes} B{', ' + self.note if self.note else ''})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, medium={self.medium!r}, device={self.storage.device!r}, "
+            f"used={u.used}/{u.capacity} blocks of {self.block_bytes} B{', ' + self.note if self.note else ''})"
+        )
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -186,7 +195,7 @@ class Tier:
         """Pin the leading run of READY keys and return their slots: ``lookup`` and ``pin`` under one
         lock, so a long run costs one call and no block of it can leave in between."""
         with self._lock:
-            return self.pin(keys[:self.lookup(keys)])
+            return self.pin(keys[: self.lookup(keys)])
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
@@ -325,8 +334,10 @@ class Tier:
             slots = list(slots)
             stray = [slot for slot in slots if slot not in self._quarantined]
             if stray or len(set(slots)) != len(slots):
-                raise StateError(f"quarantine lift of slots {sorted(stray) or slots} of tier {self.name!r} that "
-                                 f"are not quarantined (once each)")
+                raise StateError(
+                    f"quarantine lift of slots {sorted(stray) or slots} of tier {self.name!r} that "
+                    f"are not quarantined (once each)"
+                )
             for slot in slots:
                 self._quarantined.remove(slot)
                 self._allocator.free(slot)
@@ -476,8 +487,9 @@ class Tier:
             assert self._pinned == {k for k, e in self._entries.items() if e.pins}, "pinned set out of date"
             assert self._evicting == sum(e.evicting for e in self._entries.values()), "evicting count out of date"
             tracked = {k for k, e in self._entries.items() if e.state is BlockState.READY and not e.evicting}
-            assert len(self.policy) == len(tracked) and all(k in self.policy for k in tracked), \
+            assert len(self.policy) == len(tracked) and all(k in self.policy for k in tracked), (
                 "the policy tracks other keys than the READY blocks"
+            )
 
     def close(self) -> None:
         """Release the storage. Raises StateError if blocks are still pinned or being written."""

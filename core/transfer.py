@@ -69,6 +69,7 @@ def _run(callback: Callable[[], None]) -> None:
     except Exception:
         log.exception("kvtier: a callback waiting for memory to be safe again failed")
 
+
 class Quarantine:
     """Blocks of a finished transfer (indices into its block list) whose memory on kvtier's side a call
     that outlived its deadline may still touch: a read from a remote store may still write into them,
@@ -150,13 +151,13 @@ class Transfer:
                 if self.keys is None:
                     raise TransferError(f"a {what} addressed by key needs the blocks' keys")
             elif len(slots) != self.num_blocks:
-                raise TransferError(f"{len(self.src_slots)} source slots but {len(self.dst_slots)} destination "
-                                    f"slots")
+                raise TransferError(f"{len(self.src_slots)} source slots but {len(self.dst_slots)} destination slots")
         if self.keys is not None and len(self.keys) != self.num_blocks:
             raise TransferError(f"{len(self.keys)} keys for {self.num_blocks} blocks")
         if self.src.layout.block_bytes != self.dst.layout.block_bytes:
-            raise TransferError(f"block sizes differ: {self.src.layout.block_bytes} B -> "
-                                f"{self.dst.layout.block_bytes} B")
+            raise TransferError(
+                f"block sizes differ: {self.src.layout.block_bytes} B -> {self.dst.layout.block_bytes} B"
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -243,8 +244,10 @@ class TransferRegistry:
         the backends there are, and ``what`` the copy is for, when none does."""
         backend = self._by_pair.get((src_device, dst_device))
         if backend is None:
-            raise TransferError(f"no transfer backend ({', '.join(b.name for b in self.backends)}) can copy "
-                                f"{src_device} -> {dst_device} {what}".rstrip())
+            raise TransferError(
+                f"no transfer backend ({', '.join(b.name for b in self.backends)}) can copy "
+                f"{src_device} -> {dst_device} {what}".rstrip()
+            )
         return backend
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:

@@ -24,7 +24,25 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 
 __all__ = [
-    "ArgumentError", "BlockLayout", "CapacityError", "ClosedError", "ConfigError", "DoubleFreeError", "FenceError",
-    "KVTier", "KvtierError", "LoadResult", "Namespace", "StackConfig", "StackLookup", "StateError", "StoreError",
-    "StoreResult", "TierStack", "TransferError", "build_stack", "chain_hashes", "load_config",
+    "ArgumentError",
+    "BlockLayout",
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "DoubleFreeError",
+    "FenceError",
+    "KVTier",
+    "KvtierError",
+    "LoadResult",
+    "Namespace",
+    "StackConfig",
+    "StackLookup",
+    "StateError",
+    "StoreError",
+    "StoreResult",
+    "TierStack",
+    "TransferError",
+    "build_stack",
+    "chain_hashes",
+    "load_config",
 ]

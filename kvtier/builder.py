@@ -42,8 +42,9 @@ def config_layout(config: StackConfig) -> BlockLayout:
     return BlockLayout((config.block_bytes // config.fragments,) * config.fragments)
 
 
-def build_stack(config: StackConfig, layout: BlockLayout | None = None,
-                backends: list[TransferBackend] | None = None) -> TierStack:
+def build_stack(
+    config: StackConfig, layout: BlockLayout | None = None, backends: list[TransferBackend] | None = None
+) -> TierStack:
     """Tiers, policies, job manager and backend as the configuration says; nothing is left open on error."""
     layout = layout or config_layout(config)
     jobs = JobManager()
@@ -73,11 +74,14 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
         return remote_tier(name, tier_cfg, layout, config.namespace)
     blocks = capacity_in_blocks(tier_cfg, layout.block_bytes, config.header_room)
     if blocks is None:
-        raise ConfigError(f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the "
-                          f"engine owns GPU memory)")
+        raise ConfigError(
+            f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the engine owns GPU memory)"
+        )
     if blocks < 1:
-        raise ConfigError(f"{where}: capacity holds no block of {layout.block_bytes} bytes"
-                          f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}")
+        raise ConfigError(
+            f"{where}: capacity holds no block of {layout.block_bytes} bytes"
+            f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}"
+        )
     policy, watermark = config.tier_policy(i)
     medium_options: dict[str, object] = {}
     if isinstance(tier_cfg, DiskTierConfig):
@@ -85,12 +89,15 @@ def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManag
     elif tier_cfg.medium == "host":
         medium_options = {"header_room": config.header_room}
     try:
-        return TIER_FACTORIES[tier_cfg.medium](name, blocks, layout, policy, watermark, jobs.is_fenced,
-                                               **medium_options)
+        return TIER_FACTORIES[tier_cfg.medium](
+            name, blocks, layout, policy, watermark, jobs.is_fenced, **medium_options
+        )
     except KvtierError:
         raise  # names what failed already (a disk tier's path, say)
     except (MemoryError, OverflowError, OSError) as exc:
         asked = blocks * block_footprint(tier_cfg, layout.block_bytes, config.header_room)
-        raise ConfigError(f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(asked)} "
-                          f"in all) cannot be allocated: {str(exc) or type(exc).__name__}; lower its capacity or "
-                          f"block_bytes") from exc
+        raise ConfigError(
+            f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(asked)} "
+            f"in all) cannot be allocated: {str(exc) or type(exc).__name__}; lower its capacity or "
+            f"block_bytes"
+        ) from exc

@@ -50,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="show what a disk tier directory holds")
     inspect.add_argument("path", help="the disk tier's directory (its `path` in the YAML)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    inspect.add_argument("--shared-directory", action="store_true",
-                         help="accept a directory or slab of another owner, or group-writable (the tier's "
-                              "shared_directory: true)")
+    inspect.add_argument(
+        "--shared-directory",
+        action="store_true",
+        help="accept a directory or slab of another owner, or group-writable (the tier's shared_directory: true)",
+    )
     args = parser.parse_args(argv)
 
     console = Console()

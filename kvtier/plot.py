@@ -53,7 +53,7 @@ def _occupancy_panel(ax, summary: dict, occupancy: list[tuple[int, dict[str, int
     xs = [i + 1 for i, _ in occupancy]
     for name, tier in summary["tiers"].items():
         label = name if name == tier["medium"] else f"{name} ({tier['medium']})"
-        line, = ax.plot(xs, [used[name] for _, used in occupancy], label=label)
+        (line,) = ax.plot(xs, [used[name] for _, used in occupancy], label=label)
         ax.axhline(tier["capacity"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_xlabel("request")
     ax.set_ylabel("blocks held (dotted: capacity)")

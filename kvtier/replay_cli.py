@@ -47,18 +47,25 @@ from kvtier.replay.workload import ChatWorkload, generate
 from kvtier.report import print_summary
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "replay.yaml"
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def add_replay_parser(commands) -> None:
     """Register ``replay`` (alias ``demo``) on the ``kvtier`` subcommand parser."""
-    p = commands.add_parser("replay", aliases=["demo"], help="replay a request trace (or a generated chat "
-                            "workload) through a tier stack: hits per tier, bytes moved, prefill tokens saved",
-                            description=__doc__.split("\n\n")[0])
+    p = commands.add_parser(
+        "replay",
+        aliases=["demo"],
+        help="replay a request trace (or a generated chat "
+        "workload) through a tier stack: hits per tier, bytes moved, prefill tokens saved",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (default: a generated chat workload)")
     p.add_argument("--config", type=Path, help="stack YAML (default: the embedded kvtier/replay.yaml)")
-    p.add_argument("--policy", help="eviction policy (a short name or dotted path) of the governed tier; "
-                                    "with --sweep a comma-separated list (default there: every registered policy)")
+    p.add_argument(
+        "--policy",
+        help="eviction policy (a short name or dotted path) of the governed tier; "
+        "with --sweep a comma-separated list (default there: every registered policy)",
+    )
     p.add_argument("--capacity", type=int, help="capacity in blocks of the governed tier (or the one cache)")
     p.add_argument("--tier", help="the tier --policy and --capacity govern (default: the last tier)")
     p.add_argument("--metadata-only", action="store_true", help="replay the index alone (one cache, no bytes): fast")
@@ -68,8 +75,12 @@ def add_replay_parser(commands) -> None:
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id, for saved tokens (default 512)")
     p.add_argument("--plot", type=Path, help="write a PNG: hit ratio vs capacity (with --sweep), occupancy over time")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    p.add_argument("--conversations", type=int, default=ChatWorkload.conversations,
-                   help="generated workload: number of conversations")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=ChatWorkload.conversations,
+        help="generated workload: number of conversations",
+    )
     p.add_argument("--seed", type=int, default=0, help="generated workload: random seed")
     p.add_argument("--save-trace", type=Path, help="also write the replayed requests as a Mooncake JSONL trace")
 
@@ -120,8 +131,16 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
     if args.block_tokens < 1:
         raise ReplayError(f"--block-tokens must be at least 1, not {args.block_tokens}")
     block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                        TimeRemainingColumn(), console=console, transient=True, disable=args.json)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=args.json,
+    )
 
     def one_run(policy: str, capacity: int | None, label: str) -> tuple[dict, list]:
         task = progress.add_task(label, total=len(requests))
@@ -131,16 +150,18 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
                 total = capacity if capacity is not None else sum(_blocks(config, i) for i in range(len(names)))
                 return _metadata_run(requests, total, policy, args.block_tokens, advance)
             with ExitStack() as disk_dirs:
-                cfg = _fresh_disk_dirs(_override(config, names.index(governed), policy, capacity, block_bytes),
-                                       disk_dirs)
+                cfg = _fresh_disk_dirs(
+                    _override(config, names.index(governed), policy, capacity, block_bytes), disk_dirs
+                )
                 return _stack_run(requests, cfg, args.block_tokens, advance)
         finally:
             progress.remove_task(task)
 
     with progress:
         summary, occupancy = one_run(policies[0], args.capacity, f"replay ({policies[0]})")
-        summary.update(workload=workload, policy=policies[0],
-                       governed_tier="one cache" if args.metadata_only else governed)
+        summary.update(
+            workload=workload, policy=policies[0], governed_tier="one cache" if args.metadata_only else governed
+        )
         if not args.metadata_only:
             summary["capacity"] = summary["tiers"][governed]["capacity"]
         if args.belady:
@@ -221,8 +242,9 @@ def _blocks(config: StackConfig, index: int) -> int:
     return blocks
 
 
-def _override(config: StackConfig, index: int, policy: str, capacity: int | None,
-              block_bytes: int | None) -> StackConfig:
+def _override(
+    config: StackConfig, index: int, policy: str, capacity: int | None, block_bytes: int | None
+) -> StackConfig:
     """The configuration with the governed tier's policy and size, and the block size, replaced."""
     data = config.model_dump(exclude_none=True)
     tier = data["tiers"][index]
@@ -240,8 +262,9 @@ def _belady_capacity(run: dict) -> int:
     return sum(t["capacity"] for t in run["tiers"].values())
 
 
-def _metadata_run(requests: Sequence[Request], capacity: int, policy: str, block_tokens: int,
-                  advance: Callable[[], None]) -> tuple[dict, list]:
+def _metadata_run(
+    requests: Sequence[Request], capacity: int, policy: str, block_tokens: int, advance: Callable[[], None]
+) -> tuple[dict, list]:
     saved = [0]
     occupancy: list[tuple[int, dict[str, int]]] = []
     every = max(1, -(-len(requests) // 400))
@@ -260,18 +283,33 @@ def _metadata_run(requests: Sequence[Request], capacity: int, policy: str, block
     prefill = sum(r.input_length or len(r.hash_ids) * block_tokens for r in requests)
     used = occupancy[-1][1]["cache"] if occupancy else 0
     summary = {
-        "mode": "metadata", "requests": len(requests), "references": result.references, "hits": result.hits,
-        "hit_ratio": result.hit_ratio, "capacity": capacity, "prefill_tokens": prefill,
-        "prefill_tokens_saved": saved[0], "prefill_saved_ratio": saved[0] / prefill if prefill else 0.0,
+        "mode": "metadata",
+        "requests": len(requests),
+        "references": result.references,
+        "hits": result.hits,
+        "hit_ratio": result.hit_ratio,
+        "capacity": capacity,
+        "prefill_tokens": prefill,
+        "prefill_tokens_saved": saved[0],
+        "prefill_saved_ratio": saved[0] / prefill if prefill else 0.0,
         "seconds": seconds,
-        "tiers": {"cache": {"medium": "index", "capacity": capacity, "used": used, "hits": result.hits,
-                            "hit_ratio": result.hit_ratio, "evicted": result.evictions}},
+        "tiers": {
+            "cache": {
+                "medium": "index",
+                "capacity": capacity,
+                "used": used,
+                "hits": result.hits,
+                "hit_ratio": result.hit_ratio,
+                "evicted": result.evictions,
+            }
+        },
     }
     return summary, occupancy
 
 
-def _stack_run(requests: Sequence[Request], config: StackConfig, block_tokens: int,
-               advance: Callable[[], None]) -> tuple[dict, list]:
+def _stack_run(
+    requests: Sequence[Request], config: StackConfig, block_tokens: int, advance: Callable[[], None]
+) -> tuple[dict, list]:
     stack = build_stack(config)
     try:
         description = stack.describe()
@@ -283,20 +321,36 @@ def _stack_run(requests: Sequence[Request], config: StackConfig, block_tokens: i
     tiers = {}
     for name, s in result.tiers.items():
         tiers[name] = {
-            "medium": media[name], "capacity": s["capacity"], "used": s["used"], "hits": s["hits"],
+            "medium": media[name],
+            "capacity": s["capacity"],
+            "used": s["used"],
+            "hits": s["hits"],
             "hit_ratio": s["hits"] / result.references if result.references else 0.0,
-            "bytes_in": s["bytes_in"], "bytes_out": s["bytes_out"], "stored": s["committed"],
-            "demoted": s["demoted"], "evicted": s["evicted"], "read_errors": s["read_errors"],
+            "bytes_in": s["bytes_in"],
+            "bytes_out": s["bytes_out"],
+            "stored": s["committed"],
+            "demoted": s["demoted"],
+            "evicted": s["evicted"],
+            "read_errors": s["read_errors"],
             "mib_per_s": (s["bytes_in"] + s["bytes_out"]) / MiB / seconds,
         }
     summary = {
-        "mode": "stack", "requests": result.requests, "references": result.references, "hits": result.hits,
-        "hit_ratio": result.hit_ratio, "prefill_tokens": result.prefill_tokens,
+        "mode": "stack",
+        "requests": result.requests,
+        "references": result.references,
+        "hits": result.hits,
+        "hit_ratio": result.hit_ratio,
+        "prefill_tokens": result.prefill_tokens,
         "prefill_tokens_saved": result.prefill_tokens_saved,
         "prefill_saved_ratio": result.prefill_tokens_saved / result.prefill_tokens if result.prefill_tokens else 0.0,
-        "verified_blocks": result.verified_blocks, "corrupt_blocks": result.corrupt_blocks,
-        "failed_blocks": result.failed_blocks, "stored_blocks": result.stored_blocks,
-        "block_bytes": config.block_bytes, "placement": config.placement, "seconds": result.seconds,
-        "tiers": tiers, "stack_description": description,
+        "verified_blocks": result.verified_blocks,
+        "corrupt_blocks": result.corrupt_blocks,
+        "failed_blocks": result.failed_blocks,
+        "stored_blocks": result.stored_blocks,
+        "block_bytes": config.block_bytes,
+        "placement": config.placement,
+        "seconds": result.seconds,
+        "tiers": tiers,
+        "stack_description": description,
     }
     return summary, result.occupancy

@@ -29,8 +29,10 @@ def check_policy_name(name: str) -> None:
     before any code it names runs."""
     parts = name.replace(":", ".", 1).split(".")
     if name not in EVICTION_POLICIES and not (len(parts) > 1 and all(part.isidentifier() for part in parts)):
-        raise PolicyError(f"unknown eviction policy {name!r}; use one of {sorted(EVICTION_POLICIES)} "
-                          f"or a dotted path such as mypkg.policies.MyPolicy")
+        raise PolicyError(
+            f"unknown eviction policy {name!r}; use one of {sorted(EVICTION_POLICIES)} "
+            f"or a dotted path such as mypkg.policies.MyPolicy"
+        )
 
 
 def eviction_policy_class(name: str) -> type[EvictionPolicy]:
@@ -50,5 +52,16 @@ def eviction_policy_class(name: str) -> type[EvictionPolicy]:
     return cls
 
 
-__all__ = ["ARCPolicy", "AdaptivePolicy", "EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError",
-           "PrefixS3FIFOPolicy", "S3FIFOPolicy", "Watermark", "check_policy_name", "eviction_policy_class"]
+__all__ = [
+    "ARCPolicy",
+    "AdaptivePolicy",
+    "EVICTION_POLICIES",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PolicyError",
+    "PrefixS3FIFOPolicy",
+    "S3FIFOPolicy",
+    "Watermark",
+    "check_policy_name",
+    "eviction_policy_class",
+]

@@ -71,7 +71,6 @@ from kvtier.policies.base import EvictionPolicy, Key
 K = TypeVar("K", bound=Hashable)
 
 
-
 class _History(Generic[K]):
     """Keys seen recently but not stored: two generations of sets, the older dropped whole when the
     newer holds ``half`` keys, so it remembers the last ``half`` to 2 x ``half`` keys added (cheaper
@@ -152,8 +151,14 @@ class _Miniature(Generic[K]):
 class AdaptivePolicy(EvictionPolicy[Key]):
     """Prefix-ordered segmented LRU whose second-sight admission filter is on while a sampled duel says it pays."""
 
-    def __init__(self, capacity: int | None = None, sample_every: int = 8, history_factor: float = 4.0,
-                 score_limit: int = 64, protected_share: float = 0.3) -> None:
+    def __init__(
+        self,
+        capacity: int | None = None,
+        sample_every: int = 8,
+        history_factor: float = 4.0,
+        score_limit: int = 64,
+        protected_share: float = 0.3,
+    ) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"adaptive capacity must be >= 1 or None, not {capacity}")
         if sample_every < 1 or sample_every & (sample_every - 1):
@@ -334,8 +339,9 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             self._watch(sampled, tail)
             mini_tail = tail if self.tail_first else None
             capacity, protected_limit, history = self._mini_sizes
-            gain = (self._filtering.run(sampled, mini_tail, capacity, protected_limit, history)
-                    - self._plain.run(sampled, mini_tail, capacity, protected_limit, history))
+            gain = self._filtering.run(sampled, mini_tail, capacity, protected_limit, history) - self._plain.run(
+                sampled, mini_tail, capacity, protected_limit, history
+            )
             if gain:
                 limit = self._limit
                 self.score = score = max(-limit, min(limit, self.score + gain))

@@ -40,8 +40,13 @@ _MAX_FREQ = 3
 class S3FIFOPolicy(EvictionPolicy[Key]):
     """Small, main and ghost FIFOs (oldest first) and a saturating read counter per tracked key."""
 
-    def __init__(self, capacity: int | None = None, small_fraction: float = 0.1,
-                 ghost_fraction: float = 0.9, promote_after: int = 1) -> None:
+    def __init__(
+        self,
+        capacity: int | None = None,
+        small_fraction: float = 0.1,
+        ghost_fraction: float = 0.9,
+        promote_after: int = 1,
+    ) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"S3-FIFO capacity must be >= 1 or None, not {capacity}")
         if not 0.0 < small_fraction < 1.0:

@@ -29,8 +29,13 @@ from kvtier.policies.s3fifo import S3FIFOPolicy
 class PrefixS3FIFOPolicy(S3FIFOPolicy[Key]):
     """S3-FIFO (see ``kvtier.policies.s3fifo``) fed each run of consecutive inserts in reverse."""
 
-    def __init__(self, capacity: int | None = None, small_fraction: float = 0.1,
-                 ghost_fraction: float = 0.9, promote_after: int = 1) -> None:
+    def __init__(
+        self,
+        capacity: int | None = None,
+        small_fraction: float = 0.1,
+        ghost_fraction: float = 0.9,
+        promote_after: int = 1,
+    ) -> None:
         super().__init__(capacity, small_fraction, ghost_fraction, promote_after)
         self._pending: dict[Key, None] = {}  # insertion-ordered
 

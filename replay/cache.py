@@ -65,8 +65,12 @@ class ReplayResult:
         return self.hits / self.references if self.references else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"hits": self.hits, "references": self.references, "evictions": self.evictions,
-                "hit_ratio": self.hit_ratio}
+        return {
+            "hits": self.hits,
+            "references": self.references,
+            "evictions": self.evictions,
+            "hit_ratio": self.hit_ratio,
+        }
 
 
 def prefix_hits(ids: Sequence[int], resident: Container) -> int:
@@ -79,8 +83,12 @@ def prefix_hits(ids: Sequence[int], resident: Container) -> int:
     return n
 
 
-def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy[int],
-           on_request: Callable[[Request, int, int], None] | None = None) -> ReplayResult:
+def replay(
+    requests: Sequence[Request],
+    capacity: int,
+    policy: EvictionPolicy[int],
+    on_request: Callable[[Request, int, int], None] | None = None,
+) -> ReplayResult:
     """Run ``requests`` through a cache of ``capacity`` blocks ordered by ``policy`` (a fresh instance).
 
     ``on_request(request, hits, resident)`` is called after each request with its prefix hits and
@@ -111,12 +119,14 @@ def replay(requests: Sequence[Request], capacity: int, policy: EvictionPolicy[in
             victims = policy.evict(need, protected)
             for v in victims:
                 if v not in resident or v in protected:
-                    raise StateError(f"{type(policy).__name__} evicted {v!r}, which is "
-                                     f"{'protected' if v in protected else 'not cached'}")
+                    raise StateError(
+                        f"{type(policy).__name__} evicted {v!r}, which is "
+                        f"{'protected' if v in protected else 'not cached'}"
+                    )
                 resident.remove(v)
             evictions += len(victims)
             if len(victims) < need:
-                del missing[len(missing) - (need - len(victims)):]
+                del missing[len(missing) - (need - len(victims)) :]
         for h in missing:
             resident.add(h)
             policy.insert(h)

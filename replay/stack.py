@@ -81,9 +81,9 @@ class StackReplayResult:
     hits: int = 0
     prefill_tokens: int = 0
     prefill_tokens_saved: int = 0
-    verified_blocks: int = 0     # hit blocks compared bit-exact with what was stored
-    corrupt_blocks: int = 0      # hit blocks that came back different (each ends its request's prefix)
-    failed_blocks: int = 0       # blocks the stack found but reported failed on load
+    verified_blocks: int = 0  # hit blocks compared bit-exact with what was stored
+    corrupt_blocks: int = 0  # hit blocks that came back different (each ends its request's prefix)
+    failed_blocks: int = 0  # blocks the stack found but reported failed on load
     stored_blocks: int = 0
     seconds: float = 0.0
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -94,17 +94,24 @@ class StackReplayResult:
         return self.hits / self.references if self.references else 0.0
 
 
-def replay_through_stack(requests: Sequence[Request], stack: TierStack, block_tokens: int = 512,
-                         on_request: Callable[[int], None] | None = None, samples: int = 400,
-                         timeout: float = 120.0) -> StackReplayResult:
+def replay_through_stack(
+    requests: Sequence[Request],
+    stack: TierStack,
+    block_tokens: int = 512,
+    on_request: Callable[[int], None] | None = None,
+    samples: int = 400,
+    timeout: float = 120.0,
+) -> StackReplayResult:
     """Run ``requests`` through ``stack`` (which must be empty); ``on_request(i)`` after each one.
 
     Raises ValueError when a tier already holds blocks (hits would come from an earlier run).
     """
     busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
     if busy:
-        raise ValueError(f"the replay needs an empty stack, but tiers hold blocks already: {busy} "
-                         f"(a disk tier keeps its blocks across runs: give it an empty directory)")
+        raise ValueError(
+            f"the replay needs an empty stack, but tiers hold blocks already: {busy} "
+            f"(a disk tier keeps its blocks across runs: give it an empty directory)"
+        )
     layout: BlockLayout = stack.tiers[0].storage.layout
     bb = layout.block_bytes
     longest = max((len(r.hash_ids) for r in requests), default=0)
@@ -155,8 +162,9 @@ def replay_through_stack(requests: Sequence[Request], stack: TierStack, block_to
     return result
 
 
-def _reference_rest(tiers: Sequence[Tier], keys: Sequence[bytes], ids: Sequence[int]
-                    ) -> tuple[list[tuple[Tier, bytes]], list[tuple[bytes, int]]]:
+def _reference_rest(
+    tiers: Sequence[Tier], keys: Sequence[bytes], ids: Sequence[int]
+) -> tuple[list[tuple[Tier, bytes]], list[tuple[bytes, int]]]:
     """Pin each key some tier holds (the fastest; a use for its policy); return those pins and the
     (key, id) pairs no tier holds, in request order."""
     pinned, missing = [], []

@@ -105,8 +105,17 @@ def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
     """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": r.timestamp,
+                        "input_length": r.input_length,
+                        "output_length": r.output_length,
+                        "hash_ids": list(r.hash_ids),
+                    }
+                )
+                + "\n"
+            )
 
 
 def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:

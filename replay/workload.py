@@ -47,17 +47,17 @@ class ChatWorkload:
 
     conversations: int = 400
     system_prompts: int = 6
-    mean_turns: float = 4.0            # turns per conversation: 1 + geometric, this mean
-    block_tokens: int = 512            # tokens per hash id, as in Mooncake traces
-    system_prompt_tokens: tuple[int, int] = (1024, 6144)   # uniform range of a system prompt's length
-    user_tokens: tuple[int, int] = (64, 1536)              # range of one user message
-    output_tokens: tuple[int, int] = (32, 768)             # range of one answer
-    document_chance: float = 0.25      # chance that a turn carries a document
+    mean_turns: float = 4.0  # turns per conversation: 1 + geometric, this mean
+    block_tokens: int = 512  # tokens per hash id, as in Mooncake traces
+    system_prompt_tokens: tuple[int, int] = (1024, 6144)  # uniform range of a system prompt's length
+    user_tokens: tuple[int, int] = (64, 1536)  # range of one user message
+    output_tokens: tuple[int, int] = (32, 768)  # range of one answer
+    document_chance: float = 0.25  # chance that a turn carries a document
     document_tokens: tuple[int, int] = (2048, 12288)
-    mean_arrival_ms: float = 400.0     # mean gap between new conversations (Poisson arrivals)
-    mean_think_ms: float = 20_000.0    # mean gap between a conversation's turns
-    shared_documents: int = 0          # > 0: a first turn's document is one of these (see the module docstring)
-    one_off_requests: int = 0          # prompts sharing nothing, mixed in
+    mean_arrival_ms: float = 400.0  # mean gap between new conversations (Poisson arrivals)
+    mean_think_ms: float = 20_000.0  # mean gap between a conversation's turns
+    shared_documents: int = 0  # > 0: a first turn's document is one of these (see the module docstring)
+    one_off_requests: int = 0  # prompts sharing nothing, mixed in
     one_off_tokens: tuple[int, int] = (1024, 8192)
     seed: int = 0
 
@@ -65,8 +65,10 @@ class ChatWorkload:
         if self.conversations < 0 or self.system_prompts < 1 or self.block_tokens < 1:
             raise ValueError("conversations >= 0, system_prompts >= 1 and block_tokens >= 1 are required")
         if self.shared_documents < 0 or self.one_off_requests < 0:
-            raise ValueError(f"shared_documents and one_off_requests must be >= 0, not "
-                             f"{self.shared_documents} and {self.one_off_requests}")
+            raise ValueError(
+                f"shared_documents and one_off_requests must be >= 0, not "
+                f"{self.shared_documents} and {self.one_off_requests}"
+            )
         if self.mean_turns < 1:
             raise ValueError(f"mean_turns must be >= 1, not {self.mean_turns}")
         for name in ("system_prompt_tokens", "user_tokens", "output_tokens", "document_tokens", "one_off_tokens"):
@@ -123,7 +125,7 @@ def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
             heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, tuple(hash_ids))))
             if rng.random() < p_end:
                 break
-            full_ids = hash_ids[:prompt // bt]
+            full_ids = hash_ids[: prompt // bt]
             history = prompt + output
             now += rng.expovariate(1.0 / spec.mean_think_ms)
     for _ in range(spec.one_off_requests):
@@ -139,8 +141,14 @@ WORKLOADS: dict[str, ChatWorkload] = {
     "chat": ChatWorkload(seed=0),
     "chat-long": ChatWorkload(conversations=1000, mean_turns=6.0, seed=1),
     "chat-short": ChatWorkload(conversations=2000, mean_turns=1.5, seed=2),
-    "documents": ChatWorkload(conversations=1500, mean_turns=1.5, shared_documents=8, document_chance=0.9,
-                              document_tokens=(8192, 32768), seed=3),
+    "documents": ChatWorkload(
+        conversations=1500,
+        mean_turns=1.5,
+        shared_documents=8,
+        document_chance=0.9,
+        document_tokens=(8192, 32768),
+        seed=3,
+    ),
     "chat+scan": ChatWorkload(conversations=600, one_off_requests=1200, seed=4),
 }
 """The generated workloads eviction policies are judged on (bench/policies.py), so that no policy is

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make lint`: ruff, mypy over every kvtier module, and the import contract (their settings: pyproject.toml),
+# `make lint`: ruff (lint and format), mypy over every kvtier module, and the import contract (their settings: pyproject.toml),
 # run from the lint venv given as $1 (made by the Makefile: vLLM's CPU install, so connectors/vllm is
 # type-checked too, and the tools of requirements/lint.txt). Every check runs; the exit status is 1 when any failed.
 #
@@ -25,6 +25,7 @@ failed=()
 
 echo "== $("$venv/bin/ruff" --version)"
 "$venv/bin/ruff" check --output-format concise . || failed+=(ruff)
+"$venv/bin/ruff" format --check . || failed+=("ruff format (run: $venv/bin/ruff format .)")
 
 echo "== $("$venv/bin/mypy" --version)"
 MYPYPATH="$tree" "$venv/bin/mypy" | "$venv/bin/python" -c '

@@ -39,11 +39,11 @@ def split_planes(raw: np.ndarray) -> np.ndarray:
     """The high bytes of every little-endian 16-bit value, then the low bytes (an odd last byte ends
     the low plane), as one array of the same size."""
     n = len(raw)
-    pairs = raw[:n - n % 2].view("<u2")
+    pairs = raw[: n - n % 2].view("<u2")
     out = np.empty(n, np.uint8)
-    out[:n // 2] = pairs >> 8
-    out[n // 2:n - n % 2] = pairs  # the assignment keeps the low byte
-    out[n - n % 2:] = raw[n - n % 2:]
+    out[: n // 2] = pairs >> 8
+    out[n // 2 : n - n % 2] = pairs  # the assignment keeps the low byte
+    out[n - n % 2 :] = raw[n - n % 2 :]
     return out
 
 
@@ -51,10 +51,10 @@ def merge_planes(high: np.ndarray, low: np.ndarray) -> np.ndarray:
     """The inverse of ``split_planes``, from its two planes."""
     n = len(high) + len(low)
     out = np.empty(n, np.uint8)
-    pairs = out[:n - n % 2].view("<u2")
+    pairs = out[: n - n % 2].view("<u2")
     np.left_shift(high, 8, out=pairs, dtype="<u2")  # in place: no temporary arrays
-    pairs |= low[:len(high)]
-    out[n - n % 2:] = low[len(high):]
+    pairs |= low[: len(high)]
+    out[n - n % 2 :] = low[len(high) :]
     return out
 
 
@@ -88,7 +88,7 @@ class Codec(ABC):
             high_end = _PREFIX.size + high_len
             if high_end > len(payload):
                 raise CorruptPayload("the high-plane frame runs past the payload")
-            high = self._unpack(payload[_PREFIX.size:high_end], half)
+            high = self._unpack(payload[_PREFIX.size : high_end], half)
             low = self._unpack(payload[high_end:], nbytes - half)
         except self._errors as exc:
             raise CorruptPayload(str(exc)) from exc
@@ -152,5 +152,7 @@ def codec(name: str) -> Codec | None:
     try:
         return _CODECS[name]()
     except ImportError:
-        raise ConfigError(f"compression: {name} needs the {_PACKAGES[name]!r} package, which is not installed; "
-                          f"pip install 'kvtier[compression]'") from None
+        raise ConfigError(
+            f"compression: {name} needs the {_PACKAGES[name]!r} package, which is not installed; "
+            f"pip install 'kvtier[compression]'"
+        ) from None

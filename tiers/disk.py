@@ -80,23 +80,24 @@ def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
 class SlotHeader:
     key: bytes
     namespace: bytes
-    length: int    # the block's raw bytes
+    length: int  # the block's raw bytes
     checksum: int  # of the raw bytes: what a reader gets back, whatever the codec
     sequence: int
-    payload: int   # bytes stored after the header: ``length`` uncompressed, the compressed size otherwise
-    codec: int     # CODEC_IDS
+    payload: int  # bytes stored after the header: ``length`` uncompressed, the compressed size otherwise
+    codec: int  # CODEC_IDS
 
     def pack(self) -> bytes:
         """The slot's header page (see ``pack_slot_header``)."""
         page = bytearray(PAGE)
-        pack_slot_header(page, 0, self.key, self.namespace, self.length, self.checksum, self.sequence,
-                         self.payload, self.codec)
+        pack_slot_header(
+            page, 0, self.key, self.namespace, self.length, self.checksum, self.sequence, self.payload, self.codec
+        )
         return bytes(page)
 
     @classmethod
     def unpack(cls, page: bytes) -> SlotHeader | None:
         """The header in a slot's first page, or None when the page is empty, torn or garbage."""
-        body = page[:_SLOT_HEADER.size]
+        body = page[: _SLOT_HEADER.size]
         (stored,) = _CHECKSUM.unpack_from(page, _SLOT_HEADER.size)
         if xxhash.xxh3_64_intdigest(body) != stored:
             return None
@@ -106,18 +107,29 @@ class SlotHeader:
         return cls(key[:key_len], namespace, length, checksum, sequence, payload, codec_id)
 
 
-def pack_slot_header(buffer: bytearray, offset: int, key: bytes, namespace: bytes, length: int, checksum: int,
-                     sequence: int, payload: int, codec_id: int) -> None:
+def pack_slot_header(
+    buffer: bytearray,
+    offset: int,
+    key: bytes,
+    namespace: bytes,
+    length: int,
+    checksum: int,
+    sequence: int,
+    payload: int,
+    codec_id: int,
+) -> None:
     """Write a slot header into ``buffer`` at ``offset``, the start of a page whose bytes past the header
     are zero: in place, as a store builds one per block (0.55 us against 4.3 for a ``SlotHeader`` built
     and packed). Raises ValueError for a key longer than MAX_KEY_BYTES: a header keeps its key whole,
     never cut (a cut key would store fine and never load)."""
     if len(key) > MAX_KEY_BYTES:
-        raise ValueError(f"key {key[:16].hex()}... is {len(key)} bytes long; a disk slot header holds at most "
-                         f"{MAX_KEY_BYTES}")
-    _SLOT_HEADER.pack_into(buffer, offset, SLOT_MAGIC, namespace, len(key), key, length, checksum, sequence, payload,
-                           codec_id)
-    body = memoryview(buffer)[offset:offset + _SLOT_HEADER.size]
+        raise ValueError(
+            f"key {key[:16].hex()}... is {len(key)} bytes long; a disk slot header holds at most {MAX_KEY_BYTES}"
+        )
+    _SLOT_HEADER.pack_into(
+        buffer, offset, SLOT_MAGIC, namespace, len(key), key, length, checksum, sequence, payload, codec_id
+    )
+    body = memoryview(buffer)[offset : offset + _SLOT_HEADER.size]
     _CHECKSUM.pack_into(buffer, offset + _SLOT_HEADER.size, xxhash.xxh3_64_intdigest(body))
 
 
@@ -131,7 +143,7 @@ def _unpack_file_header(raw: bytes) -> tuple | None:
     fails its checksum."""
     if len(raw) < _FILE_HEADER.size + _CHECKSUM.size:
         return None
-    if xxhash.xxh3_64_intdigest(raw[:_FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
+    if xxhash.xxh3_64_intdigest(raw[: _FILE_HEADER.size]) != _CHECKSUM.unpack_from(raw, _FILE_HEADER.size)[0]:
         return None
     return _FILE_HEADER.unpack_from(raw)
 
@@ -147,8 +159,7 @@ def _geometry_change(old: tuple | None, block_bytes: int, slot_stride: int, code
     if old_block != block_bytes:
         return f"the block size changed from {old_block} to {block_bytes} bytes"
     if old_codec != codec_id:
-        return (f"compression changed from {CODEC_NAMES.get(old_codec, old_codec)} "
-                f"to {CODEC_NAMES[codec_id]}")
+        return f"compression changed from {CODEC_NAMES.get(old_codec, old_codec)} to {CODEC_NAMES[codec_id]}"
     if old_stride != slot_stride:
         return f"the slot size changed from {old_stride - PAGE} to {slot_stride - PAGE} bytes (slot_bytes)"
     return None
@@ -191,9 +202,15 @@ def _slots_in_file(file_bytes: int, slot_stride: int) -> int:
     return max(0, file_bytes - PAGE) // slot_stride
 
 
-def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
-                       compression: str = "none", slot_bytes: int | None = None,
-                       shared_directory: bool = False) -> dict[int, SlotHeader]:
+def read_block_headers(
+    path: str | os.PathLike,
+    num_slots: int,
+    layout: BlockLayout,
+    namespace: str,
+    compression: str = "none",
+    slot_bytes: int | None = None,
+    shared_directory: bool = False,
+) -> dict[int, SlotHeader]:
     """The valid headers of this namespace's blocks in the slab in directory ``path``, by slot: what a
     ``DiskSlab`` opened there with the same arguments would recover, found without taking the lock and
     without writing (the process that owns the directory may be opening or using it meanwhile).
@@ -221,12 +238,17 @@ def read_block_headers(path: str | os.PathLike, num_slots: int, layout: BlockLay
             return {}
         in_file = _slots_in_file(os.fstat(fd).st_size, PAGE + room)
         digest = namespace_digest(namespace, layout)
-        return {slot: header for slot, header, _ in read_slot_headers(fd, min(num_slots, in_file), PAGE + room)
-                if header is not None and header.namespace == digest
-                and header_fits(header, layout.block_bytes, codec_id, room)}
+        return {
+            slot: header
+            for slot, header, _ in read_slot_headers(fd, min(num_slots, in_file), PAGE + room)
+            if header is not None
+            and header.namespace == digest
+            and header_fits(header, layout.block_bytes, codec_id, room)
+        }
     except OSError as exc:
-        log.warning("disk tier %s: reading its slot headers failed (%s); none of its blocks are kept",
-                    slab_path, exc.strerror)
+        log.warning(
+            "disk tier %s: reading its slot headers failed (%s); none of its blocks are kept", slab_path, exc.strerror
+        )
         return {}
     finally:
         os.close(fd)
@@ -262,11 +284,21 @@ def inspect_slab(path: str | os.PathLike, shared_directory: bool = False) -> dic
         blocks = sum(namespaces.values())
         filesystem = os.fstatvfs(fd)
         return {
-            "path": str(slab_path), "version": version, "block_bytes": block_bytes, "slot_stride": slot_stride,
-            "slot_bytes": slot_stride - PAGE, "compression": CODEC_NAMES.get(codec_id, f"unknown ({codec_id})"),
-            "slots": num_slots, "blocks": blocks, "block_bytes_used": blocks * block_bytes, "stored_bytes": stored,
-            "free_slots": num_slots - blocks, "damaged_headers": damaged, "namespaces": namespaces,
-            "file_bytes": st.st_size, "filesystem_free_bytes": filesystem.f_bavail * filesystem.f_frsize,
+            "path": str(slab_path),
+            "version": version,
+            "block_bytes": block_bytes,
+            "slot_stride": slot_stride,
+            "slot_bytes": slot_stride - PAGE,
+            "compression": CODEC_NAMES.get(codec_id, f"unknown ({codec_id})"),
+            "slots": num_slots,
+            "blocks": blocks,
+            "block_bytes_used": blocks * block_bytes,
+            "stored_bytes": stored,
+            "free_slots": num_slots - blocks,
+            "damaged_headers": damaged,
+            "namespaces": namespaces,
+            "file_bytes": st.st_size,
+            "filesystem_free_bytes": filesystem.f_bavail * filesystem.f_frsize,
             "lock_holder": lock_holder(st),
         }
     except DiskTierError:
@@ -285,11 +317,15 @@ def _checked_file_header(fd: int, slab_path: Path) -> tuple:
         raise DiskTierError(f"{str(slab_path)!r} has no valid kvtier file header")
     version, slot_stride = fields[1], fields[3]
     if version != VERSION:
-        raise DiskTierError(f"{str(slab_path)!r} has format version {version}; this kvtier reads version "
-                            f"{VERSION} (a disk tier opened there discards the old cache)")
+        raise DiskTierError(
+            f"{str(slab_path)!r} has format version {version}; this kvtier reads version "
+            f"{VERSION} (a disk tier opened there discards the old cache)"
+        )
     if slot_stride % PAGE or slot_stride < 2 * PAGE:
-        raise DiskTierError(f"{str(slab_path)!r} names a slot stride of {slot_stride} bytes, not whole 4 KiB "
-                            f"pages of at least 8 KiB: its file header is forged or damaged")
+        raise DiskTierError(
+            f"{str(slab_path)!r} names a slot stride of {slot_stride} bytes, not whole 4 KiB "
+            f"pages of at least 8 KiB: its file header is forged or damaged"
+        )
     return fields
 
 
@@ -302,17 +338,41 @@ class DiskSlab:
     """
 
     @classmethod
-    def from_config(cls, tier_cfg: DiskTierConfig, num_slots: int, layout: BlockLayout, namespace: str,
-                    path: str | os.PathLike | None = None) -> DiskSlab:
+    def from_config(
+        cls,
+        tier_cfg: DiskTierConfig,
+        num_slots: int,
+        layout: BlockLayout,
+        namespace: str,
+        path: str | os.PathLike | None = None,
+    ) -> DiskSlab:
         """The slab a disk tier's settings describe, in ``path`` instead of theirs where given (a vLLM
         worker's directory of its rank): the one place that turns those settings into a slab."""
-        return cls(tier_cfg.path if path is None else path, num_slots, layout, namespace, tier_cfg.o_direct,
-                   tier_cfg.compression, tier_cfg.slot_bytes, shared_directory=tier_cfg.shared_directory,
-                   reinitialise=tier_cfg.reinitialise)
+        return cls(
+            tier_cfg.path if path is None else path,
+            num_slots,
+            layout,
+            namespace,
+            tier_cfg.o_direct,
+            tier_cfg.compression,
+            tier_cfg.slot_bytes,
+            shared_directory=tier_cfg.shared_directory,
+            reinitialise=tier_cfg.reinitialise,
+        )
 
-    def __init__(self, path: str | os.PathLike, num_slots: int, layout: BlockLayout, namespace: str,
-                 o_direct: str = "auto", compression: str = "none", slot_bytes: int | None = None, *,
-                 shared_directory: bool = False, reinitialise: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        num_slots: int,
+        layout: BlockLayout,
+        namespace: str,
+        o_direct: str = "auto",
+        compression: str = "none",
+        slot_bytes: int | None = None,
+        *,
+        shared_directory: bool = False,
+        reinitialise: bool = False,
+    ) -> None:
         self.codec = codec(compression)  # first: a missing package must not leave a file behind
         self.codec_id = CODEC_IDS[compression]
         self.dir = Path(path)
@@ -379,7 +439,7 @@ class DiskSlab:
         header = _pack_file_header(self.block_bytes, self.slot_stride, self.num_slots, self.codec_id)
         fd = self.open_fd
         first_page = os.pread(fd, PAGE, 0)
-        rewrite = first_page[:len(header)] != header
+        rewrite = first_page[: len(header)] != header
         if rewrite:
             old = _unpack_file_header(first_page)
             change = _geometry_change(old, self.block_bytes, self.slot_stride, self.codec_id)
@@ -401,10 +461,12 @@ class DiskSlab:
             log.warning("disk tier %s: %s; discarding the old cache", self.path, change)
         elif any(first_page):
             if not reinitialise:
-                raise DiskTierError(f"{str(self.path)!r} is not a kvtier slab (it does not start with "
-                                    f"{FILE_MAGIC.decode()}); kvtier never overwrites a file it did not write. "
-                                    f"Move the file away, point the tier at another directory, or set "
-                                    f"reinitialise: true to overwrite it")
+                raise DiskTierError(
+                    f"{str(self.path)!r} is not a kvtier slab (it does not start with "
+                    f"{FILE_MAGIC.decode()}); kvtier never overwrites a file it did not write. "
+                    f"Move the file away, point the tier at another directory, or set "
+                    f"reinitialise: true to overwrite it"
+                )
             log.warning("disk tier %s: the file is not a kvtier slab; overwriting it (reinitialise: true)", self.path)
         os.ftruncate(self.open_fd, 0)
 
@@ -426,29 +488,48 @@ class DiskSlab:
             raise self._too_large() from None
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                raise DiskTierError(f"disk tier {str(self.dir)!r} needs {self.file_bytes} bytes and the "
-                                    f"filesystem has {free} free; lower its capacity") from exc
+                raise DiskTierError(
+                    f"disk tier {str(self.dir)!r} needs {self.file_bytes} bytes and the "
+                    f"filesystem has {free} free; lower its capacity"
+                ) from exc
             if exc.errno in (errno.EFBIG, errno.EINVAL):
                 raise self._too_large() from exc
             raise
 
     def _too_large(self) -> DiskTierError:
-        return DiskTierError(f"disk tier {str(self.dir)!r}: {self.num_slots} slots need a file of {self.file_bytes} "
-                             f"bytes, more than this filesystem or platform can hold; lower its capacity")
+        return DiskTierError(
+            f"disk tier {str(self.dir)!r}: {self.num_slots} slots need a file of {self.file_bytes} "
+            f"bytes, more than this filesystem or platform can hold; lower its capacity"
+        )
 
     def _resize(self, old_slots: int) -> None:
         """Keep the blocks of a slab written with ``old_slots`` slots: cut the slots past the new end."""
         if old_slots > self.num_slots:
             fd = self.open_fd
             in_file = _slots_in_file(os.fstat(fd).st_size, self.slot_stride)  # a crash may have cut it already
-            cut = [slot for slot, header, _ in read_slot_headers(fd, min(old_slots, in_file), self.slot_stride,
-                                                                 start=self.num_slots) if header is not None]
-            log.warning("disk tier %s: capacity shrank from %d to %d slots; dropping the %d block(s) stored "
-                        "past the new end, keeping the rest", self.path, old_slots, self.num_slots, len(cut))
+            cut = [
+                slot
+                for slot, header, _ in read_slot_headers(
+                    fd, min(old_slots, in_file), self.slot_stride, start=self.num_slots
+                )
+                if header is not None
+            ]
+            log.warning(
+                "disk tier %s: capacity shrank from %d to %d slots; dropping the %d block(s) stored "
+                "past the new end, keeping the rest",
+                self.path,
+                old_slots,
+                self.num_slots,
+                len(cut),
+            )
             os.ftruncate(fd, self.file_bytes)
         else:
-            log.info("disk tier %s: capacity grew from %d to %d slots; keeping every block",
-                     self.path, old_slots, self.num_slots)
+            log.info(
+                "disk tier %s: capacity grew from %d to %d slots; keeping every block",
+                self.path,
+                old_slots,
+                self.num_slots,
+            )
 
     def _open_direct(self, mode: str, dir_fd: int) -> int | None:
         """An O_DIRECT descriptor when the filesystem takes aligned direct I/O; None (buffered) otherwise."""
@@ -533,9 +614,17 @@ class FileStorage(BlockStorage):
         return (PAGE + slots * self.slab.slot_stride + PAGE)[:, None]
 
 
-def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
-              watermark: Watermark | None = None, is_fenced=None, *, config: DiskTierConfig,
-              namespace: str = "") -> Tier:
+def disk_tier(
+    name: str,
+    num_slots: int,
+    layout: BlockLayout,
+    policy: EvictionPolicy[bytes],
+    watermark: Watermark | None = None,
+    is_fenced=None,
+    *,
+    config: DiskTierConfig,
+    namespace: str = "",
+) -> Tier:
     """A tier of ``num_slots`` blocks over the slab its ``config`` describes, holding again every block a
     previous process committed there under the same namespace, block size and slot geometry (codec and
     slot size). Raises ConfigError for a bad combination or a codec whose package is missing.
@@ -545,8 +634,15 @@ def disk_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPo
         recovered, damaged = slab.scan()
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
         packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
-        tier = Tier(name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced,
-                    f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered")
+        tier = Tier(
+            name,
+            "disk",
+            FileStorage(slab, layout),
+            policy,
+            watermark,
+            is_fenced,
+            f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered",
+        )
         tier.restore([(key, slot) for _, key, slot in recovered])
         tier.count(damaged=damaged)
         slab.count, slab.refuse = tier.count, tier.refuse

@@ -43,34 +43,43 @@ def _check_trust(st: os.stat_result, what: str, path: Path, shared: bool, fix: s
     euid = os.geteuid()
     mode = stat.S_IMODE(st.st_mode)
     name = f"disk tier {what} {str(path)!r}"
-    share = ("set shared_directory: true if a group of services shares it on purpose (every user who can "
-             "write it can then plant blocks this tier loads)")
+    share = (
+        "set shared_directory: true if a group of services shares it on purpose (every user who can "
+        "write it can then plant blocks this tier loads)"
+    )
     if st.st_uid != euid and not shared:
-        raise DiskTierError(f"{name} belongs to uid {st.st_uid}, not to uid {euid} that runs kvtier: its owner "
-                            f"could plant blocks this tier would load. Use a directory of your own, "
-                            f"`chown {euid} {path}`, or {share}")
+        raise DiskTierError(
+            f"{name} belongs to uid {st.st_uid}, not to uid {euid} that runs kvtier: its owner "
+            f"could plant blocks this tier would load. Use a directory of your own, "
+            f"`chown {euid} {path}`, or {share}"
+        )
     if mode & stat.S_IWOTH:
         if shared:
             fix = f"`chmod o-w {path}` (shared_directory accepts group write, never write by every user)"
-        raise DiskTierError(f"{name} is writable by every user (mode {mode:04o}): anyone could plant blocks "
-                            f"this tier would load. {fix}")
+        raise DiskTierError(
+            f"{name} is writable by every user (mode {mode:04o}): anyone could plant blocks this tier would load. {fix}"
+        )
     if mode & stat.S_IWGRP and not shared:
         raise DiskTierError(f"{name} is writable by its group (mode {mode:04o}): {fix}, or {share}")
 
 
 def _check_directory(st: os.stat_result, path: Path, shared: bool) -> None:
-    _check_trust(st, "directory", path, shared, f"`chmod 700 {path}`, or name a new directory inside it "
-                                                f"(kvtier creates it 0700)")
+    _check_trust(
+        st, "directory", path, shared, f"`chmod 700 {path}`, or name a new directory inside it (kvtier creates it 0700)"
+    )
 
 
 def _check_slab(st: os.stat_result, path: Path, shared: bool) -> None:
     """Refuse a slab that is not one plain file of ours (see ``_check_trust``)."""
     if not stat.S_ISREG(st.st_mode):
-        raise DiskTierError(f"disk tier slab {str(path)!r} is not a regular file; remove it or point the tier "
-                            f"at another directory")
+        raise DiskTierError(
+            f"disk tier slab {str(path)!r} is not a regular file; remove it or point the tier at another directory"
+        )
     if st.st_nlink != 1:  # another name would change with every write (0: it was removed while we opened it)
-        raise DiskTierError(f"disk tier slab {str(path)!r} has {st.st_nlink} names (hard links), not exactly "
-                            f"one; remove the other names or the file")
+        raise DiskTierError(
+            f"disk tier slab {str(path)!r} has {st.st_nlink} names (hard links), not exactly "
+            f"one; remove the other names or the file"
+        )
     _check_trust(st, "slab", path, shared, f"`chmod 600 {path}`")
 
 
@@ -98,8 +107,10 @@ def _refuse_foreign_link(path: Path) -> None:
     owns it: another user could point it anywhere, at any time."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
-        raise DiskTierError(f"disk tier directory {str(path)!r} is a symbolic link owned by uid {st.st_uid}; "
-                            f"kvtier follows only links of its own user or root. Name the real directory")
+        raise DiskTierError(
+            f"disk tier directory {str(path)!r} is a symbolic link owned by uid {st.st_uid}; "
+            f"kvtier follows only links of its own user or root. Name the real directory"
+        )
 
 
 @overload
@@ -140,8 +151,10 @@ def _kept_if(fd: int, check, path: Path, shared: bool) -> int:
 
 def _open_error(path: Path, exc: OSError) -> DiskTierError:
     if exc.errno == errno.ELOOP:
-        return DiskTierError(f"disk tier slab {str(path)!r} is a symbolic link; kvtier never follows one (it "
-                             f"would write wherever the link points): remove the link")
+        return DiskTierError(
+            f"disk tier slab {str(path)!r} is a symbolic link; kvtier never follows one (it "
+            f"would write wherever the link points): remove the link"
+        )
     return DiskTierError(f"disk tier slab {str(path)!r} cannot be opened: {exc.strerror}")
 
 
@@ -163,8 +176,9 @@ def _open_or_create(dir_fd: int, path: Path, mode: int) -> tuple[int, bool]:
                 pass  # another process created it meanwhile: open that one
         except OSError as exc:
             raise _open_error(path, exc) from exc
-    raise DiskTierError(f"disk tier slab {str(path)!r} keeps appearing and vanishing; is another process "
-                        f"opening this directory?")
+    raise DiskTierError(
+        f"disk tier slab {str(path)!r} keeps appearing and vanishing; is another process opening this directory?"
+    )
 
 
 def _take_lock(fd: int, directory: Path) -> None:
@@ -172,8 +186,10 @@ def _take_lock(fd: int, directory: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = lock_holder(os.fstat(fd)) or "another process"
-        raise DiskTierError(f"disk tier directory {str(directory)!r} is in use by {holder}; two kvtier "
-                            f"processes cannot share one directory") from None
+        raise DiskTierError(
+            f"disk tier directory {str(directory)!r} is in use by {holder}; two kvtier "
+            f"processes cannot share one directory"
+        ) from None
     except OSError as exc:  # e.g. a filesystem without flock
         raise DiskTierError(f"disk tier slab {str(directory / SLAB_NAME)!r} cannot be locked: {exc.strerror}") from exc
 
@@ -217,8 +233,10 @@ def reopen_slab(dir_fd: int, directory: Path, fd: int, flags: int) -> int:
     other = os.open(SLAB_NAME, flags | _OPEN_FLAGS, dir_fd=dir_fd)
     if not os.path.samestat(os.fstat(other), os.fstat(fd)):
         os.close(other)
-        raise DiskTierError(f"disk tier slab {str(directory / SLAB_NAME)!r} was replaced while it was being "
-                            f"opened; is another process using this directory?")
+        raise DiskTierError(
+            f"disk tier slab {str(directory / SLAB_NAME)!r} was replaced while it was being "
+            f"opened; is another process using this directory?"
+        )
     return other
 
 

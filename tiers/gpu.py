@@ -39,8 +39,14 @@ def device_storage(tensors: Sequence[Any], layout: BlockLayout) -> StridedStorag
     for t, nbytes in zip(tensors, layout.fragment_bytes, strict=True):
         if t[0].numel() * t.element_size() != nbytes or not t[0].is_contiguous():
             raise TransferError(f"a tensor's block is not one contiguous run of {nbytes} bytes")
-    return StridedStorage(layout, num_blocks, [t.data_ptr() for t in tensors],
-                          [t.stride(0) * t.element_size() for t in tensors], devices.pop(), list(tensors))
+    return StridedStorage(
+        layout,
+        num_blocks,
+        [t.data_ptr() for t in tensors],
+        [t.stride(0) * t.element_size() for t in tensors],
+        devices.pop(),
+        list(tensors),
+    )
 
 
 def use_cuda() -> bool:
@@ -50,8 +56,14 @@ def use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
-             watermark: Watermark | None = None, is_fenced=None) -> Tier:
+def gpu_tier(
+    name: str,
+    num_slots: int,
+    layout: BlockLayout,
+    policy: EvictionPolicy[bytes],
+    watermark: Watermark | None = None,
+    is_fenced=None,
+) -> Tier:
     """A tier over its own memory: torch tensors on the current CUDA device, or CPU stand-ins without
     CUDA (torch tensors, or numpy arrays where torch is not installed)."""
     try:
@@ -59,15 +71,17 @@ def gpu_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPol
     except ImportError:
         refuse_more_than_memory(num_slots * layout.block_bytes)
         arrays = [np.empty((num_slots, nbytes), dtype=np.uint8) for nbytes in layout.fragment_bytes]
-        storage = StridedStorage(layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
-                                 HOST_DEVICE, arrays)
+        storage = StridedStorage(
+            layout, num_slots, [a.ctypes.data for a in arrays], list(layout.fragment_bytes), HOST_DEVICE, arrays
+        )
         return Tier(name, "gpu", storage, policy, watermark, is_fenced, "numpy arrays standing in for a GPU (no torch)")
     device = CUDA_DEVICE if use_cuda() else HOST_DEVICE
     if device == HOST_DEVICE:
         refuse_more_than_memory(num_slots * layout.block_bytes)
     try:
-        tensors = [torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device)
-                   for nbytes in layout.fragment_bytes]
+        tensors = [
+            torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) for nbytes in layout.fragment_bytes
+        ]
     except RuntimeError as exc:
         # torch says it cannot allocate with OutOfMemoryError on CUDA and a plain RuntimeError on CPU (with
         # valid shapes nothing else fails there); a MemoryError is what the stack builder names the tier for.

@@ -54,8 +54,9 @@ class HostSlab:
     ``header_room`` bytes of its own (``contiguous_storage``; a page-multiple keeps slots aligned).
     Anonymous memory of this process, or with ``shared`` a file in /dev/shm the ranks share."""
 
-    def __init__(self, num_slots: int, layout: BlockLayout, header_room: int = 0,
-                 shared: SharedName | None = None) -> None:
+    def __init__(
+        self, num_slots: int, layout: BlockLayout, header_room: int = 0, shared: SharedName | None = None
+    ) -> None:
         self.nbytes = num_slots * (layout.block_bytes + header_room)
         refuse_more_than_memory(self.nbytes)
         self._shared_path: str | None = None
@@ -102,8 +103,9 @@ def _map_shared(shared: SharedName, nbytes: int) -> tuple[mmap.mmap, str]:
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            raise ConfigError(f"{path} exists already: another engine (or a crashed one) uses that name; "
-                              f"remove it if no engine does") from None
+            raise ConfigError(
+                f"{path} exists already: another engine (or a crashed one) uses that name; remove it if no engine does"
+            ) from None
         os.fchmod(fd, 0o600)  # whatever the umask
         os.ftruncate(fd, nbytes)
     else:
@@ -139,14 +141,18 @@ def _open_when_ready(path: str, flags: int, nbytes: int) -> int:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
                 os.close(fd)
-                raise ConfigError(f"{path} is not a private file of this user (mode {stat.filemode(st.st_mode)}, "
-                                  f"owner uid {st.st_uid}): refusing to share host memory through it")
+                raise ConfigError(
+                    f"{path} is not a private file of this user (mode {stat.filemode(st.st_mode)}, "
+                    f"owner uid {st.st_uid}): refusing to share host memory through it"
+                )
             if st.st_size == nbytes:
                 return fd
             os.close(fd)
         if time.monotonic() > deadline:
-            raise ConfigError(f"the first rank did not create the shared host slab {path} of {nbytes} bytes "
-                              f"within {JOIN_TIMEOUT_S:g} s")
+            raise ConfigError(
+                f"the first rank did not create the shared host slab {path} of {nbytes} bytes "
+                f"within {JOIN_TIMEOUT_S:g} s"
+            )
         time.sleep(0.01)
 
 
@@ -194,11 +200,19 @@ def _cuda_register(address: int, nbytes: int) -> bool:
 
 def _cuda_unregister(address: int) -> None:
     import cupy
+
     cupy.cuda.runtime.hostUnregister(address)
 
 
-def host_tier(name: str, num_slots: int, layout: BlockLayout, policy: EvictionPolicy[bytes],
-              watermark: Watermark | None = None, is_fenced=None, header_room: int = 0) -> Tier:
+def host_tier(
+    name: str,
+    num_slots: int,
+    layout: BlockLayout,
+    policy: EvictionPolicy[bytes],
+    watermark: Watermark | None = None,
+    is_fenced=None,
+    header_room: int = 0,
+) -> Tier:
     """A tier over a fresh host slab of ``num_slots`` blocks (``HostSlab``)."""
     slab = HostSlab(num_slots, layout, header_room)
     note = "pinned host memory" if slab.pinned else "pageable host memory (no CUDA)"

@@ -25,8 +25,9 @@ from kvtier.transfers.disk import DiskBackend
 from kvtier.transfers.remote import RemoteBackend
 
 
-def backends_for(transfer: TransferConfig, devices: Collection[str],
-                 remote: RemoteTierConfig | None = None) -> list[TransferBackend]:
+def backends_for(
+    transfer: TransferConfig, devices: Collection[str], remote: RemoteTierConfig | None = None
+) -> list[TransferBackend]:
     """The backends that copies between storages on ``devices`` ("cpu", "cuda", "file", "remote") need,
     configured by ``transfer``: the CUDA backend where a storage is on a CUDA device, the CPU backend
     always (host memory is every route's middle), the disk backend where one is a slab file, and the

@@ -140,8 +140,12 @@ class CPUBackend(TransferBackend):
             if run.table is not None:
                 run.copy()
                 continue
-            for s, d, n in zip(src[run.lo:run.hi].tolist(), dst[run.lo:run.hi].tolist(), size[run.lo:run.hi].tolist(),
-                               strict=True):
+            for s, d, n in zip(
+                src[run.lo : run.hi].tolist(),
+                dst[run.lo : run.hi].tolist(),
+                size[run.lo : run.hi].tolist(),
+                strict=True,
+            ):
                 (_memmove_holding_gil if n < GIL_HELD_BELOW_BYTES else ctypes.memmove)(d, s, n)
 
     def close(self) -> None:
@@ -211,22 +215,39 @@ def _runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Run]:
         tables = [_memory(b, n).reshape(-1, row) for b, n in zip(bases.tolist(), spans.tolist(), strict=True)]
     else:  # a row at every byte: any fragment start is a row
         step = 1
-        tables = [as_strided(_memory(b, n), shape=(n - row + 1, row), strides=(1, 1))
-                  for b, n in zip(bases.tolist(), spans.tolist(), strict=True)]
+        tables = [
+            as_strided(_memory(b, n), shape=(n - row + 1, row), strides=(1, 1))
+            for b, n in zip(bases.tolist(), spans.tolist(), strict=True)
+        ]
     counts = size // row  # rows per copy
     firsts = np.cumsum(counts) - counts  # where each copy's rows start in ``index``
     within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # a row's place in its copy
     index = np.repeat(offsets // step, counts) + within * (row // step)
     starts = np.concatenate(([0], breaks)).astype(np.intp)
     stops = [*breaks.tolist(), len(size)]
-    return [_Run(a, b, n, gather, address, tables[r] if big else None, index[first:first + n // row])
-            for a, b, n, big, address, first, r in zip(starts.tolist(), stops, run_bytes.tolist(), native.tolist(),
-                                                       contiguous[starts].tolist(), firsts[starts].tolist(),
-                                                       region[starts].tolist(), strict=True)]
+    return [
+        _Run(a, b, n, gather, address, tables[r] if big else None, index[first : first + n // row])
+        for a, b, n, big, address, first, r in zip(
+            starts.tolist(),
+            stops,
+            run_bytes.tolist(),
+            native.tolist(),
+            contiguous[starts].tolist(),
+            firsts[starts].tolist(),
+            region[starts].tolist(),
+            strict=True,
+        )
+    ]
 
 
-def _regions(scattered: np.ndarray, size: np.ndarray, contiguous: np.ndarray, quantum: int,
-             breaks: np.ndarray, run_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _regions(
+    scattered: np.ndarray,
+    size: np.ndarray,
+    contiguous: np.ndarray,
+    quantum: int,
+    breaks: np.ndarray,
+    run_bytes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Which table each copy's scattered side is indexed in: a region number per copy, with the
     breaks and byte counts of the runs (``breaks``, ``run_bytes``) cut where the region changes.
 
@@ -287,8 +308,10 @@ def _run_bytes(breaks: np.ndarray, size: np.ndarray) -> np.ndarray:
 def _loop_runs(breaks: np.ndarray, run_bytes: np.ndarray, gather: bool, count: int) -> list[_Run]:
     """The runs of ``count`` copies cut at ``breaks``, all copied copy by copy (no table)."""
     cuts = breaks.tolist()
-    return [_Run(a, b, n, gather, 0, None, _NO_INDEX)
-            for a, b, n in zip([0, *cuts], [*cuts, count], run_bytes.tolist(), strict=True)]
+    return [
+        _Run(a, b, n, gather, 0, None, _NO_INDEX)
+        for a, b, n in zip([0, *cuts], [*cuts, count], run_bytes.tolist(), strict=True)
+    ]
 
 
 def _lowest_bit(values: np.ndarray) -> int:

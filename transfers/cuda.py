@@ -120,8 +120,13 @@ class CUDABackend(TransferBackend):
     name = "cuda"
     pairs = frozenset({(CUDA_DEVICE, HOST_DEVICE), (HOST_DEVICE, CUDA_DEVICE), (CUDA_DEVICE, CUDA_DEVICE)})
 
-    def __init__(self, mode: str = "auto", device: int | None = None, compute_stream: Any = None,
-                 kernel_below_bytes: int = KERNEL_BELOW_BYTES) -> None:
+    def __init__(
+        self,
+        mode: str = "auto",
+        device: int | None = None,
+        compute_stream: Any = None,
+        kernel_below_bytes: int = KERNEL_BELOW_BYTES,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not cuda_available():
@@ -190,8 +195,15 @@ class CUDABackend(TransferBackend):
             yield 0, transfer
             return
         for first in range(0, transfer.num_blocks, step):
-            yield first, Transfer(transfer.src, transfer.src_slots[first:first + step],
-                                  transfer.dst, transfer.dst_slots[first:first + step])
+            yield (
+                first,
+                Transfer(
+                    transfer.src,
+                    transfer.src_slots[first : first + step],
+                    transfer.dst,
+                    transfer.dst_slots[first : first + step],
+                ),
+            )
 
     def method_for(self, transfer: Transfer, copies: CopyList) -> str:
         """Which way this backend sends a job's copies: ``batch``, ``kernel`` or ``loop``."""

@@ -26,10 +26,14 @@ _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the sour
 class _MemcpyAttributes(ctypes.Structure):
     """CUmemcpyAttributes: access order, source and destination location hints (CUmemLocation), flags."""
 
-    _fields_ = [("src_access_order", ctypes.c_int),
-                ("src_loc_type", ctypes.c_int), ("src_loc_id", ctypes.c_int),
-                ("dst_loc_type", ctypes.c_int), ("dst_loc_id", ctypes.c_int),
-                ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_type", ctypes.c_int),
+        ("src_loc_id", ctypes.c_int),
+        ("dst_loc_type", ctypes.c_int),
+        ("dst_loc_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class BatchCopy:
@@ -51,8 +55,11 @@ class BatchCopy:
             if call is None:
                 continue
             call.restype = ctypes.c_int
-            call.argtypes = ([pointer, pointer, pointer, size, attrs, pointer, size]
-                             + ([pointer] if with_fail_index else []) + [pointer])
+            call.argtypes = (
+                [pointer, pointer, pointer, size, attrs, pointer, size]
+                + ([pointer] if with_fail_index else [])
+                + [pointer]
+            )
             self._call, self._with_fail_index = call, with_fail_index
             break
         self._attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
@@ -75,8 +82,15 @@ class BatchCopy:
         fail_index = ctypes.c_size_t(0)
         for lo in range(0, len(sizes), self.SLICE):
             count = min(self.SLICE, len(sizes) - lo)
-            args: list[Any] = [dsts.ctypes.data + 8 * lo, srcs.ctypes.data + 8 * lo, sizes.ctypes.data + 8 * lo,
-                               count, ctypes.byref(self._attrs), ctypes.addressof(self._attr_index), 1]
+            args: list[Any] = [
+                dsts.ctypes.data + 8 * lo,
+                srcs.ctypes.data + 8 * lo,
+                sizes.ctypes.data + 8 * lo,
+                count,
+                ctypes.byref(self._attrs),
+                ctypes.addressof(self._attr_index),
+                1,
+            ]
             if self._with_fail_index:
                 args.append(ctypes.byref(fail_index))
             result = call(*args, stream_handle)
@@ -129,8 +143,7 @@ def copy_kernel(device_id: int) -> Any:
         return cupy.RawKernel(_KERNEL_SOURCE, "kvtier_copy_fragments")
 
 
-def chunk_copies(src: np.ndarray, dst: np.ndarray, size: np.ndarray,
-                 chunk: int = KERNEL_CHUNK_BYTES) -> np.ndarray:
+def chunk_copies(src: np.ndarray, dst: np.ndarray, size: np.ndarray, chunk: int = KERNEL_CHUNK_BYTES) -> np.ndarray:
     """The kernel's table: copies cut into pieces of at most ``chunk`` bytes, as one uint64 array
     (sources, then destinations, then sizes). ``chunk`` is a multiple of 16, so 16-byte aligned copies
     stay aligned piece by piece."""

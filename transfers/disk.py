@@ -54,8 +54,8 @@ class _BlockIO:
     key: bytes
     file_offset: int
     pieces: tuple[tuple[int, int], ...]
-    nbytes: int     # the pieces' sizes added up
-    aligned: bool   # every piece starts and ends on a page boundary (what O_DIRECT needs)
+    nbytes: int  # the pieces' sizes added up
+    aligned: bool  # every piece starts and ends on a page boundary (what O_DIRECT needs)
 
     def views(self) -> list[memoryview]:
         return [memoryview((ctypes.c_char * size).from_address(addr)).cast("B") for addr, size in self.pieces]
@@ -68,7 +68,7 @@ class _BlockIO:
     def scatter(self, raw: np.ndarray) -> None:
         at = 0
         for view in self.views():
-            view[:] = raw[at:at + len(view)].data
+            view[:] = raw[at : at + len(view)].data
             at += len(view)
 
 
@@ -138,8 +138,12 @@ class DiskBackend(TransferBackend):
         if (addresses[:, 1:] == addresses[:, :-1] + layout.sizes[None, :-1]).all():  # each block one piece
             page_aligned = (addresses[:, 0] % PAGE == 0) & (size % PAGE == 0)
             starts = addresses[:, 0].tolist()
-            return [_BlockIO(i, slot, key, offset, ((address, size),), size, a) for i, (slot, key, offset, address, a)
-                    in enumerate(zip(slots, keys, offsets, starts, page_aligned.tolist(), strict=True))]
+            return [
+                _BlockIO(i, slot, key, offset, ((address, size),), size, a)
+                for i, (slot, key, offset, address, a) in enumerate(
+                    zip(slots, keys, offsets, starts, page_aligned.tolist(), strict=True)
+                )
+            ]
         out = []
         for i, (row, offset) in enumerate(zip(addresses.tolist(), offsets, strict=True)):
             pieces: list[tuple[int, int]] = []
@@ -204,8 +208,8 @@ class DiskBackend(TransferBackend):
             return {b.index}
         padded = round_up_to_page(len(payload))
         bounce = self._scratch("packed", slab.room)
-        bounce[:len(payload)] = payload
-        bounce[len(payload):padded] = bytes(padded - len(payload))
+        bounce[: len(payload)] = payload
+        bounce[len(payload) : padded] = bytes(padded - len(payload))
         try:
             page = self._header_pages(slab, [b], [checksum], [len(payload)])[0]
             self._write_slots(slab, b.file_offset - PAGE, [(page, [memoryview(bounce)[:padded]])])
@@ -214,16 +218,18 @@ class DiskBackend(TransferBackend):
             self._clear_headers(slab, [b])
             return {b.index}
 
-    def _header_pages(self, slab: DiskSlab, blocks: list[_BlockIO], checksums: list[int],
-                      payloads: list[int]) -> list[memoryview]:
+    def _header_pages(
+        self, slab: DiskSlab, blocks: list[_BlockIO], checksums: list[int], payloads: list[int]
+    ) -> list[memoryview]:
         """The blocks' header pages, built in place in one buffer, with consecutive sequence numbers."""
         buffer = bytearray(len(blocks) * PAGE)
         first = self._next_sequences(slab, len(blocks))
         for i, (b, checksum, payload) in enumerate(zip(blocks, checksums, payloads, strict=True)):
-            pack_slot_header(buffer, i * PAGE, b.key, slab.namespace, b.nbytes, checksum, first + i, payload,
-                             slab.codec_id)
+            pack_slot_header(
+                buffer, i * PAGE, b.key, slab.namespace, b.nbytes, checksum, first + i, payload, slab.codec_id
+            )
         view = memoryview(buffer)
-        return [view[i * PAGE:(i + 1) * PAGE] for i in range(len(blocks))]
+        return [view[i * PAGE : (i + 1) * PAGE] for i in range(len(blocks))]
 
     @staticmethod
     def _refuse_long_keys(slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
@@ -241,7 +247,7 @@ class DiskBackend(TransferBackend):
             bounce = self._scratch("write", padded)
             at = 0
             for view in views:
-                bounce[at:at + len(view)] = view
+                bounce[at : at + len(view)] = view
                 at += len(view)
             views = [memoryview(bounce)[:padded]]
         self._write_slots(slab, b.file_offset - PAGE, [(page, views)])
@@ -260,12 +266,12 @@ class DiskBackend(TransferBackend):
         direct = slab.direct_fd is not None
         buffers: list = []
         for i, (page, data) in enumerate(slots):
-            headers[i * PAGE:(i + 1) * PAGE] = page
-            buffers += [headers[i * PAGE:(i + 1) * PAGE] if direct else zero, *data]
+            headers[i * PAGE : (i + 1) * PAGE] = page
+            buffers += [headers[i * PAGE : (i + 1) * PAGE] if direct else zero, *data]
         self._write(slab, buffers, offset)
         if not direct:
             for i in range(len(slots)):
-                self._write(slab, [headers[i * PAGE:(i + 1) * PAGE]], offset + i * slab.slot_stride)
+                self._write(slab, [headers[i * PAGE : (i + 1) * PAGE]], offset + i * slab.slot_stride)
 
     def _clear_headers(self, slab: DiskSlab, blocks: list[_BlockIO]) -> None:
         """Zero the slot headers of blocks that failed to store or load, best effort: a restart must not
@@ -327,12 +333,12 @@ class DiskBackend(TransferBackend):
         headers = memoryview(self._scratch("headers", _max_run(slab) * PAGE))
         buffers = []
         for i, b in enumerate(run):
-            buffers += [headers[i * PAGE:(i + 1) * PAGE], *b.views()]
+            buffers += [headers[i * PAGE : (i + 1) * PAGE], *b.views()]
         expected = len(run) * slab.slot_stride
         got = self._preadv(_data_fd(slab), buffers, run[0].file_offset - PAGE)
         if got != expected:
             raise OSError(errno.EIO, f"short read: {got} of {expected} bytes")
-        return [(b, bytes(headers[i * PAGE:(i + 1) * PAGE])) for i, b in enumerate(run)]
+        return [(b, bytes(headers[i * PAGE : (i + 1) * PAGE])) for i, b in enumerate(run)]
 
     def _read_block(self, slab: DiskSlab, b: _BlockIO) -> bytes:
         """Read one block into its memory pieces; returns its header page, to verify."""
@@ -347,7 +353,7 @@ class DiskBackend(TransferBackend):
             page = bytes(bounce[:PAGE])
             at = PAGE
             for view in views:
-                view[:] = bounce[at:at + len(view)]
+                view[:] = bounce[at : at + len(view)]
                 at += len(view)
         if got < PAGE + b.nbytes:
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + b.nbytes} bytes")
@@ -364,7 +370,7 @@ class DiskBackend(TransferBackend):
         if got < PAGE + header.payload:
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + header.payload} bytes")
         try:
-            raw = codec.decompress(memoryview(bounce)[PAGE:PAGE + header.payload], b.nbytes)
+            raw = codec.decompress(memoryview(bounce)[PAGE : PAGE + header.payload], b.nbytes)
         except CorruptPayload:
             return False
         if xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
@@ -374,8 +380,12 @@ class DiskBackend(TransferBackend):
 
     @staticmethod
     def _header_matches(slab: DiskSlab, b: _BlockIO, header: SlotHeader) -> bool:
-        return (header.key == b.key and header.namespace == slab.namespace
-                and header.length == b.nbytes and slab.fits(header))
+        return (
+            header.key == b.key
+            and header.namespace == slab.namespace
+            and header.length == b.nbytes
+            and slab.fits(header)
+        )
 
     @classmethod
     def _verify(cls, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> bool:
@@ -438,8 +448,13 @@ def _runs(slab: DiskSlab, blocks: list[_BlockIO], threads: int) -> list[list[_Bl
     open_run = False  # whether the last run may be extended
     for b in sorted(blocks, key=lambda b: b.file_offset):
         joinable = b.nbytes == slab.slot_stride - PAGE and (slab.direct_fd is None or b.aligned)
-        if (joinable and open_run and runs[-1][-1].file_offset + slab.slot_stride == b.file_offset
-                and len(runs[-1]) < limit and iovecs + 1 + len(b.pieces) <= _IOV_MAX):
+        if (
+            joinable
+            and open_run
+            and runs[-1][-1].file_offset + slab.slot_stride == b.file_offset
+            and len(runs[-1]) < limit
+            and iovecs + 1 + len(b.pieces) <= _IOV_MAX
+        ):
             runs[-1].append(b)
             iovecs += 1 + len(b.pieces)
         else:

@@ -51,8 +51,9 @@ class RemoteBackend(TransferBackend):
     def __init__(self, link: StoreLink) -> None:
         self.link = link
         self.refused_records = 0  # records that arrived whole but were not the block asked for
-        self._pool = ThreadPoolExecutor(link.connector.clients, thread_name_prefix="kvtier-remote",
-                                        initializer=mark_kvtier_thread)
+        self._pool = ThreadPoolExecutor(
+            link.connector.clients, thread_name_prefix="kvtier-remote", initializer=mark_kvtier_thread
+        )
         self._lock = threading.Lock()
         self._closed = False
 
@@ -60,13 +61,17 @@ class RemoteBackend(TransferBackend):
         if not self.can_copy(transfer.src.device, transfer.dst.device):
             raise TransferError(f"the remote backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
         storing = transfer.dst.device == KEYED_DEVICE
-        remote, memory, slots = ((transfer.dst, transfer.src, transfer.src_slots) if storing
-                                 else (transfer.src, transfer.dst, transfer.dst_slots))
+        remote, memory, slots = (
+            (transfer.dst, transfer.src, transfer.src_slots)
+            if storing
+            else (transfer.src, transfer.dst, transfer.dst_slots)
+        )
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
-        job = _Job(remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer,
-                   memory.header_room)
+        job = _Job(
+            remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room
+        )
         with self._lock:
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
@@ -110,8 +115,13 @@ class RemoteBackend(TransferBackend):
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
                 self.refused_records += len(refused)
-            log.warning("kvtier refused %d of %d records from %s, e.g. %s", len(refused), len(job.keys),
-                        self.link.connector.where, refused[0])
+            log.warning(
+                "kvtier refused %d of %d records from %s, e.g. %s",
+                len(refused),
+                len(job.keys),
+                self.link.connector.where,
+                refused[0],
+            )
         self._finish(job, (call, ok))
 
     def _call(self, job: _Job, fn: Callable[[StoreClient], list[bool]]) -> tuple[Call[list[bool]] | None, list[bool]]:
@@ -144,8 +154,15 @@ class _Job:
     slot (a host tier above a remote one), the header lies there and a record is one piece, which
     moves faster than two (Mooncake: 4-9 ms less per 64 x 2 MiB); else headers are a buffer of the job."""
 
-    def __init__(self, records: RecordFormat, keys: list[bytes], memory: list[list[Piece]], on_complete: OnComplete,
-                 keep: Transfer, header_room: int = 0) -> None:
+    def __init__(
+        self,
+        records: RecordFormat,
+        keys: list[bytes],
+        memory: list[list[Piece]],
+        on_complete: OnComplete,
+        keep: Transfer,
+        header_room: int = 0,
+    ) -> None:
         self.records = records
         self.keys = keys
         self.names = [records.name(key) for key in keys]

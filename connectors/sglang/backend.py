@@ -82,15 +82,18 @@ class KVTierStorage(HiCacheStorage):
         check_page_tokens(self.config, pages.page_tokens)
         _check_room_for_a_batch(self.config, pages.layout.block_bytes)
         model_path, revision = server_model_path()
-        self.namespace = storage_namespace(self.storage_config, mem_pool_host, pages, self.config, model_path,
-                                           revision)
+        self.namespace = storage_namespace(self.storage_config, mem_pool_host, pages, self.config, model_path, revision)
         self._fold = KeyFolder(self.namespace, self.key_secret)
         config = self.config.model_copy(update={"namespace": self.namespace.decode("ascii")})
         self.stack = build_stack(config, pages.layout)
         self.pages = pages
         self.counters = StorageCounters(self.storage_config.tp_rank, pages.layout.block_bytes)
-        log.info("kvtier storage backend for SGLang (TP rank %d of %d):\n%s", self.storage_config.tp_rank,
-                 self.storage_config.tp_size, self.stack.describe())
+        log.info(
+            "kvtier storage backend for SGLang (TP rank %d of %d):\n%s",
+            self.storage_config.tp_rank,
+            self.storage_config.tp_size,
+            self.stack.describe(),
+        )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang's hybrid controller registers each pool of the model here; kvtier serves the KV pool
@@ -98,9 +101,11 @@ class KVTierStorage(HiCacheStorage):
         start, rather than storing a model's KV without the state that goes with it."""
         if str(host_pool_name) == KV_POOL and host_pool is getattr(self, "mem_pool_host", None):
             return
-        raise ConfigError(f"kvtier's SGLang storage backend serves the KV pool only; this model also has the host "
-                          f"pool {str(host_pool_name)!r} ({type(host_pool).__name__}), which it cannot store: run "
-                          f"it without kvtier (hybrid models are not supported yet)")
+        raise ConfigError(
+            f"kvtier's SGLang storage backend serves the KV pool only; this model also has the host "
+            f"pool {str(host_pool_name)!r} ({type(host_pool).__name__}), which it cannot store: run "
+            f"it without kvtier (hybrid models are not supported yet)"
+        )
 
     # --- the zero-copy interface (interface_v1: 1) ---------------------------------------------
 
@@ -112,8 +117,9 @@ class KVTierStorage(HiCacheStorage):
             log.exception("kvtier: lookup of %d pages failed; answering a miss", len(keys))
             return 0
 
-    def batch_get_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Load the leading pages some tier holds into the host pool's pages ``host_indices``."""
         try:
             return self._load(keys, self._opened()[1].storage, self._page_slots(host_indices))
@@ -121,8 +127,9 @@ class KVTierStorage(HiCacheStorage):
             log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
             return [False] * len(keys)
 
-    def batch_set_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Store the host pool's pages ``host_indices`` under ``keys``."""
         try:
             return self._store(keys, self._opened()[1].storage, self._page_slots(host_indices))
@@ -144,8 +151,9 @@ class KVTierStorage(HiCacheStorage):
             log.exception("kvtier: load of %d pages failed; SGLang recomputes them", len(keys))
             return [None] * len(keys)
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Store the flat page tensors ``values`` (one per key); True when every page is stored."""
         try:
             pages = [value.contiguous() for value in values]
@@ -232,9 +240,11 @@ def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
     if pages < STORAGE_BATCH_SIZE:
         need = STORAGE_BATCH_SIZE * block_footprint(config.tiers[0], page_bytes, config.header_room)
         key = "capacity_blocks" if config.tiers[0].capacity_blocks is not None else "capacity"
-        raise ConfigError(f"tiers[0].{key}: holds {pages} of SGLang's pages ({format_size(page_bytes)} each), "
-                          f"fewer than the {STORAGE_BATCH_SIZE} SGLang stores in one call; give at least "
-                          f"{format_size(need)}")
+        raise ConfigError(
+            f"tiers[0].{key}: holds {pages} of SGLang's pages ({format_size(page_bytes)} each), "
+            f"fewer than the {STORAGE_BATCH_SIZE} SGLang stores in one call; give at least "
+            f"{format_size(need)}"
+        )
 
 
 def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> StackConfig:
@@ -247,9 +257,11 @@ def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> S
         if not isinstance(tier, DiskTierConfig):
             continue
         if storage_config.is_mla_model and storage_config.tp_size > 1:
-            raise ConfigError(f"tiers[{i}].medium: disk: an MLA model keeps one copy of its KV for all "
-                              f"{storage_config.tp_size} TP ranks, which SGLang lets one rank write; a disk tier of "
-                              f"each rank would stay empty on the others: use a remote tier")
+            raise ConfigError(
+                f"tiers[{i}].medium: disk: an MLA model keeps one copy of its KV for all "
+                f"{storage_config.tp_size} TP ranks, which SGLang lets one rank write; a disk tier of "
+                f"each rank would stay empty on the others: use a remote tier"
+            )
         tiers[i] = tier.model_copy(update={"path": str(Path(tier.path) / _rank_directory(storage_config))})
     return config.model_copy(update={"tiers": tiers})
 

@@ -79,7 +79,10 @@ class StorageCounters:
         if not blocks:
             return
         with self._lock:
-            pages, bandwidth = ((self._calls.prefetch_pgs, self._calls.prefetch_bandwidth) if direction == "load"
-                                else (self._calls.backup_pgs, self._calls.backup_bandwidth))
+            pages, bandwidth = (
+                (self._calls.prefetch_pgs, self._calls.prefetch_bandwidth)
+                if direction == "load"
+                else (self._calls.backup_pgs, self._calls.backup_bandwidth)
+            )
             pages.append(blocks)
             bandwidth.append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)

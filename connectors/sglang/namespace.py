@@ -30,8 +30,14 @@ def check_parallelism(storage_config: Any) -> None:
         raise ConfigError("kvtier does not serve tp_lcm_size (pages split by heads across TP sizes); remove it")
 
 
-def storage_namespace(storage_config: Any, host_pool: Any, pages: PageGeometry, config: StackConfig,
-                      model_path: str | None, revision: str | None = None) -> bytes:
+def storage_namespace(
+    storage_config: Any,
+    host_pool: Any,
+    pages: PageGeometry,
+    config: StackConfig,
+    model_path: str | None,
+    revision: str | None = None,
+) -> bytes:
     """The namespace of one rank's pages: model, revision and weights, KV dtype, page size and geometry, host layout,
     TP size and rank (none for MLA), pipeline stage, and the kvtier config's own ``namespace``. Reads
     the model folder when ``model_path`` is one: call it once per process."""

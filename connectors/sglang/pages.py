@@ -60,8 +60,9 @@ def page_geometry(host_pool: Any) -> PageGeometry:
     if first.device.type != "cpu" or bases.min() < start or last.max() > end:
         raise ConfigError(f"{what}: its pages do not lie in its host buffer")
     layout = BlockLayout(tuple(size for _, size in runs))
-    storage = StridedStorage(layout, num_pages, bases, [page_bytes] * layout.num_fragments, HOST_DEVICE,
-                             keepalive=buffer)
+    storage = StridedStorage(
+        layout, num_pages, bases, [page_bytes] * layout.num_fragments, HOST_DEVICE, keepalive=buffer
+    )
     return PageGeometry(layout, storage, page_tokens, tuple(first.shape))
 
 
@@ -75,8 +76,11 @@ def _runs(view: Any) -> list[tuple[int, int]]:
         run *= shape[inner - 1]
         inner -= 1
     outer = shape[:inner]
-    starts = (np.indices(outer).reshape(inner, -1).T @ np.asarray(strides[:inner], dtype=np.int64)
-              if inner else np.zeros(1, dtype=np.int64))
+    starts = (
+        np.indices(outer).reshape(inner, -1).T @ np.asarray(strides[:inner], dtype=np.int64)
+        if inner
+        else np.zeros(1, dtype=np.int64)
+    )
     merged: list[tuple[int, int]] = []
     for offset in (starts * itemsize).tolist():
         if merged and sum(merged[-1]) == offset:

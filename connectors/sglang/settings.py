@@ -40,8 +40,9 @@ class BackendSettings(BaseModel):
 
 def backend_settings(extra_config: dict[str, Any] | None) -> BackendSettings:
     """The extra config, validated; a ConfigError names each key that is unknown, missing or wrong."""
-    return engine_settings(BackendSettings, extra_config, "hicache-storage-backend-extra-config",
-                           "/etc/kvtier/sglang.yaml")
+    return engine_settings(
+        BackendSettings, extra_config, "hicache-storage-backend-extra-config", "/etc/kvtier/sglang.yaml"
+    )
 
 
 def stack_config(settings: BackendSettings) -> StackConfig:
@@ -50,16 +51,22 @@ def stack_config(settings: BackendSettings) -> StackConfig:
     problems = []
     for key in ("block_bytes", "fragments"):
         if key in config.model_fields_set:
-            problems.append(f"{key}: under SGLang a block is one page of SGLang's host pool, whose size SGLang "
-                            f"decides; remove {key}")
+            problems.append(
+                f"{key}: under SGLang a block is one page of SGLang's host pool, whose size SGLang "
+                f"decides; remove {key}"
+            )
     media = [tier.medium for tier in config.tiers]
     for i, medium in enumerate(media):
         if medium == "gpu":
-            problems.append(f"tiers[{i}].medium: gpu: SGLang keeps GPU KV itself and hands kvtier pages of its host "
-                            f"pool; remove the gpu tier")
+            problems.append(
+                f"tiers[{i}].medium: gpu: SGLang keeps GPU KV itself and hands kvtier pages of its host "
+                f"pool; remove the gpu tier"
+            )
         elif medium == "host" and "remote" not in media:
-            problems.append(f"tiers[{i}].medium: host: under SGLang a host tier only stages a remote tier's records "
-                            f"(SGLang's host cache is the memory tier); remove it, or add a remote tier below it")
+            problems.append(
+                f"tiers[{i}].medium: host: under SGLang a host tier only stages a remote tier's records "
+                f"(SGLang's host cache is the memory tier); remove it, or add a remote tier below it"
+            )
     if problems:
         raise ConfigError("; ".join(problems))
     return config
@@ -68,5 +75,7 @@ def stack_config(settings: BackendSettings) -> StackConfig:
 def check_page_tokens(config: StackConfig, page_tokens: int) -> None:
     """``block_tokens``, when given, must be SGLang's page size: a block is one page."""
     if "block_tokens" in config.model_fields_set and config.block_tokens != page_tokens:
-        raise ConfigError(f"block_tokens: {config.block_tokens} differs from SGLang's page size {page_tokens}; leave "
-                          f"it out under SGLang or set it to {page_tokens}")
+        raise ConfigError(
+            f"block_tokens: {config.block_tokens} differs from SGLang's page size {page_tokens}; leave "
+            f"it out under SGLang or set it to {page_tokens}"
+        )

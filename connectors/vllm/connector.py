@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class ConnectorSettings(BaseModel):
     """``kv_connector_extra_config``: the kvtier configuration, and when blocks are stored.
 
@@ -102,8 +103,10 @@ def connector_config(vllm_config: VllmConfig) -> StackConfig:
     config = load_config(connector_settings(vllm_config).config)
     block_size = vllm_config.cache_config.block_size
     if "block_tokens" in config.model_fields_set and config.block_tokens != block_size:
-        raise ConfigError(f"block_tokens: {config.block_tokens} differs from vLLM's block size {block_size}; "
-                          f"leave it out under vLLM or set it to {block_size}")
+        raise ConfigError(
+            f"block_tokens: {config.block_tokens} differs from vLLM's block size {block_size}; "
+            f"leave it out under vLLM or set it to {block_size}"
+        )
     return config
 
 
@@ -138,23 +141,40 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            lazy_ahead = (max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks))
-                          if settings.store == "lazy" else None)
+            lazy_ahead = (
+                max(1, round(settings.lazy_ahead * kv_cache_config.num_blocks)) if settings.store == "lazy" else None
+            )
             states = state_groups(kv_cache_config)
             if states:
-                log.warning("kvtier serves no prefix hits for this model: KV cache group(s) %s hold a recurrent "
-                            "(Mamba) state, which kvtier does not store", states)
-            self.scheduler_side = SchedulerSide(config, block_layout(kv_cache_config),
-                                                block_tokens(kv_cache_config) or vllm_config.cache_config.block_size,
-                                                vllm_config.parallel_config.world_size, ns, lazy_ahead, secret,
-                                                served_groups(kv_cache_config), kv_cache_config.num_blocks,
-                                                serves_hits=not states, replicated=replicated(kv_cache_config),
-                                                in_step_host_hits=settings.host_hits == "in_step")
+                log.warning(
+                    "kvtier serves no prefix hits for this model: KV cache group(s) %s hold a recurrent "
+                    "(Mamba) state, which kvtier does not store",
+                    states,
+                )
+            self.scheduler_side = SchedulerSide(
+                config,
+                block_layout(kv_cache_config),
+                block_tokens(kv_cache_config) or vllm_config.cache_config.block_size,
+                vllm_config.parallel_config.world_size,
+                ns,
+                lazy_ahead,
+                secret,
+                served_groups(kv_cache_config),
+                kv_cache_config.num_blocks,
+                serves_hits=not states,
+                replicated=replicated(kv_cache_config),
+                in_step_host_hits=settings.host_hits == "in_step",
+            )
         else:
             transfer = vllm_config.kv_transfer_config
-            self.worker_side = WorkerSide(config, kv_cache_config, vllm_config.parallel_config.rank, ns.hex(),
-                                          vllm_config.parallel_config.world_size,
-                                          (transfer.engine_id if transfer is not None else None) or "")
+            self.worker_side = WorkerSide(
+                config,
+                kv_cache_config,
+                vllm_config.parallel_config.rank,
+                ns.hex(),
+                vllm_config.parallel_config.world_size,
+                (transfer.engine_id if transfer is not None else None) or "",
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -221,8 +241,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side ------------------------------------------------------------------------
@@ -243,8 +268,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens == 0:
             return {}
         sources = self._sched.hit_sources(request)
-        tokens = {CacheHitSource.HOST: sources.get("host", 0) * self._sched.block_tokens,
-                  CacheHitSource.DISK: sources.get("disk", 0) * self._sched.block_tokens}
+        tokens = {
+            CacheHitSource.HOST: sources.get("host", 0) * self._sched.block_tokens,
+            CacheHitSource.DISK: sources.get("disk", 0) * self._sched.block_tokens,
+        }
         tokens[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(tokens.values())
         return {source: n for source, n in tokens.items() if n > 0}
 
@@ -263,8 +290,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """What vLLM calls instead of ``request_finished`` for a ``SupportsHMA`` connector."""
         return self._sched.request_finished(request)
 

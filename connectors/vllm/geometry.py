@@ -75,21 +75,28 @@ def served_groups(kv_cache_config: KVCacheConfig) -> list[ServedGroup]:
         elif kinds & _SERVED_SPECS or not hasattr(spec, "block_size"):  # (tests without vLLM: plain attention)
             served.append(ServedGroup(index, None, keys))
         else:
-            raise ConfigError(f"KV cache group {index} ({type(spec).__name__}) is of a kind kvtier cannot serve; "
-                              f"it serves full attention, sliding windows and MLA")
+            raise ConfigError(
+                f"KV cache group {index} ({type(spec).__name__}) is of a kind kvtier cannot serve; "
+                f"it serves full attention, sliding windows and MLA"
+            )
     if not served:
         raise ConfigError("the model has no attention KV cache group for kvtier to serve")
     groups = [kv_cache_config.kv_cache_groups[g.vllm_index] for g in served]
     shapes = {(g.kv_cache_spec.page_size_bytes, len(g.layer_names)) for g in groups}
     if len(shapes) > 1:
-        raise ConfigError(f"kvtier needs every attention group to have the same pages per block; this model's "
-                          f"groups have (page bytes, layers) {sorted(shapes)}")
+        raise ConfigError(
+            f"kvtier needs every attention group to have the same pages per block; this model's "
+            f"groups have (page bytes, layers) {sorted(shapes)}"
+        )
     return served
 
 
 def _attention_block_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
-    return [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-            if not _spec_kinds(g.kv_cache_spec) & STATE_SPECS and hasattr(g.kv_cache_spec, "block_size")]
+    return [
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if not _spec_kinds(g.kv_cache_spec) & STATE_SPECS and hasattr(g.kv_cache_spec, "block_size")
+    ]
 
 
 def block_tokens(kv_cache_config: KVCacheConfig) -> int | None:
@@ -110,16 +117,17 @@ def replicated(kv_cache_config: KVCacheConfig) -> bool:
     """Whether every tensor-parallel rank holds the same KV (MLA: one latent vector per token, not split
     across ranks; vLLM says how many ranks hold each copy in ``kv_tp_replicas``)."""
     groups = kv_cache_config.kv_cache_groups
-    return (getattr(kv_cache_config, "kv_tp_replicas", 1) > 1
-            and all("MLAAttentionSpec" in _spec_kinds(groups[g.vllm_index].kv_cache_spec)
-                    for g in served_groups(kv_cache_config)))
+    return getattr(kv_cache_config, "kv_tp_replicas", 1) > 1 and all(
+        "MLAAttentionSpec" in _spec_kinds(groups[g.vllm_index].kv_cache_spec) for g in served_groups(kv_cache_config)
+    )
 
 
 def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     """Indices of the groups that hold a recurrent state (Mamba): with one, no prefix hit kvtier could
     load is whole, since the state at the hit's end is not a kvtier block."""
-    return [i for i, group in enumerate(kv_cache_config.kv_cache_groups)
-            if _spec_kinds(group.kv_cache_spec) & STATE_SPECS]
+    return [
+        i for i, group in enumerate(kv_cache_config.kv_cache_groups) if _spec_kinds(group.kv_cache_spec) & STATE_SPECS
+    ]
 
 
 def _page(kv_cache_config: KVCacheConfig, group: ServedGroup) -> int:
@@ -136,8 +144,9 @@ def _placements(kv_cache_config: KVCacheConfig, group: ServedGroup) -> list[tupl
             if name in layers:
                 out.append((name, tensor.offset + index * tensor.layer_stride, tensor.block_stride))
     if {name for name, _, _ in out} != layers:
-        raise ConfigError(f"kv_cache_config places layers {sorted({n for n, _, _ in out})} but the group "
-                          f"has {sorted(layers)}")
+        raise ConfigError(
+            f"kv_cache_config places layers {sorted({n for n, _, _ in out})} but the group has {sorted(layers)}"
+        )
     return out
 
 
@@ -149,8 +158,10 @@ def _check_pages_contiguous(kv_cache_config: KVCacheConfig) -> None:
         return
     name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(layout, layout)  # the older names vLLM still accepts
     if set(name[:2]) != {"L", "B"}:
-        raise ConfigError(f"KV cache layout {name} interleaves other dimensions between blocks; kvtier needs "
-                          f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)")
+        raise ConfigError(
+            f"KV cache layout {name} interleaves other dimensions between blocks; kvtier needs "
+            f"a layout whose layer and block dimensions are outermost (LBHNC, LBNHC, BLHNC, BLNHC)"
+        )
 
 
 def block_layout(kv_cache_config: KVCacheConfig) -> BlockLayout:
@@ -185,11 +196,15 @@ def _group_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig, gr
         tensor = kv_caches[name]
         storage = tensor.untyped_storage()
         if tensor.data_ptr() != storage.data_ptr() + offset:
-            raise ConfigError(f"layer {name!r}: its KV view starts {tensor.data_ptr() - storage.data_ptr()} bytes "
-                              f"into the buffer, kv_cache_config places it at {offset}")
+            raise ConfigError(
+                f"layer {name!r}: its KV view starts {tensor.data_ptr() - storage.data_ptr()} bytes "
+                f"into the buffer, kv_cache_config places it at {offset}"
+            )
         if offset + (num_blocks - 1) * block_stride + page > storage.nbytes():
-            raise ConfigError(f"layer {name!r}: {num_blocks} blocks of {block_stride} bytes do not fit its "
-                              f"{storage.nbytes()}-byte buffer")
+            raise ConfigError(
+                f"layer {name!r}: {num_blocks} blocks of {block_stride} bytes do not fit its "
+                f"{storage.nbytes()}-byte buffer"
+            )
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         views.append(torch.as_strided(raw, (num_blocks, page), (block_stride, 1), offset))
     return device_storage(views, layout)
@@ -204,10 +219,13 @@ def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, in
             continue
         blocks = capacity_in_blocks(tier_cfg, block_bytes, config.header_room)
         if blocks is None or blocks < 1:
-            raise ConfigError(f"tiers[{i}] ({config.tier_name(i)}): capacity holds no block of {block_bytes} "
-                              f"bytes (one rank's share of a vLLM block)")
+            raise ConfigError(
+                f"tiers[{i}] ({config.tier_name(i)}): capacity holds no block of {block_bytes} "
+                f"bytes (one rank's share of a vLLM block)"
+            )
         out.append((config.tier_name(i), tier_cfg.medium, blocks))
     if not out or out[0][1] != "host":
-        raise ConfigError("under vLLM the first tier below the GPU must be a host tier (disk blocks are loaded "
-                          "through host memory)")
+        raise ConfigError(
+            "under vLLM the first tier below the GPU must be a host tier (disk blocks are loaded through host memory)"
+        )
     return out

@@ -47,8 +47,15 @@ class TransferJob:
     in_step: bool = False
 
     @classmethod
-    def of(cls, job_id: int, plan: Plan, req_id: str | None = None, gpu_blocks: tuple[int, ...] = (),
-           missing: tuple[int, ...] = (), in_step: bool = False) -> TransferJob:
+    def of(
+        cls,
+        job_id: int,
+        plan: Plan,
+        req_id: str | None = None,
+        gpu_blocks: tuple[int, ...] = (),
+        missing: tuple[int, ...] = (),
+        in_step: bool = False,
+    ) -> TransferJob:
         """The job that runs ``plan`` (its copies; the fences and what to commit stay with the scheduler)."""
         return cls(job_id, plan.kind, plan.num_blocks, plan.stages, req_id, gpu_blocks, missing, in_step)
 

@@ -41,8 +41,15 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
     }
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > 1:  # hybrid: which layers each group holds, and how (single-group namespaces stay as they were)
-        fields["groups"] = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "block_size", None),
-                             getattr(g.kv_cache_spec, "sliding_window", None), list(g.layer_names)] for g in groups]
+        fields["groups"] = [
+            [
+                type(g.kv_cache_spec).__name__,
+                getattr(g.kv_cache_spec, "block_size", None),
+                getattr(g.kv_cache_spec, "sliding_window", None),
+                list(g.layer_names),
+            ]
+            for g in groups
+        ]
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 

@@ -28,14 +28,24 @@ def rank_directory(path: str | Path, rank: int) -> Path:
     return Path(path) / f"rank{rank}"
 
 
-def blocks_on_every_rank(tier_cfg: DiskTierConfig, num_ranks: int, num_slots: int, layout: BlockLayout,
-                         namespace: str) -> list[tuple[bytes, int]]:
+def blocks_on_every_rank(
+    tier_cfg: DiskTierConfig, num_ranks: int, num_slots: int, layout: BlockLayout, namespace: str
+) -> list[tuple[bytes, int]]:
     """(key, slot) of the blocks every rank's slab holds at the same slot, oldest write first (the
     order ``Tier.restore`` wants). Where several slots hold one key on every rank, the newest
     (highest sequence on rank 0) is kept; the others are left to be reused."""
-    ranks = [read_block_headers(rank_directory(tier_cfg.path, rank), num_slots, layout, namespace,
-                                tier_cfg.compression, tier_cfg.slot_bytes, tier_cfg.shared_directory)
-             for rank in range(num_ranks)]
+    ranks = [
+        read_block_headers(
+            rank_directory(tier_cfg.path, rank),
+            num_slots,
+            layout,
+            namespace,
+            tier_cfg.compression,
+            tier_cfg.slot_bytes,
+            tier_cfg.shared_directory,
+        )
+        for rank in range(num_ranks)
+    ]
     first, others = ranks[0], ranks[1:]
     newest: dict[bytes, tuple[int, int]] = {}  # key -> (sequence on rank 0, slot)
     for slot, header in first.items():

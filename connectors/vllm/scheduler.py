@@ -109,10 +109,10 @@ class _RequestState:
     namespace: bytes
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)  # per served group: vLLM's blocks (0: none there)
-    stored: int = 0          # leading blocks already handed to the store planner
-    lookup_start: int = 0    # first block past vLLM's own prefix hit, from the last lookup
+    stored: int = 0  # leading blocks already handed to the store planner
+    lookup_start: int = 0  # first block past vLLM's own prefix hit, from the last lookup
     load_sources: dict[str, int] = field(default_factory=dict)  # medium -> blocks of the planned load
-    in_step: bool = False    # the last lookup offered a hit to load in the step that computes the rest
+    in_step: bool = False  # the last lookup offered a hit to load in the step that computes the rest
     reserved: list[bytes] = field(default_factory=list)  # its blocks, pinned until they are planned or the step ends
     jobs: set[int] = field(default_factory=set)  # store and load jobs in flight
     store_query: _StoreQuery | None = None  # the last question to the remote store about its blocks
@@ -121,10 +121,21 @@ class _RequestState:
 class SchedulerSide:
     """Index, policies, jobs and the planner for every tier below vLLM's GPU blocks."""
 
-    def __init__(self, config: StackConfig, layout: BlockLayout, block_tokens: int, num_workers: int,
-                 namespace: bytes, lazy_ahead: int | None = None, key_secret: bytes | None = None,
-                 groups: Sequence[ServedGroup] = (ServedGroup(0),), gpu_blocks: int = 0,
-                 serves_hits: bool = True, replicated: bool = False, in_step_host_hits: bool = False) -> None:
+    def __init__(
+        self,
+        config: StackConfig,
+        layout: BlockLayout,
+        block_tokens: int,
+        num_workers: int,
+        namespace: bytes,
+        lazy_ahead: int | None = None,
+        key_secret: bytes | None = None,
+        groups: Sequence[ServedGroup] = (ServedGroup(0),),
+        gpu_blocks: int = 0,
+        serves_hits: bool = True,
+        replicated: bool = False,
+        in_step_host_hits: bool = False,
+    ) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
         no copy for blocks vLLM's own prefix cache keeps serving). ``key_secret`` keys every block
@@ -169,8 +180,7 @@ class SchedulerSide:
         remote = config.remote
         if remote is not None:  # the last tier; its records are the workers' (namespace as WorkerSide gets it)
             ranks: Sequence[int | None] = [None] if replicated else range(num_workers)
-            self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(),
-                                      ranks)
+            self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(), ranks)
             self.tiers.append(self.remote)
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
         self.planner = Planner(self.tiers)
@@ -187,9 +197,9 @@ class SchedulerSide:
         self._step_loads: list[TransferJob] = []
         self._step_copies: list[TransferJob] = []  # demotions and copies to a remote store: no GPU block
         self._step_allocated: set[int] = set()
-        self._gpu_readers: dict[int, set[int]] = {}   # GPU block id -> store jobs reading it
-        self._gpu_loading: dict[int, int] = {}        # GPU block id -> the load job writing it
-        self._gpu_keys: dict[int, BlockRef] = {}      # lazy: GPU block -> the block of a request it holds
+        self._gpu_readers: dict[int, set[int]] = {}  # GPU block id -> store jobs reading it
+        self._gpu_loading: dict[int, int] = {}  # GPU block id -> the load job writing it
+        self._gpu_keys: dict[int, BlockRef] = {}  # lazy: GPU block -> the block of a request it holds
         self._block_pool: BlockPool | None = None
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
@@ -220,9 +230,12 @@ class SchedulerSide:
             if request.prompt_embeds is not None or request.mm_features:
                 return None
             lora = request.lora_request
-            state = _RequestState(request, self.request_namespace(lora.lora_name if lora else "",
-                                                                  request.cache_salt or "",
-                                                                  lora.lora_path if lora else ""))
+            state = _RequestState(
+                request,
+                self.request_namespace(
+                    lora.lora_name if lora else "", request.cache_salt or "", lora.lora_path if lora else ""
+                ),
+            )
             self._requests[request.request_id] = state
         return state
 
@@ -236,10 +249,15 @@ class SchedulerSide:
         tokens = state.request.all_token_ids
         full = len(tokens) // self.block_tokens
         if full > len(state.keys):
-            new = tokens[len(state.keys) * self.block_tokens: full * self.block_tokens]
+            new = tokens[len(state.keys) * self.block_tokens : full * self.block_tokens]
             parent = state.keys[-1] if state.keys else None
-            state.keys += chain_hashes(list(new), self.block_tokens, state.namespace if parent is None else b"",
-                                       parent=parent, secret=self.key_secret)
+            state.keys += chain_hashes(
+                list(new),
+                self.block_tokens,
+                state.namespace if parent is None else b"",
+                parent=parent,
+                secret=self.key_secret,
+            )
         return state.keys
 
     # --- lookup and load -----------------------------------------------------------------------
@@ -267,7 +285,7 @@ class SchedulerSide:
             return None, False
         state.lookup_start = start
         self._release(state)
-        state.in_step = self.in_step_host_hits and end > start and not any(found.sources[:end - start])
+        state.in_step = self.in_step_host_hits and end > start and not any(found.sources[: end - start])
         if state.in_step:  # (a block leaving before the load is planned would be recomputed after vLLM read it)
             state.reserved = keys[start:end]
             self.tiers[0].pin(state.reserved, use=False)  # (the load counts as the use, once)
@@ -327,10 +345,17 @@ class SchedulerSide:
     def _needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
         """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
         if self.uniform:  # (every lookup of a windowed model: block i of each group ends at key i)
-            return [self._group_key(keys[i], p) for i in range(start, end) for p, group in enumerate(self.groups)
-                    if group.window_blocks is None or i >= end - group.window_blocks]
-        return [self._group_key(keys[i], p) for i, p in self._ends(start, end, range(len(self.groups)))
-                if self._table_index(i, p) >= self._window_start(p, end)]
+            return [
+                self._group_key(keys[i], p)
+                for i in range(start, end)
+                for p, group in enumerate(self.groups)
+                if group.window_blocks is None or i >= end - group.window_blocks
+            ]
+        return [
+            self._group_key(keys[i], p)
+            for i, p in self._ends(start, end, range(len(self.groups)))
+            if self._table_index(i, p) >= self._window_start(p, end)
+        ]
 
     def _window_start(self, group: int, end: int) -> int:
         """The first of served group ``group``'s blocks a hit ending at key ``end`` needs (0: all of them)."""
@@ -367,6 +392,7 @@ class SchedulerSide:
     def _block_id(self, gpu_slot: int) -> int:
         """vLLM's block id of a GPU slot: what vLLM allocates and frees, whatever the group."""
         return gpu_slot % self.gpu_blocks if self.gpu_blocks else gpu_slot
+
     def _store_answered(self, state: _RequestState, first: int, end: int) -> bool:
         """Whether the remote store answered recently which of the request's blocks ``first`` to ``end``
         it holds (its answers are then the remote tier's READY keys); else asks it, one batched query
@@ -410,8 +436,9 @@ class SchedulerSide:
         finally:
             self._release(state)
 
-    def _plan_load(self, request: Request, state: _RequestState, block_ids: tuple[list[int], ...],
-                   num_external_tokens: int) -> None:
+    def _plan_load(
+        self, request: Request, state: _RequestState, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
         """The load of a request's hit into the GPU blocks vLLM allocated (``update_state_after_alloc``)."""
         start = state.lookup_start
         tables = [block_ids[g.vllm_index] for g in self.groups]
@@ -421,7 +448,7 @@ class SchedulerSide:
         planned = self.planner.load(keys, gpu_slots, LOAD_MEDIUM)
         self._ship(planned.room)
         plan = planned.plan
-        loading = gpu_slots[:plan.num_blocks]
+        loading = gpu_slots[: plan.num_blocks]
         sources = planned.sources  # each block counted once, where its first group's copy comes from
         if len(self.groups) > 1:
             sources = tuple(src for k, src in enumerate(sources) if k == 0 or positions[k] != positions[k - 1])
@@ -439,22 +466,26 @@ class SchedulerSide:
         state.jobs.add(job.id)
         for slot in loading:
             self._gpu_loading[self._block_id(slot)] = job.id
-        transfer = TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading):], state.in_step)
+        transfer = TransferJob.of(job.id, plan, request.request_id, loading, gpu_slots[len(loading) :], state.in_step)
         if split:
             self._staging[job.id] = transfer
             transfer = transfer.staging_part()
         self._step_loads.append(transfer)
 
-    def _load_blocks(self, state: _RequestState, tables: list[list[int]], start: int,
-                     end: int) -> tuple[list[bytes], tuple[int, ...], list[int]]:
+    def _load_blocks(
+        self, state: _RequestState, tables: list[list[int]], start: int, end: int
+    ) -> tuple[list[bytes], tuple[int, ...], list[int]]:
         """The keys, GPU slots and positions of the blocks a load from ``start`` to ``end`` writes: those
         vLLM allocated in each served group's ``tables`` (a sliding-window group's out-of-window
         positions are its null block, 0, and load nothing)."""
         keys = self._keys(state)
         if len(tables) == 1:  # one group: every position, vLLM's block ids as they are
             return keys[start:end], tuple(tables[0][start:end]), list(range(start, end))
-        rows = [(self._group_key(keys[i], p), self._gpu_slot(p, tables[p][b]), i)
-                for i, p in self._ends(start, end, range(len(tables))) if tables[p][b := self._table_index(i, p)]]
+        rows = [
+            (self._group_key(keys[i], p), self._gpu_slot(p, tables[p][b]), i)
+            for i, p in self._ends(start, end, range(len(tables)))
+            if tables[p][b := self._table_index(i, p)]
+        ]
         return [r[0] for r in rows], tuple(r[1] for r in rows), [r[2] for r in rows]
 
     # --- stores --------------------------------------------------------------------------------
@@ -462,8 +493,11 @@ class SchedulerSide:
     def _unstored_full(self, state: _RequestState, num_tokens: int) -> range:
         """Indices of the request's blocks full with ``num_tokens`` tokens that no store has taken
         yet (``state.stored`` counts those taken, from the first block on)."""
-        tables = (min(len(ids) * m for ids, m in zip(state.block_ids, self.keys_per_block, strict=True))
-                  if state.block_ids else 0)
+        tables = (
+            min(len(ids) * m for ids, m in zip(state.block_ids, self.keys_per_block, strict=True))
+            if state.block_ids
+            else 0
+        )
         full = min(num_tokens // self.block_tokens, tables, len(self._keys(state)))
         return range(state.stored, full)
 
@@ -471,7 +505,7 @@ class SchedulerSide:
         """The request's block of served group ``group`` that ends at key ``i`` (its tokens sliced only
         for blocks about to be stored)."""
         first = i + 1 - self.keys_per_block[group]
-        tokens = state.request.all_token_ids[first * self.block_tokens:(i + 1) * self.block_tokens]
+        tokens = state.request.all_token_ids[first * self.block_tokens : (i + 1) * self.block_tokens]
         gpu_slot = self._gpu_slot(group, self._block_id_at(state, i, group))
         return BlockRef(self._group_key(state.keys[i], group), gpu_slot, tuple(tokens))
 
@@ -481,8 +515,11 @@ class SchedulerSide:
 
     def _held_in(self, state: _RequestState, i: int) -> list[int]:
         """The served groups with a block ending at key ``i`` that vLLM holds (a window's old ones it does not)."""
-        return [p for p, ids in enumerate(state.block_ids)
-                if (i + 1) % self.keys_per_block[p] == 0 and ids[self._table_index(i, p)]]
+        return [
+            p
+            for p, ids in enumerate(state.block_ids)
+            if (i + 1) % self.keys_per_block[p] == 0 and ids[self._table_index(i, p)]
+        ]
 
     def _store_full(self, state: _RequestState, num_tokens: int) -> TransferJob | None:
         """Store the request's full blocks no tier holds yet. Those that find no room now (the first
@@ -493,8 +530,12 @@ class SchedulerSide:
             ids = state.block_ids[0]
             todo = [(i, 0) for i in full if self._storable(state.keys[i], ids[i])]
         else:
-            todo = [(i, p) for i in full for p in self._held_in(state, i)
-                    if self._storable(self._group_key(state.keys[i], p), self._block_id_at(state, i, p))]
+            todo = [
+                (i, p)
+                for i in full
+                for p in self._held_in(state, i)
+                if self._storable(self._group_key(state.keys[i], p), self._block_id_at(state, i, p))
+            ]
         job, declined = self._store([self._block(state, i, p) for i, p in todo], state)
         taken = job.num_blocks if job is not None else 0
         # Blocks the first tier's policy declined are not offered again by this request (a second ask
@@ -514,8 +555,12 @@ class SchedulerSide:
         picked: dict[bytes, BlockRef] = {}
         for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
             ref = self._gpu_keys.get(block.block_id)
-            if (block.block_hash is not None and ref is not None and ref.key not in picked
-                    and self._storable(ref.key, block.block_id)):
+            if (
+                block.block_hash is not None
+                and ref is not None
+                and ref.key not in picked
+                and self._storable(ref.key, block.block_id)
+            ):
                 picked[ref.key] = ref
         return list(picked.values())
 
@@ -530,7 +575,7 @@ class SchedulerSide:
         plan = planned.plan
         if not plan.num_blocks:
             return None, planned.declined
-        picked = picked[:plan.num_blocks]
+        picked = picked[: plan.num_blocks]
         gpu_blocks = [b.gpu_block for b in picked]
         req_id = state.request.request_id if state is not None else None
         tokens = {b.key: b.tokens for b in picked}
@@ -633,8 +678,9 @@ class SchedulerSide:
             elif is_full_table or not state.block_ids:  # (vLLM 0.32 marks a new request's table not full)
                 state.block_ids = [list(new[g.vllm_index]) if new else [] for g in self.groups]
             elif new:
-                state.block_ids = [ids + list(new[g.vllm_index])
-                                   for ids, g in zip(state.block_ids, self.groups, strict=True)]
+                state.block_ids = [
+                    ids + list(new[g.vllm_index]) for ids, g in zip(state.block_ids, self.groups, strict=True)
+                ]
             if is_full_table:
                 state.stored = 0
         flush = {job for block in allocated for job in self._gpu_readers.get(block, ())}
@@ -661,15 +707,16 @@ class SchedulerSide:
         if self.lazy_ahead is not None and self.serves_hits:
             candidates = self._lazy_candidates()
             job, declined = self._store(candidates, None)
-            for ref in candidates[len(candidates) - declined:]:  # declined: not offered again (see _store_full)
+            for ref in candidates[len(candidates) - declined :]:  # declined: not offered again (see _store_full)
                 self._gpu_keys.pop(self._block_id(ref.gpu_block), None)
             planned.append(job)
         stores = [job for job in planned if job is not None]
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
             if tier.watermark is not None:
                 self._ship(self.planner.relieve(index))
-        meta = StepJobs(self._step_loads, stores + self._step_copies, flush,
-                        idle=not scheduler_output.total_num_scheduled_tokens)
+        meta = StepJobs(
+            self._step_loads, stores + self._step_copies, flush, idle=not scheduler_output.total_num_scheduled_tokens
+        )
         self._step_loads, self._step_copies, self._step_allocated = [], [], set()
         return meta
 
@@ -709,9 +756,17 @@ class SchedulerSide:
             return
         for key in keys:
             block = list(tokens[key]) if tokens else []
-            self._events.append(BlockStored(block_hashes=[key], parent_block_hash=None, token_ids=block,
-                                            block_size=self._block_tokens_of(key), lora_id=None,
-                                            medium=EVENT_MEDIUM[tier.medium], lora_name=None))
+            self._events.append(
+                BlockStored(
+                    block_hashes=[key],
+                    parent_block_hash=None,
+                    token_ids=block,
+                    block_size=self._block_tokens_of(key),
+                    lora_id=None,
+                    medium=EVENT_MEDIUM[tier.medium],
+                    lora_name=None,
+                )
+            )
 
     def _block_tokens_of(self, key: bytes) -> int:
         """Tokens in the block a key names: its group's block size (the key's tag names the group)."""
@@ -749,9 +804,12 @@ class SchedulerSide:
 
     def leaks(self) -> dict[str, Any]:
         """Pins, writes, jobs and GPU fences still held (all empty when kvtier is idle)."""
-        return {"tiers": {t.name: t.leaks() for t in self.tiers if any(t.leaks().values())},
-                "jobs": [j.id for j in self.jobs.in_flight()], "gpu_readers": dict(self._gpu_readers),
-                "gpu_loading": dict(self._gpu_loading)}
+        return {
+            "tiers": {t.name: t.leaks() for t in self.tiers if any(t.leaks().values())},
+            "jobs": [j.id for j in self.jobs.in_flight()],
+            "gpu_readers": dict(self._gpu_readers),
+            "gpu_loading": dict(self._gpu_loading),
+        }
 
 
 def _log_failure(query: Future[int]) -> None:

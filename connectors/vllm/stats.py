@@ -54,12 +54,22 @@ class KVTierConnectorStats(KVConnectorStats):
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """kvtier's counters as Prometheus counters with vLLM's engine labels (hits also by ``tier``)."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        metrics = {name: self._counter_cls(name=f"vllm:kvtier_{name}", documentation=text,
-                                           labelnames=labelnames + (["tier"] if name == "hit_blocks" else []))
-                   for name, text in PROMETHEUS_HELP.items()}
+        metrics = {
+            name: self._counter_cls(
+                name=f"vllm:kvtier_{name}",
+                documentation=text,
+                labelnames=labelnames + (["tier"] if name == "hit_blocks" else []),
+            )
+            for name, text in PROMETHEUS_HELP.items()
+        }
         self._per_engine: dict[int, dict[str, Any]] = {}
         for engine, values in per_engine_labelvalues.items():
             counters = {f"hit_blocks_{tier}": metrics["hit_blocks"].labels(*values, tier) for tier in HIT_TIERS}

@@ -82,8 +82,9 @@ class _RunningJob:
         self.started = time.perf_counter()
         self.gpu_released = threading.Event()  # set once no later stage reads vLLM's KV blocks
         self.finished = threading.Event()  # set once its result is recorded
-        self.last_gpu_read = max((k for k, stage in enumerate(job.stages) if any(c.src.tier == GPU for c in stage)),
-                                 default=-1)
+        self.last_gpu_read = max(
+            (k for k, stage in enumerate(job.stages) if any(c.src.tier == GPU for c in stage)), default=-1
+        )
 
     def stage_starts(self, k: int) -> None:
         """Stages from ``k`` on run now: past the last one reading vLLM's blocks, those may be reused."""
@@ -94,8 +95,15 @@ class _RunningJob:
 class WorkerSide:
     """One rank's host slab and disk file, its transfer backends, and the reports it owes the scheduler."""
 
-    def __init__(self, config: StackConfig, kv_cache_config: KVCacheConfig, rank: int, namespace: str,
-                 ranks: int = 1, engine_id: str = "") -> None:
+    def __init__(
+        self,
+        config: StackConfig,
+        kv_cache_config: KVCacheConfig,
+        rank: int,
+        namespace: str,
+        ranks: int = 1,
+        engine_id: str = "",
+    ) -> None:
         """``rank`` of ``ranks`` workers of the engine ``engine_id`` (the ranks of one engine share a host
         slab where their KV is the same: MLA)."""
         self.kv_cache_config = kv_cache_config
@@ -132,8 +140,9 @@ class WorkerSide:
                     continue  # rank 0 holds the one copy below host memory
                 elif tier_cfg.medium == "disk":
                     # One directory per rank: each rank holds its own shard of every block.
-                    slab = DiskSlab.from_config(tier_cfg, slots[name], self.layout, namespace,
-                                                rank_directory(tier_cfg.path, rank))
+                    slab = DiskSlab.from_config(
+                        tier_cfg, slots[name], self.layout, namespace, rank_directory(tier_cfg.path, rank)
+                    )
                     # Marks every old header without touching it: the blocks the scheduler side kept
                     # (recovery.py) stay readable, and any slot is cleared before new bytes land in it.
                     slab.scan()
@@ -178,8 +187,15 @@ class WorkerSide:
             with self._lock:
                 self._running[job.job_id] = running
             transfers = self.in_step_copies if job.in_step and self.in_step_copies is not None else self.transfers
-            StagedRun(self._stages(job), job.num_blocks, self.storages, transfers,
-                      functools.partial(self._finish, running), self._take_refused, running.stage_starts).start()
+            StagedRun(
+                self._stages(job),
+                job.num_blocks,
+                self.storages,
+                transfers,
+                functools.partial(self._finish, running),
+                self._take_refused,
+                running.stage_starts,
+            ).start()
             if job.in_step:
                 in_step.append(running)
         for running in in_step:
@@ -214,8 +230,9 @@ class WorkerSide:
             self._running.pop(job.job_id, None)
             self._report = self._report.aggregate(run.report(job.job_id))
             if job.kind in ("load", "store"):
-                moved = sum(len(c.blocks) for stage in self._stages(job) for c in stage
-                            if GPU in (c.src.tier, c.dst.tier))  # (the copies this rank made)
+                moved = sum(
+                    len(c.blocks) for stage in self._stages(job) for c in stage if GPU in (c.src.tier, c.dst.tier)
+                )  # (the copies this rank made)
                 self._count(job.kind, (moved - len(run.failed)) * self.layout.block_bytes, seconds)
             if job.kind == "load" and job.req_id is not None:
                 errors = {job.gpu_blocks[i] for i in run.failed} | set(job.missing)
@@ -250,8 +267,9 @@ class WorkerSide:
         thread of kvtier that moves those loads would wait up to Python's switch interval (5 ms)
         for the GIL, at each hand-off. Waiting here releases it."""
         with self._load_ended:
-            if self._finished_loads or not any(r.job.kind == "load" and not r.job.in_step
-                                               for r in self._running.values()):
+            if self._finished_loads or not any(
+                r.job.kind == "load" and not r.job.in_step for r in self._running.values()
+            ):
                 return
             self._load_ended.wait(IDLE_WAIT_S)
 

@@ -76,8 +76,9 @@ class _Shield:
 
     __slots__ = ("_protected", "_evictable", "_reading")
 
-    def __init__(self, protected: Collection[OffloadKey], evictable: set[OffloadKey],
-                 reading: Mapping[OffloadKey, int]) -> None:
+    def __init__(
+        self, protected: Collection[OffloadKey], evictable: set[OffloadKey], reading: Mapping[OffloadKey, int]
+    ) -> None:
         self._protected = protected
         self._evictable = evictable
         self._reading = reading
@@ -148,8 +149,13 @@ class KVTierAdaptive(CachePolicy):
             self._read(key)
         self._policy.restore(())
 
-    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]], insertion_only_keys: set[OffloadKey],
-                            reused_keys: set[OffloadKey], req_context: ReqContext) -> None:
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
         """The reads were applied as they came (``on_request_access``); what is left is to let the request's
         blocks be evicted like any other and to drop the verdicts of blocks it never stored."""
         del key_groups, insertion_only_keys, reused_keys

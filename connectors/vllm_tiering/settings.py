@@ -51,8 +51,9 @@ class TierSettings:
     options: AdapterOptions
 
 
-def tier_settings(medium: Literal["disk", "remote"], tier_type: str, entry: dict[str, Any],
-                  chunk_bytes: int) -> TierSettings:
+def tier_settings(
+    medium: Literal["disk", "remote"], tier_type: str, entry: dict[str, Any], chunk_bytes: int
+) -> TierSettings:
     """The stack a ``secondary_tiers`` entry of type ``tier_type`` describes for chunks of ``chunk_bytes``:
     the tier alone (disk), or a host staging tier above it (remote). Raises one ConfigError naming
     the entry and every key that is unknown, missing or wrong."""
@@ -61,19 +62,27 @@ def tier_settings(medium: Literal["disk", "remote"], tier_type: str, entry: dict
     option_keys = [key for key in AdapterOptions.model_fields if medium == "remote" or key != "staging_blocks"]
     tier_keys = [key for key in TIER_CONFIGS[medium].model_fields if key != "medium"]
     if "medium" in entry:
-        raise ConfigError(f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "
-                          f"{medium} tier; KVTierDisk and KVTierRemote are the two kvtier tiers vLLM can cascade to, "
-                          f"vLLM's CPU tier being the memory tier); remove medium")
+        raise ConfigError(
+            f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "
+            f"{medium} tier; KVTierDisk and KVTierRemote are the two kvtier tiers vLLM can cascade to, "
+            f"vLLM's CPU tier being the memory tier); remove medium"
+        )
     unknown = sorted(set(entry) - set(option_keys) - set(tier_keys) - set(STACK_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} ({tier_type} is kvtier's {medium} tier); allowed: "
-                          f"{', '.join([*tier_keys, *STACK_KEYS, *option_keys])}")
-    options = _validated(lambda: AdapterOptions.model_validate({k: entry.pop(k) for k in option_keys if k in entry}),
-                         where)
+        raise ConfigError(
+            f"{where}: unknown key {unknown[0]!r} ({tier_type} is kvtier's {medium} tier); allowed: "
+            f"{', '.join([*tier_keys, *STACK_KEYS, *option_keys])}"
+        )
+    options = _validated(
+        lambda: AdapterOptions.model_validate({k: entry.pop(k) for k in option_keys if k in entry}), where
+    )
     stack = {key: entry.pop(key) for key in STACK_KEYS if key in entry}
     tier = {"medium": medium, **entry}
-    tiers = [tier] if medium == "disk" else [
-        {"medium": "host", "name": "staging", "capacity_blocks": options.staging_blocks}, tier]
+    tiers = (
+        [tier]
+        if medium == "disk"
+        else [{"medium": "host", "name": "staging", "capacity_blocks": options.staging_blocks}, tier]
+    )
     config = _validated(lambda: load_config({**stack, "block_bytes": chunk_bytes, "tiers": tiers}), where)
     return TierSettings(config, options)
 
@@ -90,6 +99,8 @@ def _validated(build, where: str):
         message = message.replace("block_bytes", "vLLM's chunk size")
         raise ConfigError(f"{where}: {message}") from None
     except ValidationError as exc:  # the adapter's options
-        problems = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r:.60})"
-                    for err in exc.errors(include_url=False)]
+        problems = [
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r:.60})"
+            for err in exc.errors(include_url=False)
+        ]
         raise ConfigError(f"{where}: {'; '.join(problems)}") from None

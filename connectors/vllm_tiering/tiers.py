@@ -73,9 +73,9 @@ TIER_LABEL = "kvtier_tier"
 METRICS = {
     "vllm:kvtier_tier_stored_chunks": "Chunks a kvtier secondary tier stored (new ones; already held ones skipped).",
     "vllm:kvtier_tier_dropped_chunks": "Chunks a kvtier secondary tier did not store: no room, declined by its "
-                                       "policy, or a copy that failed.",
+    "policy, or a copy that failed.",
     "vllm:kvtier_tier_failed_load_chunks": "Chunks a kvtier secondary tier could not promote intact (gone, "
-                                           "damaged, foreign or unsigned): vLLM recomputes them.",
+    "damaged, foreign or unsigned): vLLM recomputes them.",
 }
 
 
@@ -94,8 +94,14 @@ class KVTierTier(SecondaryTierManager):
     kvtier_medium: ClassVar[Literal["disk", "remote"]]
     medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **entry: Any,
+    ) -> None:
         """Validate the entry (a ConfigError names a wrong key and stops vLLM's start), then open the stack
         over the CPU tier's chunks; a disk tier finds what an earlier run of the same engine stored."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -108,17 +114,27 @@ class KVTierTier(SecondaryTierManager):
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
             else:
-                log.warning("%s: enable_kv_events is set but vLLM publishes no KV cache events (kv_events_config); "
-                            "this tier announces nothing", tier_type)
+                log.warning(
+                    "%s: enable_kv_events is set but vLLM publishes no KV cache events (kv_events_config); "
+                    "this tier announces nothing",
+                    tier_type,
+                )
         self.stack = build_stack(self.config, BlockLayout((self.block_size_bytes,)))
         self._chunks = _chunk_storage(primary_kv_view)
-        self._info = KVTierTierInfo(hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
-                                    ", ".join(f"{t.name}:{t.medium}:{t.capacity}" for t in self.stack.tiers))
+        self._info = KVTierTierInfo(
+            hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
+            ", ".join(f"{t.name}:{t.medium}:{t.capacity}" for t in self.stack.tiers),
+        )
         self._jobs = _JobRunner(tier_type, self.config.transfer.io_threads)
         self._counts = dict.fromkeys(METRICS, 0)
         self._counts_lock = threading.Lock()
-        log.info("kvtier secondary tier %s for vLLM's CPU tier (%d chunks of %d bytes):\n%s", tier_type,
-                 self._chunks.num_slots, self.block_size_bytes, self.stack.describe())
+        log.info(
+            "kvtier secondary tier %s for vLLM's CPU tier (%d chunks of %d bytes):\n%s",
+            tier_type,
+            self._chunks.num_slots,
+            self.block_size_bytes,
+            self.stack.describe(),
+        )
 
     # --- vLLM's questions ------------------------------------------------------------------------
 
@@ -143,8 +159,9 @@ class KVTierTier(SecondaryTierManager):
         results = []
         for kind, result, keys in self._jobs.finished():
             if kind == "store" and keys and self._events is not None:
-                self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
-                                                    locality=self.locality))
+                self._events.append(
+                    OffloadingEvent(keys=keys, medium=self.medium, removed=False, locality=self.locality)
+                )
             elif kind == "load" and keys:
                 self._load_failed(keys)
             results.append(result)
@@ -185,8 +202,10 @@ class KVTierTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
-                for name, doc in METRICS.items()}
+        return {
+            name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
+            for name, doc in METRICS.items()
+        }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         with self._counts_lock:
@@ -215,15 +234,18 @@ class KVTierTier(SecondaryTierManager):
         kv_keys = self._keys(keys)
         step = self.stack.tiers[0].capacity
         for i in range(0, len(kv_keys), step):
-            result = self.stack.store(kv_keys[i:i + step], self._chunks, chunks[i:i + step]).result()
+            result = self.stack.store(kv_keys[i : i + step], self._chunks, chunks[i : i + step]).result()
             stored += result.stored
             dropped += result.dropped
             failed += len(result.failed)
-        self._count(**{"vllm:kvtier_tier_stored_chunks": stored,
-                       "vllm:kvtier_tier_dropped_chunks": dropped + failed})
+        self._count(**{"vllm:kvtier_tier_stored_chunks": stored, "vllm:kvtier_tier_dropped_chunks": dropped + failed})
         held = [key for key, kv_key in zip(keys, kv_keys, strict=True) if not self.stack.planner.is_new(kv_key)]
-        return JobResult(job_id, success=not failed, transfer_time=time.perf_counter() - started,
-                         transfer_bytes=stored * self.block_size_bytes), held
+        return JobResult(
+            job_id,
+            success=not failed,
+            transfer_time=time.perf_counter() - started,
+            transfer_bytes=stored * self.block_size_bytes,
+        ), held
 
     def _load(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
         """Promote the chunks, in batches the stack can stage; the result names those that arrived intact
@@ -235,15 +257,19 @@ class KVTierTier(SecondaryTierManager):
         arrived: list[OffloadKey] = []
         missed: list[OffloadKey] = []
         for i in range(0, len(kv_keys), step):
-            result = self.stack.load(kv_keys[i:i + step], self._chunks, chunks[i:i + step], "host").result()
+            result = self.stack.load(kv_keys[i : i + step], self._chunks, chunks[i : i + step], "host").result()
             failed = set(result.failed)
-            for j, key in enumerate(keys[i:i + step]):
+            for j, key in enumerate(keys[i : i + step]):
                 (arrived if j < result.hits and j not in failed else missed).append(key)
         if missed:
             self._count(**{"vllm:kvtier_tier_failed_load_chunks": len(missed)})
-        return JobResult(job_id, success=not missed, successful_keys=arrived or None,
-                         transfer_time=time.perf_counter() - started,
-                         transfer_bytes=len(arrived) * self.block_size_bytes), missed
+        return JobResult(
+            job_id,
+            success=not missed,
+            successful_keys=arrived or None,
+            transfer_time=time.perf_counter() - started,
+            transfer_bytes=len(arrived) * self.block_size_bytes,
+        ), missed
 
     def _load_failed(self, keys: list[OffloadKey]) -> None:
         """Chunks a promotion did not bring: the stack already treats them as a miss (a damaged slot is
@@ -274,8 +300,14 @@ class KVTierDisk(KVTierTier):
 
     kvtier_medium = "disk"
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **entry: Any,
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
         self.locality = Locality.LOCAL
 
@@ -288,8 +320,14 @@ class KVTierRemote(KVTierTier):
     kvtier_medium = "remote"
     cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: BackpressureDetector | None = None, **entry: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **entry: Any,
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
         self.locality = Locality.REMOTE
         self._asked = _StoreLookup(self)
@@ -351,8 +389,10 @@ class _JobRunner:
     deep; a pool per direction keeps a burst of stores from delaying promotions."""
 
     def __init__(self, tier_type: str, threads: int) -> None:
-        self._pools = {kind: ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{tier_type}-{kind}")
-                       for kind in ("store", "load")}
+        self._pools = {
+            kind: ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{tier_type}-{kind}")
+            for kind in ("store", "load")
+        }
         self._done: list[tuple[Kind, JobResult, list[OffloadKey]]] = []
         self._in_flight = 0
         self._cond = threading.Condition()

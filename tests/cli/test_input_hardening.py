@@ -42,7 +42,8 @@ from kvtier.tiers.host import physical_memory
 
 # 9 levels of 9 aliases each: 9**8 (43 million) strings in tiers[8] once expanded.
 ALIAS_BOMB = "tiers:\n  - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"  - &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi", strict=True))
+    f"  - &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
 
 
 def test_an_alias_bomb_is_refused_within_a_second(tmp_path):
@@ -52,8 +53,9 @@ def test_an_alias_bomb_is_refused_within_a_second(tmp_path):
     started = time.monotonic()
     msg = error_of(path)
     assert time.monotonic() - started < 1.0
-    assert msg == (f"{path}: line 3, column 9: YAML error: aliases (*a) are not allowed in a kvtier config; "
-                   f"write the value out")
+    assert msg == (
+        f"{path}: line 3, column 9: YAML error: aliases (*a) are not allowed in a kvtier config; write the value out"
+    )
 
 
 def test_a_merge_key_is_an_alias_and_refused(tmp_path):
@@ -107,8 +109,11 @@ def marked_module(tmp_path, monkeypatch, request):
 
 
 def test_a_dotted_policy_is_imported_only_after_the_whole_config_validated(tmp_path, marked_module):
-    config = {"block_bytes": "4KiB", "placement": "write_bak",
-              "tiers": [{"medium": "host", "capacity_blocks": 4, "eviction": f"{marked_module()}.MarkedPolicy"}]}
+    config = {
+        "block_bytes": "4KiB",
+        "placement": "write_bak",
+        "tiers": [{"medium": "host", "capacity_blocks": 4, "eviction": f"{marked_module()}.MarkedPolicy"}],
+    }
     msg = error_of(config)
     assert "placement: 'write_bak' is not allowed" in msg
     assert not (tmp_path / "imported").exists()  # refused: the module never ran
@@ -125,10 +130,18 @@ def test_a_dotted_policy_is_imported_only_after_the_whole_config_validated(tmp_p
 
 def test_a_dotted_policy_that_fails_on_import_names_its_key(tmp_path, marked_module):
     name = marked_module(raise_on_import=True)
-    msg = error_of({"tiers": [{"medium": "gpu", "capacity_blocks": 2},
-                              {"medium": "host", "capacity": "1GiB", "eviction": f"{name}.MarkedPolicy"}]})
-    assert msg == (f"config: tiers[1].eviction: eviction policy '{name}.MarkedPolicy' cannot be loaded: "
-                   f"RuntimeError: broken on purpose")
+    msg = error_of(
+        {
+            "tiers": [
+                {"medium": "gpu", "capacity_blocks": 2},
+                {"medium": "host", "capacity": "1GiB", "eviction": f"{name}.MarkedPolicy"},
+            ]
+        }
+    )
+    assert msg == (
+        f"config: tiers[1].eviction: eviction policy '{name}.MarkedPolicy' cannot be loaded: "
+        f"RuntimeError: broken on purpose"
+    )
 
 
 def test_a_dotted_path_to_something_else_names_its_key(marked_module):
@@ -153,38 +166,44 @@ def test_both_spellings_of_a_dotted_path_load(marked_module):
 @pytest.mark.parametrize("value", ["KVTIER KEY", "1SECRET", "$KVTIER_KEY_SECRET", ""])
 def test_key_secret_env_must_name_an_environment_variable(value):
     msg = error_of({"key_secret_env": value, "tiers": [{"medium": "host", "capacity": "1GiB"}]})
-    assert msg == (f"config: key_secret_env: {value!r} is not the name of an environment variable, "
-                   f"e.g. KVTIER_KEY_SECRET")
+    assert msg == (
+        f"config: key_secret_env: {value!r} is not the name of an environment variable, e.g. KVTIER_KEY_SECRET"
+    )
 
 
 # --- trace lines -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"hash_ids": [1], "input_length": 1e400}', "input_length: expected an integer in [0, 2**63), got Infinity"),
-    ('{"hash_ids": [1], "input_length": -512}', "input_length: expected an integer in [0, 2**63), got -512"),
-    ('{"hash_ids": [1], "output_length": -1}', "output_length: expected an integer in [0, 2**63), got -1"),
-    ('{"hash_ids": [1], "input_length": 512.0}', "input_length: expected an integer in [0, 2**63), got 512.0"),
-    ('{"hash_ids": [1], "output_length": true}', "output_length: expected an integer in [0, 2**63), got true"),
-    ('{"hash_ids": [1], "input_length": 9223372036854775808}', "input_length: expected an integer in [0, 2**63)"),
-    ('{"hash_ids": [1, true]}', "hash_ids[1]: expected an integer in [0, 2**64), got true"),
-    ('{"hash_ids": [1, 2.0]}', "hash_ids[1]: expected an integer in [0, 2**64), got 2.0"),
-    ('{"hash_ids": [-1]}', "hash_ids[0]: expected an integer in [0, 2**64), got -1"),
-    ('{"hash_ids": [18446744073709551616]}',
-     "hash_ids[0]: expected an integer in [0, 2**64), got 18446744073709551616"),
-    ('{"hash_ids": [7, 8, 7]}', "hash_ids[2]: 7 repeats an earlier id"),
-    ('{"hash_ids": "1,2"}', 'hash_ids: expected a list of block ids, got "1,2"'),
-    ('{"hash_ids": null}', "hash_ids: expected a list of block ids, got null"),
-    ('{"input_length": 512, "output_length": 1}', "missing field 'hash_ids'"),
-    ('[1, 2]', "expected a JSON object, got [1, 2]"),
-    ('"hash_ids"', 'expected a JSON object, got "hash_ids"'),
-    ('{"hash_ids": [1], "timestamp": NaN}', "timestamp: expected a finite number, got NaN"),
-    ('{"hash_ids": [1], "timestamp": -Infinity}', "timestamp: expected a finite number, got -Infinity"),
-    ('{"hash_ids": [1], "timestamp": false}', "timestamp: expected a finite number, got false"),
-    ('{"hash_ids": [1], "timestamp": "0"}', 'timestamp: expected a finite number, got "0"'),
-    ('{"hash_ids": [1, 2', "invalid JSON"),
-    ("[" * 100_000, "JSON nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"hash_ids": [1], "input_length": 1e400}', "input_length: expected an integer in [0, 2**63), got Infinity"),
+        ('{"hash_ids": [1], "input_length": -512}', "input_length: expected an integer in [0, 2**63), got -512"),
+        ('{"hash_ids": [1], "output_length": -1}', "output_length: expected an integer in [0, 2**63), got -1"),
+        ('{"hash_ids": [1], "input_length": 512.0}', "input_length: expected an integer in [0, 2**63), got 512.0"),
+        ('{"hash_ids": [1], "output_length": true}', "output_length: expected an integer in [0, 2**63), got true"),
+        ('{"hash_ids": [1], "input_length": 9223372036854775808}', "input_length: expected an integer in [0, 2**63)"),
+        ('{"hash_ids": [1, true]}', "hash_ids[1]: expected an integer in [0, 2**64), got true"),
+        ('{"hash_ids": [1, 2.0]}', "hash_ids[1]: expected an integer in [0, 2**64), got 2.0"),
+        ('{"hash_ids": [-1]}', "hash_ids[0]: expected an integer in [0, 2**64), got -1"),
+        (
+            '{"hash_ids": [18446744073709551616]}',
+            "hash_ids[0]: expected an integer in [0, 2**64), got 18446744073709551616",
+        ),
+        ('{"hash_ids": [7, 8, 7]}', "hash_ids[2]: 7 repeats an earlier id"),
+        ('{"hash_ids": "1,2"}', 'hash_ids: expected a list of block ids, got "1,2"'),
+        ('{"hash_ids": null}', "hash_ids: expected a list of block ids, got null"),
+        ('{"input_length": 512, "output_length": 1}', "missing field 'hash_ids'"),
+        ("[1, 2]", "expected a JSON object, got [1, 2]"),
+        ('"hash_ids"', 'expected a JSON object, got "hash_ids"'),
+        ('{"hash_ids": [1], "timestamp": NaN}', "timestamp: expected a finite number, got NaN"),
+        ('{"hash_ids": [1], "timestamp": -Infinity}', "timestamp: expected a finite number, got -Infinity"),
+        ('{"hash_ids": [1], "timestamp": false}', "timestamp: expected a finite number, got false"),
+        ('{"hash_ids": [1], "timestamp": "0"}', 'timestamp: expected a finite number, got "0"'),
+        ('{"hash_ids": [1, 2', "invalid JSON"),
+        ("[" * 100_000, "JSON nested too deeply"),
+    ],
+)
 def test_each_bad_trace_line_exits_2_naming_file_line_and_field(tmp_path, capsys, line, problem):
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}\n' + line + "\n")
@@ -207,7 +226,10 @@ def test_optional_fields_and_an_empty_request_are_valid(tmp_path, capsys):
     trace.write_text('{"hash_ids": [1, 2]}\n{"timestamp": 2.5, "hash_ids": []}\n{"hash_ids": [1, 3], "extra": 1}\n')
     requests = load_trace(trace)
     assert [(r.timestamp, r.input_length, r.output_length, r.hash_ids) for r in requests] == [
-        (0, 0, 0, (1, 2)), (2.5, 0, 0, ()), (0, 0, 0, (1, 3))]
+        (0, 0, 0, (1, 2)),
+        (2.5, 0, 0, ()),
+        (0, 0, 0, (1, 3)),
+    ]
     assert main(["replay", str(trace), "--json"]) == 0  # through a real stack as well
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["requests"], summary["references"], summary["hits"]) == (3, 4, 1)
@@ -237,16 +259,25 @@ def test_replay_buffers_past_the_address_space_exit_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("tiers, message", [
-    # A GPU tier on CUDA is refused by the device (out of memory), on CPU stand-ins by the RAM check.
-    ([{"medium": "gpu", "capacity": 2**60}], "tiers[0] (gpu): 281474976710656 blocks of 4KiB (1048576TiB in all) "
-                                             "cannot be allocated: "),
-    ([{"medium": "gpu", "capacity_blocks": 2}, {"medium": "host", "name": "dram", "capacity": 2**60}],
-     "tiers[1] (dram): 281474976710656 blocks of 4KiB (1048576TiB in all) cannot be allocated: more than the "),
-    ([{"medium": "host", "capacity_blocks": 2**80}],
-     "tiers[0] (host): 1208925819614629174706176 blocks of 4KiB (4503599627370496TiB in all) cannot be "
-     "allocated: more than the "),
-])
+@pytest.mark.parametrize(
+    "tiers, message",
+    [
+        # A GPU tier on CUDA is refused by the device (out of memory), on CPU stand-ins by the RAM check.
+        (
+            [{"medium": "gpu", "capacity": 2**60}],
+            "tiers[0] (gpu): 281474976710656 blocks of 4KiB (1048576TiB in all) cannot be allocated: ",
+        ),
+        (
+            [{"medium": "gpu", "capacity_blocks": 2}, {"medium": "host", "name": "dram", "capacity": 2**60}],
+            "tiers[1] (dram): 281474976710656 blocks of 4KiB (1048576TiB in all) cannot be allocated: more than the ",
+        ),
+        (
+            [{"medium": "host", "capacity_blocks": 2**80}],
+            "tiers[0] (host): 1208925819614629174706176 blocks of 4KiB (4503599627370496TiB in all) cannot be "
+            "allocated: more than the ",
+        ),
+    ],
+)
 def test_a_huge_capacity_names_the_tier(tiers, message):
     with pytest.raises(ConfigError) as info:
         build_stack(load_config({"block_bytes": "4KiB", "tiers": tiers}))

@@ -38,8 +38,14 @@ def test_metadata_only_with_belady(tmp_path, capsys):
     assert s["hit_ratio"] == pytest.approx(3 / 9)
     assert s["prefill_tokens"] == 4 * 1012 + 500 and s["prefill_tokens_saved"] == 3 * 512
     assert s["belady_hit_ratio"] == pytest.approx(5 / 9) and s["belady_capacity"] == 3
-    assert s["tiers"]["cache"] == {"medium": "index", "capacity": 3, "used": 3, "hits": 3,
-                                   "hit_ratio": pytest.approx(3 / 9), "evicted": 3}
+    assert s["tiers"]["cache"] == {
+        "medium": "index",
+        "capacity": 3,
+        "used": 3,
+        "hits": 3,
+        "hit_ratio": pytest.approx(3 / 9),
+        "evicted": 3,
+    }
 
 
 def test_sweep(tmp_path, capsys):
@@ -55,8 +61,10 @@ def test_sweep(tmp_path, capsys):
 
 def test_real_stack_from_a_config_with_overrides(tmp_path, capsys):
     config = tmp_path / "stack.yaml"
-    config.write_text(f"block_bytes: {BB}\ntiers:\n  - medium: host\n    capacity_blocks: 2\n"
-                      f"  - medium: disk\n    path: {tmp_path / 'disk'}\n    capacity_blocks: 100\n    eviction: arc\n")
+    config.write_text(
+        f"block_bytes: {BB}\ntiers:\n  - medium: host\n    capacity_blocks: 2\n"
+        f"  - medium: disk\n    path: {tmp_path / 'disk'}\n    capacity_blocks: 100\n    eviction: arc\n"
+    )
     trace = write(tmp_path / "t.jsonl", TRACE, tail=0)
     s = run_json(capsys, trace, "--config", config, "--capacity", 4, "--policy", "lru", "--tier", "disk", "--belady")
     assert (s["mode"], s["hits"], s["references"], s["stored_blocks"]) == ("stack", 7, 16, 8)
@@ -84,24 +92,39 @@ def test_real_stack_from_a_config_with_overrides(tmp_path, capsys):
 
 def test_plot_and_save_trace(tmp_path, capsys):
     png, saved = tmp_path / "replay.png", tmp_path / "generated.jsonl"
-    s = run_json(capsys, "--conversations", 8, "--metadata-only", "--capacity", 50, "--sweep", "20,50",
-                 "--plot", png, "--save-trace", saved)
+    s = run_json(
+        capsys,
+        "--conversations",
+        8,
+        "--metadata-only",
+        "--capacity",
+        50,
+        "--sweep",
+        "20,50",
+        "--plot",
+        png,
+        "--save-trace",
+        saved,
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     again = run_json(capsys, saved, "--metadata-only", "--capacity", 50, "--sweep", "20,50")
     assert (again["hits"], again["references"], again["sweep"]) == (s["hits"], s["references"], s["sweep"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["missing.jsonl"], "no such trace file"),
-    (["BAD", "--metadata-only"], "not a Mooncake trace line"),
-    (["--policy", "nope"], "unknown eviction policy 'nope'"),
-    (["--policy", "lru,arc"], "--policy takes one name without --sweep"),
-    (["--policy", ","], "give a policy name"),
-    (["--tier", "ssd"], "--tier 'ssd': the stack has tiers gpu, host, disk"),
-    (["--sweep", "10,x"], "give capacities in blocks"),
-    (["--capacity", "0"], "--capacity must be at least 1"),
-    (["--config", "nowhere.yaml"], "nowhere.yaml: no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["missing.jsonl"], "no such trace file"),
+        (["BAD", "--metadata-only"], "not a Mooncake trace line"),
+        (["--policy", "nope"], "unknown eviction policy 'nope'"),
+        (["--policy", "lru,arc"], "--policy takes one name without --sweep"),
+        (["--policy", ","], "give a policy name"),
+        (["--tier", "ssd"], "--tier 'ssd': the stack has tiers gpu, host, disk"),
+        (["--sweep", "10,x"], "give capacities in blocks"),
+        (["--capacity", "0"], "--capacity must be at least 1"),
+        (["--config", "nowhere.yaml"], "nowhere.yaml: no such file"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "BAD").write_text('{"hash_ids": [1, 1]}\n')
     argv = [str(tmp_path / "BAD") if a == "BAD" else a for a in argv]

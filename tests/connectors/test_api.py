@@ -75,17 +75,23 @@ def test_open_refuses_a_missing_or_short_key_secret(monkeypatch, value):
         KVTier.open(dict(CONFIG, key_secret_env="KVTIER_TEST_SECRET"))
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    (b"k" * 100, ValueError, "must be 1 to 64 bytes, got 100 bytes"),
-    (b"", ValueError, "must be 1 to 64 bytes, got 0 bytes"),
-    ("not-bytes", TypeError, "must be bytes, got str"),
-])
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (b"k" * 100, ValueError, "must be 1 to 64 bytes, got 100 bytes"),
+        (b"", ValueError, "must be 1 to 64 bytes, got 0 bytes"),
+        ("not-bytes", TypeError, "must be bytes, got str"),
+    ],
+)
 def test_caller_keys_no_tier_keeps_whole_are_refused(bad, error, message):
     """A key longer than MAX_KEY_BYTES used to be stored, shown as a hit and never loadable; such keys,
     empty ones and non-bytes are refused by every call, and nothing is stored."""
     with KVTier.open(CONFIG) as kv:
-        for call in (lambda keys: kv.store(keys, blocks(2)), kv.lookup,
-                     lambda keys: kv.load(keys, np.zeros((2, 4096), np.uint8))):
+        for call in (
+            lambda keys: kv.store(keys, blocks(2)),
+            kv.lookup,
+            lambda keys: kv.load(keys, np.zeros((2, 4096), np.uint8)),
+        ):
             with pytest.raises(error, match=message):
                 call([b"k" * 16, bad])
         assert kv.stats()["gpu"]["used"] == 0

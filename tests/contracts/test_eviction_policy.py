@@ -37,21 +37,28 @@ from kvtier.policies import (
 from kvtier.tiers.host import host_tier
 
 FACTORIES = {name: cls for name, cls in EVICTION_POLICIES.items()}
-FACTORIES.update({
-    "arc(capacity=4)": lambda: ARCPolicy(4),
-    "s3fifo(capacity=4)": lambda: S3FIFOPolicy(4),
-    "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
-    "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
-    "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
-})
+FACTORIES.update(
+    {
+        "arc(capacity=4)": lambda: ARCPolicy(4),
+        "s3fifo(capacity=4)": lambda: S3FIFOPolicy(4),
+        "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
+        "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
+        "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
+    }
+)
 """Every policy under test: the registered ones as YAML builds them, and configured variants."""
 
 # One operation: (kind, key index, n, protected key indexes); keys are drawn from a small pool so
 # that reinsertion after eviction (ghost hits) happens often.
 operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict", "admit"]),
-              st.integers(0, 11), st.integers(0, 5), st.frozensets(st.integers(0, 11), max_size=6)),
-    max_size=80)
+    st.tuples(
+        st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict", "admit"]),
+        st.integers(0, 11),
+        st.integers(0, 5),
+        st.frozensets(st.integers(0, 11), max_size=6),
+    ),
+    max_size=80,
+)
 
 
 def key(i: int) -> bytes:
@@ -139,8 +146,12 @@ def test_remove_forgets_a_key_and_evict_never_returns_it(policy):
 
 def test_misuse_raises_key_error_and_changes_nothing(policy):
     filled(policy, b"a")
-    for misuse in (lambda: policy.insert(b"a"), lambda: policy.touch(b"zz"), lambda: policy.remove(b"zz"),
-                   lambda: policy.restore([b"a"])):
+    for misuse in (
+        lambda: policy.insert(b"a"),
+        lambda: policy.touch(b"zz"),
+        lambda: policy.remove(b"zz"),
+        lambda: policy.restore([b"a"]),
+    ):
         with pytest.raises(KeyError):
             misuse()
     assert len(policy) == 1 and b"a" in policy and b"zz" not in policy

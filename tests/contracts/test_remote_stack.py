@@ -54,8 +54,15 @@ def config(request, tmp_path):
     the test's own (a store is shared by the tests that do it no harm)."""
     prefix = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-80:]
 
-    def make(store, host: int = 16, disk: str | None = None, namespace: str = "model-a",
-             auth_env: str | None = None, placement: str = "write_through", block: int = BLOCK) -> dict:
+    def make(
+        store,
+        host: int = 16,
+        disk: str | None = None,
+        namespace: str = "model-a",
+        auth_env: str | None = None,
+        placement: str = "write_through",
+        block: int = BLOCK,
+    ) -> dict:
         tiers: list[dict] = [{"medium": "host", "capacity_blocks": host}]
         if disk is not None:
             tiers.append({"medium": "disk", "path": str(tmp_path / disk), "capacity_blocks": 32})
@@ -141,8 +148,9 @@ with KVTier.open(config) as kv:
 
 def test_two_processes_with_the_same_config_share_blocks(config, store):
     cfg = config(store)
-    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg), "6"], capture_output=True, text=True,
-                           timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(cfg), "6"], capture_output=True, text=True, timeout=120
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     assert json.loads(child.stdout) == {"stored": 6, "in_store": 6}
     with KVTier.open(cfg) as kv:
@@ -230,7 +238,7 @@ def test_a_dead_store_fails_exactly_its_blocks_within_the_timeout_and_local_hits
     tokens, blocks = prompt(8), data(8)
     stored(config(fresh_store), tokens, blocks)
     with KVTier.open(config(fresh_store)) as kv:
-        assert kv.store(tokens[:2 * TOKENS], blocks[:2]).result(WAIT).stored == 2  # blocks 0 and 1 in host memory
+        assert kv.store(tokens[: 2 * TOKENS], blocks[:2]).result(WAIT).stored == 2  # blocks 0 and 1 in host memory
         assert kv.locate(tokens).tiers == ("host",) * 2 + ("remote",) * 6
         fresh_store.kill()
         started = time.monotonic()
@@ -278,7 +286,7 @@ def test_the_stores_own_eviction_never_yields_wrong_bytes(config, store_class, t
         with KVTier.open(cfg) as kv:
             keys = kv.keys(tokens)
             for at in range(0, count, 8):  # through a host tier of 8 blocks, each batch on to the store first
-                assert kv.store(keys[at:at + 8], blocks[at:at + 8]).result(WAIT).stored == 8
+                assert kv.store(keys[at : at + 8], blocks[at : at + 8]).result(WAIT).stored == 8
                 kv.wait_idle(WAIT)
             assert kv.stats()["remote"]["committed"] + kv.stats()["remote"]["aborted"] == count
         with KVTier.open(cfg) as reader:

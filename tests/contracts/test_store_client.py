@@ -38,13 +38,17 @@ from kvtier.core.errors import StoreError
 TIMEOUT = 1.0
 HUNG_TIMEOUT = 0.25
 
-PIECES = {"one-byte": (1,), "header-and-slot": (40, 64 << 10), "three-odd-pieces": (64, 4095, 7),
-          "one-mebibyte": (1 << 20,)}
+PIECES = {
+    "one-byte": (1,),
+    "header-and-slot": (40, 64 << 10),
+    "three-odd-pieces": (64, 4095, 7),
+    "one-mebibyte": (1 << 20,),
+}
 """Record shapes: the byte counts of each record's pieces, in order."""
 
 CALLS_AFTER_CLOSE_REFUSED = {
     "redis": "RedisClient.close() only disconnects; the next call connects again and fills its buffers "
-             "(tiers/remote/redis_client.py, close), where client.py says no call writes into any buffer after it",
+    "(tiers/remote/redis_client.py, close), where client.py says no call writes into any buffer after it",
 }
 """Backends that disagree with ``close()``'s promise, and how (see the test)."""
 
@@ -166,8 +170,12 @@ def test_a_record_outlives_the_client_and_the_process_that_wrote_it(store, clien
     """The writer is a client the factory builds from a tier's config (a Mooncake one lending no memory:
     the record lives in the owner's segment); it puts, closes and exits."""
     key = names(1)[0]
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), json.dumps(store.tier(timeout=2.0)), key],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WRITER), json.dumps(store.tier(timeout=2.0)), key],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "[True]", done.stderr[-2000:]
     target = Records(1, (40 + (256 << 10),))
     assert call(client.get, [key], target.pieces()) == [True]
@@ -205,8 +213,11 @@ def test_a_dead_store_fails_every_call_with_store_error_in_bounded_time(fresh_st
     assert call(client.put, keys, records.pieces()) == [True] * 4
     fresh_store.kill()
     costs = []
-    for method, args in ((client.exists, (keys,)), (client.get, (keys, records.pieces())),
-                         (client.put, (keys, records.pieces()))):
+    for method, args in (
+        (client.exists, (keys,)),
+        (client.get, (keys, records.pieces())),
+        (client.put, (keys, records.pieces())),
+    ):
         start = time.monotonic()
         with pytest.raises(StoreError):
             bounded(method, *args)
@@ -259,8 +270,11 @@ def test_a_store_too_small_evicts_but_never_returns_wrong_bytes(store_class, tmp
         try:
             source, target = Records(count, (size,)).fill(rng), Records(count, (size,))
             keys = [f"evict/{i}" for i in range(count)]
-            stored = [ok for at in range(0, count, 8)
-                      for ok in call(client.put, keys[at:at + 8], source.pieces(range(at, at + 8)))]
+            stored = [
+                ok
+                for at in range(0, count, 8)
+                for ok in call(client.put, keys[at : at + 8], source.pieces(range(at, at + 8)))
+            ]
             loaded = call(client.get, keys, target.pieces())
             assert 0 < sum(loaded) < count and sum(stored) >= sum(loaded)
             assert all(target.record(i) == source.record(i) for i in range(count) if loaded[i])

@@ -79,8 +79,11 @@ def _remote(name: str) -> Tier:
     return RemoteTier(name, LAYOUT, [records], StoreLink(Connector(_no_store, 1, "no store"), 1.0, "lookups"))
 
 
-LOCAL_TIERS = {"host": functools.partial(_memory, host_tier), "gpu": functools.partial(_memory, gpu_tier),
-               "disk": _disk}
+LOCAL_TIERS = {
+    "host": functools.partial(_memory, host_tier),
+    "gpu": functools.partial(_memory, gpu_tier),
+    "disk": _disk,
+}
 """Tiers with slots: ``factory(name, capacity, policy, watermark, is_fenced, directory)``."""
 KEYED_TIERS = {"remote": _remote}
 """Tiers addressed by key alone: ``factory(name)``."""
@@ -143,8 +146,9 @@ def make_tier(kind, tmp_path):
     directories = itertools.count()
 
     def make(capacity: int = 4, watermark: Watermark | None = None, is_fenced=None) -> Tier:
-        tier = LOCAL_TIERS[kind](kind, capacity, LRUPolicy(), watermark, is_fenced,
-                                 tmp_path / f"tier{next(directories)}")
+        tier = LOCAL_TIERS[kind](
+            kind, capacity, LRUPolicy(), watermark, is_fenced, tmp_path / f"tier{next(directories)}"
+        )
         made.append(tier)
         return tier
 
@@ -616,9 +620,12 @@ def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
     tier.abort([k(8), k(9), k(10)])
 
 
-@pytest.mark.xfail(strict=True, reason="Tier.restore claims and indexes the blocks one by one and tells the policy "
-                   "only after the last (core/tier.py, restore): one that fails part way leaves the earlier blocks "
-                   "READY but unknown to the policy, never evicted, and check_invariants fails")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Tier.restore claims and indexes the blocks one by one and tells the policy "
+    "only after the last (core/tier.py, restore): one that fails part way leaves the earlier blocks "
+    "READY but unknown to the policy, never evicted, and check_invariants fails",
+)
 def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path):
     tier = LOCAL_TIERS[kind](kind, 4, LRUPolicy(), None, None, tmp_path)  # not make_tier's: it checks at the end
     try:
@@ -706,9 +713,20 @@ def test_stats_and_record(tier):
     tier.evict(2)
     tier.count(hits=2, bytes_out=128)
     tier.count(hits=1)
-    assert tier.stats.as_dict() == {"committed": 3, "aborted": 1, "evicted": 2, "demoted": 0, "hits": 3,
-                                    "bytes_in": 3 * LAYOUT.block_bytes, "bytes_out": 128, "read_errors": 0,
-                                    "damaged": 0, "incompressible": 0, "demotion_refused": 0, "declined": 0}
+    assert tier.stats.as_dict() == {
+        "committed": 3,
+        "aborted": 1,
+        "evicted": 2,
+        "demoted": 0,
+        "hits": 3,
+        "bytes_in": 3 * LAYOUT.block_bytes,
+        "bytes_out": 128,
+        "read_errors": 0,
+        "damaged": 0,
+        "incompressible": 0,
+        "demotion_refused": 0,
+        "declined": 0,
+    }
     with pytest.raises(AttributeError):
         tier.count(nonsense=1)
 
@@ -827,8 +845,9 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.fenced: set[int] = set()  # slots a (pretend) job in flight still uses
         self.slot_io = SLOT_IO[kind]
-        self.tier = LOCAL_TIERS[kind](kind, CAPACITY, LRUPolicy(), None,
-                                      lambda name, slot: name == kind and slot in self.fenced, directory)
+        self.tier = LOCAL_TIERS[kind](
+            kind, CAPACITY, LRUPolicy(), None, lambda name, slot: name == kind and slot in self.fenced, directory
+        )
         self.blocks: dict[bytes, Block] = {}
         self.order: list[bytes] = []  # the LRU order the policy should hold: READY, not evicting
         self.evicted = 0
@@ -844,7 +863,7 @@ class TierMachine(RuleBasedStateMachine):
     def _evict_model(self, n: int) -> list[bytes]:
         """What Tier.evict(n) should do: take the n least recent unprotected blocks, drop the unfenced
         ones, put the fenced ones back as most recent. Returns the dropped keys."""
-        victims = [key for key in self.order if self.blocks[key].pins == 0][:max(n, 0)]
+        victims = [key for key in self.order if self.blocks[key].pins == 0][: max(n, 0)]
         dropped = [key for key in victims if self.blocks[key].slot not in self.fenced]
         for key in victims:
             self.order.remove(key)
@@ -857,8 +876,11 @@ class TierMachine(RuleBasedStateMachine):
         return dropped
 
     def _snapshot(self):
-        return ({k: (b.slot, b.writing, b.reader_pins, b.evicting) for k, b in self.blocks.items()},
-                list(self.order), self.tier.stats.as_dict())
+        return (
+            {k: (b.slot, b.writing, b.reader_pins, b.evicting) for k, b in self.blocks.items()},
+            list(self.order),
+            self.tier.stats.as_dict(),
+        )
 
     def _assert_unchanged(self, snapshot) -> None:
         blocks, order, stats = snapshot
@@ -870,8 +892,10 @@ class TierMachine(RuleBasedStateMachine):
             else:
                 assert self.tier.state(key) is BlockState.FREE
         assert self.tier.stats.as_dict() == stats
-        assert self.tier.leaks() == {"pinned": sum(1 for b in self.blocks.values() if b.pins),
-                                     "writing": len(self._writing())}
+        assert self.tier.leaks() == {
+            "pinned": sum(1 for b in self.blocks.values() if b.pins),
+            "writing": len(self._writing()),
+        }
 
     def _keys(self, which) -> list[bytes]:
         return sorted(key for key, b in self.blocks.items() if which(b))
@@ -940,10 +964,12 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), what=st.sampled_from(["commit", "abort"]))
     def commit_or_abort_not_reserved(self, data, what):
-        wrong = data.draw(st.sampled_from([key for key in POOL
-                                           if not (key in self.blocks and self.blocks[key].writing)]))
-        others = (data.draw(st.lists(st.sampled_from(self._writing()), max_size=2, unique=True))
-                  if self._writing() else [])
+        wrong = data.draw(
+            st.sampled_from([key for key in POOL if not (key in self.blocks and self.blocks[key].writing)])
+        )
+        others = (
+            data.draw(st.lists(st.sampled_from(self._writing()), max_size=2, unique=True)) if self._writing() else []
+        )
         keys = data.draw(st.permutations([wrong, *others]))
         snapshot = self._snapshot()
         with pytest.raises(StateError):
@@ -1009,8 +1035,9 @@ class TierMachine(RuleBasedStateMachine):
     def unpin_below_zero(self, data):
         key = data.draw(st.sampled_from(POOL))
         held = self.blocks[key].pins if key in self.blocks else 0
-        others = (data.draw(st.lists(st.sampled_from(self._reader_pinned()), max_size=1))
-                  if self._reader_pinned() else [])
+        others = (
+            data.draw(st.lists(st.sampled_from(self._reader_pinned()), max_size=1)) if self._reader_pinned() else []
+        )
         keys = data.draw(st.permutations([key] * (held + 1) + [o for o in others if o != key]))
         snapshot = self._snapshot()
         with pytest.raises(StateError):
@@ -1045,8 +1072,11 @@ class TierMachine(RuleBasedStateMachine):
     @rule(data=st.data(), drop=st.booleans())
     def end_evict(self, data, drop):
         keys = data.draw(st.lists(st.sampled_from(self._evicting()), min_size=1, unique=True))
-        dropped = [key for key in keys
-                   if drop and self.blocks[key].reader_pins == 0 and self.blocks[key].slot not in self.fenced]
+        dropped = [
+            key
+            for key in keys
+            if drop and self.blocks[key].reader_pins == 0 and self.blocks[key].slot not in self.fenced
+        ]
         for key in keys:
             # the victim is still READY and its bytes intact until now
             assert self.tier.lookup([key]) == 1
@@ -1081,8 +1111,10 @@ class TierMachine(RuleBasedStateMachine):
                 assert block.reader_pins >= 0
                 if block.writing:
                     assert tier.lookup([key]) == 0
-        assert tier.leaks() == {"pinned": sum(1 for b in self.blocks.values() if b.pins),
-                                "writing": len(self._writing())}
+        assert tier.leaks() == {
+            "pinned": sum(1 for b in self.blocks.values() if b.pins),
+            "writing": len(self._writing()),
+        }
         assert len(tier.policy) == len(self.order)
         assert tier.stats.evicted == self.evicted
 
@@ -1115,6 +1147,12 @@ Tier's logic and differ in where the bytes live, which fewer runs exercise."""
 
 def test_tier_state_machine(kind, tmp_path):
     directories = itertools.count()  # a disk tier per run: the last one's slab is locked until it closes
-    run_state_machine_as_test(lambda: TierMachine(kind, tmp_path / f"run{next(directories)}"),
-                              settings=settings(max_examples=MACHINE_EXAMPLES.get(kind, 50), stateful_step_count=50,
-                                                deadline=None, suppress_health_check=[HealthCheck.too_slow]))
+    run_state_machine_as_test(
+        lambda: TierMachine(kind, tmp_path / f"run{next(directories)}"),
+        settings=settings(
+            max_examples=MACHINE_EXAMPLES.get(kind, 50),
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

@@ -84,8 +84,9 @@ class _PoisonedCPU(CPUBackend):
         self.poisoned: list[tuple[int, int]] = []
 
     def _copy(self, copies, lo, hi):
-        for s, d, n in zip(copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist(),
-                           strict=True):
+        for s, d, n in zip(
+            copies.src[lo:hi].tolist(), copies.dst[lo:hi].tolist(), copies.size[lo:hi].tolist(), strict=True
+        ):
             if any(a < end and start < a + n for start, end in self.poisoned for a in (s, d)):
                 raise OSError("injected copy fault")
         super()._copy(copies, lo, hi)
@@ -101,8 +102,9 @@ class CPURig(Rig):
 
     def far(self, layout: BlockLayout) -> BlockStorage:
         arrays = [np.zeros((SLOTS, size), np.uint8) for size in layout.fragment_bytes]
-        return StridedStorage(layout, SLOTS, [a.ctypes.data for a in arrays], list(layout.fragment_bytes),
-                              keepalive=arrays)
+        return StridedStorage(
+            layout, SLOTS, [a.ctypes.data for a in arrays], list(layout.fragment_bytes), keepalive=arrays
+        )
 
     def make_unreadable(self, far: BlockStorage, slots: list[int]) -> None:
         for row in far.fragment_addresses(slots).tolist():
@@ -191,6 +193,7 @@ class Memory:
 
 def transfer(src: BlockStorage, src_slots, dst: BlockStorage, dst_slots, far_slots) -> Transfer:
     """A transfer naming the blocks by the far slots they live in; a side addressed by key gets no slots."""
+
     def slots(side, given):
         return () if side.device == KEYED_DEVICE else list(given)
 
@@ -217,8 +220,8 @@ def store_and_load(rig: Rig, layout: BlockLayout, rng, far_slots: list[int]):
     (source memory, its slots, far, destination memory, its slots, the load's failures)."""
     source, target = Memory(layout, rng), Memory(layout)
     far = rig.far(layout)
-    src_slots = rng.permutation(SLOTS)[:len(far_slots)].tolist()
-    dst_slots = rng.permutation(SLOTS)[:len(far_slots)].tolist()
+    src_slots = rng.permutation(SLOTS)[: len(far_slots)].tolist()
+    dst_slots = rng.permutation(SLOTS)[: len(far_slots)].tolist()
     assert run(rig.backend, transfer(source.storage, src_slots, far, far_slots, far_slots)) == set()
     failed = run(rig.backend, transfer(far, far_slots, target.storage, dst_slots, far_slots))
     return source, src_slots, far, target, dst_slots, failed
@@ -267,6 +270,7 @@ def test_on_complete_runs_once_per_transfer_on_a_thread_of_the_backend(rig, layo
         def call(failed, quarantine=None) -> None:
             calls.append((job, frozenset(failed), threading.get_ident()))
             all_done.release()
+
         return call
 
     for slot in range(SLOTS):
@@ -285,8 +289,10 @@ def test_a_transfer_keeps_its_memory_alive_until_it_completes(rig, layout, rng):
     expected = rng.integers(0, 256, (4, layout.block_bytes), dtype=np.uint8)
     done = threading.Event()
     failures: list[set[int]] = []
-    rig.backend.submit(transfer(buffer_storage(expected.copy(), layout), range(4), far, range(4), range(4)),
-                       lambda failed, quarantine=None: (failures.append(set(failed)), done.set()))
+    rig.backend.submit(
+        transfer(buffer_storage(expected.copy(), layout), range(4), far, range(4), range(4)),
+        lambda failed, quarantine=None: (failures.append(set(failed)), done.set()),
+    )
     # the caller kept no reference to the source array or its storage
     assert done.wait(30) and failures == [set()]
     assert run(rig.backend, transfer(far, range(4), target.storage, range(4), range(4))) == set()
@@ -301,12 +307,20 @@ def test_a_device_pair_it_does_not_serve_is_refused_before_anything_moves(rig, l
         assert rig.backend.can_copy(src, dst) == ((src, dst) in rig.backend.pairs)
     assert not rig.backend.can_copy("cpu", "cuda")
     memory, elsewhere = Memory(layout, rng), np.zeros((SLOTS, layout.block_bytes), np.uint8)
-    fake_gpu = StridedStorage(layout, SLOTS, [elsewhere.ctypes.data + offset for offset in layout.offsets.tolist()],
-                              [layout.block_bytes] * layout.num_fragments, device="cuda", keepalive=elsewhere)
+    fake_gpu = StridedStorage(
+        layout,
+        SLOTS,
+        [elsewhere.ctypes.data + offset for offset in layout.offsets.tolist()],
+        [layout.block_bytes] * layout.num_fragments,
+        device="cuda",
+        keepalive=elsewhere,
+    )
     calls: list[set[int]] = []
     with pytest.raises(TransferError, match="cuda"):
-        rig.backend.submit(transfer(memory.storage, [0, 1], fake_gpu, [0, 1], [0, 1]),
-                           lambda failed, quarantine=None: calls.append(failed))
+        rig.backend.submit(
+            transfer(memory.storage, [0, 1], fake_gpu, [0, 1], [0, 1]),
+            lambda failed, quarantine=None: calls.append(failed),
+        )
     assert calls == [] and not elsewhere.any()
 
 
@@ -314,19 +328,25 @@ def test_close_waits_for_transfers_in_flight_then_refuses_new_ones(rig, layout, 
     source, far = Memory(layout, rng), rig.far(layout)
     calls: list[set[int]] = []
     for slot in range(SLOTS):
-        rig.backend.submit(transfer(source.storage, [slot], far, [slot], [slot]),
-                           lambda failed, quarantine=None: calls.append(set(failed)))
+        rig.backend.submit(
+            transfer(source.storage, [slot], far, [slot], [slot]),
+            lambda failed, quarantine=None: calls.append(set(failed)),
+        )
     rig.backend.close()
     assert calls == [set()] * SLOTS  # every transfer in flight completed before close returned
     with pytest.raises(ClosedError):
-        rig.backend.submit(transfer(source.storage, [0], far, [0], [0]),
-                           lambda failed, quarantine=None: calls.append(set(failed)))
+        rig.backend.submit(
+            transfer(source.storage, [0], far, [0], [0]), lambda failed, quarantine=None: calls.append(set(failed))
+        )
     assert len(calls) == SLOTS
 
 
 def test_every_backend_but_cudas_has_a_rig():
     """A backend added to kvtier.transfers without a rig here would go untested by this suite (CUDA's are
     in tests/gpu)."""
-    backends = {value for value in vars(transfers).values()
-                if isinstance(value, type) and issubclass(value, TransferBackend) and value is not TransferBackend}
+    backends = {
+        value
+        for value in vars(transfers).values()
+        if isinstance(value, type) and issubclass(value, TransferBackend) and value is not TransferBackend
+    }
     assert backends == {rig.BACKEND for rig in RIGS.values()} | {CUDABackend}

@@ -53,7 +53,7 @@ def test_loads_from_dict():
     assert isinstance(cfg, StackConfig)
     assert cfg.block_bytes == 256 * 1024
     assert isinstance(cfg.tiers[0], GpuTierConfig) and isinstance(cfg.tiers[1], HostTierConfig)
-    assert cfg.tiers[1].capacity == 64 * 1024 ** 2
+    assert cfg.tiers[1].capacity == 64 * 1024**2
     assert cfg.tiers[1].watermark.high == 0.9
     assert cfg.placement == "write_through"
     assert cfg.transfer.threads == 2
@@ -64,20 +64,22 @@ def test_loads_from_dict():
 
 def test_loads_from_file(tmp_path):
     path = tmp_path / "kvtier.yaml"
-    path.write_text("block_tokens: 32\n"
-                    "tiers:\n"
-                    "  - medium: gpu          # engine-owned\n"
-                    "  - medium: host\n"
-                    "    name: pinned\n"
-                    "    capacity: 1.5GiB\n"
-                    "    watermark: {high: 1, low: 0.5}\n"
-                    "transfer: {threads: 4}\n")
+    path.write_text(
+        "block_tokens: 32\n"
+        "tiers:\n"
+        "  - medium: gpu          # engine-owned\n"
+        "  - medium: host\n"
+        "    name: pinned\n"
+        "    capacity: 1.5GiB\n"
+        "    watermark: {high: 1, low: 0.5}\n"
+        "transfer: {threads: 4}\n"
+    )
     for source in (path, str(path)):
         cfg = load_config(source)
         assert cfg.block_tokens == 32
         assert cfg.tiers[0].capacity is None and cfg.tiers[0].capacity_blocks is None
         assert capacity_in_blocks(cfg.tiers[0], 1024) is None
-        assert cfg.tiers[1].capacity == 3 * 1024 ** 3 // 2
+        assert cfg.tiers[1].capacity == 3 * 1024**3 // 2
         assert cfg.tier_name(1) == "pinned"
         assert cfg.placement == "write_back"
         assert cfg.transfer.threads == 4
@@ -93,11 +95,24 @@ def test_defaults():
 def test_default_eviction_depends_on_the_tier_place():
     """Upper tiers only demote what they evict (LRU measured best); the last tier's evictions leave
     the stack (the prefix-ordered S3-FIFO measured best). A given policy is kept anywhere."""
-    cfg = load_config({"tiers": [{"medium": "gpu", "capacity_blocks": 4}, {"medium": "host", "capacity_blocks": 8},
-                                 {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x"}]})
+    cfg = load_config(
+        {
+            "tiers": [
+                {"medium": "gpu", "capacity_blocks": 4},
+                {"medium": "host", "capacity_blocks": 8},
+                {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x"},
+            ]
+        }
+    )
     assert [cfg.tier_eviction(i) for i in range(3)] == ["lru", "lru", "adaptive"]
-    cfg = load_config({"tiers": [{"medium": "host", "capacity_blocks": 8, "eviction": "arc"},
-                                 {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x", "eviction": "lru"}]})
+    cfg = load_config(
+        {
+            "tiers": [
+                {"medium": "host", "capacity_blocks": 8, "eviction": "arc"},
+                {"medium": "disk", "capacity_blocks": 16, "path": "/tmp/x", "eviction": "lru"},
+            ]
+        }
+    )
     assert [cfg.tier_eviction(i) for i in range(2)] == ["arc", "lru"]
 
 
@@ -109,12 +124,13 @@ def test_default_config_loads():
     assert [t.medium for t in cfg.tiers] == ["gpu", "host"]
     assert cfg.tiers[0].capacity_blocks == 64
     assert (cfg.tiers[0].watermark.high, cfg.tiers[0].watermark.low) == (0.9, 0.7)
-    assert cfg.tiers[1].capacity == 64 * 1024 ** 2
+    assert cfg.tiers[1].capacity == 64 * 1024**2
     assert cfg.placement == "write_back"
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples").rglob("*.yaml")),
-                         ids=lambda p: str(p.relative_to(REPO / "examples")))
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "examples").rglob("*.yaml")), ids=lambda p: str(p.relative_to(REPO / "examples"))
+)
 def test_every_example_loads(path):
     load_config(path)
 
@@ -126,12 +142,28 @@ def test_examples_exist():
 # --- sizes -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("512B", 512), ("1KB", 10 ** 3), ("2MB", 2 * 10 ** 6), ("3GB", 3 * 10 ** 9), ("4TB", 4 * 10 ** 12),
-    ("1KiB", 1024), ("2MiB", 2 * 1024 ** 2), ("3GiB", 3 * 1024 ** 3), ("4TiB", 4 * 1024 ** 4),
-    ("8gib", 8 * 1024 ** 3), ("8 GiB", 8 * 1024 ** 3), ("512 mb", 512 * 10 ** 6), ("1.5GiB", 3 * 1024 ** 3 // 2),
-    ("0.5KiB", 512), (".5KiB", 512), ("4096", 4096), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512B", 512),
+        ("1KB", 10**3),
+        ("2MB", 2 * 10**6),
+        ("3GB", 3 * 10**9),
+        ("4TB", 4 * 10**12),
+        ("1KiB", 1024),
+        ("2MiB", 2 * 1024**2),
+        ("3GiB", 3 * 1024**3),
+        ("4TiB", 4 * 1024**4),
+        ("8gib", 8 * 1024**3),
+        ("8 GiB", 8 * 1024**3),
+        ("512 mb", 512 * 10**6),
+        ("1.5GiB", 3 * 1024**3 // 2),
+        ("0.5KiB", 512),
+        (".5KiB", 512),
+        ("4096", 4096),
+        (4096, 4096),
+    ],
+)
 def test_parse_size_units(text, expected):
     assert parse_size(text) == expected
 
@@ -142,8 +174,16 @@ def test_parse_size_rejects_non_sizes(bad):
         parse_size(bad)
 
 
-@pytest.mark.parametrize("bad, words", [(0, "positive"), (-5, "positive"), ("0GiB", "positive"),
-                                        ("1.5B", "whole number of bytes"), ("0.0001KB", "whole number")])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (0, "positive"),
+        (-5, "positive"),
+        ("0GiB", "positive"),
+        ("1.5B", "whole number of bytes"),
+        ("0.0001KB", "whole number"),
+    ],
+)
 def test_parse_size_rejects_zero_negative_and_fractions(bad, words):
     with pytest.raises(ConfigError, match=words):
         parse_size(bad)
@@ -156,20 +196,24 @@ def test_bad_size_names_path_value_and_units(tmp_path):
     path = tmp_path / "kvtier.yaml"
     path.write_text("tiers:\n  - medium: gpu\n  - medium: host\n    capacity: 8 GX\n")
     msg = error_of(path)
-    assert msg == (f"{path}: tiers[1].capacity: '8 GX' is not a size: use a number with a unit, "
-                   f"e.g. 512MiB or 8GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    assert msg == (
+        f"{path}: tiers[1].capacity: '8 GX' is not a size: use a number with a unit, "
+        f"e.g. 512MiB or 8GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    )
 
 
 def test_unknown_key_lists_allowed_keys():
     cfg = with_changes(tiers=[{"medium": "host", "capcity": "1GiB"}])
     msg = error_of(cfg)
-    assert ("tiers[0].capcity: unknown key 'capcity'; allowed: medium, name, capacity, capacity_blocks, "
-            "eviction, watermark") in msg
+    assert (
+        "tiers[0].capcity: unknown key 'capcity'; allowed: medium, name, capacity, capacity_blocks, eviction, watermark"
+    ) in msg
 
 
 def test_unknown_top_level_and_nested_keys():
-    assert "bogus: unknown key 'bogus'; allowed: block_tokens, block_bytes, fragments" in \
-        error_of(with_changes(bogus=1))
+    assert "bogus: unknown key 'bogus'; allowed: block_tokens, block_bytes, fragments" in error_of(
+        with_changes(bogus=1)
+    )
     cfg = with_changes(tiers=[{"medium": "host", "capacity": "1GiB", "watermark": {"hi": 0.9}}])
     assert "tiers[0].watermark.hi: unknown key 'hi'; allowed: high, low" in error_of(cfg)
 
@@ -229,15 +273,18 @@ def test_watermark_order():
     assert "tiers[0].watermark:" in msg and "0 < low < high <= 1" in msg and "high=0.5" in msg and "low=0.9" in msg
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("placement", "write_bak", "'write_bak' is not allowed; allowed: write_through, write_back"),
-    ("block_tokens", 0, "block_tokens: 0 is too small; must be greater than 0"),
-    ("block_tokens", "16", "block_tokens: expected an integer, got '16'"),
-    ("fragments", 0, "fragments: 0 is too small; must be at least 1"),
-    ("transfer", {"threads": 0}, "transfer.threads: 0 is too small; must be at least 1"),
-    ("namespace", 5, "namespace: expected a string, got 5"),
-    ("block_bytes", "lots", "block_bytes: 'lots' is not a size"),
-])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("placement", "write_bak", "'write_bak' is not allowed; allowed: write_through, write_back"),
+        ("block_tokens", 0, "block_tokens: 0 is too small; must be greater than 0"),
+        ("block_tokens", "16", "block_tokens: expected an integer, got '16'"),
+        ("fragments", 0, "fragments: 0 is too small; must be at least 1"),
+        ("transfer", {"threads": 0}, "transfer.threads: 0 is too small; must be at least 1"),
+        ("namespace", 5, "namespace: expected a string, got 5"),
+        ("block_bytes", "lots", "block_bytes: 'lots' is not a size"),
+    ],
+)
 def test_bad_scalar_values(key, value, words):
     assert words in error_of(with_changes(**{key: value}))
 
@@ -248,14 +295,16 @@ def test_fragments_must_divide_block_bytes():
 
 
 def test_duplicate_tier_names():
-    msg = error_of({"tiers": [{"medium": "gpu", "name": "fast"}, {"medium": "host", "capacity": "1GiB",
-                                                                   "name": "fast"}]})
+    msg = error_of(
+        {"tiers": [{"medium": "gpu", "name": "fast"}, {"medium": "host", "capacity": "1GiB", "name": "fast"}]}
+    )
     assert "tiers[1].name: 'fast' is already the name of tiers[0]" in msg and "unique" in msg
 
 
 def test_one_tier_per_medium():
-    msg = error_of({"tiers": [{"medium": "host", "capacity": "1GiB"}, {"medium": "host", "capacity": "2GiB",
-                                                                        "name": "other"}]})
+    msg = error_of(
+        {"tiers": [{"medium": "host", "capacity": "1GiB"}, {"medium": "host", "capacity": "2GiB", "name": "other"}]}
+    )
     assert "tiers[1].medium: a second 'host' tier" in msg and "at most one tier per medium" in msg
 
 
@@ -315,8 +364,14 @@ def test_duplicate_yaml_key_refused(tmp_path):
     assert "line 3" in msg and "duplicate key 'block_tokens'" in msg and "line 1" in msg
 
 
-@pytest.mark.parametrize("text, words", [("", "empty"), ("- medium: host\n", "top level must be a mapping"),
-                                         ("just a string\n", "top level must be a mapping")])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "empty"),
+        ("- medium: host\n", "top level must be a mapping"),
+        ("just a string\n", "top level must be a mapping"),
+    ],
+)
 def test_top_level_not_a_mapping(tmp_path, text, words):
     path = tmp_path / "kvtier.yaml"
     path.write_text(text)

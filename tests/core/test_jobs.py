@@ -201,8 +201,9 @@ def test_cancel_wins_over_failures(jobs):
 
 def test_lost_blocks_are_every_block_of_a_cancelled_job_else_the_failed_ones(jobs):
     failed = jobs.create("store", 4)
-    jobs.apply(WorkerReport({failed.id: 1}, {failed.id: frozenset({1, 3})},
-                            first_stage_failed={failed.id: frozenset({3})}))
+    jobs.apply(
+        WorkerReport({failed.id: 1}, {failed.id: frozenset({1, 3})}, first_stage_failed={failed.id: frozenset({3})})
+    )
     assert (failed.lost_blocks, failed.lost_in_first_stage) == ({1, 3}, {3})
     cancelled = jobs.create("store", 3)
     jobs.cancel(cancelled.id)

@@ -107,11 +107,13 @@ def test_folded_engine_keys_by_hand(secret):
     (block size 0, which no chain of tokens has) and the length-prefixed engine key, keyed as the chain."""
     ns, engine_key = b"sglang-namespace", "a3f1" * 16
     key = hashlib.blake2b(secret, digest_size=32, person=b"kvtier-secret-v2").digest() if secret else b""
-    root = hashlib.blake2b(struct.pack("<QQ", 0, len(ns)) + ns, digest_size=16, key=key,
-                           person=b"kvtier-root-v2").digest()
+    root = hashlib.blake2b(
+        struct.pack("<QQ", 0, len(ns)) + ns, digest_size=16, key=key, person=b"kvtier-root-v2"
+    ).digest()
     raw = engine_key.encode()
-    expected = hashlib.blake2b(root + struct.pack("<Q", len(raw)) + raw, digest_size=16, key=key,
-                               person=b"kvtier-fold-v1").digest()
+    expected = hashlib.blake2b(
+        root + struct.pack("<Q", len(raw)) + raw, digest_size=16, key=key, person=b"kvtier-fold-v1"
+    ).digest()
     assert fold_keys([engine_key], ns, secret) == [expected]
     assert fold_keys([raw], ns.decode(), secret) == [expected]  # str and bytes fold alike
 
@@ -172,8 +174,10 @@ def test_secret_gives_disjoint_keys_and_the_same_secret_the_same_keys():
 
 def test_the_same_secret_gives_the_same_keys_in_another_process():
     """Nothing per process enters a key (no random seed): two engines sharing a store agree."""
-    script = ("import sys; from kvtier.core.keys import chain_hashes; "
-              "print(b''.join(chain_hashes(list(range(16)), 4, b'ns', secret=sys.argv[1].encode())).hex())")
+    script = (
+        "import sys; from kvtier.core.keys import chain_hashes; "
+        "print(b''.join(chain_hashes(list(range(16)), 4, b'ns', secret=sys.argv[1].encode())).hex())"
+    )
     out = subprocess.run([sys.executable, "-c", script, SECRET.decode()], capture_output=True, text=True, check=True)
     assert bytes.fromhex(out.stdout.strip()) == b"".join(chain_hashes(tokens(16), 4, b"ns", secret=SECRET))
 
@@ -199,8 +203,10 @@ def test_key_secret_reads_the_named_variable(monkeypatch):
     assert key_secret("KVTIER_TEST_SECRET") == b"s" * 16
 
 
-@pytest.mark.parametrize("value, problem", [(None, "is unset or empty"), ("", "is unset or empty"),
-                                            ("s" * 15, "holds 15 bytes, fewer than the 16")])
+@pytest.mark.parametrize(
+    "value, problem",
+    [(None, "is unset or empty"), ("", "is unset or empty"), ("s" * 15, "holds 15 bytes, fewer than the 16")],
+)
 def test_key_secret_refuses_a_missing_or_short_secret(monkeypatch, value, problem):
     monkeypatch.delenv("KVTIER_TEST_SECRET", raising=False)
     if value is not None:
@@ -213,12 +219,15 @@ def make_host_tier():
     return host_tier("host", 4, BlockLayout((16,)), LRUPolicy())
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    (b"k" * 100, ValueError, "must be 1 to 64 bytes, got 100 bytes"),
-    (b"", ValueError, "must be 1 to 64 bytes, got 0 bytes"),
-    ("text-key", TypeError, "must be bytes, got str"),
-    (7, TypeError, "must be bytes, got int"),
-])
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (b"k" * 100, ValueError, "must be 1 to 64 bytes, got 100 bytes"),
+        (b"", ValueError, "must be 1 to 64 bytes, got 0 bytes"),
+        ("text-key", TypeError, "must be bytes, got str"),
+        (7, TypeError, "must be bytes, got int"),
+    ],
+)
 def test_tier_reserve_refuses_keys_no_tier_can_keep_whole(bad, error, message):
     """Every store reaches a tier through ``reserve``: a bad key is refused there, before any slot is
     taken, so direct tier and stack users get the same error as the API."""
@@ -270,16 +279,23 @@ def test_namespace_feeds_chain_hashes():
     assert not set(a) & set(b)
 
 
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=80), st.integers(1, 8), st.integers(0, 10),
-       st.one_of(st.none(), st.binary(min_size=1, max_size=100)))
+@given(
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=80),
+    st.integers(1, 8),
+    st.integers(0, 10),
+    st.one_of(st.none(), st.binary(min_size=1, max_size=100)),
+)
 def test_parent_continues_the_chain(tokens, block_size, cut_blocks, secret):
     """Hashing a sequence in two pieces, the second continuing from the first's last key, gives the
     keys of the whole sequence (what an engine does as a request grows block by block), keyed or not."""
     whole = chain_hashes(tokens, block_size, b"ns", secret=secret)
     cut = min(cut_blocks, len(whole)) * block_size
     head = chain_hashes(tokens[:cut], block_size, b"ns", secret=secret)
-    tail = (chain_hashes(tokens[cut:], block_size, parent=head[-1], secret=secret) if head
-            else chain_hashes(tokens, block_size, b"ns", secret=secret))
+    tail = (
+        chain_hashes(tokens[cut:], block_size, parent=head[-1], secret=secret)
+        if head
+        else chain_hashes(tokens, block_size, b"ns", secret=secret)
+    )
     assert head + tail == whole
 
 

@@ -111,8 +111,9 @@ def test_empty_slot_list_gives_empty_addresses():
 def test_close_runs_on_close_once_and_refuses_addresses():
     calls = []
     slab = np.zeros((4, 8), np.uint8)
-    storage = contiguous_storage(slab.ctypes.data, 4, BlockLayout.contiguous(8), keepalive=slab,
-                                 on_close=lambda: calls.append(1))
+    storage = contiguous_storage(
+        slab.ctypes.data, 4, BlockLayout.contiguous(8), keepalive=slab, on_close=lambda: calls.append(1)
+    )
     storage.fragment_addresses([3])
     storage.close()
     storage.close()

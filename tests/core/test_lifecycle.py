@@ -23,9 +23,16 @@ TOKENS = list(range(16))  # four blocks of four tokens
 
 
 def config(directory, placement: str = "write_back") -> dict:
-    return {"block_tokens": 4, "block_bytes": "1MiB", "namespace": "lifecycle", "placement": placement,
-            "tiers": [{"medium": "host", "capacity_blocks": 8},
-                      {"medium": "disk", "capacity_blocks": 16, "path": str(directory)}]}
+    return {
+        "block_tokens": 4,
+        "block_bytes": "1MiB",
+        "namespace": "lifecycle",
+        "placement": placement,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(directory)},
+        ],
+    }
 
 
 def blocks(seed: int = 0) -> np.ndarray:
@@ -231,8 +238,13 @@ if sys.argv[2] == "close-in-callback":
 @pytest.mark.parametrize("ending", ["no-close", "close-in-callback"])
 @pytest.mark.parametrize("placement", ["write_back", "write_through"])
 def test_the_interpreter_exits_promptly_with_a_stack_open(tmp_path, ending, placement):
-    child = subprocess.run([sys.executable, "-c", EXITING_SCRIPT, json.dumps(config(tmp_path, placement)), ending],
-                           capture_output=True, text=True, timeout=20, cwd=tmp_path)
+    child = subprocess.run(
+        [sys.executable, "-c", EXITING_SCRIPT, json.dumps(config(tmp_path, placement)), ending],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=tmp_path,
+    )
     assert child.returncode == 0, child.stderr
     assert "Traceback" not in child.stderr and "Exception ignored" not in child.stderr, child.stderr
     with KVTier.open(config(tmp_path)) as again:  # whatever reached the disk is whole

@@ -47,8 +47,10 @@ def jobs():
 
 def tiers(jobs: JobManager, *spec: tuple[str, str, int], watermark: Watermark | None = None) -> list[Tier]:
     """Tiers ``(name, medium, slots)`` over slot counts, LRU, fenced by ``jobs``."""
-    return [Tier(name, medium, SlotCount(LAYOUT, n), LRUPolicy(), watermark if i == 0 else None, jobs.is_fenced)
-            for i, (name, medium, n) in enumerate(spec)]
+    return [
+        Tier(name, medium, SlotCount(LAYOUT, n), LRUPolicy(), watermark if i == 0 else None, jobs.is_fenced)
+        for i, (name, medium, n) in enumerate(spec)
+    ]
 
 
 def host_disk(jobs: JobManager, host: int = 4, disk: int = 8, watermark: Watermark | None = None) -> Planner:
@@ -62,8 +64,7 @@ def fill(tier: Tier, keys: list[bytes]) -> list[int]:
     return slots
 
 
-def run(jobs: JobManager, plan, failed=(), first_stage_failed=(), refused=(), cancel: bool = False,
-        quarantined=()):
+def run(jobs: JobManager, plan, failed=(), first_stage_failed=(), refused=(), cancel: bool = False, quarantined=()):
     """The plan's job, ended with one report (what an executor gets back)."""
     job = jobs.create(plan.kind, plan.num_blocks, 1, plan.fences)
     if cancel:

@@ -17,8 +17,9 @@ def test_thousands_of_random_blocks_round_trip_bit_exact(placement):
     rng = np.random.default_rng(7)
     data = rng.integers(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=np.uint8)
     keys = [rng.bytes(16) for _ in range(NUM_BLOCKS)]
-    stack = make_stack(gpu=64, host=1024, placement=placement,
-                       gpu_watermark=Watermark(0.9, 0.6), host_watermark=Watermark(0.95, 0.8))
+    stack = make_stack(
+        gpu=64, host=1024, placement=placement, gpu_watermark=Watermark(0.9, 0.6), host_watermark=Watermark(0.95, 0.8)
+    )
     reloaded = 0
     position = 0
     while position < NUM_BLOCKS:
@@ -46,9 +47,10 @@ def test_thousands_of_random_blocks_round_trip_bit_exact(placement):
     assert len(present) >= host.usage().used, "every block in the host tier is findable"
     out = np.zeros((len(present), LAYOUT.block_bytes), np.uint8)
     for start in range(0, len(present), 256):
-        chunk = present[start:start + 256]
-        loaded = stack.load([keys[i] for i in chunk], buffer_storage(out[start:start + 256], LAYOUT, writable=True),
-                            range(len(chunk))).result(30)
+        chunk = present[start : start + 256]
+        loaded = stack.load(
+            [keys[i] for i in chunk], buffer_storage(out[start : start + 256], LAYOUT, writable=True), range(len(chunk))
+        ).result(30)
         assert (loaded.hits, loaded.loaded, loaded.failed) == (len(chunk), len(chunk), [])
     wrong = [i for j, i in enumerate(present) if not np.array_equal(out[j], data[i])]
     assert wrong == [], f"{len(wrong)} present blocks came back wrong"

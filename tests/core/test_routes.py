@@ -9,17 +9,20 @@ import pytest
 from kvtier.core.routes import MEDIA, Capabilities, plan_route
 
 
-@pytest.mark.parametrize("src,dst,expected", [
-    ("gpu", "host", ("gpu", "host")),
-    ("host", "gpu", ("host", "gpu")),
-    ("host", "disk", ("host", "disk")),
-    ("disk", "host", ("disk", "host")),
-    ("gpu", "gpu", ("gpu", "gpu")),
-    ("disk", "gpu", ("disk", "host", "gpu")),
-    ("gpu", "disk", ("gpu", "host", "disk")),
-    ("remote", "gpu", ("remote", "host", "gpu")),
-    ("disk", "remote", ("disk", "host", "remote")),
-])
+@pytest.mark.parametrize(
+    "src,dst,expected",
+    [
+        ("gpu", "host", ("gpu", "host")),
+        ("host", "gpu", ("host", "gpu")),
+        ("host", "disk", ("host", "disk")),
+        ("disk", "host", ("disk", "host")),
+        ("gpu", "gpu", ("gpu", "gpu")),
+        ("disk", "gpu", ("disk", "host", "gpu")),
+        ("gpu", "disk", ("gpu", "host", "disk")),
+        ("remote", "gpu", ("remote", "host", "gpu")),
+        ("disk", "remote", ("disk", "host", "remote")),
+    ],
+)
 def test_routes_without_gds(src, dst, expected):
     assert plan_route(src, dst) == expected
 

@@ -80,7 +80,7 @@ def test_write_back_demotes_instead_of_losing_blocks():
     stack = make_stack(gpu=8, host=32)
     keys = [key(i) for i in range(30)]
     for i in range(0, 30, 5):
-        store(stack, keys[i:i + 5])
+        store(stack, keys[i : i + 5])
     stack.wait_idle()
     gpu, host = stack.tiers
     assert gpu.usage().used == 8 and host.usage().used == 22
@@ -99,7 +99,7 @@ def test_write_through_copies_every_block_down_and_evicts_without_demotion():
     stack = make_stack(gpu=4, host=32, placement="write_through")
     keys = [key(i) for i in range(12)]
     for i in range(0, 12, 4):
-        store(stack, keys[i:i + 4])
+        store(stack, keys[i : i + 4])
         stack.wait_idle()  # the eager copies land before the next store evicts
     gpu, host = stack.tiers
     assert host.lookup(keys) == 12
@@ -115,7 +115,7 @@ def test_write_through_loses_nothing_when_eviction_overtakes_the_eager_copy():
     stack = make_stack(gpu=4, host=32, placement="write_through")
     keys = [key(i) for i in range(16)]
     for i in range(0, 16, 4):
-        store(stack, keys[i:i + 4])  # no waiting: a victim may not have been copied down yet
+        store(stack, keys[i : i + 4])  # no waiting: a victim may not have been copied down yet
     stack.wait_idle()
     assert stack.tiers[1].lookup(keys) == 16
     loaded, out = load(stack, keys)

@@ -14,12 +14,20 @@ POOL = [key(i) for i in range(24)]
 
 
 class StackMachine(RuleBasedStateMachine):
-    @initialize(placement=st.sampled_from(["write_back", "write_through"]),
-                gpu=st.integers(2, 6), host=st.integers(4, 12), watermarks=st.booleans())
+    @initialize(
+        placement=st.sampled_from(["write_back", "write_through"]),
+        gpu=st.integers(2, 6),
+        host=st.integers(4, 12),
+        watermarks=st.booleans(),
+    )
     def build(self, placement, gpu, host, watermarks):
-        self.stack = make_stack(gpu=gpu, host=host, placement=placement,
-                                gpu_watermark=Watermark(0.9, 0.5) if watermarks else None,
-                                host_watermark=Watermark(0.9, 0.6) if watermarks else None)
+        self.stack = make_stack(
+            gpu=gpu,
+            host=host,
+            placement=placement,
+            gpu_watermark=Watermark(0.9, 0.5) if watermarks else None,
+            host_watermark=Watermark(0.9, 0.6) if watermarks else None,
+        )
         self.reader_pins: list[bytes] = []  # blocks pinned in the GPU tier by an outside reader
 
     @rule(picks=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=6, unique=True))
@@ -34,12 +42,12 @@ class StackMachine(RuleBasedStateMachine):
 
     @rule(start=st.integers(0, len(POOL) - 1), length=st.integers(1, 8))
     def load_blocks(self, start, length):
-        keys = POOL[start:start + length]
+        keys = POOL[start : start + length]
         expected = self.stack.lookup(keys).hits
         loaded, out = load(self.stack, keys)
         assert loaded.hits == expected and loaded.failed == []
         assert_loaded_exact(keys, loaded, out)
-        assert not out[loaded.hits:].any()
+        assert not out[loaded.hits :].any()
 
     @rule(index=st.integers(0, len(POOL) - 1))
     def reader_pins_a_block(self, index):
@@ -81,5 +89,3 @@ class StackMachine(RuleBasedStateMachine):
 
 StackMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestStackProperties = StackMachine.TestCase
-
-

@@ -10,8 +10,9 @@ from kvtier import KVTier
 from kvtier.transfers.cuda import cuda_available
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not (cuda_available() and torch.cuda.is_available()),
-                                reason="needs CuPy, torch with CUDA and a GPU")
+pytestmark = pytest.mark.skipif(
+    not (cuda_available() and torch.cuda.is_available()), reason="needs CuPy, torch with CUDA and a GPU"
+)
 
 BLOCK = 256 * 1024
 
@@ -35,8 +36,7 @@ def config(tmp_path, copy_mode):
 def test_blocks_round_trip_through_gpu_host_and_disk(tmp_path, copy_mode):
     generator = torch.Generator(device="cuda").manual_seed(3)
     prompts = [list(range(p * 10_000, p * 10_000 + 16 * 8)) for p in range(24)]  # 24 prompts of 8 blocks
-    data = [torch.randint(0, 256, (8, BLOCK), dtype=torch.uint8, device="cuda", generator=generator)
-            for _ in prompts]
+    data = [torch.randint(0, 256, (8, BLOCK), dtype=torch.uint8, device="cuda", generator=generator) for _ in prompts]
     with KVTier.open(config(tmp_path, copy_mode)) as kv:
         assert kv.stack.transfers.backends[0].name == "cuda"
         assert "CUDA device" in kv.describe()

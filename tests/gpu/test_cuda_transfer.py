@@ -18,8 +18,9 @@ from kvtier.tiers.host import HostSlab
 from kvtier.transfers.cuda import CUDABackend, cuda_available
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not (cuda_available() and torch.cuda.is_available()),
-                                reason="needs CuPy, torch with CUDA and a GPU")
+pytestmark = pytest.mark.skipif(
+    not (cuda_available() and torch.cuda.is_available()), reason="needs CuPy, torch with CUDA and a GPU"
+)
 
 LAYERS = 2
 FRAGMENT_SIZES = [1000, 4096, 16384, 65536, 262144, 2 * 1024 * 1024]
@@ -30,10 +31,10 @@ METHODS = ["batch", "kernel", "loop", "auto"]
 def device_blocks(kind: str, num_blocks: int, fragment: int) -> tuple[BlockLayout, list]:
     """Engine-style KV tensors on the GPU in one of the layouts an engine uses; random bytes."""
     cuda = torch.device("cuda")
-    if kind == "kv_split":      # separate K and V tensors per layer
+    if kind == "kv_split":  # separate K and V tensors per layer
         layout = BlockLayout.per_layer(LAYERS, fragment, kv_split=True)
         tensors = [torch.empty((num_blocks, fragment), dtype=torch.uint8, device=cuda) for _ in range(2 * LAYERS)]
-    elif kind == "packed":      # one tensor per layer, K and V packed in a block
+    elif kind == "packed":  # one tensor per layer, K and V packed in a block
         layout = BlockLayout.per_layer(LAYERS, fragment)
         tensors = [torch.empty((num_blocks, fragment), dtype=torch.uint8, device=cuda) for _ in range(LAYERS)]
     elif kind == "vllm_views":  # vLLM 0.33: per-layer (2, blocks, ...) views of one flat buffer
@@ -44,7 +45,7 @@ def device_blocks(kind: str, num_blocks: int, fragment: int) -> tuple[BlockLayou
         layout = BlockLayout.per_layer(LAYERS, fragment, kv_split=True)
         flat = torch.empty((num_blocks, LAYERS, 2, fragment), dtype=torch.uint8, device=cuda)
         tensors = [flat[:, layer, kv] for layer in range(LAYERS) for kv in range(2)]
-    else:                        # block-outer, a whole block one contiguous fragment
+    else:  # block-outer, a whole block one contiguous fragment
         layout = BlockLayout.contiguous(2 * LAYERS * fragment)
         tensors = [torch.empty((num_blocks, 2 * LAYERS * fragment), dtype=torch.uint8, device=cuda)]
     for t in tensors:
@@ -62,7 +63,7 @@ def run(backend: CUDABackend, transfer: Transfer) -> set[int]:
 
 
 def host_block(slab: HostSlab, slot: int, layout: BlockLayout) -> np.ndarray:
-    return slab.array[slot * layout.block_bytes:(slot + 1) * layout.block_bytes]
+    return slab.array[slot * layout.block_bytes : (slot + 1) * layout.block_bytes]
 
 
 def device_block(tensors: list, block: int) -> np.ndarray:
@@ -135,8 +136,8 @@ def test_concurrent_loads_and_stores_on_different_blocks(backend):
     storage = device_storage(gpu, layout)
     slab = HostSlab(256, layout)
     slab.array[:] = np.random.default_rng(1).integers(0, 256, slab.nbytes, dtype=np.uint8)
-    loads_from = list(range(0, 128))        # host slots 0..127 -> GPU blocks 128..255
-    stores_from = list(range(0, 128))       # GPU blocks 0..127 -> host slots 128..255
+    loads_from = list(range(0, 128))  # host slots 0..127 -> GPU blocks 128..255
+    stores_from = list(range(0, 128))  # GPU blocks 0..127 -> host slots 128..255
     want_host = [device_block(gpu, b) for b in stores_from]
     want_gpu = [host_block(slab, s, layout).copy() for s in loads_from]
     errors: list[set[int]] = []
@@ -167,7 +168,7 @@ def test_a_store_right_after_a_kernel_copies_what_the_kernel_wrote(backend):
     slab = HostSlab(16, layout)
     torch.cuda._sleep(200_000_000)  # keeps the compute stream busy for a while (~0.1 s)
     for t in gpu:
-        t[[2, 9]] = 0xA5            # queued behind the sleep on the compute stream
+        t[[2, 9]] = 0xA5  # queued behind the sleep on the compute stream
     assert run(backend, Transfer(device_storage(gpu, layout), [2, 9], slab.storage, [0, 1])) == set()
     assert (slab.array[: 2 * layout.block_bytes] == 0xA5).all()
     slab.close()
@@ -183,7 +184,7 @@ def test_a_load_reports_completion_only_once_its_bytes_are_on_the_gpu(backend):
     backend.submit(Transfer(slab.storage, [0, 1, 2], device_storage(gpu, layout), [5, 6, 7]), lambda f: done.set())
     assert not done.is_set()
     assert done.wait(60)
-    reader = torch.cuda.Stream()   # a stream that knows nothing of the load but its reported completion
+    reader = torch.cuda.Stream()  # a stream that knows nothing of the load but its reported completion
     with torch.cuda.stream(reader):
         seen = [t[[5, 6, 7]].clone() for t in gpu]
     reader.synchronize()
@@ -194,6 +195,7 @@ def test_a_load_reports_completion_only_once_its_bytes_are_on_the_gpu(backend):
 def test_a_refused_batch_falls_back_to_single_copies(backend, monkeypatch):
     layout, gpu = device_blocks("kv_split", 8, 262144)
     slab = HostSlab(8, layout)
+
     class RefusingBatch:  # the driver call as it answers an invalid argument
         available = True
 

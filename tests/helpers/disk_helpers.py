@@ -18,8 +18,20 @@ BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 
 
-def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, block_bytes=BLOCK,
-                placement="write_back", o_direct="auto", disk_watermark=None, gpu=None, **disk_options) -> dict:
+def config_dict(
+    path,
+    *,
+    host=4,
+    disk=16,
+    namespace="model-a",
+    fragments=4,
+    block_bytes=BLOCK,
+    placement="write_back",
+    o_direct="auto",
+    disk_watermark=None,
+    gpu=None,
+    **disk_options,
+) -> dict:
     """A stack over a disk tier at ``path``; every tier evicts in LRU order, which tests here count on.
     ``disk_options`` are further keys of the disk tier (``shared_directory``, ``reinitialise``)."""
     tiers = []
@@ -33,8 +45,13 @@ def config_dict(path, *, host=4, disk=16, namespace="model-a", fragments=4, bloc
     tiers.append(disk_cfg)
     for tier in tiers:
         tier["eviction"] = "lru"
-    return {"block_bytes": block_bytes, "fragments": fragments, "namespace": namespace,
-            "placement": placement, "tiers": tiers}
+    return {
+        "block_bytes": block_bytes,
+        "fragments": fragments,
+        "namespace": namespace,
+        "placement": placement,
+        "tiers": tiers,
+    }
 
 
 def open_stack(path, backends=None, **kwargs):
@@ -51,7 +68,7 @@ def put(stack, keys, salt=b"", layout=LAYOUT, batch=None):
     batch = batch or stack.tiers[0].capacity
     results = []
     for i in range(0, len(keys), batch):
-        chunk = keys[i:i + batch]
+        chunk = keys[i : i + batch]
         blocks = np.stack([data(k, salt, layout.block_bytes) for k in chunk])
         results.append(stack.store(chunk, buffer_storage(blocks, layout), range(len(chunk))).result(timeout=30))
     return results

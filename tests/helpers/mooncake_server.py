@@ -126,8 +126,14 @@ class _Server:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
         guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(guard + self._argv(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                guard + self._argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self._wait(self._ready, "to answer")
 
     def _wait(self, ready: Callable[[], bool], what: str, timeout: float = READY_TIMEOUT) -> None:
@@ -207,14 +213,20 @@ class MooncakeMaster(_Server):
         return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
 
     def _argv(self) -> list[str]:
-        return [_binary("mooncake_master"), f"--rpc_port={self.rpc_port}", f"--rpc_address={LOOPBACK}",
-                "--enable_http_metadata_server=true", f"--http_metadata_server_host={LOOPBACK}",
-                f"--http_metadata_server_port={self.metadata_port}", f"--metrics_host={LOOPBACK}",
-                f"--metrics_port={self.metrics_port}", *self.flags]
+        return [
+            _binary("mooncake_master"),
+            f"--rpc_port={self.rpc_port}",
+            f"--rpc_address={LOOPBACK}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={LOOPBACK}",
+            f"--http_metadata_server_port={self.metadata_port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}",
+            *self.flags,
+        ]
 
     def _ready(self) -> bool:
-        return (_accepts(self.rpc_port) and _accepts(self.metadata_port)
-                and self.health() is not None)
+        return _accepts(self.rpc_port) and _accepts(self.metadata_port) and self.health() is not None
 
     def health(self) -> dict | None:
         """The master's ``/health`` answer, or None when it does not answer within a second."""
@@ -259,10 +271,17 @@ class SegmentOwner(_Server):
         return self
 
     def _argv(self) -> list[str]:
-        return [_binary("mooncake_client"), f"--master_server_address={self.master.address}",
-                f"--metadata_server={self.master.metadata_url}", f"--global_segment_size={self.size}",
-                "--protocol=tcp", f"--host={LOOPBACK}", f"--port={self.port}",
-                "--enable_http_server=true", f"--http_port={self.http_port}"]
+        return [
+            _binary("mooncake_client"),
+            f"--master_server_address={self.master.address}",
+            f"--metadata_server={self.master.metadata_url}",
+            f"--global_segment_size={self.size}",
+            "--protocol=tcp",
+            f"--host={LOOPBACK}",
+            f"--port={self.port}",
+            "--enable_http_server=true",
+            f"--http_port={self.http_port}",
+        ]
 
     def _ready(self) -> bool:
         return _accepts(self.port) and http_get(self.http_port, "/health") is not None

@@ -62,8 +62,10 @@ def require_tls() -> None:
     if shutil.which("openssl") is None:
         missing.append(f"the openssl CLI is not installed: {INSTALL_OPENSSL}")
     if not _server_has_tls():
-        missing.append(f"{SERVER} was built without TLS (BUILD_TLS=yes): {INSTALL_SERVER} from a distribution "
-                       f"that builds it with TLS (Debian and Ubuntu do)")
+        missing.append(
+            f"{SERVER} was built without TLS (BUILD_TLS=yes): {INSTALL_SERVER} from a distribution "
+            f"that builds it with TLS (Debian and Ubuntu do)"
+        )
     _missing(missing)
 
 
@@ -113,9 +115,24 @@ def certificate_authority(directory: Path, name: str = "kvtier test CA") -> Cert
     require_tls()
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = directory / "ca.crt", directory / "ca.key"
-    _openssl("req", "-x509", *_EC_KEY, "-keyout", key, "-out", cert, "-days", "1", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        *_EC_KEY,
+        "-keyout",
+        key,
+        "-out",
+        cert,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )
     return CertificateAuthority(cert, key)
 
 
@@ -124,16 +141,34 @@ def server_certificate(ca: CertificateAuthority, directory: Path, san: str = "IP
     signed by ``ca``, with its key, in ``directory``."""
     require_tls()
     directory.mkdir(parents=True, exist_ok=True)
-    cert, key, request, extensions = (directory / name for name in ("server.crt", "server.key", "server.csr",
-                                                                     "server.ext"))
-    extensions.write_text(f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\n"
-                          "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
-                          "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
-    _openssl("req", "-new", *_EC_KEY, "-keyout", key, "-out", request, "-subj", "/CN=kvtier test server",
-             cwd=directory)
-    _openssl("x509", "-req", "-in", request, "-CA", ca.cert, "-CAkey", ca.key, "-set_serial",
-             str(int.from_bytes(os.urandom(8), "big")), "-days", "1", "-extfile", extensions, "-out", cert,
-             cwd=directory)
+    cert, key, request, extensions = (
+        directory / name for name in ("server.crt", "server.key", "server.csr", "server.ext")
+    )
+    extensions.write_text(
+        f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+    )
+    _openssl("req", "-new", *_EC_KEY, "-keyout", key, "-out", request, "-subj", "/CN=kvtier test server", cwd=directory)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        request,
+        "-CA",
+        ca.cert,
+        "-CAkey",
+        ca.key,
+        "-set_serial",
+        str(int.from_bytes(os.urandom(8), "big")),
+        "-days",
+        "1",
+        "-extfile",
+        extensions,
+        "-out",
+        cert,
+        cwd=directory,
+    )
     return TlsFiles(cert, key, ca.cert)
 
 
@@ -148,8 +183,9 @@ class RedisServer:
     ``tls`` it listens on that port with TLS only (no plain port; clients need no certificate of their
     own); a restart takes the ``tls`` files set at that time (a server whose certificate changed)."""
 
-    def __init__(self, directory: Path, maxmemory: str | None = None, password: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, directory: Path, maxmemory: str | None = None, password: str | None = None, tls: TlsFiles | None = None
+    ) -> None:
         self.directory = directory
         self.maxmemory = maxmemory
         self.password = password
@@ -167,16 +203,34 @@ class RedisServer:
         if self.tls is None:
             listen = [f"port {self.port}"]
         else:
-            listen = ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls.cert}",
-                      f"tls-key-file {self.tls.key}", f"tls-ca-cert-file {self.tls.ca}", "tls-auth-clients no"]
-        lines = [*listen, "bind 127.0.0.1", "save ''", "appendonly no", f"dir {self.directory}",
-                 "daemonize no", f"logfile {self.directory / 'redis.log'}"]
+            listen = [
+                "port 0",
+                f"tls-port {self.port}",
+                f"tls-cert-file {self.tls.cert}",
+                f"tls-key-file {self.tls.key}",
+                f"tls-ca-cert-file {self.tls.ca}",
+                "tls-auth-clients no",
+            ]
+        lines = [
+            *listen,
+            "bind 127.0.0.1",
+            "save ''",
+            "appendonly no",
+            f"dir {self.directory}",
+            "daemonize no",
+            f"logfile {self.directory / 'redis.log'}",
+        ]
         if self.maxmemory is not None:
             lines += [f"maxmemory {self.maxmemory}", "maxmemory-policy allkeys-lru"]
         if self.password is not None:
             lines.append(f"requirepass {self.password}")
-        self.proc = subprocess.Popen([SERVER, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [SERVER, "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         assert self.proc.stdin is not None
         self.proc.stdin.write("\n".join(lines).encode() + b"\n")
         self.proc.stdin.close()
@@ -193,8 +247,10 @@ class RedisServer:
                 pass
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; log: "
-                                   f"{(self.directory / 'redis.log').read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}; log: "
+                    f"{(self.directory / 'redis.log').read_text(errors='replace')[-2000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"redis-server on port {self.port} not ready after {READY_WITHIN_S} s")
             time.sleep(0.02)
@@ -205,8 +261,9 @@ class RedisServer:
         import redis
 
         tls = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca), "ssl_check_hostname": False}
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5,
-                           socket_connect_timeout=5, **tls)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, socket_connect_timeout=5, **tls
+        )
 
     def _signal(self, sig: int) -> None:
         assert self.proc is not None and self.proc.poll() is None, "the server is not running"
@@ -235,8 +292,9 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(directory: Path, maxmemory: str | None = None, password: str | None = None,
-                 tls: TlsFiles | None = None) -> Iterator[RedisServer]:
+def redis_server(
+    directory: Path, maxmemory: str | None = None, password: str | None = None, tls: TlsFiles | None = None
+) -> Iterator[RedisServer]:
     """A started server, killed on the way out whatever happened (skips when Redis, or with ``tls``
     openssl or Redis' TLS, is missing)."""
     if tls is None:

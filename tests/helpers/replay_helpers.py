@@ -24,7 +24,7 @@ def chained_traces(draw, max_requests=12, max_new=4):
         prefix: list[int] = []
         if chains and draw(st.booleans()):
             base = chains[draw(st.integers(0, len(chains) - 1))]
-            prefix = base[:draw(st.integers(1, len(base)))]
+            prefix = base[: draw(st.integers(1, len(base)))]
         new = draw(st.integers(0 if prefix else 1, max_new))
         chains.append(prefix + list(range(next_id, next_id + new)))
         next_id += new
@@ -33,6 +33,10 @@ def chained_traces(draw, max_requests=12, max_new=4):
 
 def write(path, chains, tail=12):
     """A Mooncake trace file at ``path``: one request per chain of block ids, ``tail`` tokens short of full."""
-    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(c) - tail, "output_length": 1,
-                                        "hash_ids": c}) + "\n" for i, c in enumerate(chains)))
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 512 * len(c) - tail, "output_length": 1, "hash_ids": c}) + "\n"
+            for i, c in enumerate(chains)
+        )
+    )
     return path

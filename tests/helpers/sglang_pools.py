@@ -24,43 +24,92 @@ MODULE = "kvtier.connectors.sglang.backend"
 CLASS = "KVTierStorage"
 
 
-def mha_host_pool(layout: str = "layer_first", layers: int = 3, heads: int = 2, head_dim: int = 8,
-                  dtype: torch.dtype = torch.bfloat16, page: int = PAGE, device_pages: int = 64) -> Any:
+def mha_host_pool(
+    layout: str = "layer_first",
+    layers: int = 3,
+    heads: int = 2,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    page: int = PAGE,
+    device_pages: int = 64,
+) -> Any:
     """An MHA host pool of twice the device pool's pages."""
-    device = MHATokenToKVPool(size=device_pages * page, page_size=page, dtype=dtype, head_num=heads,
-                              head_dim=head_dim, layer_num=layers, device="cpu", enable_memory_saver=False)
+    device = MHATokenToKVPool(
+        size=device_pages * page,
+        page_size=page,
+        dtype=dtype,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     cls, info, kwargs = _mha_host_inputs(device)
     return cls(info, 2.0, 0, page, layout, pin_memory=False, **kwargs)
 
 
 def mla_host_pool(layout: str = "layer_first", layers: int = 3) -> Any:
     """An MLA host pool (latent 16 + rope 8 per token and layer) of twice the device pool's 64 pages."""
-    device = MLATokenToKVPool(size=64 * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
-                              qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
-    return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=device.start_layer,
-                                end_layer=device.end_layer, target_layer_num=device.layer_num,
-                                override_kv_cache_dim=device.kv_cache_dim)
+    device = MLATokenToKVPool(
+        size=64 * PAGE,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        target_layer_num=device.layer_num,
+        override_kv_cache_dim=device.kv_cache_dim,
+    )
 
 
 def extra_config(config: dict | str, interface_v1: int = 1, **more: Any) -> dict:
     """The extra config a user gives ``--hicache-storage-backend-extra-config`` to load kvtier."""
-    return {"backend_name": "kvtier", "module_path": MODULE, "class_name": CLASS, "interface_v1": interface_v1,
-            "config": config, **more}
+    return {
+        "backend_name": "kvtier",
+        "module_path": MODULE,
+        "class_name": CLASS,
+        "interface_v1": interface_v1,
+        "config": config,
+        **more,
+    }
 
 
-def storage_config(extra: dict, host_pool: Any, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-                   model: str = "tiny-model") -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
-                                is_page_first_layout=host_pool.layout == "page_first", model_name=model,
-                                extra_config=extra)
+def storage_config(
+    extra: dict, host_pool: Any, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, model: str = "tiny-model"
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=host_pool.layout == "page_first",
+        model_name=model,
+        extra_config=extra,
+    )
 
 
 def open_backend(host_pool: Any, config: dict | str, interface_v1: int = 1, **options: Any) -> Any:
     """kvtier's backend as SGLang creates and wires it; ``options`` go to ``storage_config``."""
     backend = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(extra_config(config, interface_v1), host_pool, **options), host_pool)
+        "dynamic", storage_config(extra_config(config, interface_v1), host_pool, **options), host_pool
+    )
     backend.register_mem_pool_host(host_pool)
     return backend
 

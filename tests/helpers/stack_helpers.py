@@ -33,12 +33,20 @@ def blocks_for(keys: list[bytes]) -> np.ndarray:
     return np.stack([content(k) for k in keys]) if keys else np.empty((0, LAYOUT.block_bytes), np.uint8)
 
 
-def make_stack(gpu: int = 8, host: int = 32, placement: str = "write_back", backend=None,
-               gpu_watermark: Watermark | None = None, host_watermark: Watermark | None = None,
-               **kwargs) -> TierStack:
+def make_stack(
+    gpu: int = 8,
+    host: int = 32,
+    placement: str = "write_back",
+    backend=None,
+    gpu_watermark: Watermark | None = None,
+    host_watermark: Watermark | None = None,
+    **kwargs,
+) -> TierStack:
     jobs = JobManager()
-    tiers = [gpu_tier("gpu", gpu, LAYOUT, LRUPolicy(), gpu_watermark, jobs.is_fenced),
-             host_tier("host", host, LAYOUT, LRUPolicy(), host_watermark, jobs.is_fenced)]
+    tiers = [
+        gpu_tier("gpu", gpu, LAYOUT, LRUPolicy(), gpu_watermark, jobs.is_fenced),
+        host_tier("host", host, LAYOUT, LRUPolicy(), host_watermark, jobs.is_fenced),
+    ]
     return TierStack(tiers, [backend or CPUBackend(2)], jobs, placement, **kwargs)
 
 

@@ -208,8 +208,13 @@ class RedisStore(StoreUnderTest):
 
     def tier(self, timeout: float = 1.0, **options: Any) -> dict:
         assert self.server is not None
-        return {"medium": "remote", "backend": "redis", "timeout": timeout, "redis": {"url": self.server.url},
-                **options}
+        return {
+            "medium": "remote",
+            "backend": "redis",
+            "timeout": timeout,
+            "redis": {"url": self.server.url},
+            **options,
+        }
 
     def hung_window(self, timeout: float) -> tuple[float, float]:
         from kvtier.tiers.remote.redis_client import SOCKET_TIMEOUT_FACTOR
@@ -282,13 +287,19 @@ class MooncakeStore(StoreUnderTest):
 
         assert self.master is not None
         master = self.master
-        return bounded(lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url,
-                                              timeout=timeout))[0]
+        return bounded(
+            lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url, timeout=timeout)
+        )[0]
 
     def tier(self, timeout: float = 1.0, **options: Any) -> dict:
         assert self.master is not None
-        return {"medium": "remote", "backend": "mooncake", "timeout": timeout,
-                "mooncake": {"master": self.master.address, "metadata_server": self.master.metadata_url}, **options}
+        return {
+            "medium": "remote",
+            "backend": "mooncake",
+            "timeout": timeout,
+            "mooncake": {"master": self.master.address, "metadata_server": self.master.metadata_url},
+            **options,
+        }
 
     def hung_window(self, timeout: float) -> tuple[float, float]:
         # a stalled master answers after MC_RPC_TIMEOUT_MS, which the client sets to its timeout
@@ -321,8 +332,11 @@ class MooncakeStore(StoreUnderTest):
         assert self.master is not None
         body = http_get(self.master.metrics_port, "/metrics")
         assert body is not None, "the master's metrics did not answer"
-        counts = dict(line.split() for line in body.decode().splitlines()
-                      if line.startswith("master_batch_exist_key_requests_total"))
+        counts = dict(
+            line.split()
+            for line in body.decode().splitlines()
+            if line.startswith("master_batch_exist_key_requests_total")
+        )
         return int(float(counts["master_batch_exist_key_requests_total"]))
 
 

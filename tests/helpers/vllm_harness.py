@@ -56,33 +56,53 @@ from helpers.vllm_helpers import BLOCK
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
 HYBRID_LAYERS = tuple(f"model.decoder.layers.{i}.self_attn.attn" for i in range(4))
 # A small OPT-like model: vLLM's ModelConfig reads only this file (no weights for scheduler tests).
-MODEL_JSON = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 50272,
-              "max_position_embeddings": 2048, "torch_dtype": "float16"}
+MODEL_JSON = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "ffn_dim": 128,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float16",
+}
 
 
 def kv_cache_config(num_blocks: int, layout: str = "LBHNC", head_size: int = 8, mla_ranks: int = 0) -> KVCacheConfig:
     """Two layers of 2 KV heads x ``head_size`` dims in fp16 (1 KiB pages with 8 dims), one
     backing buffer, layer-outer or block-outer as ``layout`` says. ``mla_ranks``: MLA instead (one
     latent vector per token, the same on each of that many tensor-parallel ranks)."""
-    spec = (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4 * head_size, dtype=torch.float16)
-            if mla_ranks else
-            FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16))
+    spec = (
+        MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4 * head_size, dtype=torch.float16)
+        if mla_ranks
+        else FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
+    )
     page = spec.page_size_bytes
     if KVCacheLayout[layout].is_layer_compact:
-        tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
-                               layer_stride=page * num_blocks, block_stride=page)
+        tensor = KVCacheTensor(
+            size=page * num_blocks * len(LAYERS), layers=list(LAYERS), layer_stride=page * num_blocks, block_stride=page
+        )
     else:
-        tensor = KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS),
-                               layer_stride=page, block_stride=page * len(LAYERS))
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)], kv_tp_replicas=max(1, mla_ranks))
+        tensor = KVCacheTensor(
+            size=page * num_blocks * len(LAYERS),
+            layers=list(LAYERS),
+            layer_stride=page,
+            block_stride=page * len(LAYERS),
+        )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        kv_tp_replicas=max(1, mla_ranks),
+    )
     config.kv_cache_layout = layout
     return config
 
 
-def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int = 8,
-                           window_block: int = BLOCK) -> KVCacheConfig:
+def hybrid_kv_cache_config(
+    num_blocks: int, window: int | None, head_size: int = 8, window_block: int = BLOCK
+) -> KVCacheConfig:
     """Four layers as vLLM's hybrid manager groups them for a model of interleaved full-attention and
     sliding-window layers: group 0 full attention (layers 0 and 2), group 1 a ``window``-token window
     (layers 1 and 3), each group's tensor over the whole buffer from byte 0 (groups share the block
@@ -92,16 +112,41 @@ def hybrid_kv_cache_config(num_blocks: int, window: int | None, head_size: int =
     mode, its page padded to the attention page)."""
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=head_size, dtype=torch.float16)
     page = full.page_size_bytes
-    other = (SlidingWindowSpec(block_size=window_block, num_kv_heads=2 * BLOCK // window_block, head_size=head_size,
-                               dtype=torch.float16, sliding_window=window) if window is not None
-             else MambaSpec(block_size=BLOCK, shapes=((4, head_size),), dtypes=(torch.float16,),
-                            page_size_padded=page, mamba_cache_mode="align"))
-    groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
-              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], other)]
-    tensors = [KVCacheTensor(size=page * num_blocks * 2, layers=list(g.layer_names), layer_stride=page * num_blocks,
-                             block_stride=page) for g in groups]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
-                         kv_cache_layout="LBHNC", hash_block_size=BLOCK, cache_hit_alignment_tokens=BLOCK)
+    other = (
+        SlidingWindowSpec(
+            block_size=window_block,
+            num_kv_heads=2 * BLOCK // window_block,
+            head_size=head_size,
+            dtype=torch.float16,
+            sliding_window=window,
+        )
+        if window is not None
+        else MambaSpec(
+            block_size=BLOCK,
+            shapes=((4, head_size),),
+            dtypes=(torch.float16,),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
+    )
+    groups = [
+        KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
+        KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], other),
+    ]
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks * 2, layers=list(g.layer_names), layer_stride=page * num_blocks, block_stride=page
+        )
+        for g in groups
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        kv_cache_layout="LBHNC",
+        hash_block_size=BLOCK,
+        cache_hit_alignment_tokens=BLOCK,
+    )
 
 
 def block_kv(prefix: list[int], page: int, layer: int) -> np.ndarray:
@@ -111,22 +156,37 @@ def block_kv(prefix: list[int], page: int, layer: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, page, dtype=np.uint8)
 
 
-def make_vllm_config(model_dir, kvtier: dict, num_gpu_blocks: int, tp: int = 1,
-                     max_num_batched_tokens: int = 1024, max_num_seqs: int = 8,
-                     extra: dict | None = None) -> VllmConfig:
+def make_vllm_config(
+    model_dir,
+    kvtier: dict,
+    num_gpu_blocks: int,
+    tp: int = 1,
+    max_num_batched_tokens: int = 1024,
+    max_num_seqs: int = 8,
+    extra: dict | None = None,
+) -> VllmConfig:
     """A VllmConfig for the local model folder with KVTierConnector selected by module path."""
     config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
-                                 max_model_len=2048),
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
+        ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                         max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector",
-                                            kv_connector_module_path="kvtier.connectors.vllm",
-                                            kv_role="kv_both",
-                                            kv_connector_extra_config={"config": kvtier, **(extra or {})},
-                                            kv_load_failure_policy="recompute"),
-        device_config=DeviceConfig("cpu"))
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.connectors.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"config": kvtier, **(extra or {})},
+            kv_load_failure_policy="recompute",
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
     config.parallel_config.tensor_parallel_size = tp
     config.parallel_config.world_size = tp
     config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -151,7 +211,7 @@ class Worker:
     def page_view(self, block_id: int, layer: str) -> np.ndarray:
         t, index = self.places[layer]
         start = t.offset + index * t.layer_stride + block_id * t.block_stride
-        return self.buffer[start:start + self.page]
+        return self.buffer[start : start + self.page]
 
     def write_block(self, prefix: list[int], block_id: int, layers=None) -> None:
         """Write the KV of the block ending ``prefix`` into ``block_id`` (of these layers)."""
@@ -159,8 +219,10 @@ class Worker:
             self.page_view(block_id, layer)[:] = block_kv(prefix, self.page, self.numbers[layer])
 
     def block_matches(self, prefix: list[int], block_id: int, layers=None) -> bool:
-        return all(np.array_equal(self.page_view(block_id, layer), block_kv(prefix, self.page, self.numbers[layer]))
-                   for layer in layers or self.places)
+        return all(
+            np.array_equal(self.page_view(block_id, layer), block_kv(prefix, self.page, self.numbers[layer]))
+            for layer in layers or self.places
+        )
 
     def in_flight(self) -> int:
         return self.connector.worker_side.in_flight()
@@ -175,8 +237,7 @@ class Worker:
         """Overwrite every KV byte: only what is loaded afterwards holds KV."""
         self.buffer[:] = 0xEE
 
-    def begin_step(self, meta: bytes, writes: list, finished_req_ids: set[str], settle: bool,
-                   report: bool) -> None:
+    def begin_step(self, meta: bytes, writes: list, finished_req_ids: set[str], settle: bool, report: bool) -> None:
         """This rank's part of an engine step: the connector's hooks in the order of vLLM's model
         runner (kv_connector_model_runner_mixin.py) around the forward pass's ``writes`` (tokens, block,
         layers); ``settle`` waits for the copies first (a forward pass long enough for them),
@@ -196,10 +257,12 @@ class Worker:
         if report:
             results = c.get_transfer_results(finished_req_ids)
             self._output = KVConnectorOutput(
-                finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
                 invalid_block_ids=c.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=pickle.loads(pickle.dumps(c.build_connector_worker_meta())),
-                kv_connector_stats=c.get_kv_connector_stats())
+                kv_connector_stats=c.get_kv_connector_stats(),
+            )
         else:
             self._output = KVConnectorOutput()
         c.clear_connector_metadata()
@@ -283,19 +346,36 @@ def _serve_worker(pipe, vllm_config: VllmConfig, kv_config: KVCacheConfig) -> No
 class Engine:
     """vLLM's Scheduler (or AsyncScheduler) plus ``tp`` workers, stepped by hand, one step after the other."""
 
-    def __init__(self, model_dir, kvtier: dict, num_gpu_blocks: int = 64, tp: int = 1, layout: str = "LBHNC",
-                 max_num_batched_tokens: int = 1024, max_num_seqs: int = 8, extra: dict | None = None,
-                 async_scheduling: bool = False, head_size: int = 8, window: int | None = None,
-                 mamba: bool = False, mla: bool = False, processes: bool = False, window_block: int = BLOCK) -> None:
+    def __init__(
+        self,
+        model_dir,
+        kvtier: dict,
+        num_gpu_blocks: int = 64,
+        tp: int = 1,
+        layout: str = "LBHNC",
+        max_num_batched_tokens: int = 1024,
+        max_num_seqs: int = 8,
+        extra: dict | None = None,
+        async_scheduling: bool = False,
+        head_size: int = 8,
+        window: int | None = None,
+        mamba: bool = False,
+        mla: bool = False,
+        processes: bool = False,
+        window_block: int = BLOCK,
+    ) -> None:
         """``window`` set: a hybrid model, full-attention and sliding-window groups, the window's blocks of
         ``window_block`` tokens; ``mamba``: full
         attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
         every rank; ``processes``: each worker in a process of its own (``ProcessWorker``)."""
-        self.vllm_config = make_vllm_config(model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens,
-                                            max_num_seqs, extra)
-        self.kv_config = (hybrid_kv_cache_config(num_gpu_blocks, window, head_size, window_block)
-                          if window is not None or mamba
-                          else kv_cache_config(num_gpu_blocks, layout, head_size, tp if mla else 0))
+        self.vllm_config = make_vllm_config(
+            model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens, max_num_seqs, extra
+        )
+        self.kv_config = (
+            hybrid_kv_cache_config(num_gpu_blocks, window, head_size, window_block)
+            if window is not None or mamba
+            else kv_cache_config(num_gpu_blocks, layout, head_size, tp if mla else 0)
+        )
         if mamba:
             self.vllm_config.cache_config.mamba_cache_mode = "align"
         self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]
@@ -314,9 +394,14 @@ class Engine:
             if processes:
                 worker.ready()
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_config, log_stats=True,
-                                         structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                         block_size=scheduler_block, hash_block_size=self.hash_block)
+        self.scheduler = scheduler_class(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=scheduler_block,
+            hash_block_size=self.hash_block,
+        )
         self.connector = self.scheduler.connector
         self.kvtier = self.connector.scheduler_side
         self.aggregator = KVOutputAggregator(tp)
@@ -332,9 +417,14 @@ class Engine:
     def add(self, prompt: list[int], max_tokens: int = 4) -> Request:
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(request_id=f"r{self._ids}", prompt_token_ids=list(prompt), sampling_params=params,
-                          pooling_params=None, mm_features=None,
-                          block_hasher=get_request_block_hasher(self.hash_block, sha256))  # vLLM's own prefix cache
+        request = Request(
+            request_id=f"r{self._ids}",
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(self.hash_block, sha256),
+        )  # vLLM's own prefix cache
         self.scheduler.add_request(request)
         return request
 
@@ -370,8 +460,12 @@ class Engine:
             request = self.scheduler.requests[req_id]
             done = request.num_computed_tokens >= request.num_tokens  # schedule() advanced it already
             sampled.append([1000 + request.num_output_tokens] if done else [])
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, kv_connector_output=kv_output)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_output,
+        )
 
     def _writes(self, out) -> list:
         """What the forward pass writes: the KV of every block that becomes full in this step, as (the
@@ -385,7 +479,7 @@ class Engine:
             for layers, table, size in zip(self.groups, tables, self.block_sizes, strict=True):
                 for block in range(first // size, min(end, len(tokens)) // size):
                     if table[block]:  # a window's block vLLM no longer keeps is its null block, 0
-                        writes.append((tokens[:(block + 1) * size], table[block], layers))
+                        writes.append((tokens[: (block + 1) * size], table[block], layers))
         return writes
 
     def run(self, requests, max_steps: int = 200, timeout: float = 30.0):
@@ -420,9 +514,12 @@ class Engine:
         tables = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         tokens = list(request.all_token_ids)
         first, end = min(blocks) * BLOCK, (max(blocks) + 1) * BLOCK
-        checks = [(tokens[:(k + 1) * size], table[k], layers)
-                  for layers, table, size in zip(self.groups, tables, self.block_sizes, strict=True)
-                  for k in range(-(-first // size), end // size) if table[k]]
+        checks = [
+            (tokens[: (k + 1) * size], table[k], layers)
+            for layers, table, size in zip(self.groups, tables, self.block_sizes, strict=True)
+            for k in range(-(-first // size), end // size)
+            if table[k]
+        ]
         return all(w.block_matches(*check) for w in self.workers for check in checks)
 
     def assert_no_leaks(self) -> None:

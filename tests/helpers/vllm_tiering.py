@@ -106,9 +106,20 @@ def serve(manager, req_id: str, chain: Sequence[OffloadKey]) -> int:
 class TieringEngine:
     """vLLM's tiering manager of one engine (scheduler side), with its CPU tier's rows in reach."""
 
-    def __init__(self, model_dir, secondary_tiers: Sequence[dict], cpu_chunks: int = 8, eviction_policy: str = "lru",
-                 num_gpu_blocks: int = 64, extra: dict | None = None, kv_events: bool = False,
-                 head_size: int = 8, cpu_bytes: int | None = None, kv_config=None, tp: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir,
+        secondary_tiers: Sequence[dict],
+        cpu_chunks: int = 8,
+        eviction_policy: str = "lru",
+        num_gpu_blocks: int = 64,
+        extra: dict | None = None,
+        kv_events: bool = False,
+        head_size: int = 8,
+        cpu_bytes: int | None = None,
+        kv_config=None,
+        tp: int = 1,
+    ) -> None:
         """``cpu_chunks`` chunks of one GPU block each in the CPU tier (or ``cpu_bytes`` of it, with chunks of
         ``extra["block_size"]`` tokens); a GPU block holds two layers of ``kv_cache_config(head_size)``, or
         is one of ``kv_config``'s; ``tp`` workers each hold a shard of it (a CPU tier row holds them all)."""
@@ -117,20 +128,36 @@ class TieringEngine:
         block = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # one GPU block of every layer
         self.engine_id = f"kvtier-test-{uuid.uuid4().hex[:12]}"
         cpu_bytes = cpu_bytes or cpu_chunks * max(block, 4096)
-        extra_config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
-                        "eviction_policy": eviction_policy, "secondary_tiers": list(secondary_tiers), **(extra or {})}
+        extra_config = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": cpu_bytes,
+            "eviction_policy": eviction_policy,
+            "secondary_tiers": list(secondary_tiers),
+            **(extra or {}),
+        }
         if eviction_policy not in ("lru", "arc"):
             extra_config["cache_policy_module_path"] = MODULE
         config = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
-                                     max_model_len=2048),
+            model_config=ModelConfig(
+                model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
+            ),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-                                             enable_chunked_prefill=True, is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                engine_id=self.engine_id, kv_connector_extra_config=extra_config),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=2048,
+                max_model_len=2048,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                engine_id=self.engine_id,
+                kv_connector_extra_config=extra_config,
+            ),
             device_config=DeviceConfig("cpu"),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null") if kv_events else None)
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null") if kv_events else None,
+        )
         config.cache_config.num_gpu_blocks = num_gpu_blocks
         config.parallel_config.tensor_parallel_size = config.parallel_config.world_size = tp
         self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)

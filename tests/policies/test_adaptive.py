@@ -118,8 +118,17 @@ def test_the_history_stays_within_its_share_of_the_capacity():
     assert not policy.admit(515)  # five back: forgotten
 
 
-@pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"sample_every": 0}, {"sample_every": 6},
-                                    {"history_factor": 0}, {"score_limit": 0}, {"protected_share": 1.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"capacity": 0},
+        {"sample_every": 0},
+        {"sample_every": 6},
+        {"history_factor": 0},
+        {"score_limit": 0},
+        {"protected_share": 1.0},
+    ],
+)
 def test_bad_parameters(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
         AdaptivePolicy(**kwargs)

@@ -189,8 +189,9 @@ def test_a_full_high_mark_never_asks_within_capacity():
     assert mark.excess(10, 10) == 0
 
 
-@pytest.mark.parametrize("high, low", [(0.5, 0.5), (0.5, 0.8), (1.1, 0.5), (0.9, 0.0), (0.9, -0.1),
-                                        (float("nan"), 0.5)])
+@pytest.mark.parametrize(
+    "high, low", [(0.5, 0.5), (0.5, 0.8), (1.1, 0.5), (0.9, 0.0), (0.9, -0.1), (float("nan"), 0.5)]
+)
 def test_watermark_validation(high, low):
     with pytest.raises(ValueError, match="0 < low < high <= 1"):
         Watermark(high=high, low=low)

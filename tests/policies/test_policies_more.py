@@ -156,8 +156,14 @@ def test_s3fifo_ghost_queue_stays_within_its_share(ids):
 
 
 def test_s3fifo_argument_checks():
-    for kwargs in ({"capacity": 0}, {"small_fraction": 0.0}, {"small_fraction": 1.0},
-                   {"ghost_fraction": -1.0}, {"promote_after": 0}, {"promote_after": 4}):
+    for kwargs in (
+        {"capacity": 0},
+        {"small_fraction": 0.0},
+        {"small_fraction": 1.0},
+        {"ghost_fraction": -1.0},
+        {"promote_after": 0},
+        {"promote_after": 4},
+    ):
         with pytest.raises(ValueError):
             S3FIFOPolicy(**kwargs)
 

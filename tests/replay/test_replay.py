@@ -181,8 +181,10 @@ def test_belady_is_at_least_every_policy(chains, capacity):
 
 def test_load_trace(tmp_path):
     path = tmp_path / "t.jsonl"
-    lines = [{"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
-             {"timestamp": 40, "input_length": 600, "output_length": 9, "hash_ids": [0, 2]}]
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 40, "input_length": 600, "output_length": 9, "hash_ids": [0, 2]},
+    ]
     path.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
     trace = load_trace(path)
     assert [r.hash_ids for r in trace] == [(0, 1), (0, 2)]
@@ -190,8 +192,9 @@ def test_load_trace(tmp_path):
     assert replay(trace, 10, LRUPolicy()).hits == 1
 
 
-@pytest.mark.parametrize("line", ['{"hash_ids": [1, 2', '{"timestamp": 0}', '{"hash_ids": [1, 1]}',
-                                  '{"hash_ids": ["a"]}', '{"hash_ids": 3}'])
+@pytest.mark.parametrize(
+    "line", ['{"hash_ids": [1, 2', '{"timestamp": 0}', '{"hash_ids": [1, 1]}', '{"hash_ids": ["a"]}', '{"hash_ids": 3}']
+)
 def test_a_bad_line_is_named(tmp_path, line):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"hash_ids": [1]}\n' + line + "\n")
@@ -200,8 +203,9 @@ def test_a_bad_line_is_named(tmp_path, line):
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"shared trace not found at {TRACE}")
-@pytest.mark.parametrize("capacity, lru_ref, belady_ref", [(1000, 0.083, 0.277), (4000, 0.230, 0.493),
-                                                           (16000, 0.530, 0.640)])
+@pytest.mark.parametrize(
+    "capacity, lru_ref, belady_ref", [(1000, 0.083, 0.277), (4000, 0.230, 0.493), (16000, 0.530, 0.640)]
+)
 def test_reference_figures_on_the_mooncake_trace(capacity, lru_ref, belady_ref):
     trace = _shared_trace()
     assert sum(len(r.hash_ids) for r in trace) == 121_877

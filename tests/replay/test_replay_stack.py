@@ -63,13 +63,16 @@ def check_hand_trace(stack, upper: str, lower: str) -> None:
 
 
 def test_gpu_over_host_by_hand():
-    check_hand_trace(two_tier({"medium": "gpu", "capacity_blocks": 2}, {"medium": "host", "capacity_blocks": 4}),
-                     "gpu", "host")
+    check_hand_trace(
+        two_tier({"medium": "gpu", "capacity_blocks": 2}, {"medium": "host", "capacity_blocks": 4}), "gpu", "host"
+    )
 
 
 def test_host_over_disk_by_hand(tmp_path):
-    stack = two_tier({"medium": "host", "capacity_blocks": 2},
-                     {"medium": "disk", "capacity_blocks": 4, "path": str(tmp_path / "disk")})
+    stack = two_tier(
+        {"medium": "host", "capacity_blocks": 2},
+        {"medium": "disk", "capacity_blocks": 4, "path": str(tmp_path / "disk")},
+    )
     check_hand_trace(stack, "host", "disk")
 
 
@@ -80,8 +83,9 @@ def test_one_tier_lru_equals_the_metadata_replay(chains, capacity):
     # (loads unpin when done), where the metadata replay protects every block of the request.
     assume(max(len(c) for c in chains) <= capacity)
     trace = requests_from_ids(chains)
-    stack = build_stack(load_config({"block_bytes": BB, "tiers": [{"medium": "host", "capacity_blocks": capacity,
-                                                                   "eviction": "lru"}]}))
+    stack = build_stack(
+        load_config({"block_bytes": BB, "tiers": [{"medium": "host", "capacity_blocks": capacity, "eviction": "lru"}]})
+    )
     try:
         real = replay_through_stack(trace, stack)
     finally:

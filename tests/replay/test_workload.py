@@ -53,16 +53,27 @@ def test_ids_are_chained_and_reused_the_way_chats_reuse_them():
     assert len(first_blocks) <= SPEC.system_prompts, "every prompt opens with a shared system prompt block"
     # Multi-turn: the last full block of a prompt, past any system prompt, comes back in a later turn.
     system_blocks = SPEC.system_prompt_tokens[1] // SPEC.block_tokens
-    last_full = [r.hash_ids[r.input_length // SPEC.block_tokens - 1] for r in requests
-                 if r.input_length // SPEC.block_tokens > system_blocks]
+    last_full = [
+        r.hash_ids[r.input_length // SPEC.block_tokens - 1]
+        for r in requests
+        if r.input_length // SPEC.block_tokens > system_blocks
+    ]
     assert sum(uses[h] > 1 for h in last_full) > 0.3 * len(last_full)
     tails = [r.hash_ids[-1] for r in requests if r.input_length % SPEC.block_tokens]
     assert tails and all(uses[h] == 1 for h in tails), "a partial last block grows in the next turn: a new id"
     assert sum(1 for c in uses.values() if c == 1) > 0.2 * len(uses), "many blocks are never reused"
 
 
-@pytest.mark.parametrize("field, value", [("mean_turns", 0.5), ("conversations", -1), ("system_prompts", 0),
-                                          ("user_tokens", (10, 5)), ("document_chance", 1.5)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mean_turns", 0.5),
+        ("conversations", -1),
+        ("system_prompts", 0),
+        ("user_tokens", (10, 5)),
+        ("document_chance", 1.5),
+    ],
+)
 def test_bad_parameters(field, value):
     with pytest.raises(ValueError, match=field):
         ChatWorkload(**{field: value})

@@ -73,8 +73,12 @@ def make_server(model, tmp_path):
 def pytest_terminal_summary(terminalreporter):
     """The figures tests record (``record_property``: the tokens before and after damage, ...) at the end of the
     run's report, so CI's log shows what each backend answered, not only that the test passed."""
-    lines = [f"{report.nodeid}: {name} = {value}" for report in terminalreporter.stats.get("passed", [])
-             for name, value in report.user_properties if Path(__file__).parent.name in report.nodeid]
+    lines = [
+        f"{report.nodeid}: {name} = {value}"
+        for report in terminalreporter.stats.get("passed", [])
+        for name, value in report.user_properties
+        if Path(__file__).parent.name in report.nodeid
+    ]
     if lines:
         terminalreporter.section("SGLang server tests: recorded figures")
         for line in lines:

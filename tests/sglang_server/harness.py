@@ -69,9 +69,19 @@ def make_model(path: str | Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(path, seed)
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=64, vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
 
@@ -85,12 +95,17 @@ def _make_tokenizer(path: Path, seed: int) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(_corpus(seed), trainer)
     unk, bos, eos = SPECIAL_TOKENS
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=unk, bos_token=bos,
-                            eos_token=eos).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=unk, bos_token=bos, eos_token=eos).save_pretrained(
+        path
+    )
 
 
 def _corpus(seed: int, sentences: int = 2000) -> list[str]:
@@ -119,11 +134,22 @@ class Server:
     machine can miss. ``dtype`` is ``--dtype``: SGLang's ``auto`` runs a float32 checkpoint in float16. ``args``
     are more SGLang flags; ``env`` overrides the environment of the server."""
 
-    def __init__(self, model: str | Path, log_dir: str | Path, *, layout: str = "layer_first",
-                 storage: str | None = None, extra_config: dict[str, Any] | None = None,
-                 prefetch_policy: str = "wait_complete", dtype: str = "float32", args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, venv: str | Path = DEFAULT_VENV, name: str = "sglang",
-                 start_timeout: float = START_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        log_dir: str | Path,
+        *,
+        layout: str = "layer_first",
+        storage: str | None = None,
+        extra_config: dict[str, Any] | None = None,
+        prefetch_policy: str = "wait_complete",
+        dtype: str = "float32",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        venv: str | Path = DEFAULT_VENV,
+        name: str = "sglang",
+        start_timeout: float = START_TIMEOUT_S,
+    ) -> None:
         self.model = Path(model)
         self.log_dir = Path(log_dir)
         self.layout = layout
@@ -149,14 +175,43 @@ class Server:
     def command(self) -> list[str]:
         """SGLang's command line: its plain-torch CPU path (torch_native attention, no CUDA graphs, no warmup request),
         a small device pool of 4-token pages, and HiCache with a 1 GB host pool and the direct IO backend."""
-        cmd = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", self.dtype,
-               "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
-               "--max-total-tokens", "2048", "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
-               "--hicache-size", "1", "--hicache-io-backend", "direct", "--hicache-mem-layout", self.layout]
+        cmd = [
+            str(self.python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--dtype",
+            self.dtype,
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+            "--max-total-tokens",
+            "2048",
+            "--page-size",
+            str(PAGE_SIZE),
+            "--enable-hierarchical-cache",
+            "--hicache-size",
+            "1",
+            "--hicache-io-backend",
+            "direct",
+            "--hicache-mem-layout",
+            self.layout,
+        ]
         if self.storage is not None:
-            cmd += ["--hicache-storage-backend", self.storage,
-                    "--hicache-storage-prefetch-policy", self.prefetch_policy]
+            cmd += [
+                "--hicache-storage-backend",
+                self.storage,
+                "--hicache-storage-prefetch-policy",
+                self.prefetch_policy,
+            ]
         if self.extra_config is not None:
             cmd += ["--hicache-storage-backend-extra-config", json.dumps(self.extra_config)]
         return cmd + list(self.args)
@@ -167,9 +222,18 @@ class Server:
         without generating a token (by default it runs a 1-token request through the scheduler and its caches, which
         a test would see among its own); no py-spy or CUDA core dumps when a child process dies (SGLang sleeps 5 s
         first, which every stop would pay: SIGTERM ends the scheduler before the main process)."""
-        return {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
-                "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", **self.env}
+        return {
+            **os.environ,
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+            "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+            "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+            **self.env,
+        }
 
     def start(self) -> Server:
         """Launch SGLang and wait until ``/health`` answers 200. Raises ServerFailed (with the log's tail) when the
@@ -185,8 +249,14 @@ class Server:
         while True:
             started = time.monotonic()
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.command(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.environment(),
+                    start_new_session=True,
+                )
             try:
                 self._wait_healthy(started + self.start_timeout)
             except ServerFailed:
@@ -210,8 +280,11 @@ class Server:
         assert self.proc is not None
         while True:
             if self.proc.poll() is not None:
-                raise ServerFailed(f"{self.name} exited with {self.proc.returncode} before it was ready",
-                                   self.log_tail(), self.proc.returncode)
+                raise ServerFailed(
+                    f"{self.name} exited with {self.proc.returncode} before it was ready",
+                    self.log_tail(),
+                    self.proc.returncode,
+                )
             if _status(self.url + "/health") == 200:
                 return
             if time.monotonic() > deadline:
@@ -275,7 +348,7 @@ def _group_members(group: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue  # ended while listed
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
         if int(pgrp) == group and state != "Z":
             members.append(int(entry.name))
     return members

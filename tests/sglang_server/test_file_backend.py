@@ -34,8 +34,9 @@ def prompt_ids(seed: int = 0) -> list[int]:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_flushed_prompt_comes_back_from_file_storage(make_server, tmp_path, layout):
     store = tmp_path / "store"
-    server = make_server(layout=layout, storage="file",
-                         extra_config={"file_storage_path": str(store), "prefetch_threshold": PAGE_SIZE})
+    server = make_server(
+        layout=layout, storage="file", extra_config={"file_storage_path": str(store), "prefetch_threshold": PAGE_SIZE}
+    )
     prompt = prompt_ids()
 
     first = generate(server.url, prompt, NEW_TOKENS)
@@ -43,8 +44,11 @@ def test_flushed_prompt_comes_back_from_file_storage(make_server, tmp_path, layo
     assert first.cached() == {"device": 0, "host": 0, "storage": 0}
     assert len(first.ids) == NEW_TOKENS
     # SGLang writes the pages to storage after answering; one file a page.
-    wait_until(lambda: len(list(store.glob("*.bin"))) >= PROMPT_TOKENS // PAGE_SIZE, STORE_WRITE_TIMEOUT_S,
-               f"the prompt's {PROMPT_TOKENS // PAGE_SIZE} pages written to {store}")
+    wait_until(
+        lambda: len(list(store.glob("*.bin"))) >= PROMPT_TOKENS // PAGE_SIZE,
+        STORE_WRITE_TIMEOUT_S,
+        f"the prompt's {PROMPT_TOKENS // PAGE_SIZE} pages written to {store}",
+    )
 
     flush_cache(server.url)
     again = generate(server.url, prompt, NEW_TOKENS)

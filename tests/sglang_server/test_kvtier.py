@@ -37,8 +37,14 @@ def prompt_ids(seed: int) -> list[int]:
 
 def kvtier_extra(config: dict) -> dict:
     """The extra config that loads kvtier with ``config`` inline (prefetch from storage for any miss of a page)."""
-    return {"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang.backend", "class_name": "KVTierStorage",
-            "interface_v1": 1, "prefetch_threshold": PAGE_SIZE, "config": config}
+    return {
+        "backend_name": "kvtier",
+        "module_path": "kvtier.connectors.sglang.backend",
+        "class_name": "KVTierStorage",
+        "interface_v1": 1,
+        "prefetch_threshold": PAGE_SIZE,
+        "config": config,
+    }
 
 
 def disk_config(path: Path) -> dict:
@@ -59,8 +65,11 @@ def kvtier_counters(url: str) -> dict[str, float]:
     """kvtier's samples on SGLang's ``/metrics`` (``--enable-metrics``), by name and labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
         lines = response.read().decode().splitlines()
-    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
-            if name.startswith("sglang:kvtier_")}
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in lines)
+        if name.startswith("sglang:kvtier_")
+    }
 
 
 def damage_pages(files: list[tuple[Path, int, int]]) -> None:
@@ -71,8 +80,9 @@ def damage_pages(files: list[tuple[Path, int, int]]) -> None:
             f.write(b"\x7f" * size)
 
 
-def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_never_damaged(make_server,
-                                                                                          tmp_path, record_property):
+def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_never_damaged(
+    make_server, tmp_path, record_property
+):
     disk = tmp_path / "kv"
     prompt = prompt_ids(1)
     server = make_server(storage="dynamic", extra_config=kvtier_extra(disk_config(disk)), args=("--enable-metrics",))
@@ -137,17 +147,23 @@ def mooncake_keys(master: MooncakeMaster) -> int:
 
 @pytest.mark.parametrize("store", ["redis", "mooncake"])
 def test_a_second_server_gets_from_the_shared_store_a_prompt_only_the_first_saw(make_server, tmp_path, store):
-    with (redis_server(tmp_path / "redis") if store == "redis" else MooncakeMaster()) as server:
+    with redis_server(tmp_path / "redis") if store == "redis" else MooncakeMaster() as server:
         if store == "redis":
             settings, count = {"url": server.url}, lambda: redis_keys(server)
             owner = None
         else:
-            settings, count = {"master": server.address, "metadata_server": server.metadata_url}, \
-                lambda: mooncake_keys(server)
+            settings, count = (
+                {"master": server.address, "metadata_server": server.metadata_url},
+                lambda: mooncake_keys(server),
+            )
             owner = SegmentOwner(server, "128MB").__enter__()
         try:
-            config = {"tiers": [{"medium": "host", "capacity": "16MiB"},
-                                {"medium": "remote", "backend": store, "timeout": 2.0, store: settings}]}
+            config = {
+                "tiers": [
+                    {"medium": "host", "capacity": "16MiB"},
+                    {"medium": "remote", "backend": store, "timeout": 2.0, store: settings},
+                ]
+            }
             first = make_server(storage="dynamic", extra_config=kvtier_extra(config), name="first")
             second = make_server(storage="dynamic", extra_config=kvtier_extra(config), name="second")
             prompt = prompt_ids(2)
@@ -161,13 +177,17 @@ def test_a_second_server_gets_from_the_shared_store_a_prompt_only_the_first_saw(
                 owner.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize(("config", "line"), [
-    ({"tiers": [{"medium": "disk", "path": "/tmp/kvtier-never", "capacity": "lots"}]},
-     "tiers[0].capacity: 'lots' is not a size"),
-    ({"tiers": [{"medium": "gpu"}]}, "tiers[0].medium: gpu: SGLang keeps GPU KV itself"),
-])
-def test_a_configuration_mistake_stops_sglang_at_start_with_kvtiers_line(make_server, config, line,
-                                                                          record_property):
+@pytest.mark.parametrize(
+    ("config", "line"),
+    [
+        (
+            {"tiers": [{"medium": "disk", "path": "/tmp/kvtier-never", "capacity": "lots"}]},
+            "tiers[0].capacity: 'lots' is not a size",
+        ),
+        ({"tiers": [{"medium": "gpu"}]}, "tiers[0].medium: gpu: SGLang keeps GPU KV itself"),
+    ],
+)
+def test_a_configuration_mistake_stops_sglang_at_start_with_kvtiers_line(make_server, config, line, record_property):
     with pytest.raises(ServerFailed) as failed:
         make_server(storage="dynamic", extra_config=kvtier_extra(config))
     errors = [text for text in failed.value.log_tail.splitlines() if "ConfigError" in text and line in text]

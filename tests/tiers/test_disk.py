@@ -92,7 +92,7 @@ def test_reopen_repeatedly_while_storing_more_each_time(tmp_path):
         disk = stack.tiers[1]
         assert disk.usage().used == len(stored)
         assert ready(disk, stored) == stored
-        new = KEYS[round_ * 10:round_ * 10 + 10]
+        new = KEYS[round_ * 10 : round_ * 10 + 10]
         put(stack, new)
         stored += new
         loaded, out = get(stack, stored)
@@ -160,7 +160,7 @@ def test_kvtier_api_round_trip_with_token_ids_and_reopen(tmp_path):
         keys = kv.keys(tokens)
         assert len(keys) == 12
         for i in range(0, 12, 4):
-            result = kv.store(keys[i:i + 4], blocks[i:i + 4]).result(timeout=30)
+            result = kv.store(keys[i : i + 4], blocks[i : i + 4]).result(timeout=30)
             assert result.stored == 4 and not result.failed
         assert kv.lookup(tokens) == 12
     with KVTier.open(cfg) as kv:
@@ -216,18 +216,16 @@ def test_o_direct_modes_round_trip_and_read_each_others_files(tmp_path, o_direct
 def test_unaligned_memory_and_odd_block_sizes(tmp_path, o_direct, block_bytes, fragments, host):
     """Caller buffers off the page boundary and blocks that are not whole pages take the bounce path."""
     layout = BlockLayout((block_bytes // fragments,) * fragments)
-    stack = open_stack(tmp_path, host=host, disk=12, block_bytes=block_bytes, fragments=fragments,
-                       o_direct=o_direct)
+    stack = open_stack(tmp_path, host=host, disk=12, block_bytes=block_bytes, fragments=fragments, o_direct=o_direct)
     keys = KEYS[:9]
     for i in range(0, 9, 3):
         raw = np.zeros(3 * block_bytes + 1, np.uint8)
         src = raw[1:].reshape(3, block_bytes)  # one byte off: never page-aligned
-        src[:] = np.stack([data(k, b"", block_bytes) for k in keys[i:i + 3]])
-        result = stack.store(keys[i:i + 3], buffer_storage(src, layout), range(3)).result(timeout=30)
+        src[:] = np.stack([data(k, b"", block_bytes) for k in keys[i : i + 3]])
+        result = stack.store(keys[i : i + 3], buffer_storage(src, layout), range(3)).result(timeout=30)
         assert result.stored == 3 and not result.failed
     stack.close()
-    stack = open_stack(tmp_path, host=host, disk=12, block_bytes=block_bytes, fragments=fragments,
-                       o_direct=o_direct)
+    stack = open_stack(tmp_path, host=host, disk=12, block_bytes=block_bytes, fragments=fragments, o_direct=o_direct)
     assert stack.tiers[-1].usage().used == 9
     raw = np.zeros(9 * block_bytes + 3, np.uint8)
     out = raw[3:].reshape(9, block_bytes)
@@ -378,11 +376,14 @@ def test_a_smaller_capacity_at_reopen_keeps_the_blocks_in_the_remaining_slots(tm
     stack.close()
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"block_bytes": BLOCK // 2}, f"the block size changed from {BLOCK} to {BLOCK // 2} bytes"),
-    ({"compression": "zstd"}, "compression changed from none to zstd"),
-    ({"compression": "zstd", "slot_bytes": 8192}, "slot size changed from 12288 to 8192 bytes (slot_bytes)"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"block_bytes": BLOCK // 2}, f"the block size changed from {BLOCK} to {BLOCK // 2} bytes"),
+        ({"compression": "zstd"}, "compression changed from none to zstd"),
+        ({"compression": "zstd", "slot_bytes": 8192}, "slot size changed from 12288 to 8192 bytes (slot_bytes)"),
+    ],
+)
 def test_a_geometry_change_at_reopen_discards_the_cache_and_says_why(tmp_path, caplog, change, reason):
     def config(block_bytes=BLOCK, **disk):
         cfg = config_dict(tmp_path, host=0, disk=8, block_bytes=block_bytes)
@@ -401,6 +402,7 @@ def test_a_geometry_change_at_reopen_discards_the_cache_and_says_why(tmp_path, c
 
 
 # --- the directory lock -----------------------------------------------------------------------------
+
 
 def test_a_second_open_in_this_process_fails_and_names_the_directory(tmp_path):
     stack = open_stack(tmp_path)
@@ -423,8 +425,13 @@ def test_a_second_open_in_this_process_fails_and_names_the_directory(tmp_path):
 
 def test_a_second_process_cannot_open_a_directory_this_process_holds(tmp_path):
     stack = open_stack(tmp_path)
-    child = subprocess.run([sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(tmp_path))],
-                           input="", capture_output=True, text=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(tmp_path))],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert child.returncode == 3, child.stderr
     assert child.stdout.startswith("REFUSED") and str(tmp_path) in child.stdout
     assert f"pid {os.getpid()}" in child.stdout and "cannot share one directory" in child.stdout
@@ -433,8 +440,13 @@ def test_a_second_process_cannot_open_a_directory_this_process_holds(tmp_path):
 
 
 def test_this_process_cannot_open_a_directory_another_process_holds(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(tmp_path))],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(tmp_path))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "OPENED", child.stderr.read()
         with pytest.raises(DiskTierError) as err:
@@ -495,7 +507,7 @@ def test_write_through_copies_everything_down_write_back_only_what_is_pushed_out
     host, disk = stack.tiers
     keys = KEYS[:12]
     for i in range(0, 12, 4):
-        put(stack, keys[i:i + 4])
+        put(stack, keys[i : i + 4])
         stack.wait_idle()
     assert ready(host, keys) == keys[8:]
     if placement == "write_through":
@@ -547,7 +559,7 @@ def test_a_disk_watermark_evicts_down_to_the_low_mark(tmp_path):
     assert disk.stats.evicted >= 8
     assert ready(host, keys) == keys[20:]
     present = ready(disk, keys)
-    assert present == keys[20 - len(present):20], "the newest demoted blocks stay"
+    assert present == keys[20 - len(present) : 20], "the newest demoted blocks stay"
     loaded, out = get(stack, present)
     assert loaded.loaded == len(present)
     assert_exact(present, loaded, out)
@@ -576,7 +588,7 @@ def test_a_failed_checksum_discards_the_block_and_the_next_lookup_misses(tmp_pat
     assert loaded.hits == 12 and loaded.failed == [victim] and loaded.loaded == 11
     assert_exact(keys, loaded, out)
     assert disk.stats.read_errors == 1 and disk.state(keys[victim]) is BlockState.FREE
-    assert stack.lookup(keys).hits == victim and stack.lookup(keys[victim:victim + 1]).hits == 0
+    assert stack.lookup(keys).hits == victim and stack.lookup(keys[victim : victim + 1]).hits == 0
     again, out = get(stack, keys)
     assert again.hits == victim and again.failed == []
     assert not out[victim:].any(), "nothing past the miss is written"
@@ -612,7 +624,7 @@ def test_concurrent_stores_and_loads_over_disk_stay_bit_exact(tmp_path, host):
         try:
             for _ in range(30):
                 start = int(rng.integers(0, 50))
-                keys = KEYS[start:start + int(rng.integers(1, 6))]
+                keys = KEYS[start : start + int(rng.integers(1, 6))]
                 if rng.random() < 0.5:
                     for r in put(stack, keys):
                         assert not r.failed

@@ -63,15 +63,31 @@ def noise(k: bytes, nbytes: int = BLOCK) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(k[:8], "little")).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def config(path, compression="zstd", *, host=4, disk=16, capacity=None, slot_bytes=None, block_bytes=BLOCK,
-           fragments=4, placement="write_back", o_direct="auto") -> dict:
+def config(
+    path,
+    compression="zstd",
+    *,
+    host=4,
+    disk=16,
+    capacity=None,
+    slot_bytes=None,
+    block_bytes=BLOCK,
+    fragments=4,
+    placement="write_back",
+    o_direct="auto",
+) -> dict:
     disk_cfg = {"medium": "disk", "path": str(path), "compression": compression, "o_direct": o_direct}
     disk_cfg.update({"capacity": capacity} if capacity is not None else {"capacity_blocks": disk})
     if slot_bytes is not None:
         disk_cfg["slot_bytes"] = slot_bytes
     tiers = ([{"medium": "host", "capacity_blocks": host}] if host else []) + [disk_cfg]
-    return {"block_bytes": block_bytes, "fragments": fragments, "namespace": "compress",
-            "placement": placement, "tiers": tiers}
+    return {
+        "block_bytes": block_bytes,
+        "fragments": fragments,
+        "namespace": "compress",
+        "placement": placement,
+        "tiers": tiers,
+    }
 
 
 def open_stack(path, compression="zstd", **kwargs):
@@ -83,7 +99,7 @@ def put(stack, keys, make=bf16, layout=LAYOUT):
     batch = stack.tiers[0].capacity
     results = []
     for i in range(0, len(keys), batch):
-        chunk = keys[i:i + batch]
+        chunk = keys[i : i + batch]
         blocks = np.stack([make(k, layout.block_bytes) for k in chunk])
         results.append(stack.store(chunk, buffer_storage(blocks, layout), range(len(chunk))).result(timeout=60))
     return results
@@ -100,10 +116,6 @@ def assert_exact(keys, result, out, make=bf16):
     for i in range(result.hits):
         if i not in result.failed:
             assert np.array_equal(out[i], make(keys[i], out.shape[1])), f"block {i} came back wrong"
-
-
-
-
 
 
 def header_of(path, slot: int, stride: int) -> SlotHeader:
@@ -181,7 +193,7 @@ def test_per_layer_arrays_are_gathered_and_scattered(tmp_path, compression):
     frag = LAYOUT.fragment_bytes[0]
 
     def per_layer(blocks: np.ndarray):
-        layers = [np.ascontiguousarray(blocks[:, f * frag:(f + 1) * frag]) for f in range(4)]
+        layers = [np.ascontiguousarray(blocks[:, f * frag : (f + 1) * frag]) for f in range(4)]
         storage = StridedStorage(LAYOUT, len(blocks), [a.ctypes.data for a in layers], [frag] * 4, keepalive=layers)
         return storage, layers
 
@@ -420,9 +432,11 @@ def test_a_forged_header_is_a_failed_load(written, change):
     path, compression, stride, slots = written
     victim = KEYS[4]
     header = header_of(path, slots[victim], stride)
-    forged = {"payload shorter": {"payload": header.payload - 7},
-              "payload longer": {"payload": min(header.payload + 4096, stride - PAGE)},
-              "checksum": {"checksum": header.checksum ^ 1}}[change]
+    forged = {
+        "payload shorter": {"payload": header.payload - 7},
+        "payload longer": {"payload": min(header.payload + 4096, stride - PAGE)},
+        "checksum": {"checksum": header.checksum ^ 1},
+    }[change]
     write_header(path, slots[victim], stride, dataclasses.replace(header, **forged))
     check_one_failed(path, compression, victim, may_survive=change == "payload longer")
 
@@ -435,9 +449,11 @@ def test_a_damaged_or_impossible_header_is_damaged_at_reopen(written, change):
         flip(path / SLAB_NAME, PAGE + slots[victim] * stride + 70)
     else:
         header = header_of(path, slots[victim], stride)
-        forged = {"payload past the slot": {"payload": stride - PAGE + 1},
-                  "other codec": {"codec": 0 if header.codec else 1},
-                  "raw length": {"length": BLOCK - 2}}[change]
+        forged = {
+            "payload past the slot": {"payload": stride - PAGE + 1},
+            "other codec": {"codec": 0 if header.codec else 1},
+            "raw length": {"length": BLOCK - 2},
+        }[change]
         write_header(path, slots[victim], stride, dataclasses.replace(header, **forged))
     check_one_failed(path, compression, victim, reopen_damaged=1)
 
@@ -485,20 +501,24 @@ def error_of(cfg) -> str:
 
 
 def test_config_refuses_bad_codecs_and_slot_sizes(tmp_path):
-    assert "tiers[1].compression: 'gzip' is not allowed; allowed: none, lz4, zstd" in \
-        error_of(config(tmp_path, "gzip"))
-    assert "tiers[1].slot_bytes: 2KiB (2048 bytes) is less than 4KiB" in \
-        error_of(config(tmp_path, slot_bytes="2KiB"))
-    assert "tiers[1].slot_bytes: slot_bytes 266240 is larger than block_bytes 262144" in \
-        error_of(config(tmp_path, slot_bytes="260KiB"))
-    assert "tiers[1].slot_bytes: slot_bytes 131072 is smaller than block_bytes 262144, which only fits with " \
-           "compression" in error_of(config(tmp_path, "none", slot_bytes="128KiB"))
-    assert "tiers[1].capacity: 256KiB (262144 bytes) holds no block of block_bytes 256KiB; give at least 260KiB" in \
-        error_of(config(tmp_path, "none", capacity="256KiB"))
+    assert "tiers[1].compression: 'gzip' is not allowed; allowed: none, lz4, zstd" in error_of(config(tmp_path, "gzip"))
+    assert "tiers[1].slot_bytes: 2KiB (2048 bytes) is less than 4KiB" in error_of(config(tmp_path, slot_bytes="2KiB"))
+    assert "tiers[1].slot_bytes: slot_bytes 266240 is larger than block_bytes 262144" in error_of(
+        config(tmp_path, slot_bytes="260KiB")
+    )
+    assert (
+        "tiers[1].slot_bytes: slot_bytes 131072 is smaller than block_bytes 262144, which only fits with "
+        "compression" in error_of(config(tmp_path, "none", slot_bytes="128KiB"))
+    )
+    assert (
+        "tiers[1].capacity: 256KiB (262144 bytes) holds no block of block_bytes 256KiB; give at least 260KiB"
+        in error_of(config(tmp_path, "none", capacity="256KiB"))
+    )
     cfg = load_config(config(tmp_path, "none", slot_bytes="256KiB"))  # the block size itself is fine uncompressed
     assert cfg.tiers[1].compression == "none" and cfg.tiers[1].slot_bytes == BLOCK
     assert load_config(config(tmp_path)).tiers[1].slot_bytes is None
-    defaults = load_config({"block_bytes": BLOCK, "tiers": [{"medium": "disk", "path": str(tmp_path),
-                                                               "capacity": "1GiB"}]})
+    defaults = load_config(
+        {"block_bytes": BLOCK, "tiers": [{"medium": "disk", "path": str(tmp_path), "capacity": "1GiB"}]}
+    )
     assert defaults.tiers[0].compression == "none"
     assert capacity_in_blocks(defaults.tiers[0], BLOCK) == 2**30 // (PAGE + BLOCK)

@@ -47,17 +47,17 @@ from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, SlotHeader, inspec
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)
 KEYS = [key(i) for i in range(32)]
-N = 6          # blocks written before the damage, into slots 0..N-1
+N = 6  # blocks written before the damage, into slots 0..N-1
 CAPACITY = 8
 HEADER_BYTES = 131  # the checksummed part of a slot header: fields (123 bytes) and their checksum (8)
 FILE_HEADER_BYTES = 45  # the compared part of the file header: fields (37 bytes) and their checksum (8)
 
 
 def open_stack(path, host=0, disk=CAPACITY, reinitialise=False):
-    tiers = ([{"medium": "host", "capacity_blocks": host}] if host else []) + \
-            [{"medium": "disk", "path": str(path), "capacity_blocks": disk, "reinitialise": reinitialise}]
-    return build_stack(load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "corrupt",
-                                    "tiers": tiers}))
+    tiers = ([{"medium": "host", "capacity_blocks": host}] if host else []) + [
+        {"medium": "disk", "path": str(path), "capacity_blocks": disk, "reinitialise": reinitialise}
+    ]
+    return build_stack(load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "corrupt", "tiers": tiers}))
 
 
 def put(stack, keys):
@@ -71,8 +71,6 @@ def get(stack, keys):
     out = np.zeros((len(keys), BLOCK), np.uint8)
     result = stack.load(keys, buffer_storage(out, LAYOUT, writable=True), range(len(keys))).result(timeout=30)
     return result, out
-
-
 
 
 @dataclasses.dataclass
@@ -103,8 +101,6 @@ def slab(tmp_path) -> Slab:
     info = Slab(tmp_path, tmp_path / SLAB_NAME, s.slot_stride, s.file_bytes, slot_of)
     stack.close()
     return info
-
-
 
 
 def write_at(path, offset: int, raw: bytes) -> None:
@@ -295,13 +291,14 @@ def test_a_slot_torn_between_two_stores_is_a_miss(slab, torn):
     header's checksum of the bytes decides: the block the header names fails its load, never returns."""
     a, b = KEYS[2], KEYS[10]
     old = SlotHeader.unpack(read_at(slab.file, slab.header_at(a), PAGE))
-    new = dataclasses.replace(old, key=b, checksum=xxhash.xxh3_64_intdigest(content(b, BLOCK).data),
-                              sequence=old.sequence + 1)
+    new = dataclasses.replace(
+        old, key=b, checksum=xxhash.xxh3_64_intdigest(content(b, BLOCK).data), sequence=old.sequence + 1
+    )
     if torn != "old header over new bytes":
         write_at(slab.file, slab.header_at(a), new.pack())
     new_bytes = content(b, BLOCK).tobytes()
     if torn != "new header over old bytes":
-        write_at(slab.file, slab.data_at(a), new_bytes[:BLOCK // 2] if torn == "half a block" else new_bytes)
+        write_at(slab.file, slab.data_at(a), new_bytes[: BLOCK // 2] if torn == "half a block" else new_bytes)
     named = a if torn == "old header over new bytes" else b
     stack = open_stack(slab.path)
     assert stack.tiers[0].state(named) is BlockState.READY
@@ -318,7 +315,7 @@ def test_a_valid_header_with_the_wrong_length_is_damaged(slab):
     disk = stack.tiers[0]
     assert disk.stats.damaged == 1 and disk.state(victim) is BlockState.FREE
     found, bad = load_everything(stack, KEYS[:N])
-    assert found == KEYS[:N - 1] and bad == []
+    assert found == KEYS[: N - 1] and bad == []
     still_works(slab.path, stack)
 
 
@@ -393,9 +390,10 @@ def test_a_truncated_slab_keeps_whole_blocks_and_never_returns_partial_ones(slab
     expect_found = [k for k in KEYS[:N] if file_header_intact and slab.header_at(k) + HEADER_BYTES <= size]
     # a header kept with its bytes cut: the cut part reads back as zeros, which fails the checksum
     # (unless the lost bytes were zeros, when the block is whole after all)
-    expect_bad = [k for k in expect_found if content(k, BLOCK)[max(size - slab.data_at(k), 0):].any()]
-    expect_damaged = sum(file_header_intact and slab.header_at(k) < size < slab.header_at(k) + HEADER_BYTES
-                         for k in KEYS[:N])
+    expect_bad = [k for k in expect_found if content(k, BLOCK)[max(size - slab.data_at(k), 0) :].any()]
+    expect_damaged = sum(
+        file_header_intact and slab.header_at(k) < size < slab.header_at(k) + HEADER_BYTES for k in KEYS[:N]
+    )
     assert disk.stats.damaged == expect_damaged
     found, bad = load_everything(stack, KEYS[:N])
     assert (found, bad) == (expect_found, expect_bad)

@@ -85,12 +85,21 @@ def config_dict(path, variant: int) -> dict:
     """The same disk tier (path, namespace, geometry, capacity) under different stacks above it."""
     # LRU everywhere: a policy that may decline blocks (the last tier's default, adaptive) would make
     # "every block stored is found again" a question of its duel, not of crash safety.
-    disk = {"medium": "disk", "path": str(path), "capacity_blocks": DISK_SLOTS,
-            "o_direct": ("auto", "off")[variant % 2], "eviction": "lru"}
+    disk = {
+        "medium": "disk",
+        "path": str(path),
+        "capacity_blocks": DISK_SLOTS,
+        "o_direct": ("auto", "off")[variant % 2],
+        "eviction": "lru",
+    }
     host = [] if variant % 3 == 2 else [{"medium": "host", "capacity_blocks": 4}]
-    return {"block_bytes": BLOCK, "fragments": 4, "namespace": "crash",
-            "placement": ("write_back", "write_through")[variant % 2 if host else 0],
-            "tiers": [*host, disk]}
+    return {
+        "block_bytes": BLOCK,
+        "fragments": 4,
+        "namespace": "crash",
+        "placement": ("write_back", "write_through")[variant % 2 if host else 0],
+        "tiers": [*host, disk],
+    }
 
 
 def verify(path, extra_keys=()) -> list[bytes]:
@@ -107,8 +116,7 @@ def verify(path, extra_keys=()) -> list[bytes]:
         assert disk.usage().used == len(found), "a used slot holds no block the children wrote"
         out = np.zeros((max(len(found), 1), BLOCK), np.uint8)
         if found:
-            loaded = stack.load(found, buffer_storage(out, layout, writable=True),
-                                range(len(found))).result(timeout=60)
+            loaded = stack.load(found, buffer_storage(out, layout, writable=True), range(len(found))).result(timeout=60)
             assert (loaded.hits, loaded.loaded, loaded.failed) == (len(found), len(found), [])
         for i, k in enumerate(found):
             assert np.array_equal(out[i], content(k)), "a recovered block is not bit-exact"
@@ -119,9 +127,12 @@ def verify(path, extra_keys=()) -> list[bytes]:
 
 
 def run_child(path, variant: int, seed: int, wait_for_storing: bool, delay: float) -> None:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(config_dict(path, variant)),
-                              str(seed), str(UNIVERSE)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(config_dict(path, variant)), str(seed), str(UNIVERSE)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         if wait_for_storing:
             readable, _, _ = select.select([child.stdout], [], [], 60)
@@ -147,8 +158,13 @@ def test_sigkill_at_random_points_leaves_only_complete_blocks(tmp_path):
         # Most kills land while blocks are stored; every fourth may land while the child starts,
         # opens and scans the slab, or before it has done anything at all.
         early = round_ % 4 == 3
-        run_child(tmp_path, variant=round_, seed=int(rng.integers(1 << 31)), wait_for_storing=not early,
-                  delay=float(rng.uniform(0.05, 0.6) if early else rng.uniform(0.0, 0.4)))
+        run_child(
+            tmp_path,
+            variant=round_,
+            seed=int(rng.integers(1 << 31)),
+            wait_for_storing=not early,
+            delay=float(rng.uniform(0.05, 0.6) if early else rng.uniform(0.0, 0.4)),
+        )
         found = verify(tmp_path)
         seen += len(found)
     assert seen > 0, "the children never got a block to disk: the test proved nothing"
@@ -159,9 +175,10 @@ def test_sigkill_at_random_points_leaves_only_complete_blocks(tmp_path):
     fresh = [hashlib.blake2b(b"after" + bytes([i]), digest_size=16).digest() for i in range(DISK_SLOTS // 2)]
     stack = build_stack(config)
     for i in range(0, len(fresh), 4):
-        keys = fresh[i:i + 4]
-        result = stack.store(keys, buffer_storage(np.stack([content(k) for k in keys]), layout),
-                             range(len(keys))).result(timeout=60)
+        keys = fresh[i : i + 4]
+        result = stack.store(
+            keys, buffer_storage(np.stack([content(k) for k in keys]), layout), range(len(keys))
+        ).result(timeout=60)
         assert result.stored == len(keys) and not result.failed
     stack.close()
     found = verify(tmp_path, extra_keys=fresh)

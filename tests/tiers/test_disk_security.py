@@ -224,9 +224,17 @@ def test_a_slab_with_a_second_name_is_refused(tmp_path):
 # --- owners and modes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,shared,fix", [
-    (0o777, False, "chmod 700"), (0o1777, False, "chmod 700"), (0o770, False, "chmod 700"),
-    (0o777, True, "chmod o-w"), (0o1777, True, "chmod o-w"), (0o770, True, None)])
+@pytest.mark.parametrize(
+    "mode,shared,fix",
+    [
+        (0o777, False, "chmod 700"),
+        (0o1777, False, "chmod 700"),
+        (0o770, False, "chmod 700"),
+        (0o777, True, "chmod o-w"),
+        (0o1777, True, "chmod o-w"),
+        (0o770, True, None),
+    ],
+)
 def test_a_directory_others_can_write_is_refused(tmp_path, mode, shared, fix):
     cache = private_dir(tmp_path / "cache")
     os.chmod(cache, mode)
@@ -328,8 +336,13 @@ def test_a_deleted_lock_file_does_not_let_a_second_process_in(tmp_path):
     stack = open_stack(cache)
     with contextlib.suppress(FileNotFoundError):
         (cache / "kvtier.lock").unlink()  # what kvtier locked before: deleting it must change nothing
-    child = subprocess.run([sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(cache))],
-                           input="", capture_output=True, text=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_OPEN, json.dumps(config_dict(cache))],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert child.returncode == 3, child.stdout + child.stderr
     assert f"in use by pid {os.getpid()}" in child.stdout
     put(stack, KEYS[:4])
@@ -349,8 +362,9 @@ def test_a_key_longer_than_a_slot_header_holds_fails_only_its_block(tmp_path, ru
     failed = run_transfer(backend, Transfer(buffer_storage(blocks, LAYOUT), [0, 1, 2], disk, [0, 1, 2], keys))
     assert failed == {1}  # not the whole job
     out = np.zeros((2, LAYOUT.block_bytes), np.uint8)
-    failed = run_transfer(backend, Transfer(disk, [0, 2], buffer_storage(out, LAYOUT, writable=True), [0, 1],
-                                            [keys[0], keys[2]]))
+    failed = run_transfer(
+        backend, Transfer(disk, [0, 2], buffer_storage(out, LAYOUT, writable=True), [0, 1], [keys[0], keys[2]])
+    )
     assert failed == set()
     assert np.array_equal(out, blocks[[0, 2]])
     backend.close()

@@ -38,6 +38,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU s
 def _has_cupy_gpu() -> bool:
     try:
         import cupy
+
         return bool(cupy.cuda.is_available())
     except Exception:
         return False
@@ -84,8 +85,7 @@ def _vm_flags(address: int) -> set[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                    reason="Linux only")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only")
 def test_a_host_slab_is_private_memory_marked_for_huge_pages():
     # A shared anonymous map (Python's default) is shmem, which gets no huge pages unless shmem_enabled
     # says so ("never" by default): the slab's madvise did nothing, and O_DIRECT reads into it ran at
@@ -178,8 +178,9 @@ def test_device_storage_with_wider_dtypes():
 
 
 def test_device_storage_uses_the_smallest_block_count():
-    storage = device_storage([torch.zeros((5, 8), dtype=torch.uint8), torch.zeros((3, 8), dtype=torch.uint8)],
-                             BlockLayout.per_layer(2, 8))
+    storage = device_storage(
+        [torch.zeros((5, 8), dtype=torch.uint8), torch.zeros((3, 8), dtype=torch.uint8)], BlockLayout.per_layer(2, 8)
+    )
     assert storage.num_slots == 3
     with pytest.raises(TransferError):
         storage.fragment_addresses([3])
@@ -201,8 +202,11 @@ def test_device_storage_refuses_mismatched_tensors():
 
 def _copy(jobs: JobManager, backend: CPUBackend, src, src_slots, dst, dst_slots) -> set[int]:
     """One job per transfer, fenced on both tiers' slots, as the stack does; returns the failed blocks."""
-    job = jobs.create("copy", len(src_slots), fences=[*(Fence(src.name, s, False) for s in src_slots),
-                                                      *(Fence(dst.name, s, True) for s in dst_slots)])
+    job = jobs.create(
+        "copy",
+        len(src_slots),
+        fences=[*(Fence(src.name, s, False) for s in src_slots), *(Fence(dst.name, s, True) for s in dst_slots)],
+    )
     jobs.start(job.id)
     backend.submit(Transfer(src.storage, src_slots, dst.storage, dst_slots), lambda failed: jobs.report(job.id, failed))
     jobs.wait(job, timeout=30)
@@ -290,8 +294,10 @@ def test_a_slot_in_flight_cannot_be_aborted_until_its_job_ends(rng):
         host.abort([b"a"])
     assert host.state(b"a") is BlockState.WRITING
     landed = threading.Event()
-    backend.submit(Transfer(gpu.storage, gpu_slots, host.storage, host_slots),
-                   lambda failed: (jobs.report(job.id, failed), landed.set()))
+    backend.submit(
+        Transfer(gpu.storage, gpu_slots, host.storage, host_slots),
+        lambda failed: (jobs.report(job.id, failed), landed.set()),
+    )
     assert landed.wait(30)
     host.abort([b"a"])
     assert host.state(b"a") is BlockState.FREE

@@ -42,8 +42,9 @@ class LayerBuffers:
         self.buffer = rng.integers(0, 256, shape, dtype=np.uint8) if rng is not None else np.zeros(shape, np.uint8)
         base = self.buffer.ctypes.data
         bases = [base + f * (num_slots + 1) * self.frag for f in range(layout.num_fragments)]
-        self.storage = StridedStorage(layout, num_slots, bases, [self.frag] * layout.num_fragments,
-                                      keepalive=self.buffer)
+        self.storage = StridedStorage(
+            layout, num_slots, bases, [self.frag] * layout.num_fragments, keepalive=self.buffer
+        )
 
     def block(self, slot: int) -> np.ndarray:
         """The block's bytes in layout order (as a contiguous slot holds them)."""
@@ -69,8 +70,9 @@ def test_contiguous_to_contiguous_random_slots(backend, rng, run_transfer):
     src = rng.integers(0, 256, (20, 64), dtype=np.uint8)
     dst = np.zeros((30, 64), np.uint8)
     src_slots, dst_slots = pick(rng, 20, 12), pick(rng, 30, 12)
-    failed = run_transfer(backend, Transfer(buffer_storage(src, layout), src_slots,
-                                            buffer_storage(dst, layout, writable=True), dst_slots))
+    failed = run_transfer(
+        backend, Transfer(buffer_storage(src, layout), src_slots, buffer_storage(dst, layout, writable=True), dst_slots)
+    )
     assert failed == set()
     for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(dst[d], src[s])
@@ -123,8 +125,15 @@ def test_torch_tensors_and_lists_of_arrays(backend, rng, run_transfer):
     layout = BlockLayout.per_layer(2, 32)
     tensor = torch.from_numpy(rng.integers(0, 256, (5, 64), dtype=np.uint8))
     blocks = [np.zeros(64, np.uint8) for _ in range(3)]
-    assert run_transfer(backend, Transfer(buffer_storage(tensor, layout), [4, 0, 2],
-                                          buffer_storage(blocks, layout, writable=True), [1, 2, 0])) == set()
+    assert (
+        run_transfer(
+            backend,
+            Transfer(
+                buffer_storage(tensor, layout), [4, 0, 2], buffer_storage(blocks, layout, writable=True), [1, 2, 0]
+            ),
+        )
+        == set()
+    )
     assert np.array_equal(blocks[1], tensor[4].numpy())
     assert np.array_equal(blocks[2], tensor[0].numpy())
     assert np.array_equal(blocks[0], tensor[2].numpy())
@@ -189,8 +198,9 @@ def test_per_layer_copies_do_not_merge_across_layers():
 
 def test_zero_block_copy_list_is_empty():
     layout = BlockLayout.contiguous(8)
-    copies = Transfer(buffer_storage(np.zeros((2, 8), np.uint8), layout), [],
-                      buffer_storage(np.zeros((2, 8), np.uint8), layout), []).copies()
+    copies = Transfer(
+        buffer_storage(np.zeros((2, 8), np.uint8), layout), [], buffer_storage(np.zeros((2, 8), np.uint8), layout), []
+    ).copies()
     assert isinstance(copies, CopyList) and len(copies.size) == 0 and copies.total_bytes == 0
 
 
@@ -208,8 +218,10 @@ def test_bad_slots_raise_synchronously(src_slots, dst_slots):
     layout = BlockLayout.contiguous(8)
     calls = []
     with pytest.raises(TransferError):
-        backend.submit(Transfer(buffer_storage(src, layout), src_slots, buffer_storage(dst, layout, True), dst_slots),
-                       _never_called(calls))
+        backend.submit(
+            Transfer(buffer_storage(src, layout), src_slots, buffer_storage(dst, layout, True), dst_slots),
+            _never_called(calls),
+        )
     backend.close()
     assert calls == [] and not dst.any()
 
@@ -266,15 +278,23 @@ class PoisonedBackend(CPUBackend):
 def test_a_failing_copy_reports_exactly_the_failed_blocks(threads, gather, rng, run_transfer):
     n = 24
     gpu = LayerBuffers(PER_LAYER, n, rng if gather else None)
-    host = np.zeros((2 * n, FLAT.block_bytes), np.uint8) if gather else \
-        rng.integers(0, 256, (2 * n, FLAT.block_bytes), dtype=np.uint8)
+    host = (
+        np.zeros((2 * n, FLAT.block_bytes), np.uint8)
+        if gather
+        else rng.integers(0, 256, (2 * n, FLAT.block_bytes), dtype=np.uint8)
+    )
     host_storage = buffer_storage(host, FLAT, writable=True)
     gpu_slots = pick(rng, n, n)
     host_slots = [2 * s for s in pick(rng, n, n)]  # every other slot: no two blocks merge
     bad = sorted(rng.choice(n, 5, replace=False).tolist())
     if gather:
-        poisoned = [(host.ctypes.data + host_slots[i] * FLAT.block_bytes,
-                     host.ctypes.data + (host_slots[i] + 1) * FLAT.block_bytes) for i in bad]
+        poisoned = [
+            (
+                host.ctypes.data + host_slots[i] * FLAT.block_bytes,
+                host.ctypes.data + (host_slots[i] + 1) * FLAT.block_bytes,
+            )
+            for i in bad
+        ]
         transfer = Transfer(gpu.storage, gpu_slots, host_storage, host_slots)
     else:
         # poison one layer's fragment of each bad destination block
@@ -341,10 +361,9 @@ def test_every_block_failing_reports_all(rng, run_transfer):
     dst = np.zeros((4, 16), np.uint8)
     backend = PoisonedBackend(3, [(dst.ctypes.data, dst.ctypes.data + dst.nbytes)])
     src = rng.integers(0, 256, (4, 16), dtype=np.uint8)
-    failed = run_transfer(backend, Transfer(buffer_storage(src, layout), [0, 1, 2, 3],
-                                            buffer_storage(dst, layout, True), [3, 1, 2, 0]))
+    failed = run_transfer(
+        backend, Transfer(buffer_storage(src, layout), [0, 1, 2, 3], buffer_storage(dst, layout, True), [3, 1, 2, 0])
+    )
     backend.close()
     assert failed == {0, 1, 2, 3}
     assert not dst.any()
-
-

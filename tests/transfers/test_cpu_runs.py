@@ -40,18 +40,24 @@ class Scattered:
     table of fragment f ``shifts[f]`` bytes after a whole number of fragments (unrelated offsets
     where shifts differ by other than whole pages)."""
 
-    def __init__(self, num_slots: int, shifts: list[int], rng: np.random.Generator,
-                 layout: BlockLayout = LAYOUT) -> None:
+    def __init__(
+        self, num_slots: int, shifts: list[int], rng: np.random.Generator, layout: BlockLayout = LAYOUT
+    ) -> None:
         assert max(shifts) < FRAGMENT
         stride = (num_slots + 2) * FRAGMENT  # a whole number of pages
         self.buffer = rng.integers(0, 256, layout.num_fragments * stride, dtype=np.uint8)
         self.offsets = [f * stride + shift for f, shift in enumerate(shifts)]
         base = self.buffer.ctypes.data
-        self.storage = StridedStorage(layout, num_slots, [base + o for o in self.offsets],
-                                      [FRAGMENT] * layout.num_fragments, keepalive=self.buffer)
+        self.storage = StridedStorage(
+            layout,
+            num_slots,
+            [base + o for o in self.offsets],
+            [FRAGMENT] * layout.num_fragments,
+            keepalive=self.buffer,
+        )
 
     def block(self, slot: int) -> np.ndarray:
-        return np.concatenate([self.buffer[o + slot * FRAGMENT:o + (slot + 1) * FRAGMENT] for o in self.offsets])
+        return np.concatenate([self.buffer[o + slot * FRAGMENT : o + (slot + 1) * FRAGMENT] for o in self.offsets])
 
 
 @pytest.fixture(params=[1, 3], ids=["threads1", "threads3"])
@@ -99,8 +105,10 @@ def test_large_blocks_gather_and_scatter_back_bit_exact(backend, skew, rng, run_
         assert np.array_equal(back.block(t), device.block(b))
     for t in sorted(set(range(24)) - set(targets)):  # every other slot of every fragment is unchanged
         for o in back.offsets:
-            assert np.array_equal(back.buffer[o + t * FRAGMENT:o + (t + 1) * FRAGMENT],
-                                  before[o + t * FRAGMENT:o + (t + 1) * FRAGMENT])
+            assert np.array_equal(
+                back.buffer[o + t * FRAGMENT : o + (t + 1) * FRAGMENT],
+                before[o + t * FRAGMENT : o + (t + 1) * FRAGMENT],
+            )
     assert runs_taken == {(True, skew == 0): 10 * LAYOUT.block_bytes, (False, skew == 0): 10 * LAYOUT.block_bytes}
 
 
@@ -109,8 +117,12 @@ def test_consecutive_slots_merge_and_copy_bit_exact(backend, rng, run_transfer, 
     dst = np.zeros((12, LAYOUT.block_bytes), np.uint8)
     flat = BlockLayout.contiguous(LAYOUT.block_bytes)
     src_slots, dst_slots = [3, 4, 5, 9, 0, 1], [7, 8, 9, 2, 10, 11]  # runs of three, one and two blocks
-    assert run_transfer(backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True),
-                                          dst_slots)) == set()
+    assert (
+        run_transfer(
+            backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True), dst_slots)
+        )
+        == set()
+    )
     for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(dst[d], src[s])
     assert not dst[[0, 1, 3, 4, 5, 6]].any()
@@ -125,13 +137,18 @@ def test_a_host_side_inside_the_fragments_address_range(backend, rng, run_transf
     table = num_slots * FRAGMENT
     buffer = rng.integers(0, 256, layout.num_fragments * table + 4 * layout.block_bytes, dtype=np.uint8)
     host_at = half * table
-    offsets = [f * table if f < half else host_at + 4 * layout.block_bytes + (f - half) * table
-               for f in range(layout.num_fragments)]
+    offsets = [
+        f * table if f < half else host_at + 4 * layout.block_bytes + (f - half) * table
+        for f in range(layout.num_fragments)
+    ]
     base = buffer.ctypes.data
-    device = StridedStorage(layout, num_slots, [base + o for o in offsets], [FRAGMENT] * layout.num_fragments,
-                            keepalive=buffer)
-    expect = {b: np.concatenate([buffer[o + b * FRAGMENT:o + (b + 1) * FRAGMENT] for o in offsets]) for b in (5, 0, 3)}
-    host = buffer[host_at:host_at + 4 * layout.block_bytes].reshape(4, layout.block_bytes)
+    device = StridedStorage(
+        layout, num_slots, [base + o for o in offsets], [FRAGMENT] * layout.num_fragments, keepalive=buffer
+    )
+    expect = {
+        b: np.concatenate([buffer[o + b * FRAGMENT : o + (b + 1) * FRAGMENT] for o in offsets]) for b in (5, 0, 3)
+    }
+    host = buffer[host_at : host_at + 4 * layout.block_bytes].reshape(4, layout.block_bytes)
     host_storage = buffer_storage(host, BlockLayout.contiguous(layout.block_bytes), writable=True)
     assert run_transfer(backend, Transfer(device, [5, 0, 3], host_storage, [2, 0, 3])) == set()
     for b, s in zip([5, 0, 3], [2, 0, 3], strict=True):
@@ -167,8 +184,12 @@ def test_runs_above_and_below_the_size_in_one_job(backend, rng, run_transfer, ru
     flat = BlockLayout.contiguous(small.block_bytes)
     src_slots = list(range(0, 36)) + [38]  # 36 consecutive blocks merge into one 288 KiB copy
     dst_slots = list(range(2, 38)) + [0]
-    assert run_transfer(backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True),
-                                          dst_slots)) == set()
+    assert (
+        run_transfer(
+            backend, Transfer(buffer_storage(src, flat), src_slots, buffer_storage(dst, flat, True), dst_slots)
+        )
+        == set()
+    )
     for s, d in zip(src_slots, dst_slots, strict=True):
         assert np.array_equal(dst[d], src[s])
     assert not dst[[1, 38, 39]].any()
@@ -181,8 +202,10 @@ def test_odd_sized_fragments_copy_in_the_loop(backend, rng, run_transfer, runs_t
     src = rng.integers(0, 256, (8, odd.block_bytes), dtype=np.uint8)
     dst = np.zeros((8, odd.block_bytes), np.uint8)
     flat = BlockLayout.contiguous(odd.block_bytes)
-    assert run_transfer(backend, Transfer(buffer_storage(src, odd), [6, 1, 3], buffer_storage(dst, flat, True),
-                                          [0, 5, 7])) == set()
+    assert (
+        run_transfer(backend, Transfer(buffer_storage(src, odd), [6, 1, 3], buffer_storage(dst, flat, True), [0, 5, 7]))
+        == set()
+    )
     for s, d in zip([6, 1, 3], [0, 5, 7], strict=True):
         assert np.array_equal(dst[d], src[s])
     assert not dst[[1, 2, 3, 4, 6]].any()
@@ -198,8 +221,9 @@ def test_any_placement_of_fragment_tables_and_host_slots_copies_exactly(data, ru
     frag = data.draw(st.sampled_from([4096, 32 * 1024]), "fragment bytes")
     layout = BlockLayout.per_layer(data.draw(st.integers(2, 8), "layers"), frag, kv_split=True)
     count = layout.num_fragments
-    shifts = data.draw(st.lists(st.sampled_from([0, 64, 72, 4096, 8192 + 64]), min_size=count, max_size=count),
-                       "table shifts")
+    shifts = data.draw(
+        st.lists(st.sampled_from([0, 64, 72, 4096, 8192 + 64]), min_size=count, max_size=count), "table shifts"
+    )
     host_at = data.draw(st.integers(0, count), "host slots after this many tables")
     num_slots, host_slots = 6, 4
     table_bytes = (num_slots + 3) * frag  # room for any shift
@@ -215,11 +239,11 @@ def test_any_placement_of_fragment_tables_and_host_slots_copies_exactly(data, ru
             at += table_bytes
     base = buffer.ctypes.data
     device = StridedStorage(layout, num_slots, [base + s for s in starts], [frag] * count, keepalive=buffer)
-    host = buffer[host_start:host_start + host_bytes].reshape(host_slots, layout.block_bytes)
+    host = buffer[host_start : host_start + host_bytes].reshape(host_slots, layout.block_bytes)
     host_storage = buffer_storage(host, BlockLayout.contiguous(layout.block_bytes), writable=True)
 
     def block(b: int) -> np.ndarray:
-        return np.concatenate([buffer[s + b * frag:s + (b + 1) * frag] for s in starts])
+        return np.concatenate([buffer[s + b * frag : s + (b + 1) * frag] for s in starts])
 
     blocks = data.draw(st.permutations(range(num_slots)), "blocks")[:host_slots]
     slots = data.draw(st.permutations(range(host_slots)), "slots")
@@ -227,13 +251,13 @@ def test_any_placement_of_fragment_tables_and_host_slots_copies_exactly(data, ru
     try:
         expect = buffer.copy()
         for b, s in zip(blocks, slots, strict=True):
-            expect[host_start + s * layout.block_bytes:host_start + (s + 1) * layout.block_bytes] = block(b)
+            expect[host_start + s * layout.block_bytes : host_start + (s + 1) * layout.block_bytes] = block(b)
         assert run_transfer(backend, Transfer(device, blocks, host_storage, slots)) == set()
         assert np.array_equal(buffer, expect)
         targets = data.draw(st.permutations(range(num_slots)), "targets")[:host_slots]
         for t, s in zip(targets, slots, strict=True):
             for f, start in enumerate(starts):
-                expect[start + t * frag:start + (t + 1) * frag] = host[s, f * frag:(f + 1) * frag]
+                expect[start + t * frag : start + (t + 1) * frag] = host[s, f * frag : (f + 1) * frag]
         assert run_transfer(backend, Transfer(host_storage, slots, device, targets)) == set()
         assert np.array_equal(buffer, expect)
     finally:

@@ -12,11 +12,11 @@ from kvtier.transfers.cuda_driver import BatchCopy, chunk_copies
 @given(st.lists(st.integers(1, 300_000), min_size=1, max_size=40), st.sampled_from([16, 4096, 65536]))
 def test_chunked_table_covers_every_byte_once_in_pieces_no_larger_than_a_chunk(sizes, chunk):
     size = np.asarray(sizes, dtype=np.int64)
-    src = np.cumsum(np.concatenate(([1 << 20], size[:-1] + 7)))       # gaps between copies
+    src = np.cumsum(np.concatenate(([1 << 20], size[:-1] + 7)))  # gaps between copies
     dst = np.cumsum(np.concatenate(([1 << 40], size[:-1] + 4096)))
     table = chunk_copies(src, dst, size, chunk)
     count = len(table) // 3
-    piece_src, piece_dst, piece_size = table[:count], table[count:2 * count], table[2 * count:]
+    piece_src, piece_dst, piece_size = table[:count], table[count : 2 * count], table[2 * count :]
     assert table.dtype == np.uint64 and len(table) == 3 * count
     assert (piece_size >= 1).all() and (piece_size <= chunk).all()
     assert int(piece_size.sum()) == int(size.sum())

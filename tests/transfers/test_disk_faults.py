@@ -83,8 +83,7 @@ class FaultyDiskBackend(DiskBackend):
         with self._faults_lock:
             self.hits.append(hit)
         if fault == "short":  # the first half, in whole pages (O_DIRECT writes nothing smaller)
-            return os.pwritev(fd, _first(buffers, sum(len(memoryview(b)) for b in buffers) // 2 // PAGE * PAGE),
-                              offset)
+            return os.pwritev(fd, _first(buffers, sum(len(memoryview(b)) for b in buffers) // 2 // PAGE * PAGE), offset)
         raise OSError(fault, os.strerror(fault))
 
     def _preadv(self, fd, buffers, offset):
@@ -111,13 +110,16 @@ def _first(buffers, n: int) -> list[memoryview]:
 
 
 def open_stack(path, *, host=4, disk=16, placement="write_back", gpu=None, backend=None):
-    tiers = ([{"medium": "gpu", "capacity_blocks": gpu}] if gpu else []) + \
-            ([{"medium": "host", "capacity_blocks": host}] if host else []) + \
-            [{"medium": "disk", "path": str(path), "capacity_blocks": disk}]
+    tiers = (
+        ([{"medium": "gpu", "capacity_blocks": gpu}] if gpu else [])
+        + ([{"medium": "host", "capacity_blocks": host}] if host else [])
+        + [{"medium": "disk", "path": str(path), "capacity_blocks": disk}]
+    )
     for tier in tiers:
         tier["eviction"] = "lru"  # which slots get reused, and so which blocks survive a fault, is LRU's order
-    config = load_config({"block_bytes": BLOCK, "fragments": 4, "namespace": "faults",
-                          "placement": placement, "tiers": tiers})
+    config = load_config(
+        {"block_bytes": BLOCK, "fragments": 4, "namespace": "faults", "placement": placement, "tiers": tiers}
+    )
     backend = backend or FaultyDiskBackend()
     stack = build_stack(config, backends=[CPUBackend(2), backend])
     backend.stride = stack.tiers[-1].storage.slab.slot_stride
@@ -128,7 +130,7 @@ def put(stack, keys, batch=None):
     batch = batch or stack.tiers[0].capacity
     results = []
     for i in range(0, len(keys), batch):
-        chunk = keys[i:i + batch]
+        chunk = keys[i : i + batch]
         blocks = np.stack([content(k, BLOCK) for k in chunk])
         results.append(stack.store(chunk, buffer_storage(blocks, LAYOUT), range(len(chunk))).result(timeout=30))
     return results
@@ -144,8 +146,9 @@ def get(stack, keys, dst_medium=None, aligned=None):
         out = np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n].reshape(len(keys), BLOCK)
     else:
         out = np.zeros(n + 1, np.uint8)[1:].reshape(len(keys), BLOCK)
-    result = stack.load(keys, buffer_storage(out, LAYOUT, writable=True), range(len(keys)),
-                        dst_medium=dst_medium).result(timeout=30)
+    result = stack.load(
+        keys, buffer_storage(out, LAYOUT, writable=True), range(len(keys)), dst_medium=dst_medium
+    ).result(timeout=30)
     return result, out
 
 
@@ -153,8 +156,6 @@ def assert_exact(keys, result, out):
     for i in range(result.hits):
         if i not in result.failed:
             assert np.array_equal(out[i], content(keys[i], BLOCK)), f"block {i} came back wrong"
-
-
 
 
 def assert_reopen_is_exact(path, expected, **kwargs):
@@ -393,8 +394,9 @@ def small_fs(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot mount a tmpfs: {exc}")
     if done.returncode != 0:

@@ -60,8 +60,10 @@ def round_trip(tmp_path, block: int, blocks: int, rng, run_transfer) -> Counting
         src.array[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
         keys = [i.to_bytes(16, "little") for i in range(blocks)]
         slots = list(range(blocks))
-        for transfer in (Transfer(src.storage, slots, storage, slots, keys),
-                         Transfer(storage, slots, dst.storage, slots, keys)):
+        for transfer in (
+            Transfer(src.storage, slots, storage, slots, keys),
+            Transfer(storage, slots, dst.storage, slots, keys),
+        ):
             assert run_transfer(backend, transfer) == set()
         assert np.array_equal(src.array, dst.array)
         return backend
@@ -80,8 +82,9 @@ def test_small_slots_go_in_runs_of_two_mebibytes(tmp_path, rng, run_transfer):
 
 
 @pytest.mark.parametrize(("blocks", "per_run"), [(THREADS * _RUN_SLOTS * 2, _RUN_SLOTS), (6, 3), (2, 1)])
-def test_large_slots_go_in_runs_of_up_to_eight_while_every_thread_gets_one(tmp_path, rng, run_transfer, blocks,
-                                                                          per_run):
+def test_large_slots_go_in_runs_of_up_to_eight_while_every_thread_gets_one(
+    tmp_path, rng, run_transfer, blocks, per_run
+):
     block = _RUN_BYTES // 2 + 4 * PAGE  # two such slots are more than _RUN_BYTES
     backend = round_trip(tmp_path, block, blocks, rng, run_transfer)
     expect = [per_run] * (blocks // per_run) + ([blocks % per_run] if blocks % per_run else [])

@@ -66,8 +66,11 @@ def test_each_backend_names_the_device_pairs_it_copies():
 
 
 def test_a_registry_hands_each_pair_to_the_backend_that_serves_it():
-    cpu, disk, cuda = (Recording("cpu", ("cpu", "cpu")), Recording("disk", ("cpu", "file"), ("file", "cpu")),
-                       Recording("cuda", ("cuda", "cpu"), ("cpu", "cuda")))
+    cpu, disk, cuda = (
+        Recording("cpu", ("cpu", "cpu")),
+        Recording("disk", ("cpu", "file"), ("file", "cpu")),
+        Recording("cuda", ("cuda", "cpu"), ("cpu", "cuda")),
+    )
     registry = TransferRegistry([cuda, cpu, disk])
     assert registry.backends == [cuda, cpu, disk]
     assert registry.backend("cpu", "cpu") is cpu
@@ -117,13 +120,16 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(kvtier.transfers, "CUDABackend", FakeCUDA)
 
 
-@pytest.mark.parametrize("devices, names", [
-    ({"cpu"}, ["cpu"]),
-    ({"cpu", "file"}, ["cpu", "disk"]),
-    ({"cuda", "cpu"}, ["cuda", "cpu"]),
-    ({"cuda", "cpu", "file"}, ["cuda", "cpu", "disk"]),
-    ({"file"}, ["cpu", "disk"]),
-])
+@pytest.mark.parametrize(
+    "devices, names",
+    [
+        ({"cpu"}, ["cpu"]),
+        ({"cpu", "file"}, ["cpu", "disk"]),
+        ({"cuda", "cpu"}, ["cuda", "cpu"]),
+        ({"cuda", "cpu", "file"}, ["cuda", "cpu", "disk"]),
+        ({"file"}, ["cpu", "disk"]),
+    ],
+)
 def test_backends_for_builds_what_the_devices_need_cuda_first(fake_cuda, devices, names):
     backends = backends_for(TransferConfig(threads=3, io_threads=2, cuda_copy="kernel"), devices)
     try:

@@ -54,8 +54,11 @@ class Rig:
     def run(self, storing: bool) -> tuple[set[int], Quarantine | None, float]:
         """One transfer of every block; (failed, quarantine, seconds until it completed)."""
         slots = list(range(len(KEYS)))
-        transfer = (Transfer(self.slab.storage, slots, self.remote, (), KEYS) if storing
-                    else Transfer(self.remote, (), self.slab.storage, slots, KEYS))
+        transfer = (
+            Transfer(self.slab.storage, slots, self.remote, (), KEYS)
+            if storing
+            else Transfer(self.remote, (), self.slab.storage, slots, KEYS)
+        )
         done = threading.Event()
         calls: list[tuple[set[int], Quarantine | None]] = []
 
@@ -90,10 +93,12 @@ def rig(server):
     rig.close()
 
 
-@pytest.mark.parametrize(("writer_room", "reader_room"),
-                         [(HEADER_ROOM, 0), (0, HEADER_ROOM), (HEADER_ROOM, HEADER_ROOM)])
+@pytest.mark.parametrize(
+    ("writer_room", "reader_room"), [(HEADER_ROOM, 0), (0, HEADER_ROOM), (HEADER_ROOM, HEADER_ROOM)]
+)
 def test_a_record_is_the_same_whether_its_header_travels_in_the_room_before_the_slot_or_apart(
-        server, writer_room, reader_room):
+    server, writer_room, reader_room
+):
     """A host slab with room before each slot (a host tier above a remote one) sends header and block
     as one piece; the record is the same bytes as from memory without room, so either reads either."""
     writer, reader = Rig(server.url, writer_room), Rig(server.url, reader_room)
@@ -105,8 +110,7 @@ def test_a_record_is_the_same_whether_its_header_travels_in_the_room_before_the_
         assert reader.store()[:2] == (set(), None) and server.client().mget(names) == sent
         for rig in (writer, reader):
             room = rig.slab.storage.header_room
-            job = _Job(rig.records, KEYS, block_pieces(rig.slab.storage, range(len(KEYS))), lambda *_: None,
-                       None, room)
+            job = _Job(rig.records, KEYS, block_pieces(rig.slab.storage, range(len(KEYS))), lambda *_: None, None, room)
             assert [len(pieces) for pieces in job.pieces] == [1 if room else 2] * len(KEYS)
     finally:
         writer.close()

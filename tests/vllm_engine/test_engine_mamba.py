@@ -23,12 +23,27 @@ def make_qwen3_next(path) -> None:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3NextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
-                             linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
-                             num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                             decoder_sparse_step=1, full_attention_interval=2, vocab_size=1000,
-                             max_position_embeddings=2048)
+    config = Qwen3NextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        full_attention_interval=2,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 

@@ -28,11 +28,25 @@ def make_mla_model(path) -> None:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(0)
-    config = DeepseekV2Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-                              num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=None,
-                              qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=1000,
-                              max_position_embeddings=2048)
+    config = DeepseekV2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 

@@ -40,8 +40,9 @@ def _redis(options: RedisConfig, timeout: float) -> Connector:
         from kvtier.tiers.remote.redis_client import RedisClient
     except ImportError as exc:
         raise ConfigError(f"backend: redis needs the redis and hiredis packages ({exc}); {INSTALL}") from None
-    connect = functools.partial(RedisClient, options.url, timeout=timeout, password=_password(options.password_env),
-                                ca_file=options.ca_file)
+    connect = functools.partial(
+        RedisClient, options.url, timeout=timeout, password=_password(options.password_env), ca_file=options.ca_file
+    )
     return Connector(connect, options.pool_size, f"redis at {options.url}")
 
 
@@ -50,22 +51,35 @@ def _mooncake(options: MooncakeConfig, timeout: float, segment_size: int) -> Con
 
     store_class()  # raises ConfigError naming the install line when the wheel or libibverbs1 is missing
 
-    connect = functools.partial(MooncakeClient, master=options.master, metadata_server=options.metadata_server,
-                                timeout=timeout, segment_size=segment_size, protocol=options.protocol,
-                                local_hostname=options.local_hostname)
+    connect = functools.partial(
+        MooncakeClient,
+        master=options.master,
+        metadata_server=options.metadata_server,
+        timeout=timeout,
+        segment_size=segment_size,
+        protocol=options.protocol,
+        local_hostname=options.local_hostname,
+    )
     return Connector(connect, 1, f"Mooncake master {options.master}")
 
 
-def record_format(config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes,
-                  rank: int | None = None) -> RecordFormat:
+def record_format(
+    config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes, rank: int | None = None
+) -> RecordFormat:
     """The records of a stack with this ``namespace`` and ``layout`` (of one tensor-parallel ``rank``
     under vLLM); raises ConfigError when ``auth_key_env`` names a missing or short secret."""
-    return RecordFormat(config.prefix, namespace_digest(namespace, layout, rank), layout.block_bytes,
-                        mac_key(config.auth_key_env), rank)
+    return RecordFormat(
+        config.prefix, namespace_digest(namespace, layout, rank), layout.block_bytes, mac_key(config.auth_key_env), rank
+    )
 
 
-def remote_tier(name: str, config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes,
-                ranks: Sequence[int | None] = (None,)) -> RemoteTier:
+def remote_tier(
+    name: str,
+    config: RemoteTierConfig,
+    layout: BlockLayout,
+    namespace: str | bytes,
+    ranks: Sequence[int | None] = (None,),
+) -> RemoteTier:
     """The tier, with a link of its own for lookups; a block is present when every one of ``ranks``
     has its record (one rank, None, for a standalone stack)."""
     records = [record_format(config, layout, namespace, rank) for rank in ranks]
@@ -80,6 +94,8 @@ def _password(env_name: str | None) -> str | None:
         return None
     value = os.environ.get(env_name, "")
     if not value:
-        raise ConfigError(f"password_env: the environment variable {env_name} is unset or empty; set it to the "
-                          f"server's password, or remove password_env")
+        raise ConfigError(
+            f"password_env: the environment variable {env_name} is unset or empty; set it to the "
+            f"server's password, or remove password_env"
+        )
     return value

@@ -101,9 +101,9 @@ class StoreLink:
         self.connector = connector
         self.timeout = timeout
         self.purpose = purpose  # "loads and stores", "lookups": for messages
-        self.failures = 0       # calls that raised or outlived the deadline
+        self.failures = 0  # calls that raised or outlived the deadline
         self._idle: list[StoreClient] = []
-        self._open = 0          # clients idle or in a call that is not abandoned
+        self._open = 0  # clients idle or in a call that is not abandoned
         self._unsettled: set[Call] = set()
         self._backoff = 0.0
         self._down_until = 0.0
@@ -121,8 +121,9 @@ class StoreLink:
             self._check_up()
             client = self._take_client(deadline)
             self._unsettled.add(call)
-        threading.Thread(target=self._call, args=(call, client, fn, dirty), name="kvtier-store-call",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._call, args=(call, client, fn, dirty), name="kvtier-store-call", daemon=True
+        ).start()
         if not call._wait(max(0.0, deadline - time.monotonic())):
             with self._cond:
                 self._open -= 1  # its client is dropped when the call returns: room for a new one
@@ -168,8 +169,9 @@ class StoreLink:
             raise ClosedError(f"the {self.purpose} link to {self.connector.where} is closed")
         wait = self._down_until - time.monotonic()
         if wait > 0:
-            raise StoreError(f"{self.connector.where} failed recently; the next try for {self.purpose} is in "
-                             f"{wait:.2f} s")
+            raise StoreError(
+                f"{self.connector.where} failed recently; the next try for {self.purpose} is in {wait:.2f} s"
+            )
 
     def _take_client(self, deadline: float) -> StoreClient | None:
         """An idle client, or None where a new one may be opened (on the call's thread); waits for one
@@ -177,16 +179,18 @@ class StoreLink:
         while not self._idle and self._open >= self.connector.clients:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreError(f"no {self.connector.where} client came free for {self.purpose} within "
-                                 f"{self.timeout:g} s")
+                raise StoreError(
+                    f"no {self.connector.where} client came free for {self.purpose} within {self.timeout:g} s"
+                )
             self._cond.wait(left)
         if self._idle:
             return self._idle.pop()
         self._open += 1
         return None
 
-    def _call(self, call: Call[T], client: StoreClient | None, fn: Callable[[StoreClient], T],
-              dirty: Callable[[T], bool]) -> None:
+    def _call(
+        self, call: Call[T], client: StoreClient | None, fn: Callable[[StoreClient], T], dirty: Callable[[T], bool]
+    ) -> None:
         """The call's thread: connect if needed and call; then keep the client, or drop it (closed)
         when the call raised, was abandoned, or left a ``late_writes`` client dirty; and settle. A kept
         client's call settles before its caller wakes; a dropped one's after the close, so the caller
@@ -227,8 +231,12 @@ class StoreLink:
             self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
             self._down_until = time.monotonic() + self._backoff
         if first:
-            log.warning("kvtier's remote store (%s) failed for %s: %s; trying again with backoff",
-                        self.connector.where, self.purpose, why)
+            log.warning(
+                "kvtier's remote store (%s) failed for %s: %s; trying again with backoff",
+                self.connector.where,
+                self.purpose,
+                why,
+            )
 
     def _succeeded(self) -> None:
         with self._cond:

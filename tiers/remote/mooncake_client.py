@@ -61,10 +61,13 @@ def store_class() -> Any:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         if "libibverbs" in str(exc):
-            raise ConfigError(f"backend: mooncake needs Debian's libibverbs1 even for TCP ({exc}); "
-                              f"apt-get install -y libibverbs1") from None
-        raise ConfigError(f"backend: mooncake needs the mooncake-transfer-engine-non-cuda package ({exc}); "
-                          f"pip install 'kvtier[remote]'") from None
+            raise ConfigError(
+                f"backend: mooncake needs Debian's libibverbs1 even for TCP ({exc}); apt-get install -y libibverbs1"
+            ) from None
+        raise ConfigError(
+            f"backend: mooncake needs the mooncake-transfer-engine-non-cuda package ({exc}); "
+            f"pip install 'kvtier[remote]'"
+        ) from None
     return MooncakeDistributedStore
 
 
@@ -116,8 +119,16 @@ class MooncakeClient(StoreClient):
     name = "mooncake"
     late_writes = True
 
-    def __init__(self, *, master: str, metadata_server: str, timeout: float, segment_size: int = 0,
-                 protocol: str = "tcp", local_hostname: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        *,
+        master: str,
+        metadata_server: str,
+        timeout: float,
+        segment_size: int = 0,
+        protocol: str = "tcp",
+        local_hostname: str = "127.0.0.1",
+    ) -> None:
         store_type = store_class()
         _check_reachable(master, metadata_server, timeout)
         os.environ.update(_environment(local_hostname, timeout))
@@ -129,8 +140,9 @@ class MooncakeClient(StoreClient):
         if code != 0:
             self._store.close()
             self._closed = True
-            raise StoreError(f"Mooncake setup against master {master} (metadata {metadata_server}) "
-                             f"failed with code {code}")
+            raise StoreError(
+                f"Mooncake setup against master {master} (metadata {metadata_server}) failed with code {code}"
+            )
 
     def register(self, address: int, size: int) -> None:
         """Register host memory that records' pieces will lie in (the host slab, once: Mooncake refuses a
@@ -153,8 +165,9 @@ class MooncakeClient(StoreClient):
             return []
         addresses, sizes, _ = _pieces(records)
         removed = self._answered(self._call(self._store.batch_remove, list(names), True), "replace")
-        codes = self._answered(self._call(self._store.batch_put_from_multi_buffers, list(names), addresses, sizes),
-                               "store")
+        codes = self._answered(
+            self._call(self._store.batch_put_from_multi_buffers, list(names), addresses, sizes), "store"
+        )
         # A name whose old record could not be removed may still hold it: the put "succeeds" without storing.
         return [code == 0 and gone in (0, OBJECT_NOT_FOUND) for code, gone in zip(codes, removed, strict=True)]
 
@@ -162,8 +175,9 @@ class MooncakeClient(StoreClient):
         if not names:
             return []
         addresses, sizes, totals = _pieces(records)
-        codes = self._answered(self._call(self._store.batch_get_into_multi_buffers, list(names), addresses, sizes),
-                               "load")
+        codes = self._answered(
+            self._call(self._store.batch_get_into_multi_buffers, list(names), addresses, sizes), "load"
+        )
         return [code == total for code, total in zip(codes, totals, strict=True)]
 
     def remove(self, names: Sequence[str]) -> None:

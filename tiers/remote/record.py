@@ -72,8 +72,8 @@ class RecordHeader:
 
     namespace: bytes
     key: bytes
-    length: int    # the block's raw bytes
-    stored: int    # bytes after the header (the raw bytes: no codec yet)
+    length: int  # the block's raw bytes
+    stored: int  # bytes after the header (the raw bytes: no codec yet)
     codec: int
     checksum: int  # xxh3-64 of the stored bytes
     mac: bytes = NO_MAC
@@ -81,10 +81,12 @@ class RecordHeader:
     def fields(self) -> bytes:
         """The header's fields without the MAC and the header checksum: what the MAC covers."""
         if len(self.key) > MAX_KEY_BYTES:
-            raise ValueError(f"key {self.key[:16].hex()}... is {len(self.key)} bytes; a record header holds at "
-                             f"most {MAX_KEY_BYTES}")
-        return _FIELDS.pack(MAGIC, VERSION, self.namespace, len(self.key), self.key, self.length, self.stored,
-                            self.codec, self.checksum)
+            raise ValueError(
+                f"key {self.key[:16].hex()}... is {len(self.key)} bytes; a record header holds at most {MAX_KEY_BYTES}"
+            )
+        return _FIELDS.pack(
+            MAGIC, VERSION, self.namespace, len(self.key), self.key, self.length, self.stored, self.codec, self.checksum
+        )
 
     def pack(self) -> bytes:
         body = self.fields() + self.mac
@@ -95,7 +97,7 @@ class RecordHeader:
         """The header in ``raw``, or None when it is short, damaged or not a kvtier record of this version."""
         if len(raw) != HEADER_BYTES:
             return None
-        body = bytes(raw[:_MAC_AT + MAC_BYTES])
+        body = bytes(raw[: _MAC_AT + MAC_BYTES])
         if xxhash.xxh3_64_intdigest(body) != _CHECK.unpack_from(raw, len(body))[0]:
             return None
         magic, version, namespace, key_len, key, length, stored, codec, checksum = _FIELDS.unpack_from(body)
@@ -113,8 +115,9 @@ class RecordFormat:
     for, otherwise why not.
     """
 
-    def __init__(self, prefix: str, namespace: bytes, block_bytes: int, mac_key: bytes | None = None,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self, prefix: str, namespace: bytes, block_bytes: int, mac_key: bytes | None = None, rank: int | None = None
+    ) -> None:
         self.prefix = prefix
         self.namespace = namespace
         self.block_bytes = block_bytes
@@ -136,8 +139,9 @@ class RecordFormat:
         if self._mac_key is None:
             return header.pack()
         mac = self._mac(header.fields(), data)
-        return RecordHeader(header.namespace, key, header.length, header.stored, header.codec, header.checksum,
-                            mac).pack()
+        return RecordHeader(
+            header.namespace, key, header.length, header.stored, header.codec, header.checksum, mac
+        ).pack()
 
     def problem(self, raw: bytes | memoryview, key: bytes, data: Sequence[memoryview]) -> str | None:
         """Why the record that arrived (``raw`` header, ``data`` pieces) is not ``key``'s block of this
@@ -150,8 +154,10 @@ class RecordFormat:
         if header.key != key:
             return "the record holds another key"
         if (header.length, header.stored, header.codec) != (self.block_bytes, self.block_bytes, CODEC_RAW):
-            return (f"the record holds {header.stored} bytes of a {header.length}-byte block (codec "
-                    f"{header.codec}); this stack stores {self.block_bytes}-byte blocks raw")
+            return (
+                f"the record holds {header.stored} bytes of a {header.length}-byte block (codec "
+                f"{header.codec}); this stack stores {self.block_bytes}-byte blocks raw"
+            )
         if _checksum(data) != header.checksum:
             return "the data fails its checksum"
         if self._mac_key is not None:

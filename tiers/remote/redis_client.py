@@ -51,9 +51,14 @@ class RedisClient(StoreClient):
     def __init__(self, url: str, *, timeout: float, password: str | None = None, ca_file: str | None = None) -> None:
         options: dict[str, Any] = parse_url(url)
         connection_class = options.pop("connection_class", Connection)
-        options.update(password=password, socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
-                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), protocol=2,
-                       client_name=CLIENT_NAME)
+        options.update(
+            password=password,
+            socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            protocol=2,
+            client_name=CLIENT_NAME,
+        )
         if ca_file is not None:
             options["ssl_ca_certs"] = ca_file
         self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"
@@ -95,8 +100,12 @@ class RedisClient(StoreClient):
     def close(self) -> None:
         self._connection.disconnect()
 
-    def _exchange(self, commands: list[bytes | memoryview], count: int | None = None,
-                  on_reply: Callable[[int, Any], Any] | None = None) -> list[Any]:
+    def _exchange(
+        self,
+        commands: list[bytes | memoryview],
+        count: int | None = None,
+        on_reply: Callable[[int, Any], Any] | None = None,
+    ) -> list[Any]:
         """Send ``commands`` (``count`` of them; one per entry when None) in one go and read their
         replies in order; ``on_reply(i, reply)`` turns each reply into what is returned for it as it
         arrives. An error reply stands for its command, the connection staying in step; when every
@@ -112,8 +121,9 @@ class RedisClient(StoreClient):
         except _Dropped:
             return self._round_trip(commands, count, on_reply)
 
-    def _round_trip(self, commands: list[bytes | memoryview], count: int,
-                    on_reply: Callable[[int, Any], Any] | None) -> list[Any]:
+    def _round_trip(
+        self, commands: list[bytes | memoryview], count: int, on_reply: Callable[[int, Any], Any] | None
+    ) -> list[Any]:
         out: list[Any] = []
         try:
             self._connection.send_packed_command(commands, check_health=False)

@@ -63,10 +63,22 @@ class RemoteTier(Tier):
 
     by_key = True
 
-    def __init__(self, name: str, layout: BlockLayout, records: Sequence[RecordFormat], link: StoreLink,
-                 placement: str = "write_through", known_for: float = KNOWN_FOR_S) -> None:
-        super().__init__(name, "remote", RemoteStorage(layout, records[0]), LRUPolicy(),
-                         note=f"{link.connector.where}, timeout {link.timeout:g} s")
+    def __init__(
+        self,
+        name: str,
+        layout: BlockLayout,
+        records: Sequence[RecordFormat],
+        link: StoreLink,
+        placement: str = "write_through",
+        known_for: float = KNOWN_FOR_S,
+    ) -> None:
+        super().__init__(
+            name,
+            "remote",
+            RemoteStorage(layout, records[0]),
+            LRUPolicy(),
+            note=f"{link.connector.where}, timeout {link.timeout:g} s",
+        )
         self.records = list(records)
         self.link = link
         self.placement = placement
@@ -77,8 +89,10 @@ class RemoteTier(Tier):
         self._writing: set[bytes] = set()
 
     def __repr__(self) -> str:
-        return (f"RemoteTier(name={self.name!r}, placement={self.placement!r}, {self.note}, "
-                f"{len(self._writing)} block(s) being stored)")
+        return (
+            f"RemoteTier(name={self.name!r}, placement={self.placement!r}, {self.note}, "
+            f"{len(self._writing)} block(s) being stored)"
+        )
 
     # --- what the store holds ------------------------------------------------------------------
 
@@ -96,7 +110,7 @@ class RemoteTier(Tier):
             self.count(lookup_errors=1)
             return 0
         ranks = len(self.records)
-        present = [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
+        present = [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
         with self._lock:
             now = time.monotonic()
             for key, here in zip(keys, present, strict=True):
@@ -207,7 +221,8 @@ class RemoteTier(Tier):
         keys = list(keys)
         missing = [key for key in keys if key not in self._writing]
         if missing or len(set(keys)) != len(keys):
-            raise StateError(f"{what} of block {(missing or keys)[0].hex()[:16]} which was not reserved in tier "
-                             f"{self.name!r}")
+            raise StateError(
+                f"{what} of block {(missing or keys)[0].hex()[:16]} which was not reserved in tier {self.name!r}"
+            )
         self._writing.difference_update(keys)
         return keys

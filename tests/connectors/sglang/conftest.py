@@ -21,15 +21,18 @@ try:
     HAVE_SGLANG = True
 except ImportError as exc:
     if REQUIRED:
-        raise RuntimeError(f"KVTIER_REQUIRE_SGLANG=1 but SGLang cannot be imported ({exc}); install it with "
-                           f"scripts/install-sglang.sh build/venv-sglang") from exc
+        raise RuntimeError(
+            f"KVTIER_REQUIRE_SGLANG=1 but SGLang cannot be imported ({exc}); install it with "
+            f"scripts/install-sglang.sh build/venv-sglang"
+        ) from exc
     HAVE_SGLANG = False
     collect_ignore = [str(p) for p in Path(__file__).parent.glob("test_*.py")]
 
 
 def pytest_report_header(config):
-    return "kvtier SGLang backend tests: " + ("run" if HAVE_SGLANG else
-                                             "skipped, SGLang is not installed (scripts/install-sglang.sh VENV)")
+    return "kvtier SGLang backend tests: " + (
+        "run" if HAVE_SGLANG else "skipped, SGLang is not installed (scripts/install-sglang.sh VENV)"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

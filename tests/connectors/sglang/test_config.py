@@ -39,10 +39,13 @@ def disk(tmp_path) -> dict:
     return {"medium": "disk", "path": str(tmp_path / "kv"), "capacity": "4MiB"}
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"prefetch_thresold": 4}, r"unknown key 'prefetch_thresold'; allowed: backend_name, module_path"),
-    ({"interface_v1": "0"}, r"^hicache-storage-backend-extra-config: interface_v1: "),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prefetch_thresold": 4}, r"unknown key 'prefetch_thresold'; allowed: backend_name, module_path"),
+        ({"interface_v1": "0"}, r"^hicache-storage-backend-extra-config: interface_v1: "),
+    ],
+)
 def test_a_mistake_in_the_extra_config_names_the_key(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         create({"tiers": [disk(tmp_path)]}, **extra)
@@ -56,17 +59,31 @@ def test_an_extra_config_without_kvtiers_config_says_what_to_add():
         StorageBackendFactory.create_backend("dynamic", storage_config(extra, pool), pool)
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "lots"}]},
-     r"tiers\[0\]\.capacity: 'lots' is not a size"),
-    ({"tiers": [{"medium": "gpu"}, {"medium": "host", "capacity": "1GiB"}]},
-     r"tiers\[0\]\.medium: gpu: SGLang keeps GPU"),
-    ({"tiers": [{"medium": "host", "capacity": "1GiB"}]}, r"tiers\[0\]\.medium: host: under SGLang a host tier only"),
-    ({"block_bytes": "64KiB", "tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]},
-     r"^block_bytes: under SGLang a block is one page"),
-    ({"tiers": [{"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:1"}}]},
-     r"tiers\[0\]\.medium: a remote tier needs a host tier above it"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "lots"}]},
+            r"tiers\[0\]\.capacity: 'lots' is not a size",
+        ),
+        (
+            {"tiers": [{"medium": "gpu"}, {"medium": "host", "capacity": "1GiB"}]},
+            r"tiers\[0\]\.medium: gpu: SGLang keeps GPU",
+        ),
+        (
+            {"tiers": [{"medium": "host", "capacity": "1GiB"}]},
+            r"tiers\[0\]\.medium: host: under SGLang a host tier only",
+        ),
+        (
+            {"block_bytes": "64KiB", "tiers": [{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]},
+            r"^block_bytes: under SGLang a block is one page",
+        ),
+        (
+            {"tiers": [{"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:1"}}]},
+            r"tiers\[0\]\.medium: a remote tier needs a host tier above it",
+        ),
+    ],
+)
 def test_a_tier_sglang_cannot_feed_or_a_yaml_that_does_not_validate_is_refused(config, message):
     with pytest.raises(ConfigError, match=message):
         create(config)
@@ -124,7 +141,7 @@ def test_sglangs_fault_injector_never_yields_a_wrong_byte(tmp_path, monkeypatch)
         outcomes = {"stored": 0, "refused": 0, "loaded": 0, "failed": 0}
         for start in range(0, 32, 4):  # as SGLang's backup would be, each batch retried until it lands
             for _ in range(20):
-                stored = all(backend.batch_set_v1(keys(32)[start:start + 4], indices(range(start, start + 4))))
+                stored = all(backend.batch_set_v1(keys(32)[start : start + 4], indices(range(start, start + 4))))
                 outcomes["stored" if stored else "refused"] += 1
                 if stored:
                     break
@@ -132,7 +149,7 @@ def test_sglangs_fault_injector_never_yields_a_wrong_byte(tmp_path, monkeypatch)
             zero_pages(pool, range(64, 72))
             names = keys(32)[:8]
             hits = backend.batch_exists(names)
-            loaded = backend.batch_get_v1(names[:max(hits, 1)], indices(range(64, 64 + max(hits, 1))))
+            loaded = backend.batch_get_v1(names[: max(hits, 1)], indices(range(64, 64 + max(hits, 1))))
             for i, ok in enumerate(loaded):
                 if ok:
                     assert torch.equal(page_bytes(pool, 64 + i), truth[names[i]])
@@ -164,6 +181,9 @@ def test_a_hybrid_models_second_pool_is_refused_at_start_naming_it(tmp_path):
 
 
 def test_a_first_tier_smaller_than_one_of_sglangs_batches_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.capacity_blocks: holds 80 of SGLang's pages \(768B each\), "
-                                          r"fewer than the 128 SGLang stores in one call; give at least 1MiB"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiers\[0\]\.capacity_blocks: holds 80 of SGLang's pages \(768B each\), "
+        r"fewer than the 128 SGLang stores in one call; give at least 1MiB",
+    ):
         create({"tiers": [{"medium": "disk", "path": str(tmp_path / "kv"), "capacity_blocks": 80}]})

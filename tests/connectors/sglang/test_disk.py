@@ -115,10 +115,16 @@ def test_a_damaged_slot_is_a_miss_and_is_never_loaded(tmp_path, backends):
     assert again.batch_exists(keys(4)) == 1  # dropped once found damaged: a miss from now on
 
 
-@pytest.mark.parametrize("other", [
-    {"model": "another-model"}, {"tp_rank": 1, "tp_size": 2}, {"dtype": torch.float16}, {"heads": 4},
-    {"layout": "page_first"},
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"model": "another-model"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"dtype": torch.float16},
+        {"heads": 4},
+        {"layout": "page_first"},
+    ],
+)
 def test_another_model_dtype_geometry_rank_or_layout_misses(tmp_path, backends, other):
     pool = mha_host_pool()
     first = backends(pool, disk(tmp_path))
@@ -159,8 +165,10 @@ def test_sglang_keys_never_reach_the_disk(tmp_path, backends):
     assert all(len(p.name) < 16 for p in (tmp_path / "kv").rglob("*"))  # no file named after a key
 
 
-@pytest.mark.parametrize("bad", [torch.arange(1, 5), torch.arange(0, 6), torch.tensor([0, 1, 3, 2]),
-                                 torch.arange(10_000 * PAGE, 10_001 * PAGE)])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.arange(1, 5), torch.arange(0, 6), torch.tensor([0, 1, 3, 2]), torch.arange(10_000 * PAGE, 10_001 * PAGE)],
+)
 def test_indices_that_are_not_whole_pages_of_the_pool_fail_the_call_only(tmp_path, backends, bad):
     pool = mha_host_pool()
     backend = backends(pool, disk(tmp_path))
@@ -197,4 +205,8 @@ def test_counters_add_up_for_sglang_and_prometheus(tmp_path, backends):
     block = backend.pages.layout.block_bytes
     assert counter("hit_blocks", tier="disk") - hits == 6
     assert {name: counter(name) - before[name] for name in names} == {
-        "stored_blocks": 6, "failed_load_blocks": 0, "load_bytes": 6 * block, "store_bytes": 6 * block}
+        "stored_blocks": 6,
+        "failed_load_blocks": 0,
+        "load_bytes": 6 * block,
+        "store_bytes": 6 * block,
+    }

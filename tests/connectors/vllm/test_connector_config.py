@@ -32,16 +32,21 @@ def test_loaded_by_module_path_from_a_yaml_file(make_config, kv_config, tmp_path
 def test_example_config_is_valid_and_sized_per_rank(make_config):
     config = connector_config(make_config(str(EXAMPLE)))
     block = 32 * 2 * 16 * 8 * 128 * 2  # one rank's block of Llama-3.1-8B, bf16, 16 tokens: 32 layers, K and V
-    assert [(name, n) for name, _, n in tier_slots(config, block)] == [("host", 48 * 1024 // 2),
-                                                                        ("disk", 400 * 2**30 // (block + 4096))]
+    assert [(name, n) for name, _, n in tier_slots(config, block)] == [
+        ("host", 48 * 1024 // 2),
+        ("disk", 400 * 2**30 // (block + 4096)),
+    ]
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({}, 'needs "config"'),
-    ({"config": {"block_tokens": 32, "tiers": [{"medium": "host", "capacity_blocks": 4}]}}, "block size 16"),
-    ({"config": {"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity_blocks": 4}]}}, "must be a host tier"),
-    ({"config": {"tiers": [{"medium": "host", "capacity": "1KiB"}]}}, "holds no block"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, 'needs "config"'),
+        ({"config": {"block_tokens": 32, "tiers": [{"medium": "host", "capacity_blocks": 4}]}}, "block size 16"),
+        ({"config": {"tiers": [{"medium": "disk", "path": "/tmp/x", "capacity_blocks": 4}]}}, "must be a host tier"),
+        ({"config": {"tiers": [{"medium": "host", "capacity": "1KiB"}]}}, "holds no block"),
+    ],
+)
 def test_bad_configuration_is_a_clear_error(make_config, kv_config, extra, message):
     vllm_config = make_config({})
     vllm_config.kv_transfer_config.kv_connector_extra_config = extra

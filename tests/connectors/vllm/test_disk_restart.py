@@ -24,9 +24,14 @@ from kvtier.tiers.disk import PAGE
 
 
 def disk_config(path, placement: str = "write_through", namespace: str = "") -> dict:
-    return {"placement": placement, "namespace": namespace, "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 16, "path": str(path)}]}
+    return {
+        "placement": placement,
+        "namespace": namespace,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(path)},
+        ],
+    }
 
 
 def prefix_keys(engine, prefix: int) -> list[bytes]:
@@ -77,8 +82,9 @@ def test_disk_blocks_are_loaded_after_a_restart_bit_exact(make_engine, tmp_path,
     assert after.blocks_match(again, range(4))
     after.run([again])
     assert sum(s["hit_blocks_disk"] for s in after.stats) == 4 and not after.load_errors
-    stored = {h for e in after.events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE"
-              for h in e.block_hashes}
+    stored = {
+        h for e in after.events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE" for h in e.block_hashes
+    }
     assert set(prefix_keys(after, 1)) <= stored  # kept blocks are announced as the disk tier's
     last = after.add(prompt(4, 5, seed=5, prefix=3), max_tokens=2)  # its host copy died with the engine
     hits = 4 if 3 in kept else 0
@@ -149,9 +155,11 @@ def test_another_namespace_layout_or_tp_size_finds_nothing(make_engine, tmp_path
     assert before.kvtier.tier("disk").usage().used == 4
     before.shutdown()
 
-    kwargs = {"namespace": {"config": disk_config(tmp_path / "disk", namespace="other")},
-              "layout": {"layout": "BLHNC"},  # the same page size, other bytes per block id
-              "tp": {}}[change]
+    kwargs = {
+        "namespace": {"config": disk_config(tmp_path / "disk", namespace="other")},
+        "layout": {"layout": "BLHNC"},  # the same page size, other bytes per block id
+        "tp": {},
+    }[change]
     after = make_engine(kwargs.pop("config", config), **kwargs)
     assert after.kvtier.tier("disk").usage().used == 0
     forget_gpu(after)
@@ -180,8 +188,9 @@ def test_kept_blocks_are_evicted_oldest_first_when_the_disk_fills(make_engine, t
     assert after.kvtier.tier("disk").usage().used == 8
     after.run([after.add(prompt(4, 5, seed=3, prefix=3), max_tokens=2)])  # written through: 4 disk slots
     assert [on_disk(after, prefix_keys(after, p)) for p in (1, 2, 3)] == [[False] * 4, [True] * 4, [True] * 4]
-    removed = {h for e in after.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
-               for h in e.block_hashes}
+    removed = {
+        h for e in after.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE" for h in e.block_hashes
+    }
     assert removed == set(prefix_keys(after, 1))
     assert_loads_back(after, prompt(4, 7, seed=4, prefix=2), computed=7, blocks=4)
     after.shutdown()

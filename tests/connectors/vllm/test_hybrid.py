@@ -39,7 +39,7 @@ def hybrid(make_engine):
 
 
 def group_keys(engine, tokens: list[int], group: int) -> list[bytes]:
-    keys = chain_hashes(tokens[:len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
+    keys = chain_hashes(tokens[: len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
     return [key + group.to_bytes(2, "big") for key in keys]
 
 
@@ -98,9 +98,13 @@ def test_a_failed_load_recomputes_the_whole_request(hybrid, tmp_path):
     starts it over: its lookup now finds blocks 0 and 1 (block 2's damaged copy was dropped), loads them
     again and computes the rest, with the right KV."""
     disk = tmp_path / "disk"
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 8},
-        {"medium": "disk", "capacity_blocks": 32, "path": str(disk), "o_direct": "off"}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8},
+            {"medium": "disk", "capacity_blocks": 32, "path": str(disk), "o_direct": "off"},
+        ],
+    }
     engine = hybrid(config)
     engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
     key = group_keys(engine, prompt(4, 0, seed=0, prefix=1), 0)[2]
@@ -207,9 +211,13 @@ def test_lazy_stores_save_each_groups_blocks_before_vllm_reuses_them(hybrid):
 def test_both_groups_disk_blocks_are_loaded_after_a_restart_bit_exact(hybrid, tmp_path):
     """The disk tier keeps every group's blocks (group-tagged keys in its slot headers) across a
     restart: a new engine on the same directory loads the full group's 6 and the window's last 2."""
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 12},
-        {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 12},
+            {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")},
+        ],
+    }
     before = hybrid(config)
     before.run([before.add(prompt(6, 5, seed=1), max_tokens=2)])
     assert before.kvtier.tier("disk").usage().used == 12
@@ -231,19 +239,34 @@ def test_both_groups_disk_blocks_are_loaded_after_a_restart_bit_exact(hybrid, tm
 def two_groups(second) -> KVCacheConfig:
     """A full-attention group (layers 0 and 2) and ``second`` (layers 1 and 3) over one buffer."""
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
-    groups = [KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
-              KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], second)]
-    tensors = [KVCacheTensor(size=1 << 20, layers=list(g.layer_names), layer_stride=1 << 19,
-                             block_stride=g.kv_cache_spec.page_size_bytes) for g in groups]
+    groups = [
+        KVCacheGroupSpec([HYBRID_LAYERS[0], HYBRID_LAYERS[2]], full),
+        KVCacheGroupSpec([HYBRID_LAYERS[1], HYBRID_LAYERS[3]], second),
+    ]
+    tensors = [
+        KVCacheTensor(
+            size=1 << 20, layers=list(g.layer_names), layer_stride=1 << 19, block_stride=g.kv_cache_spec.page_size_bytes
+        )
+        for g in groups
+    ]
     return KVCacheConfig(num_blocks=32, kv_cache_tensors=tensors, kv_cache_groups=groups, kv_cache_layout="LBHNC")
 
 
-@pytest.mark.parametrize(("second", "named"), [
-    (ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16,
-                               attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
-    (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64),
-     "(page bytes, layers)"),
-])
+@pytest.mark.parametrize(
+    ("second", "named"),
+    [
+        (
+            ChunkedLocalAttentionSpec(
+                block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, attention_chunk_size=64
+            ),
+            "ChunkedLocalAttentionSpec",
+        ),
+        (
+            SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64),
+            "(page bytes, layers)",
+        ),
+    ],
+)
 def test_groups_kvtier_cannot_serve_are_refused_at_start_naming_them(second, named):
     """Another kind of group, or groups whose blocks differ in size, is a ConfigError when the connector
     starts, never a copy of the wrong bytes."""
@@ -253,14 +276,20 @@ def test_groups_kvtier_cannot_serve_are_refused_at_start_naming_them(second, nam
 
 def test_only_mla_with_replicas_counts_as_the_same_kv_on_every_rank():
     mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float16)
-    config = two_groups(SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16,
-                                          sliding_window=64))
+    config = two_groups(
+        SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64)
+    )
     assert not replicated(config)  # GQA: each rank holds its own heads
     config.kv_tp_replicas = 2
     assert not replicated(config)  # (not MLA)
-    one = KVCacheConfig(num_blocks=32, kv_cache_tensors=[KVCacheTensor(size=1 << 20, layers=[HYBRID_LAYERS[0]],
-                                                                       layer_stride=1 << 19, block_stride=1024)],
-                        kv_cache_groups=[KVCacheGroupSpec([HYBRID_LAYERS[0]], mla)], kv_tp_replicas=2)
+    one = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[
+            KVCacheTensor(size=1 << 20, layers=[HYBRID_LAYERS[0]], layer_stride=1 << 19, block_stride=1024)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([HYBRID_LAYERS[0]], mla)],
+        kv_tp_replicas=2,
+    )
     assert replicated(one)
     one.kv_tp_replicas = 1
     assert not replicated(one)

@@ -37,9 +37,14 @@ def model_dir(model_dir, tmp_path):
 
 
 def disk_config(path, **fields) -> dict:
-    return {"placement": "write_through", **fields, "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 16, "path": str(path)}]}
+    return {
+        "placement": "write_through",
+        **fields,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(path)},
+        ],
+    }
 
 
 def fill_and_restart(make_engine, config: dict, between=lambda: None):
@@ -69,18 +74,27 @@ def test_lora_and_salt_cannot_spell_each_other(make_engine):
     assert lora_spelling != salt_spelling
     keys = [chain_hashes(prompt(2, 0, seed=0), BLOCK, ns) for ns in (lora_spelling, salt_spelling)]
     assert not set(keys[0]) & set(keys[1])
-    others = [sched.request_namespace("x", "y", lora_path="/a"), sched.request_namespace("x", "y", lora_path="/b"),
-              sched.request_namespace("", "s"), sched.request_namespace("s", ""), sched.request_namespace()]
+    others = [
+        sched.request_namespace("x", "y", lora_path="/a"),
+        sched.request_namespace("x", "y", lora_path="/b"),
+        sched.request_namespace("", "s"),
+        sched.request_namespace("s", ""),
+        sched.request_namespace(),
+    ]
     assert len({lora_spelling, salt_spelling, *others}) == 2 + len(others)
 
 
-@pytest.mark.parametrize("change", [
-    lambda m: setattr(m, "revision", "v2"),
-    lambda m: setattr(m, "revision", ResolvedRevision("b" * 40, initial="main")),  # main moved on
-    lambda m: setattr(m, "quantization", "fp8"),
-    lambda m: setattr(m, "dtype", "bfloat16"),
-    lambda m: setattr(m, "model", m.model + "-other"),
-], ids=["revision", "resolved revision", "quantization", "dtype", "model"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "revision", "v2"),
+        lambda m: setattr(m, "revision", ResolvedRevision("b" * 40, initial="main")),  # main moved on
+        lambda m: setattr(m, "quantization", "fp8"),
+        lambda m: setattr(m, "dtype", "bfloat16"),
+        lambda m: setattr(m, "model", m.model + "-other"),
+    ],
+    ids=["revision", "resolved revision", "quantization", "dtype", "model"],
+)
 def test_model_revision_and_quantization_change_the_namespace(make_config, kv_config, change):
     config = load_config({"tiers": [{"medium": "host", "capacity_blocks": 4}]})
     vllm_config = make_config({})
@@ -145,8 +159,23 @@ def test_a_missing_secret_stops_both_roles(make_config, kv_config, monkeypatch, 
 def test_the_namespace_is_json_naming_every_field(make_config, kv_config, model_dir):
     """Readable for an operator (``kvtier inspect`` shows its digest), and complete."""
     vllm_config = make_config({})
-    fields = json.loads(engine_namespace(vllm_config, kv_config(32), load_config({"namespace": "prod", "tiers": [
-        {"medium": "host", "capacity_blocks": 4}]})))
-    assert set(fields) == {"model", "revision", "weights", "quantization", "dtype", "cache_dtype", "layout", "tp",
-                           "block_size", "namespace"}
+    fields = json.loads(
+        engine_namespace(
+            vllm_config,
+            kv_config(32),
+            load_config({"namespace": "prod", "tiers": [{"medium": "host", "capacity_blocks": 4}]}),
+        )
+    )
+    assert set(fields) == {
+        "model",
+        "revision",
+        "weights",
+        "quantization",
+        "dtype",
+        "cache_dtype",
+        "layout",
+        "tp",
+        "block_size",
+        "namespace",
+    }
     assert fields["model"] == str(model_dir) and fields["namespace"] == "prod" and len(fields["weights"]) == 32

@@ -45,9 +45,13 @@ def test_a_prefix_loads_bit_exact_into_both_ranks_from_the_shared_slab(make_engi
 
 
 def test_disk_blocks_stage_through_the_shared_slab_into_both_ranks(make_engine, tmp_path):
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")},
+        ],
+    }
     engine = make_engine(config, tp=2, mla=True)
     for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
@@ -60,10 +64,14 @@ def test_workers_in_separate_processes_keep_one_copy_and_each_loads_it(make_engi
     disk slab (rank 0's) and one record per block in the store; a prefix the host tier let go of comes
     back from disk into both ranks' KV bit-exact, its host->KV copies only after rank 0 staged it."""
     with redis_server(tmp_path / "redis") as server:
-        config = {"placement": "write_through", "tiers": [
-            {"medium": "host", "capacity_blocks": 4},
-            {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")},
-            {"medium": "remote", "backend": "redis", "timeout": 5.0, "redis": {"url": server.url}}]}
+        config = {
+            "placement": "write_through",
+            "tiers": [
+                {"medium": "host", "capacity_blocks": 4},
+                {"medium": "disk", "capacity_blocks": 32, "path": str(tmp_path / "disk")},
+                {"medium": "remote", "backend": "redis", "timeout": 5.0, "redis": {"url": server.url}},
+            ],
+        }
         engine = make_engine(config, tp=2, mla=True, processes=True)
         for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier
             engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
@@ -83,9 +91,13 @@ def test_a_block_rank_0_could_not_stage_is_recomputed_on_every_rank(make_engine,
     """Rank 0 alone reads the disk: a block whose bytes there are damaged fails there, and the second
     part of the load leaves it out on every rank, reporting its GPU block for recomputation (rank 1
     copies nothing from a slot rank 0 did not fill)."""
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path / "disk"), "o_direct": "off"}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path / "disk"), "o_direct": "off"},
+        ],
+    }
     engine = make_engine(config, tp=2, mla=True)
     engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
@@ -95,8 +107,7 @@ def test_a_block_rank_0_could_not_stage_is_recomputed_on_every_rank(make_engine,
         f.seek(slab.slot_offset(engine.kvtier.tier("disk").slots([keys[2]])[0]) + 4096 + 100)
         f.write(b"\x00\xff" * 8)
     engine.run([engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=2)])  # pushes prefix 1 out of host memory
-    again = assert_recomputed_from(engine, prompt(4, 7, seed=3, prefix=1), damaged=2, blocks=4,
-                                   computed=2 * BLOCK + 7)
+    again = assert_recomputed_from(engine, prompt(4, 7, seed=3, prefix=1), damaged=2, blocks=4, computed=2 * BLOCK + 7)
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
     engine.assert_no_leaks()

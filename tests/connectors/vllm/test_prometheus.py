@@ -14,13 +14,23 @@ from kvtier.connectors.vllm.stats import COUNTERS
 
 
 def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
-    engine = make_engine({"tiers": [{"medium": "host", "capacity_blocks": 4},
-                                    {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]})
+    engine = make_engine(
+        {
+            "tiers": [
+                {"medium": "host", "capacity_blocks": 4},
+                {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")},
+            ]
+        }
+    )
     for p in (1, 2, 3):  # the first prefix ends up on disk only
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
     forget_gpu(engine)
-    engine.run([engine.add(prompt(4, 9, seed=4, prefix=1), max_tokens=2),   # from disk
-                engine.add(prompt(4, 9, seed=5, prefix=3), max_tokens=2)])  # from host
+    engine.run(
+        [
+            engine.add(prompt(4, 9, seed=4, prefix=1), max_tokens=2),  # from disk
+            engine.add(prompt(4, 9, seed=5, prefix=3), max_tokens=2),
+        ]
+    )  # from host
     registry = CollectorRegistry()  # vLLM's global one would refuse the same names twice in one process
 
     class PromOnTestRegistry(KVConnectorProm):

@@ -18,32 +18,49 @@ from vllm.v1.request import RequestStatus
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt
 from kvtier.tiers.disk import PAGE
 
-stacks = st.fixed_dictionaries({
-    "placement": st.sampled_from(["write_back", "write_through"]),
-    "host": st.integers(2, 8),
-    "disk": st.none() | st.integers(4, 16),
-    "gpu_blocks": st.integers(14, 24),
-    "tp": st.integers(1, 2),
-    "compression": st.sampled_from(["none", "zstd"]),  # zstd refuses 16 KiB blocks of random KV, not 2 KiB ones
-    "head_size": st.sampled_from([8, 64]),  # 2 KiB or 16 KiB blocks
-    "lazy": st.sampled_from([False, False, True]),  # lazy stores copy only blocks vLLM is about to reuse
-})
+stacks = st.fixed_dictionaries(
+    {
+        "placement": st.sampled_from(["write_back", "write_through"]),
+        "host": st.integers(2, 8),
+        "disk": st.none() | st.integers(4, 16),
+        "gpu_blocks": st.integers(14, 24),
+        "tp": st.integers(1, 2),
+        "compression": st.sampled_from(["none", "zstd"]),  # zstd refuses 16 KiB blocks of random KV, not 2 KiB ones
+        "head_size": st.sampled_from([8, 64]),  # 2 KiB or 16 KiB blocks
+        "lazy": st.sampled_from([False, False, True]),  # lazy stores copy only blocks vLLM is about to reuse
+    }
+)
 requests = st.tuples(st.integers(0, 3), st.integers(1, 4), st.integers(0, 2 * BLOCK), st.integers(1, 6))
 """(prefix, prefix blocks, tail tokens, tokens to generate): four prefixes, so prompts share blocks."""
-rounds = st.lists(st.fixed_dictionaries({
-    "add": st.lists(requests, max_size=3),
-    "steps": st.integers(1, 5),
-    "report": st.sampled_from([None, None, (), (0,)]),  # the ranks that report in those steps: all, none, rank 0
-    "then": st.sampled_from([None, "forget", "forget", "abort", "damage"]),
-    "which": st.integers(0, 15),  # the request aborted, or the disk slot damaged
-}), min_size=2, max_size=10)
+rounds = st.lists(
+    st.fixed_dictionaries(
+        {
+            "add": st.lists(requests, max_size=3),
+            "steps": st.integers(1, 5),
+            "report": st.sampled_from(
+                [None, None, (), (0,)]
+            ),  # the ranks that report in those steps: all, none, rank 0
+            "then": st.sampled_from([None, "forget", "forget", "abort", "damage"]),
+            "which": st.integers(0, 15),  # the request aborted, or the disk slot damaged
+        }
+    ),
+    min_size=2,
+    max_size=10,
+)
 
 
 def kvtier_config(stack: dict, disk_dir: str) -> dict:
     tiers = [{"medium": "host", "capacity_blocks": stack["host"]}]
     if stack["disk"]:
-        tiers.append({"medium": "disk", "capacity_blocks": stack["disk"], "path": disk_dir, "o_direct": "off",
-                      "compression": stack["compression"]})
+        tiers.append(
+            {
+                "medium": "disk",
+                "capacity_blocks": stack["disk"],
+                "path": disk_dir,
+                "o_direct": "off",
+                "compression": stack["compression"],
+            }
+        )
     return {"placement": stack["placement"], "tiers": tiers}
 
 
@@ -67,13 +84,21 @@ def damage(engine, slot: int) -> None:
 def test_random_runs_keep_kv_exact_and_leave_nothing_behind(make_engine, stack, ops):
     with tempfile.TemporaryDirectory() as disk_dir:
         extra = {"store": "lazy", "lazy_ahead": 0.5} if stack["lazy"] else None
-        engine = make_engine(kvtier_config(stack, disk_dir), num_gpu_blocks=stack["gpu_blocks"], tp=stack["tp"],
-                             max_num_seqs=4, extra=extra, head_size=stack["head_size"])
+        engine = make_engine(
+            kvtier_config(stack, disk_dir),
+            num_gpu_blocks=stack["gpu_blocks"],
+            tp=stack["tp"],
+            max_num_seqs=4,
+            extra=extra,
+            head_size=stack["head_size"],
+        )
         try:
             added = []
             for round_ in ops:
-                added += [engine.add(prompt(blocks, tail, seed=tail % 3, prefix=prefix), max_tokens=max_tokens)
-                          for prefix, blocks, tail, max_tokens in round_["add"]]
+                added += [
+                    engine.add(prompt(blocks, tail, seed=tail % 3, prefix=prefix), max_tokens=max_tokens)
+                    for prefix, blocks, tail, max_tokens in round_["add"]
+                ]
                 for _ in range(round_["steps"]):
                     engine.step(report_ranks=None if round_["report"] is None else set(round_["report"]))
                     assert_prompt_kv_exact(engine)
@@ -106,7 +131,8 @@ def test_random_runs_keep_kv_exact_and_leave_nothing_behind(make_engine, stack, 
             event("load errors" if engine.load_errors else "no load errors")
             event(f"host evictions > 0: {engine.kvtier.tier('host').stats.evicted > 0}")
             event(f"demotions refused > 0: {engine.kvtier.tier('host').stats.demotion_refused > 0}")
-            assert all(r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)
-                       for r in added)
+            assert all(
+                r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED) for r in added
+            )
         finally:
             engine.shutdown()

@@ -27,14 +27,26 @@ WAIT = 10.0
 
 
 def redis_config(server) -> dict:
-    return {"tiers": [{"medium": "host", "capacity_blocks": 32},
-                      {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "redis": {"url": server.url}}]}
+    return {
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 32},
+            {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "redis": {"url": server.url}},
+        ]
+    }
 
 
 def mooncake_config(master: MooncakeMaster) -> dict:
-    return {"tiers": [{"medium": "host", "capacity_blocks": 32},
-                      {"medium": "remote", "backend": "mooncake", "timeout": TIMEOUT,
-                       "mooncake": {"master": master.address, "metadata_server": master.metadata_url}}]}
+    return {
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 32},
+            {
+                "medium": "remote",
+                "backend": "mooncake",
+                "timeout": TIMEOUT,
+                "mooncake": {"master": master.address, "metadata_server": master.metadata_url},
+            },
+        ]
+    }
 
 
 @pytest.fixture
@@ -72,7 +84,7 @@ def answer(engine, request, computed: int = 0) -> tuple[int | None, bool]:
 
 
 def record_names(engine, tokens: list[int], rank: int) -> list[str]:
-    keys = chain_hashes(tokens[:len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
+    keys = chain_hashes(tokens[: len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
     return [engine.kvtier.remote.records[rank].name(key) for key in keys]
 
 
@@ -83,7 +95,8 @@ def assert_remote_hit(make_engine, config: dict) -> None:
     again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
     assert answer(reader, again) == (4 * BLOCK, True)
     assert reader.connector.get_external_cache_hit_sources(again, 4 * BLOCK) == {
-        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK
+    }
     out = step_until_scheduled(reader, again)
     assert out.num_scheduled_tokens[again.request_id] == 9  # the tail only: 4 blocks came from the store
     assert reader.blocks_match(again, range(4)) and not reader.load_errors
@@ -138,9 +151,13 @@ def test_only_the_blocks_past_the_local_hit_are_asked_for(make_engine, redis):
     job = next(_loads(reader, again))
     # the 4 blocks past the host hit staged from the store, then all 6 from the host tier into vLLM's blocks
     assert [[(c.src.tier, c.dst.tier, len(c.blocks)) for c in stage] for stage in job.stages] == [
-        [("remote", "host", 4)], [("host", None, 6)]]
+        [("remote", "host", 4)],
+        [("host", None, 6)],
+    ]
     assert reader.connector.get_external_cache_hit_sources(again, 6 * BLOCK) == {
-        CacheHitSource.HOST: 2 * BLOCK, CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
+        CacheHitSource.HOST: 2 * BLOCK,
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK,
+    }
     out = step_until_scheduled(reader, again)
     assert out.num_scheduled_tokens[again.request_id] == 9 and reader.blocks_match(again, range(6))
     reader.run([again])
@@ -276,9 +293,18 @@ def test_host_slots_a_hung_load_may_write_stay_out_of_use_until_the_worker_lifts
 
 
 def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, redis):
-    config = {"tiers": [{"medium": "host", "capacity_blocks": 4},
-                        {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "placement": "write_back",
-                         "redis": {"url": redis.url}}]}
+    config = {
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {
+                "medium": "remote",
+                "backend": "redis",
+                "timeout": TIMEOUT,
+                "placement": "write_back",
+                "redis": {"url": redis.url},
+            },
+        ]
+    }
     writer = make_engine(config)
     first = prompt(4, 5, seed=1, prefix=1)
     for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier, into the store

@@ -82,9 +82,13 @@ def test_lookup_counts_whole_blocks_and_leaves_the_last_token(make_engine):
 
 @pytest.mark.parametrize("placement", ["write_through", "write_back"])
 def test_prefix_from_disk_once_host_is_full(make_engine, tmp_path, placement):
-    config = {"placement": placement, "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    config = {
+        "placement": placement,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")},
+        ],
+    }
     engine = make_engine(config)
     first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
     engine.run([first])
@@ -112,9 +116,13 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
     """A block whose bytes on disk are damaged fails its checksum: vLLM is told exactly which GPU
     blocks did not arrive, recomputes from there, and the output KV is still right."""
     disk = tmp_path / "disk"
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 16, "path": str(disk), "o_direct": "off"}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(disk), "o_direct": "off"},
+        ],
+    }
     engine = make_engine(config)
     first = engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)
     engine.run([first])
@@ -126,14 +134,16 @@ def test_failed_disk_load_is_recomputed(make_engine, tmp_path):
         f.write(b"\x00\xff" * 8)
     engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2) for p in (2,)])  # evicts host
 
-    again = assert_recomputed_from(engine, prompt(4, 7, seed=3, prefix=1), damaged=2, blocks=4,
-                                   computed=2 * BLOCK + 7)  # recomputed from block 2 on
+    again = assert_recomputed_from(
+        engine, prompt(4, 7, seed=3, prefix=1), damaged=2, blocks=4, computed=2 * BLOCK + 7
+    )  # recomputed from block 2 on
     engine.run([again])
     assert sum(s["failed_load_blocks"] for s in engine.stats) == 1
     # the damaged copy was dropped (the recomputed block is stored anew)
     assert engine.kvtier.tier("disk").stats.read_errors == 1
-    removed = [h for e in engine.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
-               for h in e.block_hashes]
+    removed = [
+        h for e in engine.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE" for h in e.block_hashes
+    ]
     assert keys[2] in removed  # and its event says so
     engine.assert_no_leaks()
 
@@ -145,7 +155,7 @@ def test_one_planner_serves_one_tier_or_two(make_engine, tmp_path, names):
     (the bytes read out of host memory counted, as the stack counts them) and loads back through
     host memory, bit-exact."""
     tiers = [{"medium": "host", "capacity_blocks": 4}, {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path)}]
-    engine = make_engine({"tiers": tiers[:len(names)]})
+    engine = make_engine({"tiers": tiers[: len(names)]})
     side = engine.kvtier
     assert [t.name for t in side.tiers] == names and side.planner.tiers == side.tiers
     for p in (1, 2):  # the second prefix pushes the first out of the 4-block host tier
@@ -291,7 +301,7 @@ def test_block_evicted_between_lookup_and_allocation_is_recomputed(make_engine):
         result = lookup(request, num_computed_tokens)
         host = engine.kvtier.tier("host")
         chosen = [k for k, _ in host.begin_evict(4)]
-        host.end_evict([k for k in chosen if k in keys[2:]])               # dropped
+        host.end_evict([k for k in chosen if k in keys[2:]])  # dropped
         host.end_evict([k for k in chosen if k not in keys[2:]], drop=False)  # kept
         return result
 
@@ -342,9 +352,13 @@ def test_disk_refusing_a_block_drops_it_from_host(make_engine, tmp_path, placeme
     model's KV is random bytes: 16 KiB blocks, 12 KiB zstd slots). The worker reports the refusal
     with the job, so the scheduler drops the host copy instead of keeping it to offer again and
     again: the host tier keeps taking new prefixes, and a later request is a clean miss."""
-    config = {"placement": placement, "tiers": [
-        {"medium": "host", "capacity_blocks": 4},
-        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk"), "compression": "zstd"}]}
+    config = {
+        "placement": placement,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk"), "compression": "zstd"},
+        ],
+    }
     engine = make_engine(config, head_size=64)
     assert engine.kvtier.tier("host").block_bytes == 16 * 1024
     for p in (1, 2, 3):  # each prefix pushes the previous one out of the 4-block host tier
@@ -368,8 +382,12 @@ def test_blocks_that_find_no_host_room_are_stored_at_a_later_step(make_engine, t
     """A full host tier makes room by demoting to disk, and the slots free only when those jobs end.
     The blocks that found no room are stored at the request's next step, once they have; meanwhile
     the demotions in flight count as room, so the retry evicts nothing more."""
-    config = {"tiers": [{"medium": "host", "capacity_blocks": 4},
-                        {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")}]}
+    config = {
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 64, "path": str(tmp_path / "disk")},
+        ]
+    }
     engine = make_engine(config)
     engine.run([engine.add(prompt(4, 5, seed=1, prefix=1), max_tokens=2)])
     second = engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=4)
@@ -388,9 +406,13 @@ def test_a_full_disk_under_write_through_keeps_the_host_copies(make_engine, tmp_
     """Every disk write fails with ENOSPC (the disk file is swapped for /dev/full): the disk stage of
     each write-through store fails, but the host copy landed before it and stays; a later request
     gets its prefix from host memory, bit-exact, and the disk tier holds nothing."""
-    config = {"placement": "write_through", "tiers": [
-        {"medium": "host", "capacity_blocks": 8},
-        {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path / "disk"), "o_direct": "off"}]}
+    config = {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path / "disk"), "o_direct": "off"},
+        ],
+    }
     engine = make_engine(config)
     slab = engine.workers[0].connector.worker_side.storages["disk"].slab
     full = os.open("/dev/full", os.O_RDWR)
@@ -412,8 +434,9 @@ def test_blocks_the_host_tiers_policy_declines_are_not_offered_again_by_that_req
     """The policy is asked about each block once per request that computes it: asking again at the
     request's next step would make a block seen once look seen twice. A second request computing the
     same prefix is a second sight: then its blocks are stored, and they load back bit-exact."""
-    engine = make_engine({"tiers": [{"medium": "host", "capacity_blocks": 32,
-                                     "eviction": "helpers.admission.AdmitOnSecondAsk"}]})
+    engine = make_engine(
+        {"tiers": [{"medium": "host", "capacity_blocks": 32, "eviction": "helpers.admission.AdmitOnSecondAsk"}]}
+    )
     host = engine.kvtier.tier("host")
     engine.run([engine.add(prompt(4, 5, seed=1), max_tokens=20)])  # decodes past a fifth full block
     assert host.usage().used == 0 and host.stats.declined == 5

@@ -380,8 +380,13 @@ def test_manager_random_traffic_keeps_the_contract(name):
 @pytest.fixture
 def region() -> Iterator[SharedOffloadRegion]:
     """The smallest shared region a primary tier can map (one page a chunk), removed afterwards."""
-    made = SharedOffloadRegion(engine_id=f"kvtier-test-{uuid.uuid4().hex}", num_chunks=8, rank=None,
-                               kv_bytes_per_chunk=mmap.PAGESIZE, cpu_page_size=mmap.PAGESIZE)
+    made = SharedOffloadRegion(
+        engine_id=f"kvtier-test-{uuid.uuid4().hex}",
+        num_chunks=8,
+        rank=None,
+        kv_bytes_per_chunk=mmap.PAGESIZE,
+        cpu_page_size=mmap.PAGESIZE,
+    )
     yield made
     made.cleanup()
 
@@ -389,8 +394,7 @@ def region() -> Iterator[SharedOffloadRegion]:
 def test_primary_tier_of_vllm_tiering(region):
     """vLLM's tiering (no secondary tier) over a primary tier that runs the policy: requests, and the
     secondary-facing reads (``prepare_read``: a pin that is no request access)."""
-    primary = CPUPrimaryTierOffloadingManager(8, region, cache_policy="KVTierAdaptive",
-                                              cache_policy_module_path=MODULE)
+    primary = CPUPrimaryTierOffloadingManager(8, region, cache_policy="KVTierAdaptive", cache_policy_module_path=MODULE)
     assert type(primary._policy).__name__ == "KVTierAdaptive"
     manager = TieringOffloadingManager(primary, [], tier_poll_interval_s=0)
     try:

@@ -75,8 +75,10 @@ def counters(engine: TieringEngine) -> dict[str, int]:
     stats = engine.manager.get_stats()
     values = stats.reduce() if stats is not None else {}
     label = f":('{engine.tiers[0].tier_type}',)"
-    return {name: int(values.get(f"vllm:kvtier_tier_{name}{label}", 0))
-            for name in ("stored_chunks", "dropped_chunks", "failed_load_chunks")}
+    return {
+        name: int(values.get(f"vllm:kvtier_tier_{name}{label}", 0))
+        for name in ("stored_chunks", "dropped_chunks", "failed_load_chunks")
+    }
 
 
 # --- the disk tier ---------------------------------------------------------------------------------
@@ -147,8 +149,8 @@ def test_a_new_engine_on_the_same_directory_finds_the_chunks(engines, tmp_path):
         first.store([key])
     first.shutdown()
     again = engines([disk_tier(tmp_path / "disk")])
-    assert_promoted_exact(again, keys[:CPU_CHUNKS - 1])
-    assert_promoted_exact(again, keys[CPU_CHUNKS:CPU_CHUNKS + 2])
+    assert_promoted_exact(again, keys[: CPU_CHUNKS - 1])
+    assert_promoted_exact(again, keys[CPU_CHUNKS : CPU_CHUNKS + 2])
 
 
 def test_a_damaged_slot_is_a_miss_and_never_promoted(engines, tmp_path):
@@ -244,16 +246,19 @@ def test_the_tier_takes_its_settings_from_the_entry(engines, tmp_path):
     assert engine.lookup(keys[:1]) == 0
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ({"capacity_blocks": 8, "bogus": 1}, "unknown key 'bogus'"),
-    ({"capacity": "lots"}, "capacity: 'lots' is not a size"),
-    ({"capacity": "1KiB"}, "capacity: 1KiB (1024 bytes) holds no block"),
-    ({"capacity_blocks": 8, "compression": "zip"}, "compression: 'zip' is not allowed"),
-    ({"capacity_blocks": 8, "medium": "host"}, "medium: 'host': the type sets the medium"),
-    ({"capacity": "lots", "compression": "zip"}, "capacity: 'lots' is not a size"),
-    ({"capacity_blocks": 8, "staging_blocks": 4}, "unknown key 'staging_blocks'"),
-    ({"capacity_blocks": 8, "enable_kv_events": "yes"}, "enable_kv_events: Input should be a valid boolean"),
-])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"capacity_blocks": 8, "bogus": 1}, "unknown key 'bogus'"),
+        ({"capacity": "lots"}, "capacity: 'lots' is not a size"),
+        ({"capacity": "1KiB"}, "capacity: 1KiB (1024 bytes) holds no block"),
+        ({"capacity_blocks": 8, "compression": "zip"}, "compression: 'zip' is not allowed"),
+        ({"capacity_blocks": 8, "medium": "host"}, "medium: 'host': the type sets the medium"),
+        ({"capacity": "lots", "compression": "zip"}, "capacity: 'lots' is not a size"),
+        ({"capacity_blocks": 8, "staging_blocks": 4}, "unknown key 'staging_blocks'"),
+        ({"capacity_blocks": 8, "enable_kv_events": "yes"}, "enable_kv_events: Input should be a valid boolean"),
+    ],
+)
 def test_a_wrong_entry_stops_vllms_start_naming_the_key(engines, tmp_path, entry, message):
     with pytest.raises(ConfigError) as raised:
         engines([kvtier_tier("KVTierDisk", path=str(tmp_path / "disk"), **entry)])
@@ -304,8 +309,12 @@ def test_a_second_engine_promotes_the_first_ones_chunks_from_the_store(engines, 
 def test_a_mooncake_store_serves_a_second_engine(engines):
     keys = [chunk_key(i) for i in range(4)]
     with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
-        entry = kvtier_tier("KVTierRemote", backend="mooncake", timeout=TIMEOUT,
-                            mooncake={"master": master.address, "metadata_server": master.metadata_url})
+        entry = kvtier_tier(
+            "KVTierRemote",
+            backend="mooncake",
+            timeout=TIMEOUT,
+            mooncake={"master": master.address, "metadata_server": master.metadata_url},
+        )
         first = engines([entry])
         for key in keys:
             first.store([key])
@@ -358,8 +367,13 @@ def test_backpressure_drops_stores(engines, tmp_path):
     """vLLM's EMA detector, set to find any disk write too slow once it has seen two: the cascades after
     them are dropped (never submitted), and the chunks they carried are gone once the CPU tier evicts
     them, while the two stored before are promoted from disk."""
-    backpressure = {"backpressure_cls": "EMABackpressureDetector", "high_water_s": 1e-9, "low_water_s": 1e-10,
-                    "warmup_completions": 1, "cooldown_s": 60.0}
+    backpressure = {
+        "backpressure_cls": "EMABackpressureDetector",
+        "high_water_s": 1e-9,
+        "low_water_s": 1e-10,
+        "warmup_completions": 1,
+        "cooldown_s": 60.0,
+    }
     engine = engines([disk_tier(tmp_path / "disk", backpressure=backpressure)])
     keys = [chunk_key(i) for i in range(6)]
     engine.store(keys[:1])

@@ -26,8 +26,12 @@ HOST = {"tiers": [{"medium": "host", "capacity_blocks": 8}]}
 
 
 def with_disk(tmp_path) -> dict:
-    return {"tiers": [{"medium": "host", "capacity_blocks": 8},
-                      {"medium": "disk", "capacity_blocks": 8, "path": str(tmp_path / "disk")}]}
+    return {
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8},
+            {"medium": "disk", "capacity_blocks": 8, "path": str(tmp_path / "disk")},
+        ]
+    }
 
 
 def job(job_id: int, kind: str, *stages: Copy, req_id: str | None = None, gpu_blocks=(), missing=()) -> TransferJob:
@@ -84,8 +88,10 @@ def test_round_trip_through_host_into_other_blocks(make_worker, layout):
     original = fill(worker, [3, 7, 8], seed=1)
     run(worker, stores=[job(1, "store", (copy(GPU, [3, 7, 8], "host", [5, 0, 1]),))])
     fill(worker, range(32), seed=2)  # vLLM reuses every block for other requests
-    run(worker, loads=[job(2, "load", (copy("host", [0, 5, 1], GPU, [20, 11, 12]),), req_id="r",
-                           gpu_blocks=(20, 11, 12))])
+    run(
+        worker,
+        loads=[job(2, "load", (copy("host", [0, 5, 1], GPU, [20, 11, 12]),), req_id="r", gpu_blocks=(20, 11, 12))],
+    )
     assert all(np.array_equal(a, b) for a, b in zip(read(worker, [11, 20, 12]), original, strict=True))
     results = worker.connector.get_transfer_results(set())
     assert results.finished_recving == {"r"} and not results.failed_recving
@@ -101,8 +107,19 @@ def test_round_trip_through_disk_after_host_eviction(make_worker, tmp_path, layo
     run(worker, stores=[job(1, "store", (copy(GPU, [2, 4], "host", [0, 1]),), (copy("host", [0, 1], "disk", [6, 3]),))])
     host_slab(worker)[:] = 0  # the host copies are gone (evicted and overwritten)
     fill(worker, range(32), seed=4)
-    run(worker, loads=[job(2, "load", (copy("disk", [6, 3], "host", [4, 5]),), (copy("host", [4, 5], GPU, [30, 9]),),
-                           req_id="r", gpu_blocks=(30, 9))])
+    run(
+        worker,
+        loads=[
+            job(
+                2,
+                "load",
+                (copy("disk", [6, 3], "host", [4, 5]),),
+                (copy("host", [4, 5], GPU, [30, 9]),),
+                req_id="r",
+                gpu_blocks=(30, 9),
+            )
+        ],
+    )
     assert all(np.array_equal(a, b) for a, b in zip(read(worker, [30, 9]), original, strict=True))
     assert worker.connector.get_transfer_results(set()).finished_recving == {"r"}
     assert worker.connector.get_block_ids_with_load_errors() == set()
@@ -130,8 +147,7 @@ def test_flush_waits_until_stores_stop_reading_reused_blocks(make_worker):
     worker.connector.bind_connector_metadata(meta)
     worker.connector.wait_for_save()  # the store starts and blocks on the gate
     flushed = threading.Event()
-    flusher = threading.Thread(target=lambda: (worker.connector.handle_preemptions(StepJobs(flush={1})),
-                                               flushed.set()))
+    flusher = threading.Thread(target=lambda: (worker.connector.handle_preemptions(StepJobs(flush={1})), flushed.set()))
     flusher.start()
     assert not flushed.wait(0.2)  # the next step may not reuse block 5 yet
     gated.gate.set()
@@ -139,7 +155,7 @@ def test_flush_waits_until_stores_stop_reading_reused_blocks(make_worker):
     flusher.join()
     fill(worker, [5], seed=6)  # now vLLM overwrites the block
     worker.wait_idle()
-    slot = host_slab(worker)[2 * side.layout.block_bytes:3 * side.layout.block_bytes]
+    slot = host_slab(worker)[2 * side.layout.block_bytes : 3 * side.layout.block_bytes]
     assert np.array_equal(slot, original[0])
     plain.close()
 
@@ -157,8 +173,9 @@ def test_a_step_that_computes_nothing_waits_for_a_load_in_flight(make_worker, mo
     gated = GatedCPUBackend()
     side.transfers, plain = TransferRegistry([gated]), side.transfers
     c = worker.connector
-    c.bind_connector_metadata(StepJobs([job(2, "load", (copy("host", [2], GPU, [6]),), req_id="r", gpu_blocks=[6])],
-                                       [], set(), idle=idle))
+    c.bind_connector_metadata(
+        StepJobs([job(2, "load", (copy("host", [2], GPU, [6]),), req_id="r", gpu_blocks=[6])], [], set(), idle=idle)
+    )
     c.start_load_kv(None)
     c.wait_for_save()
     threading.Timer(0.05, gated.gate.set).start()
@@ -197,15 +214,27 @@ def test_failed_and_missing_blocks_are_reported_as_load_errors(make_worker):
     worker.connector.build_connector_worker_meta()
     bad = int(side.storages[GPU].fragment_addresses([14])[0, 0])
     side.transfers, plain = TransferRegistry([FailingCPUBackend((bad, bad + worker.page))]), side.transfers
-    run(worker, loads=[job(2, "load", (copy("host", [0, 1, 2], GPU, [13, 14, 15]),), req_id="r",
-                           gpu_blocks=(13, 14, 15), missing=(16,))])
+    run(
+        worker,
+        loads=[
+            job(
+                2,
+                "load",
+                (copy("host", [0, 1, 2], GPU, [13, 14, 15]),),
+                req_id="r",
+                gpu_blocks=(13, 14, 15),
+                missing=(16,),
+            )
+        ],
+    )
     results = worker.connector.get_transfer_results(set())
     # a failed load still finishes; with one KV cache group its failed blocks are named, not the request
     assert results.finished_recving == {"r"} and not results.failed_recving
     assert worker.connector.get_block_ids_with_load_errors() == {14, 16}
     assert worker.connector.get_block_ids_with_load_errors() == set()  # reported once
     assert worker.connector.build_connector_worker_meta().report == WorkerReport(
-        {2: 1}, {2: frozenset({1})}, first_stage_failed={2: frozenset({1})})  # its only stage is its first
+        {2: 1}, {2: frozenset({1})}, first_stage_failed={2: frozenset({1})}
+    )  # its only stage is its first
     plain.close()
 
 

@@ -94,7 +94,8 @@ print("round trip bit-exact without vLLM")
 
 
 def test_the_worker_side_round_trips_blocks_without_vllm(tmp_path):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "disk")], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "disk")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "round trip bit-exact without vLLM" in result.stdout

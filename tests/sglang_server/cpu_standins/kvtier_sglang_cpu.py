@@ -69,8 +69,9 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst[dst_indices] = src[src_indices]
 
 
-def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
-                                       page_size: int) -> None:
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int, page_size: int
+) -> None:
     """Stand-in for ``sgl_kernel.kvcacheio.transfer_kv_per_layer_direct_pf_lf`` (a CUDA op): loads layer
     ``layer_id`` of the host tokens ``src_indices`` into the device tokens ``dst_indices``. The host buffers
     (``src_ptrs``, one a component: K and V, or MLA's one) are page_first_direct, [pages, layers, page_size, ...],

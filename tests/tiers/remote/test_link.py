@@ -33,8 +33,9 @@ class LateWriting(RedisClient):
         LateWriting.closed.append(self)
 
 
-def make_link(server, clients: int = 2, client_class: type[RedisClient] = RedisClient,
-              timeout: float = TIMEOUT) -> StoreLink:
+def make_link(
+    server, clients: int = 2, client_class: type[RedisClient] = RedisClient, timeout: float = TIMEOUT
+) -> StoreLink:
     connect = functools.partial(client_class, server.url, timeout=timeout)
     return StoreLink(Connector(connect, clients, "redis under test"), timeout, "tests")
 

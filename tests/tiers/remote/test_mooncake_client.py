@@ -43,8 +43,9 @@ def in_background(call: Callable[..., Any], *args: Any) -> tuple[threading.Threa
 
 
 def make_client(master: MooncakeMaster, timeout: float = 2.0) -> MooncakeClient:
-    client, _ = bounded(lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url,
-                                               timeout=timeout))
+    client, _ = bounded(
+        lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url, timeout=timeout)
+    )
     return client
 
 
@@ -61,16 +62,18 @@ class Records:
 
     def pieces(self, indices=None) -> list[list[tuple[int, int]]]:
         indices = range(self.count) if indices is None else indices
-        return [[(self.headers.ctypes.data + i * HEADER, HEADER), (self.slots.ctypes.data + i * self.block, self.block)]
-                for i in indices]
+        return [
+            [(self.headers.ctypes.data + i * HEADER, HEADER), (self.slots.ctypes.data + i * self.block, self.block)]
+            for i in indices
+        ]
 
     def fill(self, rng: np.random.Generator) -> None:
         self.headers[:] = rng.integers(0, 256, self.headers.size, dtype=np.uint8)
         self.slots[:] = rng.integers(0, 256, self.slots.size, dtype=np.uint8)
 
     def record(self, i: int) -> bytes:
-        header = self.headers[i * HEADER:(i + 1) * HEADER]
-        return header.tobytes() + self.slots[i * self.block:(i + 1) * self.block].tobytes()
+        header = self.headers[i * HEADER : (i + 1) * HEADER]
+        return header.tobytes() + self.slots[i * self.block : (i + 1) * self.block].tobytes()
 
 
 def test_setup_against_no_master_fails_at_once():
@@ -133,8 +136,10 @@ def test_setup_against_a_stalled_master_fails_within_the_timeout():
         master.stop()
         try:
             with pytest.raises(StoreError):
-                bounded(lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url,
-                                               timeout=1.0), limit=2.5)
+                bounded(
+                    lambda: MooncakeClient(master=master.address, metadata_server=master.metadata_url, timeout=1.0),
+                    limit=2.5,
+                )
         finally:
             master.cont()
 
@@ -191,5 +196,3 @@ def test_close_waits_for_a_call_stuck_on_a_stopped_owner_and_nothing_lands_after
             owner.cont()
         time.sleep(2.0)
         assert (target.headers == 0xAB).all() and (target.slots == 0xAB).all()
-
-

@@ -25,11 +25,18 @@ WAIT = 30.0
 
 def config(master: MooncakeMaster, namespace: str = "test-model", host: str = "4MiB", block: int = BLOCK) -> dict:
     return {
-        "block_tokens": TOKENS, "block_bytes": block, "fragments": 2, "namespace": namespace,
+        "block_tokens": TOKENS,
+        "block_bytes": block,
+        "fragments": 2,
+        "namespace": namespace,
         "tiers": [
             {"medium": "host", "capacity": host, "eviction": "lru"},
-            {"medium": "remote", "backend": "mooncake", "timeout": TIMEOUT,
-             "mooncake": {"master": master.address, "metadata_server": master.metadata_url}},
+            {
+                "medium": "remote",
+                "backend": "mooncake",
+                "timeout": TIMEOUT,
+                "mooncake": {"master": master.address, "metadata_server": master.metadata_url},
+            },
         ],
     }
 
@@ -73,7 +80,7 @@ def kill_during_load(master: MooncakeMaster, victim):
     data = blocks(24, seed=6, size=BIG)
     with KVTier.open(config(master, host="128MiB", block=BIG)) as writer:
         for ids in (first, second, warm):
-            stored(writer, ids, data[:len(ids) // TOKENS])
+            stored(writer, ids, data[: len(ids) // TOKENS])
     with KVTier.open(config(master, host="128MiB", block=BIG)) as reader:
         out = np.zeros((24, BIG), dtype=np.uint8)
         assert reader.load(warm, out).result(WAIT).loaded == 1  # the reader's load client is connected
@@ -121,5 +128,5 @@ def test_only_the_transfer_client_lends_memory_lookups_mount_no_segment(store):
         assert kv.lookup(tokens(2, start=4100)) == 0  # and so does the lookup client
         assert len(store.segments()) == owners + 1
     with KVTier.open(config(store)) as reader:  # the lender's records left with its segment, or stayed elsewhere:
-        result, _ = load(reader, ids, 2)         # whatever the store answers, never wrong bytes
+        result, _ = load(reader, ids, 2)  # whatever the store answers, never wrong bytes
         assert result.loaded + len(result.failed) == result.hits

@@ -96,12 +96,15 @@ def test_another_namespace_geometry_rank_key_or_length_is_refused():
     }
     assert len(set(others.values()) | {NS}) == 4
     for what, digest in others.items():
-        assert formats(namespace=digest).problem(header, KEY, pieces(data)) == \
-            "the record belongs to another namespace, geometry or rank", what
+        assert (
+            formats(namespace=digest).problem(header, KEY, pieces(data))
+            == "the record belongs to another namespace, geometry or rank"
+        ), what
     assert formats().problem(header, bytes(16), pieces(data)) == "the record holds another key"
     assert formats().problem(header, KEY[:8], pieces(data)) == "the record holds another key"
     assert formats(block_bytes=1024).problem(header, KEY, pieces(data)) == (
-        "the record holds 512 bytes of a 512-byte block (codec 0); this stack stores 1024-byte blocks raw")
+        "the record holds 512 bytes of a 512-byte block (codec 0); this stack stores 1024-byte blocks raw"
+    )
     forged = RecordHeader.unpack(header)
     for bad in ({"stored": 256}, {"codec": 1}):
         fields = {**forged.__dict__, **bad}

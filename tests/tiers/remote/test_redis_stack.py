@@ -40,8 +40,11 @@ def config(server):
 
     def make(host: int = 16) -> dict:
         remote = {"medium": "remote", "backend": "redis", "timeout": TIMEOUT, "redis": {"url": server.url}}
-        return {"block_bytes": BLOCK, "namespace": "model-a",
-                "tiers": [{"medium": "host", "capacity_blocks": host}, remote]}
+        return {
+            "block_bytes": BLOCK,
+            "namespace": "model-a",
+            "tiers": [{"medium": "host", "capacity_blocks": host}, remote],
+        }
 
     return make
 
@@ -141,11 +144,17 @@ def test_a_hung_server_answers_lookups_within_the_timeout_and_stores_become_coun
 
 def test_the_password_comes_from_the_environment(tmp_path, monkeypatch):
     with redis_server(tmp_path / "guarded", password="correct-horse-battery") as guarded:
-        tier = RemoteTierConfig.model_validate({"medium": "remote", "backend": "redis", "redis": {
-            "url": guarded.url, "password_env": "KVTIER_TEST_REDIS_PASSWORD"}})
+        tier = RemoteTierConfig.model_validate(
+            {
+                "medium": "remote",
+                "backend": "redis",
+                "redis": {"url": guarded.url, "password_env": "KVTIER_TEST_REDIS_PASSWORD"},
+            }
+        )
         monkeypatch.delenv("KVTIER_TEST_REDIS_PASSWORD", raising=False)
-        with pytest.raises(ConfigError, match="^password_env: the environment variable KVTIER_TEST_REDIS_PASSWORD "
-                                              "is unset or empty"):
+        with pytest.raises(
+            ConfigError, match="^password_env: the environment variable KVTIER_TEST_REDIS_PASSWORD is unset or empty"
+        ):
             connector(tier)
         monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", "correct-horse-battery")
         wired = connector(tier)

@@ -44,9 +44,14 @@ def config(url: str, ca_file=None, password_env: str | None = None, timeout: flo
         redis["ca_file"] = str(ca_file)
     if password_env is not None:
         redis["password_env"] = password_env
-    return {"block_bytes": BLOCK, "namespace": "model-a",
-            "tiers": [{"medium": "host", "capacity_blocks": 16},
-                      {"medium": "remote", "backend": "redis", "timeout": timeout, "redis": redis}]}
+    return {
+        "block_bytes": BLOCK,
+        "namespace": "model-a",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 16},
+            {"medium": "remote", "backend": "redis", "timeout": timeout, "redis": redis},
+        ],
+    }
 
 
 def stored(cfg: dict, tokens: list[int], blocks: np.ndarray) -> None:
@@ -160,8 +165,9 @@ def test_a_server_whose_certificate_another_ca_signed_is_never_trusted(tmp_path,
     assert "CERTIFICATE_VERIFY_FAILED" in text and PASSWORD not in text
 
 
-def test_a_certificate_swapped_under_a_running_stack_fails_the_blocks_it_was_loading(tmp_path, tls_server, ca,
-                                                                                     other_ca, caplog):
+def test_a_certificate_swapped_under_a_running_stack_fails_the_blocks_it_was_loading(
+    tmp_path, tls_server, ca, other_ca, caplog
+):
     """A stack that found blocks in the store; then the server comes back (same address, same records)
     with a certificate from another CA: the load fails exactly those blocks and writes none of them."""
     tokens, blocks = prompt(4), data(4, seed=3)
