@@ -9,7 +9,7 @@ lookups under the manager's lock, GPU -> CPU stores (``prepare_store``, the work
 bytes into the CPU tier's row (the shared region's memoryview) between ``prepare_store`` and
 ``complete_store``, as its DMA would, and a test reads a promoted row back from there.
 
-Imports vLLM: tests/connectors/vllm (whose conftest sets vLLM's environment up) and bench/vllm_tiering.py
+Imports vLLM: tests/connectors/vllm (whose conftest sets vLLM's environment up) and the two vLLM tiering benches
 use it.
 """
 
