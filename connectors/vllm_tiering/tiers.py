@@ -92,6 +92,7 @@ class KVTierTier(SecondaryTierManager):
     """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
 
     kvtier_medium: ClassVar[Literal["disk", "remote"]]
+    kvtier_locality: ClassVar[Locality]  # what the tier's events and vLLM's per-request tier filters see
     medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 
     def __init__(
@@ -105,6 +106,7 @@ class KVTierTier(SecondaryTierManager):
         """Validate the entry (a ConfigError names a wrong key and stops vLLM's start), then open the stack
         over the CPU tier's chunks; a disk tier finds what an earlier run of the same engine stored."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = self.kvtier_locality
         settings = tier_settings(self.kvtier_medium, tier_type, entry, self.block_size_bytes)
         namespace = chunk_namespace(offloading_spec.config, self.block_size_bytes, settings.config.namespace)
         self.config = settings.config.model_copy(update={"namespace": namespace})
@@ -299,17 +301,7 @@ class KVTierDisk(KVTierTier):
     restart, optionally compressed; its own eviction policy (``eviction``, adaptive by default)."""
 
     kvtier_medium = "disk"
-
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        **entry: Any,
-    ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
-        self.locality = Locality.LOCAL
+    kvtier_locality = Locality.LOCAL
 
 
 class KVTierRemote(KVTierTier):
@@ -318,6 +310,7 @@ class KVTierRemote(KVTierTier):
     chunk is asked off the scheduler thread (vLLM's ``AsyncLookupManager``): RETRY until it answered."""
 
     kvtier_medium = "remote"
+    kvtier_locality = Locality.REMOTE
     cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(
@@ -329,7 +322,6 @@ class KVTierRemote(KVTierTier):
         **entry: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **entry)
-        self.locality = Locality.REMOTE
         self._asked = _StoreLookup(self)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
