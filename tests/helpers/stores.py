@@ -13,8 +13,8 @@ What the backends are allowed to do differently is stated as data on each class 
 ``hung_window``, ``RECONNECTS_AT_ONCE``, ``SMALL``, ``CLOSED_CALLS_RAISE``), so the suites assert the
 same behaviour with each backend's own bounds, and a backend whose bounds change says so here, once.
 
-To add a store: subclass ``StoreUnderTest`` (start its servers in ``__enter__``, kill them in ``__exit__``)
-and add it to ``STORES``; every suite parametrised over ``STORES`` then runs against it.
+To add a store: subclass ``StoreUnderTest`` (start its servers in ``__enter__`` on ``self._stack``, which
+``__exit__`` closes) and add it to ``STORES``; every suite parametrised over ``STORES`` then runs against it.
 
 A store's servers are real processes: ``__enter__`` skips the test (fails it under KVTIER_REQUIRE_REMOTE=1)
 when the server or its client package is missing, naming the install line, as the servers' helpers do.
@@ -101,12 +101,16 @@ class StoreUnderTest(ABC):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._raw: Any = None
+        self._stack = contextlib.ExitStack()  # the servers ``__enter__`` starts, stopped by ``__exit__``
 
     @abstractmethod
     def __enter__(self) -> StoreUnderTest: ...
 
-    @abstractmethod
-    def __exit__(self, *exc_info: object) -> None: ...
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._close_raw()
+        finally:
+            self._stack.close()
 
     @abstractmethod
     def client(self, timeout: float = 1.0):
@@ -188,17 +192,10 @@ class RedisStore(StoreUnderTest):
         super().__init__(directory)
         self.maxmemory = maxmemory
         self.server: RedisServer | None = None
-        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> RedisStore:
         self.server = self._stack.enter_context(redis_server(self.directory / "redis", maxmemory=self.maxmemory))
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self._close_raw()
-        finally:
-            self._stack.close()
 
     def client(self, timeout: float = 1.0):
         from kvtier.tiers.remote.redis_client import RedisClient
@@ -267,7 +264,6 @@ class MooncakeStore(StoreUnderTest):
         self.segment = segment
         self.master: MooncakeMaster | None = None
         self.owner: SegmentOwner | None = None
-        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> MooncakeStore:
         with contextlib.ExitStack() as starting:
@@ -275,12 +271,6 @@ class MooncakeStore(StoreUnderTest):
             self.owner = starting.enter_context(SegmentOwner(self.master, self.segment))
             self._stack = starting.pop_all()
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self._close_raw()
-        finally:
-            self._stack.close()
 
     def client(self, timeout: float = 1.0):
         from kvtier.tiers.remote.mooncake_client import MooncakeClient
