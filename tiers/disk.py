@@ -373,6 +373,8 @@ class DiskSlab:
         shared_directory: bool = False,
         reinitialise: bool = False,
     ) -> None:
+        if o_direct not in ("auto", "on", "off"):  # before anything: a slab must not half-open on a typo
+            raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
         self.codec = codec(compression)  # first: a missing package must not leave a file behind
         self.codec_id = CODEC_IDS[compression]
         self.dir = Path(path)

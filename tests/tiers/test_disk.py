@@ -40,10 +40,11 @@ from helpers.stack_helpers import assert_no_leaks, flip, ready
 from kvtier.builder import build_stack, config_layout
 from kvtier.connectors.api import KVTier
 from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, inspect_slab
+from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskSlab, DiskTierError, inspect_slab
 
 # --- round trips --------------------------------------------------------------------------------
 
@@ -651,3 +652,10 @@ def test_concurrent_stores_and_loads_over_disk_stay_bit_exact(tmp_path, host):
     assert loaded.loaded == len(present)
     assert_exact(present, loaded, out)
     stack.close()
+
+
+def test_a_slab_refuses_an_unknown_o_direct_mode_before_it_touches_the_directory(tmp_path):
+    """Every way to a slab (a stack, the vLLM worker, a bench) passes through DiskSlab: it checks the mode."""
+    with pytest.raises(ConfigError, match="o_direct must be auto, on or off, got 'sometimes'"):
+        DiskSlab(tmp_path / "disk", 4, BlockLayout((BLOCK,)), "ns", "sometimes")
+    assert not (tmp_path / "disk").exists()
