@@ -1,2 +1,3 @@
-"""Engine adapters: the plain Python API any engine can call (``api``: store, look up and load by token
-ids or keys) and the vLLM KV connector (the ``vllm`` package: scheduler and worker sides)."""
+"""Engine adapters: the vLLM KV connector (``vllm``: scheduler and worker sides), kvtier inside vLLM's own
+tiered offloading (``vllm_tiering``) and SGLang's HiCache storage backend (``sglang``). The plain Python API
+any engine can call (``KVTier``: store, look up and load by token ids or keys) is ``kvtier.api``."""

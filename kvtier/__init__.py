@@ -4,8 +4,8 @@ The public API: ``KVTier`` for engines that call kvtier directly, ``TierStack`` 
 building stacks by hand, ``load_config`` for the YAML schema, ``chain_hashes`` for block keys.
 """
 
+from kvtier.api import KVTier
 from kvtier.builder import build_stack
-from kvtier.connectors.api import KVTier
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import (
     ArgumentError,

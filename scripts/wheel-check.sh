@@ -33,7 +33,7 @@ PY
 
 # kvtier alone first: the package imports without the command's extra; then the extra, for the command
 "$venv/bin/python" -m pip install -q "$wheel"
-(cd / && "$venv/bin/python" -c 'import kvtier.connectors.api, kvtier.builder, sys; assert "rich" not in sys.modules')
+(cd / && "$venv/bin/python" -c 'import kvtier.api, kvtier.builder, sys; assert "rich" not in sys.modules')
 "$venv/bin/python" -m pip install -q "$wheel[cli]"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT

@@ -37,8 +37,8 @@ import pytest
 
 from helpers.disk_helpers import BLOCK, CHILD_OPEN, KEYS, assert_exact, config_dict, data, get, open_stack, put
 from helpers.stack_helpers import assert_no_leaks, flip, ready
+from kvtier.api import KVTier
 from kvtier.builder import build_stack, config_layout
-from kvtier.connectors.api import KVTier
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout

@@ -205,7 +205,8 @@ def test_standalone_stack_needs_gpu_capacity():
 def test_installed_package_exposes_kvtier_only(tmp_path):
     """From outside the repository, kvtier's modules import and no generic top-level name does."""
     script = (
-        "import importlib.util, kvtier.core.tier, kvtier.tiers.host, kvtier.policies.lru, kvtier.connectors.api\n"
+        "import importlib.util, kvtier.core.tier, kvtier.tiers.host, kvtier.policies.lru, kvtier.api\n"
+        "import kvtier.connectors.extra_config\n"
         "print([n for n in ('core', 'tiers', 'policies', 'connectors') if importlib.util.find_spec(n)])\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
