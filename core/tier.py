@@ -53,9 +53,13 @@ class SlotAllocator:
             self._is_free[slot] = False
         return slots
 
+    def is_free(self, slot: int) -> bool:
+        """Whether ``slot`` is in range and free (False for one out of range)."""
+        return 0 <= slot < self.capacity and self._is_free[slot]
+
     def claim(self, slot: int) -> None:
         """Take one particular free slot (a tier reopening its storage puts recovered blocks back)."""
-        if not 0 <= slot < self.capacity or not self._is_free[slot]:
+        if not self.is_free(slot):
             raise StateError(f"slot {slot} is not a free slot of [0, {self.capacity})")
         self._free.remove(slot)
         self._is_free[slot] = False
@@ -354,11 +358,24 @@ class Tier:
                 entry.refused = True
 
     def restore(self, blocks: Sequence[tuple[bytes, int]]) -> None:
-        """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first."""
+        """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first.
+
+        All or nothing: the whole list is checked before anything changes, and StateError names the
+        first block that cannot go back (a key already here or given twice, a slot out of range, taken
+        or given twice). Restoring block by block would leave the blocks before a bad one indexed but
+        unknown to the policy, so never evicted.
+        """
         with self._lock:
+            keys: set[bytes] = set()
+            slots: set[int] = set()
             for key, slot in blocks:
-                if key in self._entries:
+                if key in self._entries or key in keys:
                     raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
+                if slot in slots or not self._allocator.is_free(slot):
+                    raise StateError(f"slot {slot} of tier {self.name!r} is not free for block {key.hex()[:16]}")
+                keys.add(key)
+                slots.add(slot)
+            for key, slot in blocks:
                 self._allocator.claim(slot)
                 self._entries[key] = _Entry(slot, BlockState.READY)
             self.policy.restore(key for key, _ in blocks)

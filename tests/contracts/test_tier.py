@@ -23,8 +23,8 @@ Invariants checked (the state machine's in its docstring):
   refused for good and keeps what failed;
 - a fence (is_fenced) refuses to free a slot: abort raises FenceError and keeps every entry;
 - quarantined slots stay taken, out of reach, until released; discard drops unreadable READY blocks but
-  not pinned or evicting ones; abort names the blocks refused for good; restore puts blocks back READY
-  (one that fails part way should leave the tier consistent: an expected failure today, its reason says why);
+  not pinned or evicting ones; abort names the blocks refused for good; restore puts blocks back READY,
+  all or nothing (a key present or given twice, a slot taken, given twice or out of range changes nothing);
 - close() refuses while blocks are pinned or being written; stats count what happened;
 - committed bytes survive every other operation on the tier, also with four threads at once;
   ``check_invariants`` holds throughout.
@@ -620,20 +620,29 @@ def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
     tier.abort([k(8), k(9), k(10)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Tier.restore claims and indexes the blocks one by one and tells the policy "
-    "only after the last (core/tier.py, restore): one that fails part way leaves the earlier blocks "
-    "READY but unknown to the policy, never evicted, and check_invariants fails",
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [(k(1), 1), (k(2), 0)],  # a slot taken
+        [(k(1), 1), (k(0), 2)],  # a key already here
+        [(k(1), 1), (k(1), 2)],  # a key twice in one call
+        [(k(1), 1), (k(2), 1)],  # a slot twice in one call
+        [(k(1), 1), (k(2), 4)],  # a slot out of range
+        [(k(1), 1), (k(2), -1)],
+    ],
+    ids=["slot-taken", "key-present", "key-twice", "slot-twice", "slot-past-end", "slot-negative"],
 )
-def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path):
+def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path, blocks):
     tier = LOCAL_TIERS[kind](kind, 4, LRUPolicy(), None, None, tmp_path)  # not make_tier's: it checks at the end
     try:
         tier.restore([(k(0), 0)])
         with pytest.raises(StateError):
-            tier.restore([(k(1), 1), (k(2), 0)])  # slot 0 is taken
+            tier.restore(blocks)
         tier.check_invariants()
-        assert tier.state(k(1)) is BlockState.FREE and tier.usage().used == 1
+        assert tier.state(k(1)) is tier.state(k(2)) is BlockState.FREE and tier.usage().used == 1
+        tier.restore([(k(1), 1), (k(2), 2)])  # the slots the failed call named are still free
+        tier.check_invariants()
+        assert tier.evict(3) == [k(0), k(1), k(2)]  # and every restored block is known to the policy
     finally:
         tier.close()
 

@@ -186,7 +186,7 @@ class RedisStore(StoreUnderTest):
     RECONNECTS_AT_ONCE = True  # a call that fails before any reply goes once more on a new connection
     SMALL = (96, 64 << 10)
     SMALL_OPTIONS = {"maxmemory": "3mb"}  # maxmemory-policy allkeys-lru
-    CLOSED_CALLS_RAISE = None
+    CLOSED_CALLS_RAISE = ClosedError  # close() is final: no call connects again (redis-py alone would)
 
     def __init__(self, directory: Path, maxmemory: str | None = None) -> None:
         super().__init__(directory)

@@ -15,6 +15,9 @@ its commands are packed here and sent back to back, then the replies read in ord
   thread of its own, drops a client whose call failed and reconnects with backoff. The one exception:
   a connection that was idle when the server restarted fails on first use, so a call that fails
   before any reply arrived is sent once more on a fresh connection (every call here is idempotent).
+- ``close()`` is final: every later call raises ClosedError instead of connecting again (redis-py
+  would reconnect on the next command), so no call writes into a buffer after it. Calls and ``close()``
+  share a lock: a close racing a call waits for it to return (bounded by the socket timeouts).
 - The socket timeout is a backstop, ``SOCKET_TIMEOUT_FACTOR`` times the tier's timeout: the link's
   deadline is what the engine sees; the socket timeout ends the abandoned call later, so a stalled
   server takes one path (the deadline), not whichever of two equal timers fires first.
@@ -23,6 +26,7 @@ its commands are packed here and sent back to back, then the replies read in ord
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
-from kvtier.core.errors import StoreError
+from kvtier.core.errors import ClosedError, StoreError
 from kvtier.tiers.remote.client import Piece, Record, StoreClient
 
 SOCKET_TIMEOUT_FACTOR = 3
@@ -64,6 +68,8 @@ class RedisClient(StoreClient):
         self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"
         self._connection = connection_class(**options)
         self._used = False  # a reply came back on the current connection
+        self._lock = threading.Lock()  # held by a call and by close(), so neither runs under the other
+        self._closed = False
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         return [reply == 1 for reply in self._exchange([_command(b"EXISTS", name.encode()) for name in names])]
@@ -98,7 +104,13 @@ class RedisClient(StoreClient):
             self._exchange([_command(b"DEL", *(name.encode() for name in names))])
 
     def close(self) -> None:
-        self._connection.disconnect()
+        """Disconnect for good; waits for a call in flight to return first, so that no reply of it is
+        copied into a buffer after this returns. Closing again does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._connection.disconnect()
 
     def _exchange(
         self,
@@ -112,14 +124,17 @@ class RedisClient(StoreClient):
         reply is one (an unauthenticated connection, say) the store could not be asked: StoreError. A
         failure after some replies arrived returns those and None for the rest; one before any raises
         StoreError, except on a connection that had worked before: the server dropped it while it was
-        idle (a restart), so the commands go once more on a new one."""
+        idle (a restart), so the commands go once more on a new one. Raises ClosedError after ``close()``."""
         count = len(commands) if count is None else count
-        if not count:
-            return []
-        try:
-            return self._round_trip(commands, count, on_reply)
-        except _Dropped:
-            return self._round_trip(commands, count, on_reply)
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"the client of {self.where} was closed")
+            if not count:
+                return []
+            try:
+                return self._round_trip(commands, count, on_reply)
+            except _Dropped:
+                return self._round_trip(commands, count, on_reply)
 
     def _round_trip(
         self, commands: list[bytes | memoryview], count: int, on_reply: Callable[[int, Any], Any] | None
