@@ -75,6 +75,8 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' vLLM config builder
+
 HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -152,30 +154,25 @@ def kv_cache_config(num_blocks: int, window: int | None = None):
     return config, page * LAYERS
 
 
-def make_scheduler(model_dir: Path, connector: str, extra: dict, gpu_blocks: int, window: int | None):
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+def make_scheduler(model_dir: Path, kvtier: dict | None, extra: dict, gpu_blocks: int, window: int | None):
+    """vLLM's Scheduler over kvtier's connector with the config ``kvtier`` (None: vLLM's OffloadingConnector)
+    and ``extra``, its vLLM config the tests' (``make_vllm_config``) with room for the stream: 4096-token
+    requests, 32 at once."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    module = "kvtier.connectors.vllm" if connector == "KVTierConnector" else None
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=32,
-            max_num_batched_tokens=4096,
-            max_model_len=4096,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both", kv_connector_extra_config=extra
-        ),
-        device_config=DeviceConfig("cpu"),
+    from helpers.vllm_harness import make_vllm_config
+
+    config = make_vllm_config(
+        model_dir,
+        kvtier,
+        gpu_blocks,
+        extra=extra,
+        block_size=BLOCK,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        max_num_seqs=32,
     )
-    config.cache_config.num_gpu_blocks = gpu_blocks
     kv_config, _ = kv_cache_config(gpu_blocks, window)
     return Scheduler(
         vllm_config=config,
@@ -383,10 +380,10 @@ def run_stream(scheduler, args) -> dict:
     return result
 
 
-def measure(model_dir: Path, connector: str, extra: dict, args, window: int | None) -> dict:
+def measure(model_dir: Path, kvtier: dict | None, extra: dict, args, window: int | None) -> dict:
     """One run of the stream through a fresh scheduler, shut down after it (vLLM's tiering then releases its
     CPU tier's /dev/shm region and closes the disk tier)."""
-    scheduler = make_scheduler(model_dir, connector, extra, args.gpu_blocks, window)
+    scheduler = make_scheduler(model_dir, kvtier, extra, args.gpu_blocks, window)
     try:
         result = run_stream(scheduler, args)
     finally:
@@ -424,14 +421,11 @@ def main() -> int:
 
     _, block_bytes = kv_cache_config(1)
     host_bytes = args.cpu_blocks * -(-block_bytes // 4096) * 4096  # vLLM's CPU blocks are page-aligned
-    setups = {
-        "kvtier": (
-            "KVTierConnector",
-            {"config": {"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}},
-        ),
-        "vllm": ("OffloadingConnector", {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
+    setups = {  # each connector's kvtier config (None: vLLM's OffloadingConnector) and extra config
+        "kvtier": ({"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}, {}),
+        "vllm": (None, {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
         TIERING: (
-            "OffloadingConnector",
+            None,
             {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"},
         ),
     }
@@ -446,13 +440,13 @@ def main() -> int:
         (model_dir / "config.json").write_text(json.dumps(MODEL_JSON))
         for _ in range(args.repeat):
             for model, window in models.items():
-                for name, (connector, extra) in setups.items():
+                for name, (kvtier, extra) in setups.items():
                     disk = None
                     if name == TIERING:  # a fresh slab each run: a disk tier finds what an earlier run stored
                         disk = Path(tempfile.mkdtemp(prefix="kvtier-sched-disk-", dir=args.dir or tmp))
                         extra = {**extra, "secondary_tiers": [disk_tier(disk, chunks[model])]}
                     try:
-                        result = measure(model_dir, connector, extra, args, window)
+                        result = measure(model_dir, kvtier, extra, args, window)
                     finally:
                         if disk is not None:
                             shutil.rmtree(disk, ignore_errors=True)

@@ -13,8 +13,9 @@ own, all at once, as under vLLM's multiprocessing executor.
 The stand-in forward writes a block's KV as a pure function of the tokens up to its end, so a block
 loaded back can be compared with what the model would have computed.
 
-This module imports vLLM: only tests/connectors/vllm/conftest.py imports it, once it has set vLLM's
-environment up and found vLLM installed (the tests there are skipped otherwise).
+This module imports vLLM: tests/connectors/vllm/conftest.py imports it once it has set vLLM's
+environment up and found vLLM installed (the tests there are skipped otherwise), and so do the vLLM
+benches (after setting that environment), for ``make_vllm_config`` among others.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ import numpy as np
 import torch
 import xxhash
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -158,37 +168,56 @@ def block_kv(prefix: list[int], page: int, layer: int) -> np.ndarray:
 
 def make_vllm_config(
     model_dir,
-    kvtier: dict,
+    kvtier: dict | None,
     num_gpu_blocks: int,
     tp: int = 1,
+    *,
+    extra: dict | None = None,
+    block_size: int = BLOCK,
+    max_model_len: int = 2048,
     max_num_batched_tokens: int = 1024,
     max_num_seqs: int = 8,
-    extra: dict | None = None,
+    engine_id: str | None = None,
+    kv_events: bool = False,
 ) -> VllmConfig:
-    """A VllmConfig for the local model folder with KVTierConnector selected by module path."""
+    """The VllmConfig of a test engine or a bench's scheduler, written once for all of them (what differs
+    between them is a parameter): the model folder's config on CPU, prefix caching and chunked prefill
+    on, ``tp`` ranks, and ``num_gpu_blocks`` set by hand (vLLM sets it after profiling the GPU, which
+    does not happen here).
+
+    ``kvtier``: kvtier's config, KVTierConnector selected by module path, ``extra`` beside ``config`` in
+    its extra config; None: vLLM's own OffloadingConnector, ``extra`` its whole extra config as a user
+    writes it (its CPU spec, or ``spec_name: TieringOffloadingSpec``). A failed load is recomputed (the
+    tests fail loads on purpose and expect the request to go on). ``kv_events``: vLLM's KV cache events
+    on, published nowhere (the connector still makes them)."""
+    if kvtier is not None:
+        connector, module, extra = "KVTierConnector", "kvtier.connectors.vllm", {"config": kvtier, **(extra or {})}
+    else:
+        connector, module = "OffloadingConnector", None
     config = VllmConfig(
         model_config=ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=max_model_len
         ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=2048,
+            max_model_len=max_model_len,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.connectors.vllm",
+            kv_connector=connector,
+            kv_connector_module_path=module,
             kv_role="kv_both",
-            kv_connector_extra_config={"config": kvtier, **(extra or {})},
+            engine_id=engine_id,
+            kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
         ),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
-    config.parallel_config.tensor_parallel_size = tp
-    config.parallel_config.world_size = tp
+    config.parallel_config.tensor_parallel_size = config.parallel_config.world_size = tp
     config.cache_config.num_gpu_blocks = num_gpu_blocks
     return config
 
@@ -369,7 +398,13 @@ class Engine:
         attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
         every rank; ``processes``: each worker in a process of its own (``ProcessWorker``)."""
         self.vllm_config = make_vllm_config(
-            model_dir, kvtier, num_gpu_blocks, tp, max_num_batched_tokens, max_num_seqs, extra
+            model_dir,
+            kvtier,
+            num_gpu_blocks,
+            tp,
+            extra=extra,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
         )
         self.kv_config = (
             hybrid_kv_cache_config(num_gpu_blocks, window, head_size, window_block)
@@ -448,8 +483,9 @@ class Engine:
         return out, engine_outputs
 
     def publish(self, batch) -> None:
-        """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher)."""
-        self.events += [e for e in batch.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+        """vLLM's scheduler publishes each step's KV cache events here (the engine's publisher); kvtier's
+        are those naming a medium other than vLLM's own GPU blocks."""
+        self.events += [e for e in batch.events if getattr(e, "medium", MEDIUM_GPU) not in (None, MEDIUM_GPU)]
 
     def _model_output(self, out, kv_output: KVConnectorOutput) -> ModelRunnerOutput:
         """A rank's model runner output: a token for every request whose prompt is done, and the rank's

@@ -21,20 +21,11 @@ import uuid
 from collections.abc import Sequence
 
 import numpy as np
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
 
-from helpers.vllm_harness import kv_cache_config
+from helpers.vllm_harness import kv_cache_config, make_vllm_config
 from helpers.vllm_helpers import BLOCK
 
 MODULE = "kvtier.connectors.vllm_tiering"
@@ -137,29 +128,16 @@ class TieringEngine:
         }
         if eviction_policy not in ("lru", "arc"):
             extra_config["cache_policy_module_path"] = MODULE
-        config = VllmConfig(
-            model_config=ModelConfig(
-                model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
-            ),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
-                max_num_batched_tokens=2048,
-                max_model_len=2048,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                engine_id=self.engine_id,
-                kv_connector_extra_config=extra_config,
-            ),
-            device_config=DeviceConfig("cpu"),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null") if kv_events else None,
+        config = make_vllm_config(
+            model_dir,
+            None,  # vLLM's OffloadingConnector, from extra_config
+            num_gpu_blocks,
+            tp,
+            extra=extra_config,
+            max_num_batched_tokens=2048,
+            engine_id=self.engine_id,
+            kv_events=kv_events,
         )
-        config.cache_config.num_gpu_blocks = num_gpu_blocks
-        config.parallel_config.tensor_parallel_size = config.parallel_config.world_size = tp
         self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
         self.manager = self.connector.connector_scheduler.manager
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
