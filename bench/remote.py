@@ -63,10 +63,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtier import KVTier
-from kvtier.core.config import HEADER_ROOM, RemoteTierConfig
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.host import HostSlab
+from kvtier.tiers.remote.config import HEADER_ROOM, RemoteTierConfig
 from kvtier.tiers.remote.factory import connector, record_format, remote_tier
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.tier import RemoteStorage

@@ -8,16 +8,21 @@ counters named ``<engine>:kvtier_<name>`` (``_total`` when scraped), hits with a
 
 from __future__ import annotations
 
-HIT_TIERS = ("host", "disk", "remote")
-COUNTERS = (
-    *(f"hit_blocks_{medium}" for medium in HIT_TIERS),
-    "failed_load_blocks",
-    "stored_blocks",
-    "load_bytes",
-    "load_seconds",
-    "store_bytes",
-    "store_seconds",
-)
+from kvtier.core.media import media
+
+TOTALS = ("failed_load_blocks", "stored_blocks", "load_bytes", "load_seconds", "store_bytes", "store_seconds")
+
+
+def hit_media() -> tuple[str, ...]:
+    """The media whose hits are counted: every registered medium but the engine's own (gpu)."""
+    return tuple(m.name for m in media() if m.counts_hits)
+
+
+def counter_names() -> tuple[str, ...]:
+    """Every counter: ``hit_blocks_<medium>`` per medium of ``hit_media``, then the ``TOTALS``."""
+    return (*(f"hit_blocks_{name}" for name in hit_media()), *TOTALS)
+
+
 PROMETHEUS_HELP = {
     "hit_blocks": "Prompt blocks kvtier loaded into the engine's KV cache instead of the engine computing them, "
     "by tier.",

@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
-from typing import Annotated, Literal
-from urllib.parse import urlsplit
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import CoreSchema, core_schema
 
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
+from kvtier.core.media import media, watch_media
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.slots import slot_problem, slot_stride
 from kvtier.core.strict_yaml import read_yaml
@@ -28,7 +37,7 @@ EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 """The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
 
 
-def _env_name(example: str) -> str:
+def env_name_hint(example: str) -> str:
     """What a field naming an environment variable expects, for the message when it gets something else."""
     return f"the name of an environment variable, e.g. {example}"
 
@@ -36,13 +45,13 @@ def _env_name(example: str) -> str:
 # --- models -----------------------------------------------------------------------------------
 
 
-class _Model(BaseModel):
+class ConfigModel(BaseModel):
     """Strict and closed: unknown keys and type coercions are errors, so typos never pass silently."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class WatermarkConfig(_Model):
+class WatermarkConfig(ConfigModel):
     """High and low marks as fractions of a tier's capacity (see kvtier.policies.watermark)."""
 
     high: float = 0.95
@@ -55,7 +64,7 @@ class WatermarkConfig(_Model):
         return self
 
 
-class TransferConfig(_Model):
+class TransferConfig(ConfigModel):
     """The transfer backend's knobs; ``threads`` is the CPU backend's copy pool size."""
 
     threads: int = Field(2, ge=1)
@@ -63,8 +72,14 @@ class TransferConfig(_Model):
     cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (transfers/cuda.py)
 
 
-class _TierConfig(_Model):
-    """Fields every tier shares; the subclasses fix ``medium`` and the capacity rule."""
+class TierConfigBase(ConfigModel):
+    """Fields every tier shares, and the rules a medium's schema may add: each medium's model (its
+    registry entry's ``config``, ``kvtier.core.media``) fixes ``medium`` and its capacity rule."""
+
+    keyed: ClassVar[bool] = False
+    """A store addressed by key that manages its own memory: no capacity, slots or policy of kvtier's."""
+    header_room_above: ClassVar[int] = 0
+    """Bytes each host slot of a stack with this tier keeps before its block (``StackConfig.header_room``)."""
 
     medium: str
     name: str | None = Field(None, min_length=1)
@@ -90,8 +105,20 @@ class _TierConfig(_Model):
                 f"capacity_blocks={self.capacity_blocks})"
             )
 
+    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
+        """Bytes of the tier's ``capacity`` one block takes (with the stack's ``header_room`` for host slots)."""
+        return block_bytes
 
-class GpuTierConfig(_TierConfig):
+    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+        """What is wrong with this tier being ``stack.tiers[i]`` (its place, its size against the block)."""
+        return []
+
+
+ProblemList = list[tuple[tuple[str | int, ...], str]]
+"""Problems at key paths below the validated model (``Problems``' items)."""
+
+
+class GpuTierConfig(TierConfigBase):
     """GPU memory. Capacity may be left out where the engine owns GPU memory (under vLLM)."""
 
     medium: Literal["gpu"]
@@ -101,25 +128,35 @@ class GpuTierConfig(_TierConfig):
         self._both_capacities()
         return self
 
+    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+        if i == 0:
+            return []
+        return [
+            (("medium",), "a gpu tier may only be the first tier (tiers[0]), since the engine reads KV from GPU memory")
+        ]
 
-class _SizedTierConfig(_TierConfig):
+
+class SizedTierConfig(TierConfigBase):
     """A tier kvtier allocates itself, so its size must be given (bytes or blocks)."""
 
     @model_validator(mode="after")
-    def _capacity(self) -> _SizedTierConfig:
+    def _capacity(self) -> SizedTierConfig:
         self._both_capacities()
         if self.capacity is None and self.capacity_blocks is None:
             raise ValueError("missing key 'capacity' or 'capacity_blocks'")
         return self
 
 
-class HostTierConfig(_SizedTierConfig):
+class HostTierConfig(SizedTierConfig):
     """Pinned host memory."""
 
     medium: Literal["host"]
 
+    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
+        return block_bytes + header_room
 
-class DiskTierConfig(_SizedTierConfig):
+
+class DiskTierConfig(SizedTierConfig):
     """A local directory holding a preallocated slab file that survives restarts.
 
     ``compression`` trades CPU for capacity: each block gets ``slot_bytes`` of room on disk instead of
@@ -147,131 +184,33 @@ class DiskTierConfig(_SizedTierConfig):
             raise ValueError(f"{format_size(value)} ({value} bytes) is less than 4KiB, the smallest slot")
         return value
 
+    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
+        """A slot: a 4 KiB header and ``slot_bytes`` of room, which compression makes smaller than the block."""
+        return slot_stride(block_bytes, self.compression, self.slot_bytes)
 
-class MooncakeConfig(_Model):
-    """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
-
-    master: str = Field(
-        pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)"
-    )
-    metadata_server: str = Field(
-        pattern=r"^[a-z][a-z0-9+.-]*://\S+$", description="a URL, e.g. http://127.0.0.1:8080/metadata"
-    )
-    # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
-    # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
-    segment_size: SizeOrZero = 0
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
+    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+        if stack.block_bytes is None:
+            return []
+        problem = slot_problem(stack.block_bytes, self.compression, self.slot_bytes)
+        return [] if problem is None else [(("slot_bytes",), problem)]
 
 
-class RedisConfig(_Model):
-    """How to reach a Redis or Valkey server. The password comes from the environment (``password_env``)."""
-
-    url: str = Field(
-        pattern=r"^rediss?://\S+$",  # redis://host:port/db, or rediss:// for TLS
-        description="a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0",
-    )
-    password_env: EnvName | None = Field(None, description=_env_name("KVTIER_REDIS_PASSWORD"))
-    pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
-    ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
-
-    @field_validator("url")
-    @classmethod
-    def _no_password(cls, value: str) -> str:
-        if urlsplit(value).password is not None:
-            raise ValueError(
-                "the URL carries a password; remove it and name an environment variable holding "
-                "it in password_env (a secret never belongs in a config file)"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _ca_for_tls(self) -> RedisConfig:
-        if self.ca_file is not None and not self.url.startswith("rediss://"):
-            raise ValueError("ca_file applies to TLS connections only; use a rediss:// URL or remove ca_file")
-        return self
+def tier_configs() -> dict[str, type[TierConfigBase]]:
+    """Every registered medium's schema, by medium (``kvtier.core.media``)."""
+    return {m.name: m.config for m in media()}
 
 
-REMOTE_BACKENDS = ("mooncake", "redis")
-HEADER_ROOM = 4096
-"""Bytes before each host slot of a stack with a remote tier, for a record's header (``StackConfig.header_room``)."""
+class _RegisteredMedia:
+    """The schema of one tier: the model of the medium its ``medium`` key names, among those registered
+    when the schema was built (``StackConfig`` is rebuilt whenever the registry changes)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        choices = {name: handler.generate_schema(model) for name, model in tier_configs().items()}
+        return core_schema.tagged_union_schema(choices, discriminator="medium")
 
 
-class RemoteTierConfig(_TierConfig):
-    """A store shared with other engines (Mooncake Store, Redis/Valkey): always the last tier.
-
-    It has no capacity, eviction policy or watermark: the store manages its own memory and evicts by
-    itself. ``placement`` is its own, whatever the stack's: ``write_through`` (default) copies every
-    block to the store as soon as it is in host memory; ``write_back`` sends only the host tier's
-    victims. Secrets come from environment variables named here (``auth_key_env``, the backend's
-    ``password_env``), never from the file.
-    """
-
-    medium: Literal["remote"]
-    backend: Literal["mooncake", "redis"]
-    timeout: float = Field(2.0, gt=0)  # seconds any call to the store may take; then it is a miss or a drop
-    prefix: str = Field(
-        "kvtier",
-        pattern=r"^\S+$",  # record names start with it
-        description="a name without spaces, e.g. kvtier",
-    )
-    # a MAC secret: records without a valid MAC are misses
-    auth_key_env: EnvName | None = Field(None, description=_env_name("KVTIER_REMOTE_MAC_KEY"))
-    placement: Literal["write_through", "write_back"] = "write_through"
-    mooncake: MooncakeConfig | None = None
-    redis: RedisConfig | None = None
-
-    @model_validator(mode="after")
-    def _store_owns_its_memory(self) -> RemoteTierConfig:
-        problems: list[tuple[tuple[str | int, ...], str]] = []
-        for key, what in (
-            ("capacity", "capacity"),
-            ("capacity_blocks", "capacity"),
-            ("eviction", "eviction policy"),
-            ("watermark", "watermark"),
-        ):
-            if getattr(self, key) is not None:
-                problems.append(
-                    (
-                        (key,),
-                        f"a remote tier has no {what}: the store manages its own memory and "
-                        f"evicts by itself (size it on the server); remove {key}",
-                    )
-                )
-        for backend in REMOTE_BACKENDS:
-            given = getattr(self, backend) is not None
-            if backend == self.backend and not given:
-                problems.append(
-                    (
-                        (),
-                        f"missing key {backend!r}: the {backend} backend's settings "
-                        f"({', '.join(_BACKEND_CONFIGS[backend].model_fields)})",
-                    )
-                )
-            if backend != self.backend and given:
-                problems.append(
-                    (
-                        (backend,),
-                        f"settings for {backend} but the backend is {self.backend}; remove "
-                        f"them or set backend: {backend}",
-                    )
-                )
-        if problems:
-            raise Problems(problems)
-        return self
-
-
-_BACKEND_CONFIGS: dict[str, type[_Model]] = {"mooncake": MooncakeConfig, "redis": RedisConfig}
-
-TIER_CONFIGS: dict[str, type[_TierConfig]] = {
-    "gpu": GpuTierConfig,
-    "host": HostTierConfig,
-    "disk": DiskTierConfig,
-    "remote": RemoteTierConfig,
-}
-TierConfig = Annotated[
-    GpuTierConfig | HostTierConfig | DiskTierConfig | RemoteTierConfig, Field(discriminator="medium")
-]
+TierConfig = Annotated[TierConfigBase, _RegisteredMedia()]
+"""A tier of any registered medium, validated by that medium's model."""
 
 
 UPPER_TIER_EVICTION = "lru"
@@ -283,9 +222,11 @@ it pays (``adaptive``) was never below LRU on any workload and size measured, wh
 chains deepest first (the previous default) lost up to 15% to LRU on chat workloads."""
 
 
-class StackConfig(_Model):
+class StackConfig(ConfigModel):
     """One tier stack: block geometry, the ordered tiers (fastest first), placement and transfers.
     A tier without ``eviction`` gets UPPER_TIER_EVICTION, or LAST_TIER_EVICTION when it is last."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)  # built once media register
 
     block_tokens: int = Field(16, gt=0)
     block_bytes: Size | None = None
@@ -293,7 +234,7 @@ class StackConfig(_Model):
     namespace: str = ""
     # The name of an environment variable holding a per-deployment secret that keys the block hash
     # (kvtier.core.keys): keys then cannot be computed from a guessed prompt by anyone without it.
-    key_secret_env: EnvName | None = Field(None, description=_env_name("KVTIER_KEY_SECRET"))
+    key_secret_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_KEY_SECRET"))
     tiers: list[TierConfig] = Field(min_length=1)
     placement: Literal["write_through", "write_back"] = "write_back"
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -306,8 +247,8 @@ class StackConfig(_Model):
     def tier_eviction(self, i: int) -> str:
         """Tier ``i``'s eviction policy name: its ``eviction`` key, or the default for its place (the last
         tier kvtier evicts from is the last one above a remote tier, whose store evicts by itself).
-        Raises ConfigError for a remote tier."""
-        if isinstance(self.tiers[i], RemoteTierConfig):
+        Raises ConfigError for a keyed store's tier (a remote one)."""
+        if self.tiers[i].keyed:
             raise ConfigError(f"tiers[{i}] is a remote tier: its store evicts by itself, kvtier has no policy for it")
         eviction = self.tiers[i].eviction
         if eviction is not None:
@@ -322,25 +263,18 @@ class StackConfig(_Model):
 
     @property
     def last_local_tier(self) -> int:
-        """The index of the last tier that is not a remote store (-1: none is)."""
-        return max((i for i, tier in enumerate(self.tiers) if not isinstance(tier, RemoteTierConfig)), default=-1)
-
-    @property
-    def remote(self) -> RemoteTierConfig | None:
-        """The remote tier's settings, if the stack has one (it is the last tier)."""
-        last = self.tiers[-1]
-        return last if isinstance(last, RemoteTierConfig) else None
+        """The index of the last tier that is not a keyed store (-1: none is)."""
+        return max((i for i, tier in enumerate(self.tiers) if not tier.keyed), default=-1)
 
     @property
     def header_room(self) -> int:
-        """Bytes a host tier keeps before each slot: with a remote tier, room for a record's header, so
-        header and block move to and from the store as one piece (a separate header piece cost
-        Mooncake's transfers 4-9 ms per 64 x 2 MiB batch); a page, so slots stay page-aligned."""
-        return HEADER_ROOM if self.remote is not None else 0
+        """Bytes a host tier keeps before each slot: what the stack's tiers ask for (a remote tier: room
+        for a record's header, so header and block move to and from the store as one piece)."""
+        return max(type(tier).header_room_above for tier in self.tiers)
 
     @model_validator(mode="after")
     def _cross_field(self) -> StackConfig:
-        problems: list[tuple[tuple[str | int, ...], str]] = []
+        problems: ProblemList = []
         if self.block_bytes is not None and self.block_bytes % self.fragments:
             problems.append(
                 (
@@ -353,15 +287,8 @@ class StackConfig(_Model):
         first_of_medium: dict[str, int] = {}
         first_of_name: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
-            if tier.medium == "gpu" and i != 0:
-                problems.append(
-                    (
-                        ("tiers", i, "medium"),
-                        "a gpu tier may only be the first tier (tiers[0]), since the engine reads KV from GPU memory",
-                    )
-                )
-            if isinstance(tier, RemoteTierConfig):
-                problems.extend(self._remote_problems(i, tier))
+            own = [(("tiers", i, *loc), msg) for loc, msg in tier.stack_problems(self, i)]
+            problems.extend(own)
             if tier.medium in first_of_medium:
                 problems.append(
                     (
@@ -383,13 +310,10 @@ class StackConfig(_Model):
                     )
                 else:
                     first_of_name[name] = i
-            if self.block_bytes is not None and isinstance(tier, DiskTierConfig):
-                problem = slot_problem(self.block_bytes, tier.compression, tier.slot_bytes)
-                if problem is not None:
-                    problems.append((("tiers", i, "slot_bytes"), problem))
-                    continue
+            if own:
+                continue  # (a slot size that is wrong has no footprint to check the capacity against)
             if self.block_bytes is not None and tier.capacity is not None:
-                need = block_footprint(tier, self.block_bytes)
+                need = tier.footprint(self.block_bytes)
                 if tier.capacity < need:
                     problems.append(
                         (
@@ -403,54 +327,19 @@ class StackConfig(_Model):
             raise Problems(problems)
         return self
 
-    def _remote_problems(self, i: int, tier: RemoteTierConfig) -> list[tuple[tuple[str | int, ...], str]]:
-        """Where a remote tier may sit: last (nothing of ours lies below a store others evict from), with
-        a host tier above it (blocks reach the store from host memory and come back through it), and
-        with ``write_back`` directly below the host tier (a disk tier's victims would need a copy
-        through host memory to reach the store)."""
-        problems: list[tuple[tuple[str | int, ...], str]] = []
-        if i != len(self.tiers) - 1:
-            problems.append(
-                (
-                    ("tiers", i, "medium"),
-                    "a remote tier may only be the last tier: the store evicts "
-                    "and loses blocks by itself, so no tier of kvtier's can sit "
-                    "below it",
-                )
-            )
-        if not any(t.medium == "host" for t in self.tiers):
-            problems.append(
-                (
-                    ("tiers", i, "medium"),
-                    "a remote tier needs a host tier above it: blocks reach the "
-                    "store from host memory and come back through it",
-                )
-            )
-        elif tier.placement == "write_back" and i > 0 and self.tiers[i - 1].medium != "host":
-            problems.append(
-                (
-                    ("tiers", i, "placement"),
-                    f"write_back needs the host tier directly above the remote "
-                    f"tier (tiers[{i - 1}] is {self.tiers[i - 1].medium}): its "
-                    f"victims would need a copy through host memory to reach "
-                    f"the store; use write_through",
-                )
-            )
-        return problems
+
+def _rebuild() -> None:
+    """A medium registered or left: the tier union changes with it."""
+    if media():
+        StackConfig.model_rebuild(force=True)
 
 
-def block_footprint(tier_cfg: _TierConfig, block_bytes: int, header_room: int = 0) -> int:
-    """Bytes of a tier's ``capacity`` one block takes: ``block_bytes`` in memory (and the stack's
-    ``header_room`` before each host slot); on disk its slot (a 4 KiB header and ``slot_bytes`` of
-    room, which compression makes smaller than the block)."""
-    if isinstance(tier_cfg, DiskTierConfig):
-        return slot_stride(block_bytes, tier_cfg.compression, tier_cfg.slot_bytes)
-    return block_bytes + (header_room if tier_cfg.medium == "host" else 0)
+watch_media(_rebuild)
 
 
-def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None, header_room: int = 0) -> int | None:
+def capacity_in_blocks(tier_cfg: TierConfigBase, block_bytes: int | None, header_room: int = 0) -> int | None:
     """How many blocks a tier holds: ``capacity_blocks``, else ``capacity`` divided by what one block
-    takes there (``block_footprint``); None if unsized."""
+    takes there (``TierConfigBase.footprint``); None if unsized."""
     if tier_cfg.capacity_blocks is not None:
         return tier_cfg.capacity_blocks
     if tier_cfg.capacity is None:
@@ -460,7 +349,7 @@ def capacity_in_blocks(tier_cfg: _TierConfig, block_bytes: int | None, header_ro
             f"tier {tier_cfg.name or tier_cfg.medium!r}: capacity is given in bytes, so block_bytes "
             f"is needed to count its blocks; got block_bytes={block_bytes!r}"
         )
-    return tier_cfg.capacity // block_footprint(tier_cfg, block_bytes, header_room)
+    return tier_cfg.capacity // tier_cfg.footprint(block_bytes, header_room)
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -502,7 +391,7 @@ def load_config(source: str | Path | dict | StackConfig) -> StackConfig:
     try:
         config = StackConfig.model_validate(data)
     except ValidationError as exc:
-        problems = explain(exc, StackConfig, TIER_CONFIGS)
+        problems = explain(exc, StackConfig, tier_configs())
         lines = [f"{name}: {path}: {msg}" if path else f"{name}: {msg}" for path, msg in problems]
         raise ConfigError("\n".join(dict.fromkeys(lines))) from None
     _import_policies(config, name)
@@ -532,22 +421,25 @@ def _import_policies(config: StackConfig, name: str) -> None:
 
 
 __all__ = [
+    "ConfigModel",
     "DiskTierConfig",
+    "EnvName",
     "GpuTierConfig",
     "HostTierConfig",
-    "MooncakeConfig",
-    "RedisConfig",
-    "RemoteTierConfig",
+    "ProblemList",
     "Size",
+    "SizeOrZero",
+    "SizedTierConfig",
     "StackConfig",
-    "TIER_CONFIGS",
     "TierConfig",
+    "TierConfigBase",
     "TransferConfig",
     "WatermarkConfig",
-    "block_footprint",
     "capacity_in_blocks",
     "default_config_path",
+    "env_name_hint",
     "format_size",
     "load_config",
     "parse_size",
+    "tier_configs",
 ]

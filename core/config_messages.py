@@ -61,10 +61,10 @@ def _model_at(loc: tuple[str | int, ...], root: type[BaseModel], tagged: Tagged)
     for part in loc:
         if isinstance(part, int):
             continue
-        if model is None and part in tagged:
-            model = tagged[part]
-        elif model is not None and part in model.model_fields:
+        if model is not None and part in model.model_fields:
             model = _only_model(model.model_fields[part].annotation)
+        elif part in tagged:  # a union's tag: the model it picked (below a field typed by the union's base)
+            model = tagged[part]
         else:
             return None
     return model

@@ -1,7 +1,12 @@
-"""kvtier's two vocabularies in one place: media (where a tier keeps blocks) and devices (what a copy
-reads and writes).
+"""The media kvtier keeps blocks in, each one registry entry, and the devices copies run between.
 
-A medium is what configuration, routes and eviction speak of: ``gpu``, ``host``, ``disk``, ``remote``.
+A medium is what configuration, routes, eviction and an engine's counters speak of: ``gpu``, ``host``,
+``disk``, ``remote``, and any medium a program registers. Everything the rest of kvtier asks of a
+medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an engine,
+which media it copies to without staging, its labels), so a new medium is its tier module and one
+``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
+medium every route passes through.
+
 A device is a storage's own, what a transfer backend serves: ``cuda`` memory, ``cpu`` memory, a
 ``file``, or a store whose records are named by key (``remote``). They differ where it matters: a GPU
 tier on CPU tensors (a machine without CUDA) is a ``gpu`` medium on a ``cpu`` device, and its copies
@@ -11,8 +16,19 @@ are memmoves; an engine's own blocks have a device but no tier, and count as the
 
 from __future__ import annotations
 
-MEDIA = ("gpu", "host", "disk", "remote")
-"""Every tier medium, fastest first."""
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (config.py imports this module: the registry is what its tier union is built from)
+    from kvtier.core.config import StackConfig, TierConfigBase
+    from kvtier.core.layout import BlockLayout
+    from kvtier.core.storage import BlockStorage
+    from kvtier.core.tier import Tier
+    from kvtier.policies import EvictionPolicy, Watermark
+
+HOST = "host"
+"""The medium every other reaches directly: routes stage through it, and engines' loads land via it."""
 
 CUDA_DEVICE = "cuda"
 HOST_DEVICE = "cpu"
@@ -21,6 +37,120 @@ KEYED_DEVICE = "remote"
 """The device of a store addressed by key: its storage has no addresses, a copy names keys."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What the machine can do beyond the basics."""
+
+    gpu_direct_storage: bool = False  # disk <-> GPU without a host bounce (NVIDIA GDS)
+
+
+BASIC = Capabilities()
+"""A machine with none of them."""
+
+
+@dataclass(frozen=True)
+class TierRequest:
+    """What a standalone stack gives a medium's factory to build its tier ``stack.tiers[index]``: the
+    number of slots its capacity holds (0 for a keyed store, which has none)."""
+
+    index: int
+    stack: StackConfig
+    layout: BlockLayout
+    slots: int
+    is_fenced: Callable[[str, int], bool]
+
+    @property
+    def name(self) -> str:
+        return self.stack.tier_name(self.index)
+
+    @property
+    def config(self) -> TierConfigBase:
+        return self.stack.tiers[self.index]
+
+    def policy(self) -> tuple[EvictionPolicy, Watermark | None]:
+        """A new eviction policy for the tier and its watermark (``StackConfig.tier_policy``)."""
+        return self.stack.tier_policy(self.index)
+
+
+@dataclass(frozen=True)
+class RankRequest:
+    """What an engine's worker (one process per GPU, ``rank`` of ``ranks``) gives a medium's factory to
+    open that rank's storage of a tier: the slots its scheduler side indexes, the namespace its blocks
+    are written under, and how the ranks share it."""
+
+    config: TierConfigBase
+    slots: int
+    layout: BlockLayout
+    namespace: str
+    rank: int
+    ranks: int
+    replicated: bool  # every rank holds the same KV (MLA): one copy of each block serves them all
+    header_room: int  # bytes a host slot keeps before each block (StackConfig.header_room)
+    shared_name: str | None  # the ranks' shared host slab, where one copy serves every rank
+    refuse: Callable[[list[bytes]], None]  # for blocks this storage can never hold (``BlockStorage.refuse``)
+
+
+@dataclass(frozen=True)
+class Medium:
+    """One medium's registry entry: everything kvtier needs to configure, build, route to and count it."""
+
+    name: str
+    config: type[TierConfigBase]  # its YAML schema: ``medium: Literal[name]`` and its own keys
+    tier: Callable[[TierRequest], Tier]  # its tier in a standalone stack
+    # one rank's storage of the tier under an engine's worker; None where the engine owns the medium (gpu)
+    rank_storage: Callable[[RankRequest], BlockStorage] | None
+    # whether a copy between this medium and another (named) needs no staging through host memory
+    direct: Callable[[str, Capabilities], bool] = lambda other, caps: False
+    event_medium: str | None = None  # the medium vLLM's KV events name ("CPU", "STORAGE"); None: no events
+    hit_source: str | None = None  # vLLM's CacheHitSource for its hits ("HOST", "DISK"); None: external
+    counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
+    one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
+
+
+_MEDIA: dict[str, Medium] = {}
+_watchers: list[Callable[[], None]] = []
+
+
+def register_medium(medium: Medium) -> None:
+    """Add a medium: its tiers can be configured, built and routed to from now on. Registering a name
+    twice is an error unless it is the same entry (a module imported again)."""
+    known = _MEDIA.get(medium.name)
+    if known is not None and known != medium:
+        raise ValueError(f"a medium named {medium.name!r} is registered already")
+    _MEDIA[medium.name] = medium
+    _changed()
+
+
+def unregister_medium(name: str) -> None:
+    """Remove a medium a program registered (a test's, a plugin being unloaded)."""
+    _MEDIA.pop(name, None)
+    _changed()
+
+
+def watch_media(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever the registry changes (the config schema rebuilds its tier union)."""
+    _watchers.append(callback)
+    callback()
+
+
+def _changed() -> None:
+    for callback in _watchers:
+        callback()
+
+
+def media() -> tuple[Medium, ...]:
+    """Every registered medium, in the order registered (the built-in ones fastest first)."""
+    return tuple(_MEDIA.values())
+
+
+def medium(name: str) -> Medium:
+    """The registered medium ``name``; raises ValueError naming the known ones otherwise."""
+    found = _MEDIA.get(name)
+    if found is None:
+        raise ValueError(f"unknown medium {name!r}; known: {', '.join(_MEDIA)}")
+    return found
+
+
 def caller_medium(device: str) -> str:
     """The medium a caller's blocks on ``device`` count as: GPU memory on CUDA, host memory otherwise."""
-    return "gpu" if device == CUDA_DEVICE else "host"
+    return "gpu" if device == CUDA_DEVICE else HOST

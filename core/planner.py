@@ -50,7 +50,8 @@ from typing import NamedTuple
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, Job, JobState
 from kvtier.core.layout import BlockLayout
-from kvtier.core.routes import Capabilities, plan_route
+from kvtier.core.media import Capabilities
+from kvtier.core.routes import plan_route
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
 

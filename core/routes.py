@@ -1,35 +1,22 @@
 """Route planning: which media a block passes through on its way from one tier to another.
 
-A pure function of (source medium, destination medium, capabilities), so every route is unit
-tested without a device. Host memory reaches every medium directly; GPU memory and disk reach each
-other only through host memory unless GPUDirect Storage is available; a remote store is reached
-through host memory.
+A pure function of (source medium, destination medium, capabilities) and the media's registry entries,
+so every route is unit tested without a device. Host memory reaches every medium directly; two other
+media reach each other directly only where one's entry says so (GPU memory and disk, with GPUDirect
+Storage); every other route stages through host memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from kvtier.core.media import MEDIA
+from kvtier.core.media import BASIC, HOST, Capabilities, medium
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What the machine can do beyond the basics."""
-
-    gpu_direct_storage: bool = False  # disk <-> GPU without a host bounce (NVIDIA GDS)
-
-
-def plan_route(src: str, dst: str, caps: Capabilities = Capabilities()) -> tuple[str, ...]:
+def plan_route(src: str, dst: str, caps: Capabilities = BASIC) -> tuple[str, ...]:
     """The media a block passes through, ``src`` and ``dst`` included: ``("disk", "host", "gpu")``.
 
     Raises ValueError for an unknown medium.
     """
-    for medium in (src, dst):
-        if medium not in MEDIA:
-            raise ValueError(f"unknown medium {medium!r}; known: {', '.join(MEDIA)}")
-    if src == dst or "host" in (src, dst):
+    ends = medium(src), medium(dst)
+    if src == dst or HOST in (src, dst) or ends[0].direct(dst, caps) or ends[1].direct(src, caps):
         return (src, dst)
-    if {src, dst} == {"gpu", "disk"} and caps.gpu_direct_storage:
-        return (src, dst)
-    return (src, "host", dst)
+    return (src, HOST, dst)

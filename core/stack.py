@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
-from kvtier.core.media import caller_medium
+from kvtier.core.media import Capabilities, caller_medium
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
-from kvtier.core.routes import Capabilities, plan_route
+from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier

@@ -1,38 +1,25 @@
-"""Build a tier stack from a validated configuration: the one place that turns YAML into tiers,
-transfer backends and a ``TierStack``.
+"""Build a tier stack from a validated configuration: the one place that turns YAML into tiers (each
+by its medium's registry entry, ``kvtier.core.media``), transfer backends and a ``TierStack``.
 
-Why it lives in kvtier/, above everything it builds: it is the only code that knows every medium
-(``kvtier.tiers``) and every transfer backend (``kvtier.transfers``) at once. In core/ it made the block
-interface import the tiers built on it; in tiers/ it would make the tiers import the transfers, whose
-disk backend imports the disk tier. Here it sits beside the public API that exports it
-(``kvtier.build_stack``) and serves that API's callers: ``connectors/api.py`` and ``kvtier replay``.
+Why it lives in kvtier/, above everything it builds: it builds the tiers and the transfer backends
+(``kvtier.transfers``) that move bytes between them. In core/ it made the block interface import what
+is built on it; in tiers/ it would make the tiers import the transfers, whose disk backend imports the
+disk tier. Here it sits beside the public API that exports it (``kvtier.build_stack``) and serves that
+API's callers: ``kvtier/api.py`` and ``kvtier replay``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from kvtier.core.config import (
-    DiskTierConfig,
-    RemoteTierConfig,
-    StackConfig,
-    block_footprint,
-    capacity_in_blocks,
-    format_size,
-)
+from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import TierRequest, medium
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend
-from kvtier.tiers.disk import disk_tier
-from kvtier.tiers.gpu import gpu_tier
-from kvtier.tiers.host import host_tier
-from kvtier.tiers.remote.factory import remote_tier
+from kvtier.tiers.remote.config import remote_config
 from kvtier.transfers import backends_for
-
-TIER_FACTORIES: dict[str, Callable[..., Tier]] = {"gpu": gpu_tier, "host": host_tier, "disk": disk_tier}
 
 
 def config_layout(config: StackConfig) -> BlockLayout:
@@ -54,7 +41,7 @@ def build_stack(
         for i in range(len(config.tiers)):
             tiers.append(_build_tier(config, i, layout, jobs))
         if backends is None:
-            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, config.remote)
+            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, remote_config(config))
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for backend in made:
@@ -65,39 +52,32 @@ def build_stack(
 
 
 def _build_tier(config: StackConfig, i: int, layout: BlockLayout, jobs: JobManager) -> Tier:
-    """Tier ``i`` as configured. Memory or a file it cannot get (more than the machine has, a size the OS
-    cannot map) is a ConfigError naming the tier and what it asked for, not a bare OSError from deep inside."""
+    """Tier ``i`` as its medium's registry entry builds it. Memory or a file it cannot get (more than the
+    machine has, a size the OS cannot map) is a ConfigError naming the tier and what it asked for, not a
+    bare OSError from deep inside."""
     tier_cfg = config.tiers[i]
-    name = config.tier_name(i)
-    where = f"tiers[{i}] ({name})"
-    if isinstance(tier_cfg, RemoteTierConfig):
-        return remote_tier(name, tier_cfg, layout, config.namespace)
+    build = medium(tier_cfg.medium).tier
+    if tier_cfg.keyed:
+        return build(TierRequest(i, config, layout, 0, jobs.is_fenced))
+    where = f"tiers[{i}] ({config.tier_name(i)})"
     blocks = capacity_in_blocks(tier_cfg, layout.block_bytes, config.header_room)
     if blocks is None:
         raise ConfigError(
             f"{where}: give capacity or capacity_blocks for a standalone stack (under vLLM the engine owns GPU memory)"
         )
+    footprint = tier_cfg.footprint(layout.block_bytes, config.header_room)
     if blocks < 1:
         raise ConfigError(
-            f"{where}: capacity holds no block of {layout.block_bytes} bytes"
-            f"{' (and its 4KiB slot header, on disk)' if tier_cfg.medium == 'disk' else ''}"
+            f"{where}: capacity holds no block of {layout.block_bytes} bytes ({footprint} bytes with what each "
+            f"block takes there)"
         )
-    policy, watermark = config.tier_policy(i)
-    medium_options: dict[str, object] = {}
-    if isinstance(tier_cfg, DiskTierConfig):
-        medium_options = {"config": tier_cfg, "namespace": config.namespace}
-    elif tier_cfg.medium == "host":
-        medium_options = {"header_room": config.header_room}
     try:
-        return TIER_FACTORIES[tier_cfg.medium](
-            name, blocks, layout, policy, watermark, jobs.is_fenced, **medium_options
-        )
+        return build(TierRequest(i, config, layout, blocks, jobs.is_fenced))
     except KvtierError:
         raise  # names what failed already (a disk tier's path, say)
     except (MemoryError, OverflowError, OSError) as exc:
-        asked = blocks * block_footprint(tier_cfg, layout.block_bytes, config.header_room)
         raise ConfigError(
-            f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(asked)} "
+            f"{where}: {blocks} blocks of {format_size(layout.block_bytes)} ({format_size(blocks * footprint)} "
             f"in all) cannot be allocated: {str(exc) or type(exc).__name__}; lower its capacity or "
             f"block_bytes"
         ) from exc

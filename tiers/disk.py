@@ -39,7 +39,7 @@ from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import ClosedError, ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import FILE_DEVICE
+from kvtier.core.media import FILE_DEVICE, Capabilities, Medium, RankRequest, TierRequest
 from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
@@ -652,3 +652,47 @@ def disk_tier(
     except BaseException:
         slab.close()
         raise
+
+
+def rank_directory(path: str | os.PathLike, rank: int) -> Path:
+    """The directory of one rank's slab under a disk tier's ``path`` (each rank holds its own shard of
+    every block)."""
+    return Path(path) / f"rank{rank}"
+
+
+def _tier(request: TierRequest) -> Tier:
+    assert isinstance(request.config, DiskTierConfig)
+    policy, watermark = request.policy()
+    return disk_tier(
+        request.name,
+        request.slots,
+        request.layout,
+        policy,
+        watermark,
+        request.is_fenced,
+        config=request.config,
+        namespace=request.stack.namespace,
+    )
+
+
+def _rank_storage(request: RankRequest) -> BlockStorage:
+    """One rank's slab. Scanning marks every old header without touching it: the blocks an engine's
+    scheduler side took back stay readable, and any slot is cleared before new bytes land in it."""
+    assert isinstance(request.config, DiskTierConfig)
+    path = rank_directory(request.config.path, request.rank)
+    slab = DiskSlab.from_config(request.config, request.slots, request.layout, request.namespace, path)
+    try:
+        slab.scan()
+    except BaseException:
+        slab.close()
+        raise
+    slab.refuse = request.refuse
+    return FileStorage(slab, request.layout)
+
+
+def _direct(other: str, caps: Capabilities) -> bool:
+    """A disk slab and GPU memory copy without host staging where GPUDirect Storage is available."""
+    return other == "gpu" and caps.gpu_direct_storage
+
+
+MEDIUM = Medium("disk", DiskTierConfig, _tier, _rank_storage, direct=_direct, event_medium="STORAGE", hit_source="DISK")

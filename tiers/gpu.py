@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.config import GpuTierConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE
+from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE, Capabilities, Medium, TierRequest
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
@@ -93,3 +94,16 @@ def gpu_tier(
     else:
         note = "CPU tensors standing in for a GPU (no CUDA)"
     return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)
+
+
+def _tier(request: TierRequest) -> Tier:
+    return gpu_tier(request.name, request.slots, request.layout, *request.policy(), request.is_fenced)
+
+
+def _direct(other: str, caps: Capabilities) -> bool:
+    """GPU memory and a disk slab copy without host staging where GPUDirect Storage is available."""
+    return other == "disk" and caps.gpu_direct_storage
+
+
+# Under an engine the GPU is the engine's own memory: no storage of kvtier's, no hits counted from it.
+MEDIUM = Medium("gpu", GpuTierConfig, _tier, None, direct=_direct, counts_hits=False)

@@ -24,10 +24,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.config import HostTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE
-from kvtier.core.storage import contiguous_storage
+from kvtier.core.media import HOST, HOST_DEVICE, Medium, RankRequest, TierRequest
+from kvtier.core.storage import BlockStorage, contiguous_storage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
@@ -217,3 +218,27 @@ def host_tier(
     slab = HostSlab(num_slots, layout, header_room)
     note = "pinned host memory" if slab.pinned else "pageable host memory (no CUDA)"
     return Tier(name, "host", slab.storage, policy, watermark, is_fenced, note)
+
+
+def _tier(request: TierRequest) -> Tier:
+    return host_tier(
+        request.name, request.slots, request.layout, *request.policy(), request.is_fenced, request.stack.header_room
+    )
+
+
+def _rank_storage(request: RankRequest) -> BlockStorage:
+    """One rank's slab, or the ranks' one shared slab where their KV is the same."""
+    shared = None if request.shared_name is None else SharedName(request.shared_name, request.rank, request.ranks)
+    return HostSlab(request.slots, request.layout, request.header_room, shared).storage
+
+
+MEDIUM = Medium(
+    HOST,
+    HostTierConfig,
+    _tier,
+    _rank_storage,
+    direct=lambda other, caps: True,
+    event_medium="CPU",
+    hit_source="HOST",
+    one_copy_for_ranks=True,
+)

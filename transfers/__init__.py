@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvtier.core.config import RemoteTierConfig, TransferConfig
+from kvtier.core.config import TransferConfig
 from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE
 from kvtier.core.transfer import TransferBackend
+from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.transfers.cpu import CPUBackend

@@ -41,7 +41,7 @@ from kvtier.connectors.sglang.metrics import StorageCounters
 from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
 from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
 from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
-from kvtier.core.config import DiskTierConfig, StackConfig, block_footprint, capacity_in_blocks, format_size
+from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.stack import TierStack
@@ -238,7 +238,7 @@ def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
     smaller one would refuse every full batch, and SGLang would store nothing while it seemed to work."""
     pages = capacity_in_blocks(config.tiers[0], page_bytes, config.header_room) or 0
     if pages < STORAGE_BATCH_SIZE:
-        need = STORAGE_BATCH_SIZE * block_footprint(config.tiers[0], page_bytes, config.header_room)
+        need = STORAGE_BATCH_SIZE * config.tiers[0].footprint(page_bytes, config.header_room)
         key = "capacity_blocks" if config.tiers[0].capacity_blocks is not None else "capacity"
         raise ConfigError(
             f"tiers[0].{key}: holds {pages} of SGLang's pages ({format_size(page_bytes)} each), "

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connectors.counters import HIT_TIERS, PROMETHEUS_HELP
+from kvtier.connectors.counters import PROMETHEUS_HELP, hit_media
 
 _METRICS: dict[str, Any] = {}
 _METRICS_LOCK = threading.Lock()
@@ -48,7 +48,7 @@ class StorageCounters:
     def __init__(self, tp_rank: int, block_bytes: int) -> None:
         metrics = _prometheus_metrics()
         rank = str(tp_rank)
-        self._hits = {tier: metrics["hit_blocks"].labels(rank, tier) for tier in HIT_TIERS}
+        self._hits = {tier: metrics["hit_blocks"].labels(rank, tier) for tier in hit_media()}
         self._counters = {name: metrics[name].labels(rank) for name in PROMETHEUS_HELP if name != "hit_blocks"}
         self._block_bytes = block_bytes
         self._calls = CallFigures()

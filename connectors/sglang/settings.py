@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from kvtier.connectors.extra_config import engine_settings
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
+from kvtier.core.media import HOST, medium
 
 
 class BackendSettings(BaseModel):
@@ -55,14 +56,14 @@ def stack_config(settings: BackendSettings) -> StackConfig:
                 f"{key}: under SGLang a block is one page of SGLang's host pool, whose size SGLang "
                 f"decides; remove {key}"
             )
-    media = [tier.medium for tier in config.tiers]
-    for i, medium in enumerate(media):
-        if medium == "gpu":
+    keyed = any(tier.keyed for tier in config.tiers)
+    for i, tier in enumerate(config.tiers):
+        if medium(tier.medium).rank_storage is None:  # the engine's own memory: the GPU
             problems.append(
-                f"tiers[{i}].medium: gpu: SGLang keeps GPU KV itself and hands kvtier pages of its host "
-                f"pool; remove the gpu tier"
+                f"tiers[{i}].medium: {tier.medium}: SGLang keeps GPU KV itself and hands kvtier pages of its "
+                f"host pool; remove the {tier.medium} tier"
             )
-        elif medium == "host" and "remote" not in media:
+        elif tier.medium == HOST and not keyed:
             problems.append(
                 f"tiers[{i}].medium: host: under SGLang a host tier only stages a remote tier's records "
                 f"(SGLang's host cache is the memory tier); remove it, or add a remote tier below it"

@@ -47,6 +47,7 @@ from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.keys import key_secret
+from kvtier.core.media import medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -267,11 +268,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        sources = self._sched.hit_sources(request)
-        tokens = {
-            CacheHitSource.HOST: sources.get("host", 0) * self._sched.block_tokens,
-            CacheHitSource.DISK: sources.get("disk", 0) * self._sched.block_tokens,
-        }
+        tokens: dict[CacheHitSource, int] = {}
+        for name, blocks in self._sched.hit_sources(request).items():
+            label = medium(name).hit_source
+            if label is not None:
+                source = CacheHitSource[label]
+                tokens[source] = tokens.get(source, 0) + blocks * self._sched.block_tokens
         tokens[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(tokens.values())
         return {source: n for source, n in tokens.items() if n > 0}
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST, medium
 from kvtier.core.storage import BlockStorage, GroupedStorage, StridedStorage
 from kvtier.tiers.gpu import device_storage
 
@@ -212,10 +213,10 @@ def _group_storage(kv_caches: dict[str, Any], kv_cache_config: KVCacheConfig, gr
 
 def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, int]]:
     """(name, medium, number of slots) of every tier of slots kvtier keeps under vLLM, fastest first (the
-    GPU is vLLM's own; a remote store has no slots); ``block_bytes`` is one rank's share of a vLLM block."""
+    GPU is vLLM's own; a keyed store has no slots); ``block_bytes`` is one rank's share of a vLLM block."""
     out: list[tuple[str, str, int]] = []
     for i, tier_cfg in enumerate(config.tiers):
-        if tier_cfg.medium in ("gpu", "remote"):
+        if tier_cfg.keyed or medium(tier_cfg.medium).rank_storage is None:
             continue
         blocks = capacity_in_blocks(tier_cfg, block_bytes, config.header_room)
         if blocks is None or blocks < 1:
@@ -224,7 +225,7 @@ def tier_slots(config: StackConfig, block_bytes: int) -> list[tuple[str, str, in
                 f"bytes (one rank's share of a vLLM block)"
             )
         out.append((config.tier_name(i), tier_cfg.medium, blocks))
-    if not out or out[0][1] != "host":
+    if not out or out[0][1] != HOST:
         raise ConfigError(
             "under vLLM the first tier below the GPU must be a host tier (disk blocks are loaded through host memory)"
         )

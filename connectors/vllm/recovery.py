@@ -16,16 +16,9 @@ as configured) yields no blocks, with a warning.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvtier.core.config import DiskTierConfig
 from kvtier.core.layout import BlockLayout
-from kvtier.tiers.disk import read_block_headers
-
-
-def rank_directory(path: str | Path, rank: int) -> Path:
-    """The directory of one rank's disk slab under a disk tier's ``path``."""
-    return Path(path) / f"rank{rank}"
+from kvtier.tiers.disk import rank_directory, read_block_headers
 
 
 def blocks_on_every_rank(

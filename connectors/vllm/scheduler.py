@@ -64,8 +64,10 @@ from kvtier.core.config import DiskTierConfig, StackConfig
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import medium
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
+from kvtier.tiers.remote.config import remote_config
 from kvtier.tiers.remote.factory import remote_tier
 from kvtier.tiers.remote.tier import KNOWN_FOR_S, RemoteTier
 
@@ -77,7 +79,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EVENT_MEDIUM = {"host": "CPU", "disk": "STORAGE"}
 LOAD_MEDIUM = "gpu"
 """What loads copy into: vLLM's KV blocks (routes from disk stage through host memory)."""
 
@@ -172,12 +173,12 @@ class SchedulerSide:
         self.jobs = JobManager()
         position = {config.tier_name(j): j for j in range(len(config.tiers))}
         self.tiers: list[Tier] = []
-        for name, medium, slots in tier_slots(config, layout.block_bytes):
+        for name, kind, slots in tier_slots(config, layout.block_bytes):
             policy, watermark = config.tier_policy(position[name])
-            self.tiers.append(Tier(name, medium, SlotCount(layout, slots), policy, watermark, self.jobs.is_fenced))
+            self.tiers.append(Tier(name, kind, SlotCount(layout, slots), policy, watermark, self.jobs.is_fenced))
         self.remote: RemoteTier | None = None
         self._lookups: ThreadPoolExecutor | None = None
-        remote = config.remote
+        remote = remote_config(config)
         if remote is not None:  # the last tier; its records are the workers' (namespace as WorkerSide gets it)
             ranks: Sequence[int | None] = [None] if replicated else range(num_workers)
             self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(), ranks)
@@ -750,9 +751,11 @@ class SchedulerSide:
     # --- events, stats, reset ------------------------------------------------------------------
 
     def _stored_events(self, keys: list[bytes], tier: Tier, tokens: dict[bytes, Any] | None = None) -> None:
-        """BlockStored per key; none for a remote store: what it holds changes without this engine (other
-        engines add, the store evicts), so this engine's events could only mislead about it."""
-        if tier.by_key:
+        """BlockStored per key, for a tier whose medium names a KV-event medium; none for a remote store:
+        what it holds changes without this engine (other engines add, the store evicts), so this engine's
+        events could only mislead about it."""
+        label = medium(tier.medium).event_medium
+        if label is None:
             return
         for key in keys:
             block = list(tokens[key]) if tokens else []
@@ -763,7 +766,7 @@ class SchedulerSide:
                     token_ids=block,
                     block_size=self._block_tokens_of(key),
                     lora_id=None,
-                    medium=EVENT_MEDIUM[tier.medium],
+                    medium=label,
                     lora_name=None,
                 )
             )
@@ -775,8 +778,9 @@ class SchedulerSide:
         return self.block_tokens * self.keys_per_block[int.from_bytes(key[-2:], "big")]
 
     def _removed_events(self, keys: list[bytes], tier: Tier) -> None:
-        if keys and not tier.by_key:
-            self._events.append(BlockRemoved(block_hashes=list(keys), medium=EVENT_MEDIUM[tier.medium]))
+        label = medium(tier.medium).event_medium
+        if keys and label is not None:
+            self._events.append(BlockRemoved(block_hashes=list(keys), medium=label))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

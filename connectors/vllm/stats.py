@@ -14,18 +14,18 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.connectors.counters import COUNTERS, HIT_TIERS, PROMETHEUS_HELP
+from kvtier.connectors.counters import PROMETHEUS_HELP, counter_names, hit_media
 
 
 @dataclass
 class KVTierConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
-        for name in COUNTERS:
+        for name in counter_names():
             self.data.setdefault(name, 0)
 
     def record_load(self, hits: dict[str, int], failed: int) -> None:
         """A finished load: blocks that arrived per medium of the tier they came from, and those that did not."""
-        for medium in HIT_TIERS:
+        for medium in hit_media():
             self.data[f"hit_blocks_{medium}"] += hits.get(medium, 0)
         self.data["failed_load_blocks"] += failed
 
@@ -33,12 +33,12 @@ class KVTierConnectorStats(KVConnectorStats):
         self.data["stored_blocks"] += blocks
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(COUNTERS, 0)
+        self.data = dict.fromkeys(counter_names(), 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         if not isinstance(other, KVTierConnectorStats):
             raise TypeError(f"cannot aggregate kvtier stats with {type(other).__name__}")
-        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in COUNTERS})
+        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in counter_names()})
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.data)
@@ -48,7 +48,7 @@ class KVTierConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS)
+        return not any(self.data.get(k) for k in counter_names())
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -72,7 +72,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         }
         self._per_engine: dict[int, dict[str, Any]] = {}
         for engine, values in per_engine_labelvalues.items():
-            counters = {f"hit_blocks_{tier}": metrics["hit_blocks"].labels(*values, tier) for tier in HIT_TIERS}
+            counters = {f"hit_blocks_{tier}": metrics["hit_blocks"].labels(*values, tier) for tier in hit_media()}
             counters.update({name: metrics[name].labels(*values) for name in PROMETHEUS_HELP if name != "hit_blocks"})
             self._per_engine[engine] = counters
 

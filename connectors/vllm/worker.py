@@ -42,18 +42,14 @@ from kvtier.connectors.vllm.geometry import (
     tier_slots,
 )
 from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
-from kvtier.connectors.vllm.recovery import rank_directory
-from kvtier.core.config import RemoteTierConfig, StackConfig
+from kvtier.core.config import StackConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
-from kvtier.core.media import HOST_DEVICE
+from kvtier.core.media import HOST_DEVICE, RankRequest, medium
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import OnComplete, Transfer, TransferRegistry
-from kvtier.tiers.disk import DiskSlab, FileStorage
-from kvtier.tiers.host import HostSlab, SharedName
-from kvtier.tiers.remote.factory import record_format
-from kvtier.tiers.remote.tier import RemoteStorage
+from kvtier.tiers.remote.config import remote_config
 from kvtier.transfers import backends_for
 from kvtier.transfers.cpu import CPUBackend
 
@@ -108,15 +104,15 @@ class WorkerSide:
         slab where their KV is the same: MLA)."""
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
-        self.remote = config.remote
+        self.remote = remote_config(config)
         self.layout = block_layout(kv_cache_config)
         # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
         self.per_request_errors = len(served_groups(kv_cache_config)) > 1
         # Replicated KV (MLA): one remote record per block; on several ranks one copy in every tier,
         # which rank 0 alone moves there.
         same_kv = replicated(kv_cache_config)
-        shared = SharedName(shared_slab_name(engine_id, namespace), rank, ranks) if same_kv and ranks > 1 else None
-        self.into_gpu_only = shared is not None and rank > 0
+        shared_name = shared_slab_name(engine_id, namespace) if same_kv and ranks > 1 else None
+        self.into_gpu_only = shared_name is not None and rank > 0
         self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
         self._lock = threading.Lock()
         self._load_ended = threading.Condition(self._lock)  # notified when an asynchronous load ends
@@ -133,24 +129,22 @@ class WorkerSide:
         try:
             slots = {name: n for name, _, n in tier_slots(config, self.layout.block_bytes)}
             for i, tier_cfg in enumerate(config.tiers):
-                name = config.tier_name(i)
-                if tier_cfg.medium == "host":
-                    self.storages[name] = HostSlab(slots[name], self.layout, config.header_room, shared).storage
-                elif self.into_gpu_only:
-                    continue  # rank 0 holds the one copy below host memory
-                elif tier_cfg.medium == "disk":
-                    # One directory per rank: each rank holds its own shard of every block.
-                    slab = DiskSlab.from_config(
-                        tier_cfg, slots[name], self.layout, namespace, rank_directory(tier_cfg.path, rank)
-                    )
-                    # Marks every old header without touching it: the blocks the scheduler side kept
-                    # (recovery.py) stay readable, and any slot is cleared before new bytes land in it.
-                    slab.scan()
-                    slab.refuse = self._note_refused
-                    self.storages[name] = FileStorage(slab, self.layout)
-                elif isinstance(tier_cfg, RemoteTierConfig):
-                    records = record_format(tier_cfg, self.layout, namespace, None if same_kv else rank)
-                    self.storages[name] = RemoteStorage(self.layout, records)
+                name, entry = config.tier_name(i), medium(tier_cfg.medium)
+                if entry.rank_storage is None or (self.into_gpu_only and not entry.one_copy_for_ranks):
+                    continue  # the engine's own memory; or rank 0 holds the one copy there
+                request = RankRequest(
+                    tier_cfg,
+                    slots.get(name, 0),
+                    self.layout,
+                    namespace,
+                    rank,
+                    ranks,
+                    same_kv,
+                    config.header_room,
+                    shared_name,
+                    self._note_refused,
+                )
+                self.storages[name] = entry.rank_storage(request)
         except BaseException:
             self.shutdown()
             raise

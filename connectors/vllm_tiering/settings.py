@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtier.core.config import TIER_CONFIGS, StackConfig, load_config
+from kvtier.core.config import StackConfig, load_config, tier_configs
 from kvtier.core.errors import ConfigError
 
 STACK_KEYS = ("namespace", "key_secret_env", "transfer")
@@ -60,7 +60,7 @@ def tier_settings(
     where = f"secondary_tiers entry {tier_type!r}"
     entry = dict(entry)
     option_keys = [key for key in AdapterOptions.model_fields if medium == "remote" or key != "staging_blocks"]
-    tier_keys = [key for key in TIER_CONFIGS[medium].model_fields if key != "medium"]
+    tier_keys = [key for key in tier_configs()[medium].model_fields if key != "medium"]
     if "medium" in entry:
         raise ConfigError(
             f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "

@@ -6,7 +6,10 @@ import itertools
 
 import pytest
 
-from kvtier.core.routes import MEDIA, Capabilities, plan_route
+from kvtier.core.media import Capabilities, media
+from kvtier.core.routes import plan_route
+
+MEDIA = [m.name for m in media()]
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ import torch
 
 from helpers.stack_helpers import assert_no_leaks, flip, key, ready
 from kvtier.builder import build_stack
-from kvtier.core.config import block_footprint, capacity_in_blocks, load_config
+from kvtier.core.config import capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
@@ -217,7 +217,7 @@ def test_the_same_disk_budget_holds_more_blocks_compressed(tmp_path):
         path = tmp_path / f"{compression}-{slot_bytes}"
         cfg = load_config(config(path, compression, host=0, capacity=budget, slot_bytes=slot_bytes))
         n = capacity_in_blocks(cfg.tiers[0], BLOCK)
-        assert n == budget // block_footprint(cfg.tiers[0], BLOCK)
+        assert n == budget // cfg.tiers[0].footprint(BLOCK)
         stack = build_stack(cfg)
         (disk,) = stack.tiers
         assert disk.capacity == n and disk.storage.slab.file_bytes <= PAGE + budget

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import redis_server
-from kvtier.core.config import HEADER_ROOM
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Quarantine, Transfer
 from kvtier.tiers.host import HostSlab
+from kvtier.tiers.remote.config import HEADER_ROOM
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.redis_client import RedisClient

@@ -1,4 +1,5 @@
-"""A remote tier, its clients and its record format, from a stack's configuration.
+"""A remote tier, its clients and its record format, from a stack's configuration; the ``remote``
+medium's registry entry (``MEDIUM``).
 
 Everything that can be checked without the store is checked here, when the stack is built: the
 backend's client package, the secrets the configuration names (a MAC key, a password). Connections
@@ -12,12 +13,14 @@ import functools
 import os
 from collections.abc import Sequence
 
-from kvtier.core.config import MooncakeConfig, RedisConfig, RemoteTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import Medium, RankRequest, TierRequest
+from kvtier.core.storage import BlockStorage
+from kvtier.tiers.remote.config import MooncakeConfig, RedisConfig, RemoteTierConfig
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, mac_key, namespace_digest
-from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.remote.tier import RemoteStorage, RemoteTier
 
 INSTALL = "pip install 'kvtier[remote]'"
 LOOKUP_CLIENTS = 1
@@ -99,3 +102,19 @@ def _password(env_name: str | None) -> str | None:
             f"server's password, or remove password_env"
         )
     return value
+
+
+def _tier(request: TierRequest) -> RemoteTier:
+    assert isinstance(request.config, RemoteTierConfig)
+    return remote_tier(request.name, request.config, request.layout, request.stack.namespace)
+
+
+def _rank_storage(request: RankRequest) -> BlockStorage:
+    """One rank's records (one record per block for every rank, where their KV is the same)."""
+    assert isinstance(request.config, RemoteTierConfig)
+    rank = None if request.replicated else request.rank
+    return RemoteStorage(request.layout, record_format(request.config, request.layout, request.namespace, rank))
+
+
+# A store others write to and evict from: what this engine stores there is not announced as its own.
+MEDIUM = Medium("remote", RemoteTierConfig, _tier, _rank_storage)

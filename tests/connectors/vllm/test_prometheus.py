@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from helpers.vllm_helpers import forget_gpu, prompt
-from kvtier.connectors.vllm.stats import COUNTERS
+from kvtier.connectors.counters import counter_names
 
 
 def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
@@ -42,7 +42,7 @@ def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
     for stats in engine.stats:  # the payloads vLLM put into its scheduler stats, step by step
         prom.observe(stats, 0)
 
-    totals = {name: sum(s.get(name, 0) for s in engine.stats) for name in COUNTERS}
+    totals = {name: sum(s.get(name, 0) for s in engine.stats) for name in counter_names()}
     assert totals["hit_blocks_disk"] >= 4 and totals["hit_blocks_host"] + totals["hit_blocks_disk"] == 8
     assert totals["stored_blocks"] > 0
     labels = {"model_name": "tiny", "engine": "0"}

@@ -17,8 +17,8 @@ import pytest
 from helpers.redis_server import redis_server
 from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
-from kvtier.core.config import RemoteTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
 
 BLOCK = 64 * 1024

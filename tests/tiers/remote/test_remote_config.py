@@ -1,5 +1,5 @@
 """The remote tier's YAML: a valid one loads with its defaults, and every mistake raises one ConfigError
-that names the key, the value and the fix (the rules of core/config.py's RemoteTierConfig)."""
+that names the key, the value and the fix (the rules of tiers/remote/config.py's RemoteTierConfig)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,9 @@ import sys
 import pytest
 
 from helpers.config_helpers import error_of
-from kvtier.core.config import (
-    HEADER_ROOM,
-    MooncakeConfig,
-    RedisConfig,
-    RemoteTierConfig,
-    capacity_in_blocks,
-    load_config,
-)
+from kvtier.core.config import capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError
+from kvtier.tiers.remote.config import HEADER_ROOM, MooncakeConfig, RedisConfig, RemoteTierConfig, remote_config
 
 REDIS = {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:6379/0"}}
 MOONCAKE = {
@@ -46,7 +40,7 @@ def remote(base: dict = REDIS, **changes) -> dict:
 def test_redis_tier_loads_with_its_defaults():
     cfg = load_config(stack(HOST, REDIS, placement="write_back"))
     tier = cfg.tiers[1]
-    assert isinstance(tier, RemoteTierConfig) and cfg.remote is tier
+    assert isinstance(tier, RemoteTierConfig) and remote_config(cfg) is tier
     assert (tier.timeout, tier.prefix, tier.auth_key_env, tier.placement) == (2.0, "kvtier", None, "write_through")
     assert tier.redis == RedisConfig(url="redis://127.0.0.1:6379/0", password_env=None, pool_size=4, ca_file=None)
     assert tier.mooncake is None and tier.capacity is None and tier.eviction is None
