@@ -105,6 +105,11 @@ class TierConfigBase(ConfigModel):
                 f"capacity_blocks={self.capacity_blocks})"
             )
 
+    @classmethod
+    def yaml_keys(cls) -> list[str]:
+        """The keys a tier of this medium takes in YAML."""
+        return list(cls.model_fields)
+
     def footprint(self, block_bytes: int, header_room: int = 0) -> int:
         """Bytes of the tier's ``capacity`` one block takes (with the stack's ``header_room`` for host slots)."""
         return block_bytes

@@ -105,6 +105,7 @@ class Medium:
     hit_source: str | None = None  # vLLM's CacheHitSource for its hits ("HOST", "DISK"); None: external
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
+    survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
 
 
 _MEDIA: dict[str, Medium] = {}

@@ -50,7 +50,7 @@ from typing import NamedTuple
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, Job, JobState
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import Capabilities
+from kvtier.core.media import HOST, Capabilities
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
@@ -293,7 +293,7 @@ class Planner:
         if len(route) > 3:
             raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
         if len(route) == 2 and tier.by_key:
-            route = (route[0], "host", route[1])  # into a slot kvtier can keep out of use, never the caller's
+            route = (route[0], HOST, route[1])  # into a slot kvtier can keep out of use, never the caller's
         if len(route) == 2:
             return None
         index = next((i for i, t in enumerate(self.tiers) if t.medium == route[1]), None)
@@ -427,7 +427,7 @@ class Planner:
         below = index + 1
         if write_through and below < len(self.tiers) and not self.tiers[below].by_key:
             targets.append(below)
-        if self.tiers[index].medium == "host":
+        if self.tiers[index].medium == HOST:
             targets += [i for i, t in enumerate(self.tiers) if t.by_key and not t.takes_demotions and i > index]
         return targets
 

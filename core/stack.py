@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
-from kvtier.core.media import Capabilities, caller_medium
+from kvtier.core.media import HOST, Capabilities, caller_medium, medium
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
@@ -308,9 +308,10 @@ class TierStack:
 
     def _copy_down_to_disk(self, timeout: float | None) -> None:
         """Copy every block a tier holds that the tier below lacks into it, top down, as far as the
-        lowest disk tier: what a restart finds is then everything the stack held."""
+        lowest tier whose medium keeps blocks across a restart (disk): what a restart finds is then
+        everything the stack held."""
         for index in range(len(self.tiers) - 1):
-            if not any(t.medium == "disk" for t in self.tiers[index + 1 :]):
+            if not any(medium(t.medium).survives_restart for t in self.tiers[index + 1 :]):
                 break
             with self._lock:
                 self._copy_down(index, self.tiers[index].ready_keys(), closing=True)
@@ -437,7 +438,7 @@ def _neighbours(tiers: Sequence[Tier]) -> list[tuple[Tier, Tier]]:
     """The pairs of tiers blocks move between: each local tier and the next, and a remote tier (by
     key) and the host tier its blocks come from and stage through."""
     local = [t for t in tiers if not t.by_key]
-    host = next((t for t in local if t.medium == "host"), None)
+    host = next((t for t in local if t.medium == HOST), None)
     return list(itertools.pairwise(local)) + [(host or t, t) for t in tiers if t.by_key]
 
 

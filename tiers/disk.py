@@ -695,4 +695,13 @@ def _direct(other: str, caps: Capabilities) -> bool:
     return other == "gpu" and caps.gpu_direct_storage
 
 
-MEDIUM = Medium("disk", DiskTierConfig, _tier, _rank_storage, direct=_direct, event_medium="STORAGE", hit_source="DISK")
+MEDIUM = Medium(
+    "disk",
+    DiskTierConfig,
+    _tier,
+    _rank_storage,
+    direct=_direct,
+    event_medium="STORAGE",
+    hit_source="DISK",
+    survives_restart=True,
+)

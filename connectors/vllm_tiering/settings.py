@@ -60,7 +60,7 @@ def tier_settings(
     where = f"secondary_tiers entry {tier_type!r}"
     entry = dict(entry)
     option_keys = [key for key in AdapterOptions.model_fields if medium == "remote" or key != "staging_blocks"]
-    tier_keys = [key for key in tier_configs()[medium].model_fields if key != "medium"]
+    tier_keys = [key for key in tier_configs()[medium].yaml_keys() if key != "medium"]
     if "medium" in entry:
         raise ConfigError(
             f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "

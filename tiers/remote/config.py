@@ -1,72 +1,58 @@
-"""The remote tier's YAML schema: the tier's own keys and each store backend's settings (Mooncake Store,
-Redis/Valkey), beside the clients that use them, so that kvtier's core knows no store.
+"""The remote tier's YAML schema, and the registry of the stores it can use: each backend (Mooncake
+Store in ``mooncake_settings``, Redis/Valkey in ``redis_settings``) is one ``StoreBackend`` entry with
+its settings model and how to open its clients, so kvtier's core knows no store and a new store is its
+client module, its settings module and one ``register_store_backend`` call.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
-from urllib.parse import urlsplit
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from kvtier.core.config import (
-    ConfigModel,
-    EnvName,
-    ProblemList,
-    SizeOrZero,
-    StackConfig,
-    TierConfigBase,
-    env_name_hint,
-)
-from kvtier.core.config_messages import Problems
+from kvtier.core.config import ConfigModel, EnvName, ProblemList, StackConfig, TierConfigBase, env_name_hint
+from kvtier.core.config_messages import Problems, explain
+from kvtier.core.errors import shown
 from kvtier.core.media import HOST
+from kvtier.tiers.remote.link import Connector
+
+INSTALL = "pip install 'kvtier[remote]'"
+"""The install line a missing client package's error names."""
 
 
-class MooncakeConfig(ConfigModel):
-    """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
+@dataclass(frozen=True)
+class StoreBackend:
+    """One store a remote tier can use (``backend: <name>``): its settings, given under the tier's key of
+    the backend's name, and how to open its clients (``connector(settings, timeout, lends_memory)``;
+    a client that does not lend memory only asks: lookups)."""
 
-    master: str = Field(
-        pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)"
-    )
-    metadata_server: str = Field(
-        pattern=r"^[a-z][a-z0-9+.-]*://\S+$", description="a URL, e.g. http://127.0.0.1:8080/metadata"
-    )
-    # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
-    # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
-    segment_size: SizeOrZero = 0
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
+    name: str
+    settings: type[ConfigModel]
+    connector: Callable[[Any, float, bool], Connector]
 
 
-class RedisConfig(ConfigModel):
-    """How to reach a Redis or Valkey server. The password comes from the environment (``password_env``)."""
-
-    url: str = Field(
-        pattern=r"^rediss?://\S+$",  # redis://host:port/db, or rediss:// for TLS
-        description="a redis:// or rediss:// URL, e.g. redis://127.0.0.1:6379/0",
-    )
-    password_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_REDIS_PASSWORD"))
-    pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
-    ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
-
-    @field_validator("url")
-    @classmethod
-    def _no_password(cls, value: str) -> str:
-        if urlsplit(value).password is not None:
-            raise ValueError(
-                "the URL carries a password; remove it and name an environment variable holding "
-                "it in password_env (a secret never belongs in a config file)"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _ca_for_tls(self) -> RedisConfig:
-        if self.ca_file is not None and not self.url.startswith("rediss://"):
-            raise ValueError("ca_file applies to TLS connections only; use a rediss:// URL or remove ca_file")
-        return self
+_BACKENDS: dict[str, StoreBackend] = {}
 
 
-REMOTE_BACKENDS = ("mooncake", "redis")
+def register_store_backend(backend: StoreBackend) -> None:
+    """Add a store: remote tiers can name it as their ``backend`` from now on."""
+    known = _BACKENDS.get(backend.name)
+    if known is not None and known != backend:
+        raise ValueError(f"a store backend named {backend.name!r} is registered already")
+    _BACKENDS[backend.name] = backend
+
+
+def store_backend(name: str) -> StoreBackend:
+    return _BACKENDS[name]
+
+
+def store_backends() -> tuple[str, ...]:
+    """The registered backends' names, in the order registered."""
+    return tuple(_BACKENDS)
+
+
 HEADER_ROOM = 4096
 """Bytes before each host slot of a stack with a remote tier, for a record's header, so header and block
 move to and from the store as one piece (a separate header piece cost Mooncake's transfers 4-9 ms per
@@ -83,11 +69,12 @@ class RemoteTierConfig(TierConfigBase):
     ``password_env``), never from the file.
     """
 
+    model_config = ConfigDict(extra="allow", strict=True)  # the backend's settings, under its name (checked below)
     keyed: ClassVar[bool] = True
     header_room_above: ClassVar[int] = HEADER_ROOM
 
     medium: Literal["remote"]
-    backend: Literal["mooncake", "redis"]
+    backend: str
     timeout: float = Field(2.0, gt=0)  # seconds any call to the store may take; then it is a miss or a drop
     prefix: str = Field(
         "kvtier",
@@ -97,8 +84,24 @@ class RemoteTierConfig(TierConfigBase):
     # a MAC secret: records without a valid MAC are misses
     auth_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_REMOTE_MAC_KEY"))
     placement: Literal["write_through", "write_back"] = "write_through"
-    mooncake: MooncakeConfig | None = None
-    redis: RedisConfig | None = None
+    _settings: ConfigModel | None = PrivateAttr(None)
+
+    @classmethod
+    def yaml_keys(cls) -> list[str]:
+        return [*super().yaml_keys(), *store_backends()]
+
+    @property
+    def settings(self) -> ConfigModel:
+        """The backend's settings, validated by its own model."""
+        assert self._settings is not None  # (set by validation)
+        return self._settings
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in _BACKENDS:
+            raise ValueError(f"{shown(value)} is not allowed; allowed: {', '.join(_BACKENDS)}")
+        return value
 
     @model_validator(mode="after")
     def _store_owns_its_memory(self) -> RemoteTierConfig:
@@ -117,27 +120,35 @@ class RemoteTierConfig(TierConfigBase):
                         f"evicts by itself (size it on the server); remove {key}",
                     )
                 )
-        for backend in REMOTE_BACKENDS:
-            given = getattr(self, backend) is not None
-            if backend == self.backend and not given:
-                problems.append(
-                    (
-                        (),
-                        f"missing key {backend!r}: the {backend} backend's settings "
-                        f"({', '.join(_BACKEND_CONFIGS[backend].model_fields)})",
-                    )
-                )
-            if backend != self.backend and given:
-                problems.append(
-                    (
-                        (backend,),
-                        f"settings for {backend} but the backend is {self.backend}; remove "
-                        f"them or set backend: {backend}",
-                    )
-                )
+        problems.extend(self._backend_problems())
         if problems:
             raise Problems(problems)
         return self
+
+    def _backend_problems(self) -> ProblemList:
+        """The chosen backend's settings, validated by its model (kept in ``settings``); settings of
+        another backend or a key nobody knows are mistakes."""
+        problems: ProblemList = []
+        given = self.model_extra or {}
+        for key in given:
+            if key in _BACKENDS and key != self.backend:
+                problems.append(
+                    ((key,), f"settings for {key} but the backend is {self.backend}; remove them or set backend: {key}")
+                )
+            elif key not in _BACKENDS:
+                problems.append(((key,), f"unknown key {key!r}; allowed: {', '.join(self.yaml_keys())}"))
+        chosen = _BACKENDS[self.backend]
+        if self.backend not in given:
+            fields = ", ".join(chosen.settings.model_fields)
+            return [((), f"missing key {self.backend!r}: the {self.backend} backend's settings ({fields})"), *problems]
+        try:
+            self._settings = chosen.settings.model_validate(given[self.backend])
+        except ValidationError as exc:
+            problems.extend(
+                ((self.backend, path) if path else (self.backend,), msg)
+                for path, msg in explain(exc, chosen.settings, {})
+            )
+        return problems
 
     def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
         """Where a remote tier may sit: last (nothing of ours lies below a store others evict from), with
@@ -171,9 +182,6 @@ class RemoteTierConfig(TierConfigBase):
                 )
             )
         return problems
-
-
-_BACKEND_CONFIGS: dict[str, type[ConfigModel]] = {"mooncake": MooncakeConfig, "redis": RedisConfig}
 
 
 def remote_config(stack: StackConfig) -> RemoteTierConfig | None:

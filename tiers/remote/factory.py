@@ -9,61 +9,24 @@ starts makes misses, not a failed start.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Sequence
 
-from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
-from kvtier.tiers.remote.config import MooncakeConfig, RedisConfig, RemoteTierConfig
+from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, mac_key, namespace_digest
 from kvtier.tiers.remote.tier import RemoteStorage, RemoteTier
 
-INSTALL = "pip install 'kvtier[remote]'"
 LOOKUP_CLIENTS = 1
 """Lookups are one batched query each, asked by one executor thread at a time."""
 
 
 def connector(config: RemoteTierConfig, lends_memory: bool = True) -> Connector:
-    """How to open clients of the configured store, with up to how many open at once (Redis: the
-    configured pool; Mooncake: one client per process, its calls one at a time). A Mooncake client
-    that does not ``lends_memory`` mounts no segment whatever ``segment_size`` says: lookup clients
-    (the vLLM scheduler's among them) only ask, so the memory an engine lends is its workers' alone."""
-    if config.redis is not None:
-        return _redis(config.redis, config.timeout)
-    assert config.mooncake is not None  # the config's validation: one backend mapping, the chosen one
-    return _mooncake(config.mooncake, config.timeout, config.mooncake.segment_size if lends_memory else 0)
-
-
-def _redis(options: RedisConfig, timeout: float) -> Connector:
-    try:
-        from kvtier.tiers.remote.redis_client import RedisClient
-    except ImportError as exc:
-        raise ConfigError(f"backend: redis needs the redis and hiredis packages ({exc}); {INSTALL}") from None
-    connect = functools.partial(
-        RedisClient, options.url, timeout=timeout, password=_password(options.password_env), ca_file=options.ca_file
-    )
-    return Connector(connect, options.pool_size, f"redis at {options.url}")
-
-
-def _mooncake(options: MooncakeConfig, timeout: float, segment_size: int) -> Connector:
-    from kvtier.tiers.remote.mooncake_client import MooncakeClient, store_class
-
-    store_class()  # raises ConfigError naming the install line when the wheel or libibverbs1 is missing
-
-    connect = functools.partial(
-        MooncakeClient,
-        master=options.master,
-        metadata_server=options.metadata_server,
-        timeout=timeout,
-        segment_size=segment_size,
-        protocol=options.protocol,
-        local_hostname=options.local_hostname,
-    )
-    return Connector(connect, 1, f"Mooncake master {options.master}")
+    """How to open clients of the configured store, with up to how many open at once (its backend's
+    ``StoreBackend.connector``); a client that does not ``lends_memory`` only asks (lookups)."""
+    return store_backend(config.backend).connector(config.settings, config.timeout, lends_memory)
 
 
 def record_format(
@@ -89,19 +52,6 @@ def remote_tier(
     wired = connector(config, lends_memory=False)
     link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
     return RemoteTier(name, layout, records, link, config.placement)
-
-
-def _password(env_name: str | None) -> str | None:
-    """The server's password from the environment variable ``env_name``; never a config value."""
-    if env_name is None:
-        return None
-    value = os.environ.get(env_name, "")
-    if not value:
-        raise ConfigError(
-            f"password_env: the environment variable {env_name} is unset or empty; set it to the "
-            f"server's password, or remove password_env"
-        )
-    return value
 
 
 def _tier(request: TierRequest) -> RemoteTier:

@@ -11,7 +11,9 @@ import pytest
 from helpers.config_helpers import error_of
 from kvtier.core.config import capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError
-from kvtier.tiers.remote.config import HEADER_ROOM, MooncakeConfig, RedisConfig, RemoteTierConfig, remote_config
+from kvtier.tiers.remote.config import HEADER_ROOM, RemoteTierConfig, remote_config
+from kvtier.tiers.remote.mooncake_settings import MooncakeConfig
+from kvtier.tiers.remote.redis_settings import RedisConfig
 
 REDIS = {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:6379/0"}}
 MOONCAKE = {
@@ -42,8 +44,8 @@ def test_redis_tier_loads_with_its_defaults():
     tier = cfg.tiers[1]
     assert isinstance(tier, RemoteTierConfig) and remote_config(cfg) is tier
     assert (tier.timeout, tier.prefix, tier.auth_key_env, tier.placement) == (2.0, "kvtier", None, "write_through")
-    assert tier.redis == RedisConfig(url="redis://127.0.0.1:6379/0", password_env=None, pool_size=4, ca_file=None)
-    assert tier.mooncake is None and tier.capacity is None and tier.eviction is None
+    assert tier.settings == RedisConfig(url="redis://127.0.0.1:6379/0", password_env=None, pool_size=4, ca_file=None)
+    assert "mooncake" not in tier.model_extra and tier.capacity is None and tier.eviction is None
     # the last tier kvtier evicts from is the host tier: it gets the last tier's default policy
     assert cfg.tier_eviction(0) == "adaptive" and cfg.last_local_tier == 0
     with pytest.raises(ConfigError, match="tiers\\[1\\] is a remote tier"):
@@ -59,7 +61,7 @@ def test_mooncake_tier_loads_and_round_trips():
         )
     )
     tier = cfg.tiers[2]
-    assert tier.mooncake == MooncakeConfig(
+    assert tier.settings == MooncakeConfig(
         master="127.0.0.1:50051",
         metadata_server="http://127.0.0.1:8080/metadata",
         segment_size=512_000_000,
@@ -69,7 +71,7 @@ def test_mooncake_tier_loads_and_round_trips():
     assert (tier.timeout, tier.auth_key_env, tier.prefix) == (1.0, "KVTIER_MAC", "team-a")
     assert cfg.tier_eviction(1) == "adaptive" and cfg.tier_eviction(0) == "lru"
     assert load_config(cfg.model_dump(exclude_none=True)) == cfg
-    assert load_config(stack(HOST, remote(MOONCAKE, mooncake={"segment_size": 0}))).tiers[1].mooncake.segment_size == 0
+    assert load_config(stack(HOST, remote(MOONCAKE, mooncake={"segment_size": 0}))).tiers[1].settings.segment_size == 0
 
 
 @pytest.mark.parametrize(

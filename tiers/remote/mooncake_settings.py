@@ -1,0 +1,52 @@
+"""Mooncake Store as a remote tier's backend (``backend: mooncake``): its settings and how to open its
+clients (``mooncake_client``, imported only then: the wheel is an optional extra)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+from pydantic import Field
+
+from kvtier.core.config import ConfigModel, SizeOrZero
+from kvtier.tiers.remote.config import StoreBackend
+from kvtier.tiers.remote.link import Connector
+
+
+class MooncakeConfig(ConfigModel):
+    """How to reach a Mooncake Store: its master and metadata server, and what this process contributes."""
+
+    master: str = Field(
+        pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port (the Mooncake master's RPC address, e.g. 127.0.0.1:50051)"
+    )
+    metadata_server: str = Field(
+        pattern=r"^[a-z][a-z0-9+.-]*://\S+$", description="a URL, e.g. http://127.0.0.1:8080/metadata"
+    )
+    # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
+    # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
+    segment_size: SizeOrZero = 0
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
+
+
+def connector(options: MooncakeConfig, timeout: float, lends_memory: bool) -> Connector:
+    """One client per process, its calls one at a time. A client that does not ``lends_memory`` mounts
+    no segment whatever ``segment_size`` says: lookup clients (the vLLM scheduler's among them) only
+    ask, so the memory an engine lends is its workers' alone."""
+    from kvtier.tiers.remote.mooncake_client import MooncakeClient, store_class
+
+    store_class()  # raises ConfigError naming the install line when the wheel or libibverbs1 is missing
+
+    connect = functools.partial(
+        MooncakeClient,
+        master=options.master,
+        metadata_server=options.metadata_server,
+        timeout=timeout,
+        segment_size=options.segment_size if lends_memory else 0,
+        protocol=options.protocol,
+        local_hostname=options.local_hostname,
+    )
+    return Connector(connect, 1, f"Mooncake master {options.master}")
+
+
+BACKEND = StoreBackend("mooncake", MooncakeConfig, connector)
