@@ -44,6 +44,11 @@ def register_store_backend(backend: StoreBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
+def unregister_store_backend(name: str) -> None:
+    """Remove a store a program registered (a test's, a plugin being unloaded)."""
+    _BACKENDS.pop(name, None)
+
+
 def store_backend(name: str) -> StoreBackend:
     return _BACKENDS[name]
 
