@@ -1,0 +1,601 @@
+"""What the local block index costs at scale: bytes per block, inserts and lookups per second, restart time.
+
+What is measured
+    Index: a ``Tier`` over ``SlotCount(layout, n)`` (a storage that is only a slot count: the vLLM
+    scheduler side's tiers, whose bytes the workers hold) with each default policy, ``lru`` (an upper
+    tier) and ``adaptive`` (the last tier), filled with n distinct random 16-byte keys (what
+    ``chain_hashes`` gives) in batches of 32 the way the scheduler side stores a block: ``admit``,
+    then ``reserve`` of the admitted prefix, then ``commit`` (``Planner.store`` asks ``Tier.admit``
+    and reserves; ``Planner.finish`` commits). Not ``restore``: that is only the disk tier's restart
+    path, timed below. The tier ends full, nothing evicted. Each size and structure is built in a
+    fresh process (fork), so no case runs on memory an earlier one freed.
+
+    * bytes per block, by tracemalloc: the Python heap bytes the build requested (every object and
+      container, GC headers included), exact and independent of what else the process holds; it
+      traces a second build of its own, as tracing makes allocation several times slower. It does
+      not see pymalloc rounding each object up to 16 bytes (a 16-byte key is a 49-byte object in a
+      64-byte block), so the RSS growth of the untraced build is printed beside it (a cross-check,
+      meaningful at millions of blocks; below that, heap the process already had blurs it).
+      ``index_bytes_per_block``: the tier and its policy (the keys excluded); ``key_bytes_per_block``:
+      the key objects, which the caller made and the index keeps alive.
+    * where the bytes go: ``sys.getsizeof`` of every dict, set and list the tier and its policy hold
+      (a policy's helper objects walked too), plus per-object costs (one ``_Entry``, one slot int)
+      traced on their own; what that leaves unexplained of the tracemalloc total is printed too
+      (-4 for the plain dict: ``enumerate`` asks 28 bytes for an int, ``range`` 32; both get 32).
+    * inserts per second: the whole untraced fill; lookups per second: ``Tier.lookup`` of prefixes
+      of 32 present keys at random places (each call finds all 32), best of ``--repeat`` passes.
+    * after churn (``--churn-blocks``, one smaller size: churning 10 M blocks takes too long): the
+      same tiers kept full while ``--churn`` x n further new keys are stored (``reserve`` evicts
+      through the policy, as ``Planner.make_room`` does for the last tier), traced throughout. A
+      filled dict is at 1/3 to 2/3 load; one that deletes and inserts resizes to used x 3 instead,
+      and ``adaptive`` remembers evicted and declined keys (its history keeps their key objects
+      alive), so a serving tier costs more than a freshly filled one.
+
+    Restart: a disk slab (``DiskSlab``) for 2 MiB and for 64 KiB blocks sized for ``--slab-bytes``
+    (1 TiB), created in a scratch folder under ``--dir``. DiskSlab preallocates its file for real
+    (``posix_fallocate``, sparse only where the filesystem cannot), so a 1 TiB slab needs 1 TiB
+    free: the slab is cut to ``--disk-share`` (20%) of the free space when it does not fit, and the
+    times are scaled to the requested slot count, marked ``extrapolated``: linear, as the scan reads
+    one header page per slot, and the reopen's ``posix_fallocate`` walks the file's extents, which
+    the header writes split into one per slot (open and scan are also given apart). A valid slot
+    header (``pack_slot_header``, with the slab's namespace digest) is written at the start of every
+    slot, one ``pwrite`` of one page each, no block bytes; the slab is closed and its pages dropped
+    from the page cache (``POSIX_FADV_DONTNEED``); then reopening plus ``scan()`` is timed cold, and
+    once more warm. ``scan_blank_s``: ``scan()`` of the fresh slab before any header is written (a
+    blank page costs more to recognise than a valid header).
+
+    ``Tier.restore`` of the recovered blocks (what ``disk_tier`` and the scheduler side do next) is
+    timed on its own for ``--restore-blocks`` and half of that: it does not scale linearly
+    (``SlotAllocator.claim`` removes each slot from the list of free ones, O(n) each), so its time
+    at the full slot count is extrapolated as n^2, the growth of that loop (the exponent the two
+    points give is printed to check it).
+
+References, measured in the same run
+    A plain ``dict[bytes, int]`` of the same keys to slot numbers, filled in the same batches and
+    looked up by the same prefixes with the least loop that answers "how many leading keys are
+    present": the least a Python index can cost.
+
+The last line printed is one JSON object. At the largest size, for the worse of the two policies:
+``ratio`` = kvtier's (index + key) bytes per block / the plain dict's (table + slot ints + key);
+``lookup_ratio`` and ``insert_ratio`` = kvtier's per-second rate / the plain dict's (below 1:
+slower). Then every figure, per size and policy (``index``), after churn (``churn``) and per slot
+size (``recovery``: ``recovery_s`` is the cold reopen + scan).
+
+Run: ``.venv/bin/python bench/index.py [--blocks 1000000,10000000] [--churn-blocks 1000000]
+[--slab-bytes 1TiB] [--skip-recovery]`` (about 11 minutes and 8 GiB of memory at the defaults on two
+cores, and 20% of the free disk for a moment; ``--blocks 100000 --churn-blocks 100000 --slab-bytes
+1GiB`` for a quick check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from kvtier.core.keys import KEY_BYTES
+from kvtier.core.layout import BlockLayout
+from kvtier.core.planner import SlotCount
+from kvtier.core.sizes import format_size, parse_size
+from kvtier.core.slots import PAGE, slot_stride
+from kvtier.core.tier import BlockState, Tier, _Entry
+from kvtier.policies import eviction_policy_class
+from kvtier.tiers.compression import CODEC_IDS
+from kvtier.tiers.disk import DiskSlab, pack_slot_header
+
+BATCH = 32  # keys per store, and per lookup: a request's chain of blocks
+POLICIES = ("lru", "adaptive")  # the defaults: an upper tier, the last tier
+LAYOUT = BlockLayout.contiguous(64 * 1024)  # the index does not depend on the geometry
+SMALL_INTS = 257  # CPython caches the ints -5..256: a slot below 257 costs no object of its own
+NAMESPACE = "bench-index"
+KiB, MiB = 1024, 1024 * 1024
+
+
+# --- keys, structures, the store and lookup paths ---------------------------------------------
+
+
+def make_keys(n: int, seed: int) -> list[bytes]:
+    """``n`` distinct random 16-byte keys (as chain hashes are: uniform digests), each its own object."""
+    data = random.Random(seed).randbytes(KEY_BYTES * n)
+    return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
+
+
+def new_tier(policy: str, n: int) -> Tier:
+    """A tier of ``n`` slots as the scheduler side builds one: slot count only, a default policy."""
+    return Tier("bench", "host", SlotCount(LAYOUT, n), eviction_policy_class(policy)())
+
+
+def store(tier: Tier, keys: Sequence[bytes]) -> None:
+    """Store ``keys`` batch by batch as the scheduler side does: the prefix the policy admits is
+    reserved (evicting through the policy when the tier is full) and committed."""
+    for start in range(0, len(keys), BATCH):
+        batch = keys[start : start + BATCH]
+        verdicts = tier.admit(batch)
+        if False in verdicts:
+            batch = batch[: verdicts.index(False)]
+        if batch:
+            tier.reserve(batch)
+            tier.commit(batch)
+
+
+def fill_dict(keys: Sequence[bytes]) -> dict[bytes, int]:
+    """The reference index: key -> slot number, filled in the same batches."""
+    index: dict[bytes, int] = {}
+    for start in range(0, len(keys), BATCH):
+        for slot, key in enumerate(keys[start : start + BATCH], start):
+            index[key] = slot
+    return index
+
+
+def dict_lookup(index: dict[bytes, int], keys: Sequence[bytes]) -> int:
+    """How many leading keys the reference index holds: ``Tier.lookup`` without lock or block state."""
+    for i, key in enumerate(keys):
+        if key not in index:
+            return i
+    return len(keys)
+
+
+def build(kind: str, keys: list[bytes]) -> tuple[object, Callable[[Sequence[bytes]], int]]:
+    """The filled structure of ``kind`` ("dict" or a policy name) and its lookup."""
+    if kind == "dict":
+        index = fill_dict(keys)
+        return index, lambda batch: dict_lookup(index, batch)
+    tier = new_tier(kind, len(keys))
+    store(tier, keys)
+    if tier.usage().used != len(keys):
+        raise AssertionError(f"{kind}: {tier.usage().used} of {len(keys)} blocks stored")
+    return tier, tier.lookup
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def traced_each(make: Callable[[int], object], count: int = 100_000) -> float:
+    """Heap bytes per object ``make(i)`` builds, by tracemalloc (the list holding them is made before
+    tracing starts): includes what ``sys.getsizeof`` leaves out, such as the separate array in which
+    Python 3.11 keeps a plain class instance's attribute values."""
+    objects: list[object] = [None] * count
+    tracemalloc.start()
+    for i in range(count):
+        objects[i] = make(i)
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return size / count
+
+
+def object_costs() -> dict[str, float]:
+    """Bytes of one key, one ``_Entry`` and one slot int: traced, and as ``sys.getsizeof`` says."""
+    data = random.Random(0).randbytes(KEY_BYTES * 100_000)
+    slot = 1000  # one shared int: an _Entry's own bytes only
+    return {
+        "key": traced_each(lambda i: data[i * KEY_BYTES : (i + 1) * KEY_BYTES]),
+        "key_getsizeof": sys.getsizeof(data[:KEY_BYTES]),
+        "entry": traced_each(lambda i: _Entry(slot, BlockState.READY)),
+        "entry_getsizeof": sys.getsizeof(_Entry(slot, BlockState.READY)),
+        "int": traced_each(lambda i: i + 1000),
+        "int_getsizeof": sys.getsizeof(1000),
+    }
+
+
+def policy_parts(policy: object, index: dict) -> tuple[dict[str, int], set[bytes]]:
+    """``sys.getsizeof`` of every dict, set and list a policy holds, by attribute path (its helper
+    objects such as adaptive's miniatures walked too), and the keys it holds that ``index`` does
+    not: evicted or declined keys it remembers, whose objects only it keeps alive."""
+    parts: dict[str, int] = {}
+    outside: set[bytes] = set()
+
+    def walk(obj: object, prefix: str) -> None:
+        names = list(vars(obj)) if hasattr(obj, "__dict__") else list(getattr(type(obj), "__slots__", ()))
+        for name in names:
+            value = getattr(obj, name)
+            if isinstance(value, (dict, set, list)):
+                parts[prefix + name] = sys.getsizeof(value)
+                outside.update(k for k in value if isinstance(k, bytes) and k not in index)
+            elif type(value).__module__.startswith("kvtier.policies"):
+                walk(value, prefix + name + ".")
+
+    walk(policy, "")
+    return parts, outside
+
+
+def structure_parts(kind: str, structure, costs: dict[str, float]) -> dict[str, float]:
+    """Bytes of a filled structure by part (the keys excluded), from sys.getsizeof and the traced
+    per-object costs. Slot ints: the allocator makes one per slot up front (``list(range)``), the
+    reference one per slot it stores; both keep them all."""
+    if kind == "dict":
+        return {"dict table": sys.getsizeof(structure), "slot ints": max(0, len(structure) - SMALL_INTS) * costs["int"]}
+    tier: Tier = structure
+    allocator = tier._allocator
+    policy, outside = policy_parts(tier.policy, tier._entries)
+    return {
+        "entries dict": sys.getsizeof(tier._entries),
+        "_Entry objects": len(tier._entries) * costs["entry"],
+        "slot ints": max(0, tier.capacity - SMALL_INTS) * costs["int"],
+        "allocator lists": sys.getsizeof(allocator._free) + sys.getsizeof(allocator._is_free),
+        "pinned, quarantined sets": sys.getsizeof(tier._pinned) + sys.getsizeof(tier._quarantined),
+        **{f"policy {path}": size for path, size in policy.items()},
+        "policy: key objects of evicted/declined keys": len(outside) * costs["key"],
+    }
+
+
+# --- the measurements (each in a fresh process) -----------------------------------------------
+
+
+def index_case(kind: str, n: int, seed: int, lookups: int, repeat: int, costs: dict[str, float]) -> dict:
+    """Build ``kind`` over ``n`` keys: timed and measured by RSS, looked up, taken apart, then built
+    again under tracemalloc."""
+    rss0 = rss_bytes()
+    keys = make_keys(n, seed)
+    rss1 = rss_bytes()
+    start = time.perf_counter()
+    structure, lookup = build(kind, keys)
+    insert_s = time.perf_counter() - start
+    rss_index = rss_bytes() - rss1
+
+    rng = random.Random(seed + 1)
+    batches = [keys[s : s + BATCH] for s in (rng.randrange(n - BATCH + 1) for _ in range(max(1, lookups // BATCH)))]
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        found = sum(lookup(batch) for batch in batches)
+        best = min(best, time.perf_counter() - start)
+        if found != len(batches) * BATCH:
+            raise AssertionError(f"{kind}: {found} of {len(batches) * BATCH} present keys found")
+    parts = structure_parts(kind, structure, costs)
+
+    del structure, lookup
+    gc.collect()
+    tracemalloc.start()
+    structure, _ = build(kind, keys)
+    traced = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {
+        "blocks": n,
+        "index_bytes_per_block": traced / n,
+        "key_bytes_per_block": costs["key"],
+        "total_bytes_per_block": traced / n + costs["key"],
+        "rss_index_bytes_per_block": rss_index / n,
+        "rss_key_bytes_per_block": (rss1 - rss0) / n - 8,  # less the bench's list of keys
+        "parts_bytes_per_block": {name: size / n for name, size in parts.items()},
+        "unattributed_bytes_per_block": (traced - sum(parts.values())) / n,
+        "insert_s": insert_s,
+        "inserts_per_s": n / insert_s,
+        "lookups_per_s": len(batches) * BATCH / best,
+    }
+
+
+def churn_case(policy: str, n: int, rounds: int, seed: int, costs: dict[str, float]) -> dict:
+    """Fill a tier of ``n`` slots, then store ``rounds`` x n further new keys (each evicting one);
+    traced throughout. Bytes per block are per slot of the full tier, its live keys excluded."""
+    tracemalloc.start()
+    tier = new_tier(policy, n)
+    per_round = []
+    start = time.perf_counter()
+    for r in range(rounds + 1):
+        store(tier, make_keys(n, seed + 1000 + r))
+        per_round.append(tracemalloc.get_traced_memory()[0] / n - costs["key"])
+    elapsed = time.perf_counter() - start
+    parts = structure_parts(policy, tier, costs)
+    tracemalloc.stop()
+    stats = tier.stats
+    return {
+        "blocks": n,
+        "stored": stats.committed,
+        "evicted": stats.evicted,
+        "declined": stats.declined,
+        "index_bytes_per_block": per_round[-1],
+        "index_bytes_per_block_max": max(per_round[1:], default=per_round[0]),
+        "index_bytes_per_block_by_round": per_round,
+        "parts_bytes_per_block": {name: size / n for name, size in parts.items()},
+        "unattributed_bytes_per_block": per_round[-1] - sum(parts.values()) / n,
+        "traced_s": elapsed,
+    }
+
+
+def in_child(fn: Callable[..., dict], *args) -> dict:
+    """Run ``fn(*args)`` in a fresh forked process: a clean heap for every case, so an RSS delta is
+    not offset by memory an earlier case freed, and 10 M blocks' worth of objects leave with it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# --- restart of a disk tier -------------------------------------------------------------------
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point above it)."""
+    best, fstype = "", "unknown"
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mount = fields[1]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, fstype = mount, fields[2]
+    return fstype
+
+
+def drop_cached_pages(path: Path) -> None:
+    """Evict a closed (so flushed) file's pages from the page cache: the next read is a cold one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def reopen_and_scan(directory: Path, slots: int, layout: BlockLayout) -> tuple[float, float, list]:
+    """Seconds to open the slab again and to scan its headers (a restart), and what the scan found."""
+    start = time.perf_counter()
+    slab = DiskSlab(directory, slots, layout, NAMESPACE)
+    try:
+        opened = time.perf_counter()
+        found, damaged = slab.scan()
+        scanned = time.perf_counter()
+    finally:
+        slab.close()
+    if damaged or len(found) != slots:
+        raise AssertionError(f"scan found {len(found)} of {slots} blocks, {damaged} damaged")
+    return opened - start, scanned - opened, found
+
+
+def restart_case(parent: str, block_bytes: int, slab_bytes: int, share: float, seed: int) -> dict:
+    """Create a slab of ``slab_bytes`` (or what ``share`` of the free space holds), write a header
+    into every slot, and time a cold and a warm reopen + scan."""
+    stride = slot_stride(block_bytes)
+    wanted = (slab_bytes - PAGE) // stride
+    free = shutil.disk_usage(parent).free
+    slots = min(wanted, int((free * share - PAGE) // stride))
+    if slots < 1:
+        raise SystemExit(f"{parent}: {format_size(free)} free holds no {format_size(block_bytes)} slot")
+    layout = BlockLayout.contiguous(block_bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-index-", dir=parent))
+    directory = scratch / "slab"
+    try:
+        start = time.perf_counter()
+        slab = DiskSlab(directory, slots, layout, NAMESPACE)
+        create_s = time.perf_counter() - start
+        try:
+            st = os.fstat(slab.open_fd)
+            file_bytes, allocated = st.st_size, st.st_blocks * 512
+            start = time.perf_counter()
+            slab.scan()
+            scan_blank_s = time.perf_counter() - start
+            page = bytearray(PAGE)
+            keys = make_keys(slots, seed)
+            start = time.perf_counter()
+            for slot, key in enumerate(keys):
+                pack_slot_header(page, 0, key, slab.namespace, block_bytes, 0, slot + 1, block_bytes, CODEC_IDS["none"])
+                os.pwrite(slab.open_fd, page, slab.slot_offset(slot))
+            write_s = time.perf_counter() - start
+        finally:
+            slab.close()
+        drop_cached_pages(slab.path)
+        cold_open_s, cold_s, found = reopen_and_scan(directory, slots, layout)
+        warm_open_s, warm_s, _ = reopen_and_scan(directory, slots, layout)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if [key for _, key, _ in found] != keys:
+        raise AssertionError("the scan did not give back the keys written, oldest first")
+    scale = wanted / slots
+    return {
+        "block_bytes": block_bytes,
+        "slab_bytes": slab_bytes,
+        "slots": wanted,
+        "measured_slots": slots,
+        "measured_file_bytes": file_bytes,
+        "preallocated_bytes": allocated,
+        "extrapolated": slots < wanted,
+        "recovery_s": (cold_open_s + cold_s) * scale,
+        "recovery_warm_s": (warm_open_s + warm_s) * scale,
+        "scan_blank_s": scan_blank_s * scale,
+        "header_write_s": write_s * scale,
+        "measured": {"open_s": cold_open_s, "scan_s": cold_s, "warm_open_s": warm_open_s, "warm_scan_s": warm_s,
+                     "scan_blank_s": scan_blank_s, "header_write_s": write_s, "create_s": create_s},
+    }  # fmt: skip
+
+
+def restore_case(blocks: int, seed: int) -> dict:
+    """Seconds ``Tier.restore`` takes to put back ``blocks`` recovered blocks (slots 0.., oldest
+    first, as a scan of a slab filled in order returns them) into the last tier's default policy,
+    at ``blocks`` and half of it: the growth exponent between the two."""
+    times = {}
+    for n in (blocks // 2, blocks):
+        tier = new_tier(POLICIES[-1], n)
+        pairs = list(zip(make_keys(n, seed), range(n), strict=True))
+        start = time.perf_counter()
+        tier.restore(pairs)
+        times[n] = time.perf_counter() - start
+    half, full = times[blocks // 2], times[blocks]
+    return {"blocks": blocks, "restore_s": full, "restore_half_s": half, "exponent": math.log2(full / half)}
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def print_index(results: dict[int, dict[str, dict]]) -> None:
+    print("bytes per block (tracemalloc: requested heap bytes; rss: growth of the untraced build)")
+    header = (
+        f"{'blocks':>10}  {'index':<9}{'index B':>9}{'key B':>7}{'total B':>9}{'x dict':>8}"
+        f"{'rss idx B':>11}{'rss key B':>11}{'inserts/s':>12}{'x dict':>8}{'lookups/s':>12}{'x dict':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for n, cases in results.items():
+        ref = cases["dict"]
+        for kind, r in cases.items():
+            print(
+                f"{n:>10}  {kind:<9}{r['index_bytes_per_block']:>9.1f}{r['key_bytes_per_block']:>7.1f}"
+                f"{r['total_bytes_per_block']:>9.1f}{r['total_bytes_per_block'] / ref['total_bytes_per_block']:>8.2f}"
+                f"{r['rss_index_bytes_per_block']:>11.1f}{r['rss_key_bytes_per_block']:>11.1f}"
+                f"{r['inserts_per_s']:>12,.0f}{r['inserts_per_s'] / ref['inserts_per_s']:>8.2f}"
+                f"{r['lookups_per_s']:>12,.0f}{r['lookups_per_s'] / ref['lookups_per_s']:>8.2f}"
+            )
+
+
+def print_parts(title: str, parts: dict[str, float], unattributed: float) -> None:
+    print(f"  {title}")
+    for name, size in parts.items():
+        if size >= 0.05:
+            print(f"    {name:<48}{size:>9.1f}")
+    print(f"    {'(tracemalloc total less the parts above)':<48}{unattributed:>9.1f}")
+
+
+def print_recovery(recovery: list[dict], restore: dict | None) -> None:
+    print("restart of a disk tier (seconds; scaled to the requested slots where marked *; restore as n^2)")
+    header = (
+        f"{'block':>8}{'slab':>10}{'slots':>11}{'measured':>10}  {'reopen+scan cold':>17}{'warm':>9}"
+        f"{'blank scan':>11}{'write hdrs':>11}{'restore (est.)':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in recovery:
+        mark = "*" if r["extrapolated"] else " "
+        restore_s = r.get("restore_s_estimated")
+        print(
+            f"{format_size(r['block_bytes']):>8}{format_size(r['slab_bytes']):>10}{r['slots']:>11}"
+            f"{r['measured_slots']:>10}  {r['recovery_s']:>16.2f}{mark}{r['recovery_warm_s']:>8.2f}{mark}"
+            f"{r['scan_blank_s']:>10.2f}{mark}{r['header_write_s']:>10.2f}{mark}"
+            f"{'-' if restore_s is None else f'{restore_s:,.0f}':>16}"
+        )
+    if restore:
+        print(
+            f"Tier.restore: {restore['restore_half_s']:.2f} s for {restore['blocks'] // 2} blocks, "
+            f"{restore['restore_s']:.2f} s for {restore['blocks']}: time grows as n^{restore['exponent']:.2f}"
+        )
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", default="1000000,10000000", help="index sizes in blocks, comma separated")
+    p.add_argument("--lookups", type=int, default=1 << 20, help="keys looked up per pass (default 2^20)")
+    p.add_argument("--repeat", type=int, default=3, help="lookup passes; the best counts (default 3)")
+    p.add_argument("--churn-blocks", type=int, default=1_000_000, help="tier size for the churn test (0: skip)")
+    p.add_argument("--churn", type=int, default=4, help="further keys stored in the churn test, x its size")
+    p.add_argument("--slab-bytes", default="1TiB", help="disk slab size for the restart test (default 1TiB)")
+    p.add_argument("--disk-share", type=float, default=0.2, help="most of the free space a slab may take")
+    p.add_argument("--restore-blocks", type=int, default=40_000, help="blocks put back by the timed Tier.restore")
+    p.add_argument("--dir", default=None, help="where the slabs go (default: the temporary directory)")
+    p.add_argument("--skip-recovery", action="store_true", help="skip the disk restart test")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.blocks = sorted(int(b) for b in args.blocks.split(","))
+    args.slab_bytes = parse_size(args.slab_bytes)
+    if min(args.blocks) < BATCH or args.lookups < BATCH or args.repeat < 1 or args.restore_blocks < 2:
+        p.error("--blocks and --lookups must be at least 32, --repeat 1, --restore-blocks 2")
+    if not 0 < args.disk_share <= 1:
+        p.error("--disk-share must be in (0, 1]")
+    args.dir = args.dir or tempfile.gettempdir()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    costs = object_costs()
+    print(
+        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs. One 16-byte key: {costs['key']:.0f} B traced "
+        f"(getsizeof {costs['key_getsizeof']}); one _Entry: {costs['entry']:.0f} B traced (getsizeof "
+        f"{costs['entry_getsizeof']}); one slot int: {costs['int']:.0f} B traced (getsizeof {costs['int_getsizeof']})"
+    )
+
+    results: dict[int, dict[str, dict]] = {}
+    for n in args.blocks:
+        results[n] = {}
+        for kind in ("dict", *POLICIES):
+            results[n][kind] = r = in_child(index_case, kind, n, args.seed, args.lookups, args.repeat, costs)
+            print(f"  {kind} over {n} blocks: filled in {r['insert_s']:.1f} s", flush=True)
+    print()
+    print_index(results)
+    print("\nwhere the index bytes go, per block (sys.getsizeof and traced per-object costs)")
+    for n, cases in results.items():
+        for kind, r in cases.items():
+            print_parts(f"{kind}, {n} blocks", r["parts_bytes_per_block"], r["unattributed_bytes_per_block"])
+
+    churn: dict[str, dict] = {}
+    if args.churn_blocks:
+        print(f"\nafter churn: a full tier of {args.churn_blocks} blocks storing {args.churn} x as many new keys")
+        for policy in POLICIES:
+            churn[policy] = r = in_child(churn_case, policy, args.churn_blocks, args.churn, args.seed, costs)
+            rounds = ", ".join(f"{b:.0f}" for b in r["index_bytes_per_block_by_round"])
+            print(
+                f"  {policy}: index bytes per block after each n stored: {rounds} "
+                f"({r['evicted']} evicted, {r['declined']} declined)"
+            )
+            print_parts(f"{policy} at the end", r["parts_bytes_per_block"], r["unattributed_bytes_per_block"])
+
+    recovery: list[dict] = []
+    restore = None
+    if not args.skip_recovery:
+        free = shutil.disk_usage(args.dir).free
+        print(f"\n{args.dir} on {filesystem_type(args.dir)}, {format_size(free)} free")
+        for block_bytes in (2 * MiB, 64 * KiB):
+            recovery.append(in_child(restart_case, args.dir, block_bytes, args.slab_bytes, args.disk_share, args.seed))
+        restore = in_child(restore_case, args.restore_blocks, args.seed)
+        for r in recovery:
+            r["restore_s_estimated"] = restore["restore_s"] * (r["slots"] / restore["blocks"]) ** 2
+        print_recovery(recovery, restore)
+        r = recovery[0]
+        print(
+            f"DiskSlab preallocates (posix_fallocate): a {format_size(r['measured_file_bytes'])} slab file had "
+            f"{format_size(r['preallocated_bytes'])} allocated before any write"
+        )
+
+    largest = results[args.blocks[-1]]
+    ref = largest["dict"]
+    ratio = max(largest[p]["total_bytes_per_block"] for p in POLICIES) / ref["total_bytes_per_block"]
+    lookup_ratio = min(largest[p]["lookups_per_s"] for p in POLICIES) / ref["lookups_per_s"]
+    insert_ratio = min(largest[p]["inserts_per_s"] for p in POLICIES) / ref["inserts_per_s"]
+    runtime = time.perf_counter() - started
+    print(
+        f"\nat {args.blocks[-1]} blocks, worse policy vs plain dict: {ratio:.2f}x the bytes, "
+        f"{lookup_ratio:.2f}x the lookups/s, {insert_ratio:.2f}x the inserts/s; total runtime {runtime:.0f} s"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "index",
+                "ratio": round(ratio, 3),
+                "lookup_ratio": round(lookup_ratio, 3),
+                "insert_ratio": round(insert_ratio, 3),
+                "blocks": args.blocks[-1],
+                **{f"{p}_{k}": round(largest[p][k], 1) for p in POLICIES for k in ("index_bytes_per_block",)},
+                "key_bytes_per_block": round(ref["key_bytes_per_block"], 1),
+                "dict_index_bytes_per_block": round(ref["index_bytes_per_block"], 1),
+                "object_costs": costs,
+                "index": {str(n): cases for n, cases in results.items()},
+                "churn": churn,
+                "recovery": recovery,
+                "restore": restore,
+                "cpus": os.cpu_count(),
+                "python": sys.version.split()[0],
+                "runtime_s": round(runtime, 1),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
