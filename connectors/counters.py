@@ -8,20 +8,35 @@ counters named ``<engine>:kvtier_<name>`` (``_total`` when scraped), hits with a
 
 from __future__ import annotations
 
-from kvtier.core.media import media
+from kvtier.core.media import media, watch_media
 
 TOTALS = ("failed_load_blocks", "stored_blocks", "load_bytes", "load_seconds", "store_bytes", "store_seconds")
 
 
+class _Names:
+    """The counter names for the media registered now: asked at every engine step, so worked out only
+    when the registry changes."""
+
+    hits: tuple[str, ...] = ()
+    counters: tuple[str, ...] = TOTALS
+
+
+def _recount() -> None:
+    _Names.hits = tuple(m.name for m in media() if m.counts_hits)
+    _Names.counters = (*(f"hit_blocks_{name}" for name in _Names.hits), *TOTALS)
+
+
+watch_media(_recount)
+
+
 def hit_media() -> tuple[str, ...]:
     """The media whose hits are counted: every registered medium but the engine's own (gpu)."""
-    return tuple(m.name for m in media() if m.counts_hits)
+    return _Names.hits
 
 
 def counter_names() -> tuple[str, ...]:
     """Every counter: ``hit_blocks_<medium>`` per medium of ``hit_media``, then the ``TOTALS``."""
-    return (*(f"hit_blocks_{name}" for name in hit_media()), *TOTALS)
-
+    return _Names.counters
 
 PROMETHEUS_HELP = {
     "hit_blocks": "Prompt blocks kvtier loaded into the engine's KV cache instead of the engine computing them, "
