@@ -12,6 +12,7 @@ thread and from transfer-completion threads at once. The policy is only called u
 
 from __future__ import annotations
 
+import array
 import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -33,43 +34,54 @@ class BlockState(enum.Enum):
 
 
 class SlotAllocator:
-    """The free slots of one tier. Refuses a double free and a slot out of range."""
+    """The free slots of one tier. Refuses a double free and a slot out of range.
+
+    Compact and O(1) per slot at any capacity (a disk tier of 16 M slots restores every one of them at
+    start): a byte per slot says whether it is free, and a stack of free slot numbers (machine ints,
+    not objects) hands them out; a slot taken by ``claim`` stays in the stack until ``allocate`` pops
+    and skips it, instead of being searched for there."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low slots first
-        self._is_free = [True] * capacity
+        self._free = array.array("q", range(capacity - 1, -1, -1))  # pop() hands out low slots first
+        self._is_free = bytearray(b"\x01") * capacity
+        self._num_free = capacity
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` slots, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+        if n > self._num_free:
             return None
-        slots = [self._free.pop() for _ in range(n)]
-        for slot in slots:
-            self._is_free[slot] = False
+        slots: list[int] = []
+        while len(slots) < n:
+            slot = self._free.pop()
+            if self._is_free[slot]:  # (else claimed since it was pushed)
+                self._is_free[slot] = 0
+                slots.append(slot)
+        self._num_free -= n
         return slots
 
     def is_free(self, slot: int) -> bool:
         """Whether ``slot`` is in range and free (False for one out of range)."""
-        return 0 <= slot < self.capacity and self._is_free[slot]
+        return 0 <= slot < self.capacity and bool(self._is_free[slot])
 
     def claim(self, slot: int) -> None:
         """Take one particular free slot (a tier reopening its storage puts recovered blocks back)."""
         if not self.is_free(slot):
             raise StateError(f"slot {slot} is not a free slot of [0, {self.capacity})")
-        self._free.remove(slot)
-        self._is_free[slot] = False
+        self._is_free[slot] = 0
+        self._num_free -= 1
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.capacity:
             raise StateError(f"slot {slot} is outside [0, {self.capacity})")
         if self._is_free[slot]:
             raise DoubleFreeError(f"slot {slot} is already free")
-        self._is_free[slot] = True
+        self._is_free[slot] = 1
+        self._num_free += 1
         self._free.append(slot)
 
 
@@ -499,7 +511,7 @@ class Tier:
             slots = [e.slot for e in self._entries.values()] + list(self._quarantined)
             assert len(slots) == len(set(slots)), "a slot is owned twice"
             assert len(slots) + self._allocator.num_free == self.capacity, "slots leaked or double counted"
-            assert all(not self._allocator._is_free[s] for s in slots), "an owned slot is on the free list"
+            assert not any(self._allocator.is_free(s) for s in slots), "an owned slot is on the free list"
             assert all(e.pins >= 0 for e in self._entries.values()), "a negative pin count"
             assert self._pinned == {k for k, e in self._entries.items() if e.pins}, "pinned set out of date"
             assert self._evicting == sum(e.evicting for e in self._entries.values()), "evicting count out of date"

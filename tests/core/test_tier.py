@@ -2,12 +2,15 @@
 kind of tier, and its state machine are in tests/contracts/test_tier.py.
 
 Invariants checked: the allocator hands out each slot once, low slots first, refuses a double free
-(DoubleFreeError) and a slot out of range (StateError), and allocates all or nothing.
+(DoubleFreeError) and a slot out of range (StateError), allocates all or nothing, and never hands out a
+slot taken by ``claim`` (checked against a set of free slots over any sequence of calls).
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.core.errors import DoubleFreeError, StateError
 from kvtier.core.tier import SlotAllocator
@@ -62,3 +65,39 @@ def test_allocator_refuses_slots_out_of_range(slot):
     with pytest.raises(StateError):
         alloc.free(slot)
     assert alloc.num_free == 0
+
+
+def test_allocator_claims_particular_slots_and_never_hands_them_out():
+    alloc = SlotAllocator(4)
+    alloc.claim(0)
+    alloc.claim(2)
+    assert alloc.num_free == 2 and not alloc.is_free(0) and alloc.is_free(1)
+    with pytest.raises(StateError):
+        alloc.claim(2)  # taken
+    with pytest.raises(StateError):
+        alloc.claim(4)  # out of range
+    assert alloc.allocate(2) == [1, 3]
+    alloc.free(2)
+    assert alloc.allocate(1) == [2] and alloc.allocate(1) is None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "free", "claim"]), st.integers(0, 9)), max_size=80))
+def test_allocator_agrees_with_a_set_of_free_slots(ops):
+    """Any sequence of allocations, frees and claims (a claimed slot stays in the free stack until it is
+    popped and skipped, perhaps freed and pushed again meanwhile) hands out only free slots, each once."""
+    alloc, free = SlotAllocator(8), set(range(8))
+    for op, n in ops:
+        if op == "allocate":
+            slots = alloc.allocate(n)
+            if n > len(free):
+                assert slots is None
+            else:
+                assert slots is not None and len(set(slots)) == n and set(slots) <= free
+                free -= set(slots)
+        elif op == "free" and n < 8 and n not in free:
+            alloc.free(n)
+            free.add(n)
+        elif op == "claim" and n in free:
+            alloc.claim(n)
+            free.discard(n)
+        assert alloc.num_free == len(free) and all(alloc.is_free(s) == (s in free) for s in range(8))
