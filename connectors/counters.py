@@ -38,6 +38,7 @@ def counter_names() -> tuple[str, ...]:
     """Every counter: ``hit_blocks_<medium>`` per medium of ``hit_media``, then the ``TOTALS``."""
     return _Names.counters
 
+
 PROMETHEUS_HELP = {
     "hit_blocks": "Prompt blocks kvtier loaded into the engine's KV cache instead of the engine computing them, "
     "by tier.",
