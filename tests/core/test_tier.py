@@ -9,8 +9,7 @@ slot taken by ``claim`` (checked against a set of free slots over any sequence o
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvtier.core.errors import DoubleFreeError, StateError
 from kvtier.core.tier import SlotAllocator
