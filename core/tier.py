@@ -85,7 +85,7 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     slot: int
     state: BlockState
