@@ -477,6 +477,9 @@ class DiskSlab:
         stores later; sparse where the filesystem cannot preallocate. A size the filesystem or the
         platform cannot hold at all is refused, naming the tier."""
         fd = self.open_fd
+        st = os.fstat(fd)
+        if st.st_size == self.file_bytes and st.st_blocks * 512 >= self.file_bytes:
+            return  # reserved by an earlier open: walking every extent again costs seconds at 16 M slots
         vfs = os.fstatvfs(fd)  # before: a failed fallocate may hold the space it got until the file goes
         free = vfs.f_bavail * vfs.f_frsize
         try:

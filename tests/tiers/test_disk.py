@@ -333,6 +333,8 @@ def test_a_larger_capacity_at_reopen_keeps_every_block(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"):
         stack = open_stack(tmp_path, host=0, disk=24)
     assert "capacity grew from 8 to 24 slots; keeping every block" in caplog.text
+    slab = os.stat(tmp_path / SLAB_NAME)  # the grown file is reserved whole again (a reopen at the same size skips it)
+    assert slab.st_blocks * 512 >= slab.st_size == PAGE + 24 * (PAGE + BLOCK)
     (disk,) = stack.tiers
     assert ready(disk, KEYS) == KEYS[:8] and disk.stats.damaged == 0
     put(stack, KEYS[8:24])  # the new slots take sixteen more without evicting
