@@ -6,6 +6,10 @@
 The schema is strict: unknown keys, wrong types and out-of-range values are errors rather than being
 ignored or coerced, because a silently ignored typo in a cache config shows up later as a cache that
 does not do what its author thinks.
+
+Each tier is validated by its medium's model, picked by ``medium`` among the media registered
+(``kvtier.core.media``): the gpu, host and disk models are here, the remote one beside the stores it
+can use (``kvtier.tiers.remote.config``), a program's own wherever it registers it.
 """
 
 from __future__ import annotations
