@@ -1,4 +1,4 @@
-"""A medium kvtier does not ship, registered by the tests: ``ram``, blocks in plain numpy arrays of this
+"""A medium kvtier does not ship, registered by the tests: ``ram``, blocks in a plain numpy array of this
 process (neither pinned nor shared). It is what a new medium takes: a config model, a standalone tier
 factory, a per-rank storage factory and one ``Medium`` entry; ``registered`` adds it for a test and
 removes it afterwards. Nothing in kvtier names it."""
@@ -13,8 +13,8 @@ import numpy as np
 
 from kvtier.core.config import SizedTierConfig
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE, Medium, RankRequest, TierRequest, register_medium, unregister_medium
-from kvtier.core.storage import StridedStorage
+from kvtier.core.media import Medium, RankRequest, TierRequest, register_medium, unregister_medium
+from kvtier.core.storage import BlockStorage, buffer_storage
 from kvtier.core.tier import Tier
 
 
@@ -24,20 +24,18 @@ class RamTierConfig(SizedTierConfig):
     medium: Literal["ram"]
 
 
-def ram_storage(slots: int, layout: BlockLayout) -> StridedStorage:
-    """``slots`` blocks in one zeroed array per fragment."""
-    arrays = [np.zeros((slots, nbytes), np.uint8) for nbytes in layout.fragment_bytes]
-    bases = [a.ctypes.data for a in arrays]
-    return StridedStorage(layout, slots, bases, list(layout.fragment_bytes), HOST_DEVICE, arrays)
+def ram_storage(slots: int, layout: BlockLayout) -> BlockStorage:
+    """``slots`` blocks in one zeroed array, addressed as a caller's buffer is (``buffer_storage``)."""
+    return buffer_storage(np.zeros((slots, layout.block_bytes), np.uint8), layout, writable=True)
 
 
 def _tier(request: TierRequest) -> Tier:
     policy, watermark = request.policy()
     storage = ram_storage(request.slots, request.layout)
-    return Tier(request.name, "ram", storage, policy, watermark, request.is_fenced, "numpy arrays (a test medium)")
+    return Tier(request.name, "ram", storage, policy, watermark, request.is_fenced, "a numpy array (a test medium)")
 
 
-def _rank_storage(request: RankRequest) -> StridedStorage:
+def _rank_storage(request: RankRequest) -> BlockStorage:
     return ram_storage(request.slots, request.layout)
 
 
