@@ -19,7 +19,7 @@ What is measured
       ``index_bytes_per_block``: the tier and its policy (the keys excluded); ``key_bytes_per_block``:
       the key objects, which the caller made and the index keeps alive.
     * where the bytes go: ``sys.getsizeof`` of every dict, set and list the tier and its policy hold
-      (a policy's helper objects walked too), plus per-object costs (one ``_Entry``, one slot int)
+      (a policy's helper objects walked too), plus per-object costs (one slot int)
       traced on their own; what that leaves unexplained of the tracemalloc total is printed too
       (-4 for the plain dict: ``enumerate`` asks 28 bytes for an int, ``range`` 32; both get 32).
     * inserts per second: the whole untraced fill; lookups per second: ``Tier.lookup`` of prefixes
@@ -69,6 +69,7 @@ cores, and 20% of the free disk for a moment; ``--blocks 100000 --churn-blocks 1
 from __future__ import annotations
 
 import argparse
+import array
 import gc
 import json
 import math
@@ -89,7 +90,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import SlotCount
 from kvtier.core.sizes import format_size, parse_size
 from kvtier.core.slots import PAGE, slot_stride
-from kvtier.core.tier import BlockState, Tier, _Entry
+from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
 from kvtier.tiers.compression import CODEC_IDS
 from kvtier.tiers.disk import DiskSlab, pack_slot_header
@@ -181,23 +182,21 @@ def traced_each(make: Callable[[int], object], count: int = 100_000) -> float:
 
 
 def object_costs() -> dict[str, float]:
-    """Bytes of one key, one ``_Entry`` and one slot int: traced, and as ``sys.getsizeof`` says."""
+    """Bytes of one key and one slot int: traced, and as ``sys.getsizeof`` says."""
     data = random.Random(0).randbytes(KEY_BYTES * 100_000)
-    slot = 1000  # one shared int: an _Entry's own bytes only
     return {
         "key": traced_each(lambda i: data[i * KEY_BYTES : (i + 1) * KEY_BYTES]),
         "key_getsizeof": sys.getsizeof(data[:KEY_BYTES]),
-        "entry": traced_each(lambda i: _Entry(slot, BlockState.READY)),
-        "entry_getsizeof": sys.getsizeof(_Entry(slot, BlockState.READY)),
         "int": traced_each(lambda i: i + 1000),
         "int_getsizeof": sys.getsizeof(1000),
     }
 
 
 def policy_parts(policy: object, index: dict) -> tuple[dict[str, int], set[bytes]]:
-    """``sys.getsizeof`` of every dict, set and list a policy holds, by attribute path (its helper
-    objects such as adaptive's miniatures walked too), and the keys it holds that ``index`` does
-    not: evicted or declined keys it remembers, whose objects only it keeps alive."""
+    """``sys.getsizeof`` of every dict, set, list and array a policy holds, by attribute path (its helper
+    objects such as adaptive's miniatures walked too; the tier's own ``index``, which a bound policy
+    reads, left out), and the keys it holds that ``index`` does not: evicted or declined keys it
+    remembers, whose objects only it keeps alive."""
     parts: dict[str, int] = {}
     outside: set[bytes] = set()
 
@@ -205,7 +204,11 @@ def policy_parts(policy: object, index: dict) -> tuple[dict[str, int], set[bytes
         names = list(vars(obj)) if hasattr(obj, "__dict__") else list(getattr(type(obj), "__slots__", ()))
         for name in names:
             value = getattr(obj, name)
-            if isinstance(value, (dict, set, list)):
+            if value is index:
+                continue
+            if isinstance(value, (array.array, bytearray)):
+                parts[prefix + name] = sys.getsizeof(value)
+            elif isinstance(value, (dict, set, list)):
                 parts[prefix + name] = sys.getsizeof(value)
                 outside.update(k for k in value if isinstance(k, bytes) and k not in index)
             elif type(value).__module__.startswith("kvtier.policies"):
@@ -223,13 +226,13 @@ def structure_parts(kind: str, structure, costs: dict[str, float]) -> dict[str, 
         return {"dict table": sys.getsizeof(structure), "slot ints": max(0, len(structure) - SMALL_INTS) * costs["int"]}
     tier: Tier = structure
     allocator = tier._allocator
-    policy, outside = policy_parts(tier.policy, tier._entries)
+    policy, outside = policy_parts(tier.policy, tier._slots)
     return {
-        "entries dict": sys.getsizeof(tier._entries),
-        "_Entry objects": len(tier._entries) * costs["entry"],
+        "index dict": sys.getsizeof(tier._slots),
+        "slot flags": sys.getsizeof(tier._flags),
         "slot ints": max(0, tier.capacity - SMALL_INTS) * costs["int"],
         "allocator lists": sys.getsizeof(allocator._free) + sys.getsizeof(allocator._is_free),
-        "pinned, quarantined sets": sys.getsizeof(tier._pinned) + sys.getsizeof(tier._quarantined),
+        "pins, quarantined": sys.getsizeof(tier._pins) + sys.getsizeof(tier._quarantined),
         **{f"policy {path}": size for path, size in policy.items()},
         "policy: key objects of evicted/declined keys": len(outside) * costs["key"],
     }
@@ -515,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = object_costs()
     print(
         f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs. One 16-byte key: {costs['key']:.0f} B traced "
-        f"(getsizeof {costs['key_getsizeof']}); one _Entry: {costs['entry']:.0f} B traced (getsizeof "
-        f"{costs['entry_getsizeof']}); one slot int: {costs['int']:.0f} B traced (getsizeof {costs['int_getsizeof']})"
+        f"(getsizeof {costs['key_getsizeof']}); one slot int: {costs['int']:.0f} B traced "
+        f"(getsizeof {costs['int_getsizeof']})"
     )
 
     results: dict[int, dict[str, dict]] = {}

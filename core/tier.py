@@ -16,7 +16,6 @@ import array
 import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
@@ -85,13 +84,12 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    state: BlockState
-    pins: int = 0
-    evicting: bool = False  # chosen as a victim, waiting for its demotion copy; still readable
-    refused: bool = False  # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
+# A slot's flags (``Tier._flags``, one byte per slot): its block's state and what is being done to it.
+_WRITING = 1
+_READY = 2
+_EVICTING = 4  # chosen as a victim, waiting for its demotion copy; still readable
+_REFUSED = 8  # WRITING only: the storage can never hold this block (see ``Tier.refuse``)
+_STATES = frozenset({_WRITING, _WRITING | _REFUSED, _READY, _READY | _EVICTING})
 
 
 class Usage(NamedTuple):
@@ -139,8 +137,13 @@ class Tier:
         self.stats = TierStats()
         self._is_fenced = is_fenced
         self._allocator = SlotAllocator(storage.num_slots)
-        self._entries: dict[bytes, _Entry] = {}
-        self._pinned: set[bytes] = set()
+        # The index, compact because a disk tier may hold tens of millions of blocks: key -> slot, one
+        # byte of flags per slot (``_WRITING`` ...), and pin counts of the pinned keys only (few: the
+        # blocks being read or copied, which is also what ``evict`` must not choose).
+        self._slots: dict[bytes, int] = {}
+        self._flags = bytearray(storage.num_slots)
+        self._pins: dict[bytes, int] = {}
+        policy.bind(self._slots, storage.num_slots)
         self._quarantined: set[int] = set()  # slots a failed write may still land in (see ``quarantine``)
         self._evicting = 0
         self._lock = threading.RLock()
@@ -165,9 +168,10 @@ class Tier:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are READY here. Touches nothing."""
         with self._lock:
+            slots, flags = self._slots, self._flags
             for i, key in enumerate(keys):
-                entry = self._entries.get(key)
-                if entry is None or entry.state is not BlockState.READY:
+                slot = slots.get(key)
+                if slot is None or not flags[slot] & _READY:
                     return i
             return len(keys)
 
@@ -178,8 +182,10 @@ class Tier:
 
     def state(self, key: bytes) -> BlockState:
         with self._lock:
-            entry = self._entries.get(key)
-            return BlockState.FREE if entry is None else entry.state
+            slot = self._slots.get(key)
+            if slot is None:
+                return BlockState.FREE
+            return BlockState.READY if self._flags[slot] & _READY else BlockState.WRITING
 
     def pin(self, keys: Sequence[bytes], use: bool = True) -> list[int]:
         """Protect READY blocks from eviction while they are read; returns their slots.
@@ -189,20 +195,19 @@ class Tier:
         hold that reads nothing: the read that follows counts).
         """
         with self._lock:
-            entries = [self._ready_entry(key) for key in keys]
-            for key, entry in zip(keys, entries, strict=True):
-                entry.pins += 1
-                self._pinned.add(key)
-                if use and not entry.evicting:
+            slots = [self._ready_slot(key) for key in keys]
+            pins, flags = self._pins, self._flags
+            for key, slot in zip(keys, slots, strict=True):
+                pins[key] = pins.get(key, 0) + 1
+                if use and not flags[slot] & _EVICTING:
                     self.policy.touch(key)
-            return [e.slot for e in entries]
+            return slots
 
     def try_pin(self, key: bytes) -> bool:
         """Pin one block if it is READY now; False (nothing pinned) otherwise. Lookup and pin in one
         step, so a block cannot vanish between finding it and protecting it."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.state is not BlockState.READY:
+            if not self.lookup([key]):
                 return False
             self.pin([key])
             return True
@@ -217,33 +222,35 @@ class Tier:
         """Release pins taken with ``pin``; raises StateError on a key that is not pinned (and releases none)."""
         with self._lock:
             keys = list(keys)
-            entries = []
             counts: dict[bytes, int] = {}
             for key in keys:
                 counts[key] = counts.get(key, 0) + 1
-                entry = self._entries.get(key)
-                if entry is None or entry.pins < counts[key]:
+            pins = self._pins
+            for key, count in counts.items():
+                if pins.get(key, 0) < count:
                     raise StateError(f"unpin of block {key.hex()[:16]} which is not pinned")
-                entries.append(entry)
-            for key, entry in zip(keys, entries, strict=True):
-                entry.pins -= 1
-                if entry.pins == 0:
-                    self._pinned.discard(key)
+            for key, count in counts.items():
+                left = pins[key] - count
+                if left:
+                    pins[key] = left
+                else:
+                    del pins[key]
 
     def ready_keys(self) -> list[bytes]:
         """Keys of every READY block, in the order they became readable."""
         with self._lock:
-            return [key for key, entry in self._entries.items() if entry.state is BlockState.READY]
+            flags = self._flags
+            return [key for key, slot in self._slots.items() if flags[slot] & _READY]
 
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of keys that are present in any state; raises StateError on an absent key."""
         with self._lock:
             out = []
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is None:
+                slot = self._slots.get(key)
+                if slot is None:
                     raise StateError(f"block {key.hex()[:16]} is not in tier {self.name!r}")
-                out.append(entry.slot)
+                out.append(slot)
             return out
 
     # --- writing -------------------------------------------------------------------------------
@@ -274,7 +281,8 @@ class Tier:
         if len(set(keys)) != len(keys):
             raise StateError("reserve got the same key twice")
         with self._lock:
-            present = [k for k in keys if k in self._entries]
+            index = self._slots
+            present = [k for k in keys if k in index]
             if present:
                 raise StateError(f"block {present[0].hex()[:16]} is already in tier {self.name!r}")
             short = len(keys) - self._allocator.num_free
@@ -285,8 +293,10 @@ class Tier:
             slots = self._allocator.allocate(len(keys))
             if slots is None:
                 return None
+            flags = self._flags
             for key, slot in zip(keys, slots, strict=True):
-                self._entries[key] = _Entry(slot, BlockState.WRITING)
+                index[key] = slot
+                flags[slot] = _WRITING
             return slots
 
     def commit(self, keys: Iterable[bytes], pin: bool = False) -> None:
@@ -298,15 +308,13 @@ class Tier:
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "commit")
-            for key in keys:
-                self._writing_entry(key, "commit")
-            for key in keys:
-                entry = self._entries[key]
-                entry.state = BlockState.READY
-                self.policy.insert(key)
+            slots = [self._writing_slot(key, "commit") for key in keys]
+            flags, insert, pins = self._flags, self.policy.insert, self._pins
+            for key, slot in zip(keys, slots, strict=True):
+                flags[slot] = _READY
+                insert(key)
                 if pin:
-                    entry.pins += 1
-                    self._pinned.add(key)
+                    pins[key] = pins.get(key, 0) + 1
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
 
@@ -320,11 +328,12 @@ class Tier:
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "abort")
+            slots = [self._writing_slot(key, "abort") for key in keys]
+            for slot in slots:
+                self._check_unfenced(slot)
+            refused = [key for key, slot in zip(keys, slots, strict=True) if self._flags[slot] & _REFUSED]
             for key in keys:
-                self._check_unfenced(self._writing_entry(key, "abort"))
-            refused = [key for key in keys if self._entries[key].refused]
-            for key in keys:
-                self._free_entry(key)
+                self._free_block(key)
             self.stats.aborted += len(keys)
             return refused
 
@@ -336,9 +345,10 @@ class Tier:
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "quarantine")
-            slots = [self._writing_entry(key, "quarantine").slot for key in keys]
-            for key in keys:
-                del self._entries[key]
+            slots = [self._writing_slot(key, "quarantine") for key in keys]
+            for key, slot in zip(keys, slots, strict=True):
+                del self._slots[key]
+                self._flags[slot] = 0
             self._quarantined.update(slots)
             self.stats.aborted += len(keys)
             return slots
@@ -365,31 +375,39 @@ class Tier:
         above drops its copy instead of trying to demote it again and again. Raises StateError (and
         marks none) for a key not reserved."""
         with self._lock:
-            entries = [self._writing_entry(key, "refuse") for key in keys]
-            for entry in entries:
-                entry.refused = True
+            slots = [self._writing_slot(key, "refuse") for key in keys]
+            for slot in slots:
+                self._flags[slot] |= _REFUSED
 
     def restore(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first.
 
-        All or nothing: the whole list is checked before anything changes, and StateError names the
-        first block that cannot go back (a key already here or given twice, a slot out of range, taken
-        or given twice). Restoring block by block would leave the blocks before a bad one indexed but
-        unknown to the policy, so never evicted.
+        All or nothing: StateError names the first block that cannot go back (a key already here or
+        given twice, a slot out of range, taken or given twice), and nothing of the call is left.
+        Restoring block by block would leave the blocks before a bad one indexed but unknown to the
+        policy, so never evicted. The blocks go straight into the index (a disk tier opening puts
+        back millions: no second structure of them) and come out again on a bad one.
         """
         with self._lock:
-            keys: set[bytes] = set()
-            slots: set[int] = set()
-            for key, slot in blocks:
-                if key in self._entries or key in keys:
-                    raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
-                if slot in slots or not self._allocator.is_free(slot):
-                    raise StateError(f"slot {slot} of tier {self.name!r} is not free for block {key.hex()[:16]}")
-                keys.add(key)
-                slots.add(slot)
-            for key, slot in blocks:
-                self._allocator.claim(slot)
-                self._entries[key] = _Entry(slot, BlockState.READY)
+            index, flags, is_free = self._slots, self._flags, self._allocator.is_free
+            done = 0
+            try:
+                for key, slot in blocks:
+                    if key in index:
+                        raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
+                    if not is_free(slot) or flags[slot]:  # (flags: given twice in this call)
+                        raise StateError(f"slot {slot} of tier {self.name!r} is not free for block {key.hex()[:16]}")
+                    index[key] = slot
+                    flags[slot] = _READY
+                    done += 1
+            except BaseException:
+                for key, slot in blocks[:done]:
+                    del index[key]
+                    flags[slot] = 0
+                raise
+            claim = self._allocator.claim
+            for _, slot in blocks:
+                claim(slot)
             self.policy.restore(key for key, _ in blocks)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
@@ -399,13 +417,11 @@ class Tier:
         with self._lock:
             dropped = []
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or entry.state is not BlockState.READY or entry.pins or entry.evicting:
-                    continue
-                if self._fenced(entry):
+                slot = self._slots.get(key)
+                if slot is None or self._flags[slot] != _READY or key in self._pins or self._fenced(slot):
                     continue
                 self.policy.remove(key)
-                self._free_entry(key)
+                self._free_block(key)
                 dropped.append(key)
             self.stats.read_errors += len(dropped)
             return dropped
@@ -424,14 +440,14 @@ class Tier:
         The victims stay READY and readable until ``end_evict``; the policy no longer offers them.
         """
         with self._lock:
-            victims = self.policy.evict(n, self._pinned)
+            victims = self.policy.evict(n, self._pins)
             out = []
+            index, flags, pins = self._slots, self._flags, self._pins
             for key in victims:
-                entry = self._entries[key]
-                entry.evicting = True
-                entry.pins += 1
-                self._pinned.add(key)
-                out.append((key, entry.slot))
+                slot = index[key]
+                flags[slot] |= _EVICTING
+                pins[key] = pins.get(key, 0) + 1
+                out.append((key, slot))
             self._evicting += len(out)
             return out
 
@@ -443,17 +459,18 @@ class Tier:
         with self._lock:
             keys = list(keys)
             self._check_distinct(keys, "end_evict")
+            index, flags = self._slots, self._flags
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or not entry.evicting:
+                slot = index.get(key)
+                if slot is None or not flags[slot] & _EVICTING:
                     raise StateError(f"block {key.hex()[:16]} is not being evicted from tier {self.name!r}")
             dropped = []
             for key in keys:
-                entry = self._entries[key]
-                entry.evicting = False
+                slot = index[key]
+                flags[slot] &= ~_EVICTING
                 self.unpin([key])
-                if drop and entry.pins == 0 and not self._fenced(entry):
-                    self._free_entry(key)
+                if drop and key not in self._pins and not self._fenced(slot):
+                    self._free_block(key)
                     dropped.append(key)
                 else:
                     self.policy.insert(key)
@@ -499,23 +516,23 @@ class Tier:
         """What would leak if the tier were closed now: pinned blocks, and blocks still being written
         (quarantined slots among them: a late write may still land there)."""
         with self._lock:
-            return {
-                "pinned": sum(1 for e in self._entries.values() if e.pins),
-                "writing": sum(1 for e in self._entries.values() if e.state is BlockState.WRITING)
-                + len(self._quarantined),
-            }
+            return {"pinned": len(self._pins), "writing": self._flags.count(_WRITING) + len(self._quarantined)}
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the index, the allocator and the policy disagree (for tests and debugging)."""
         with self._lock:
-            slots = [e.slot for e in self._entries.values()] + list(self._quarantined)
+            flags = self._flags
+            slots = list(self._slots.values()) + list(self._quarantined)
             assert len(slots) == len(set(slots)), "a slot is owned twice"
             assert len(slots) + self._allocator.num_free == self.capacity, "slots leaked or double counted"
             assert not any(self._allocator.is_free(s) for s in slots), "an owned slot is on the free list"
-            assert all(e.pins >= 0 for e in self._entries.values()), "a negative pin count"
-            assert self._pinned == {k for k, e in self._entries.items() if e.pins}, "pinned set out of date"
-            assert self._evicting == sum(e.evicting for e in self._entries.values()), "evicting count out of date"
-            tracked = {k for k, e in self._entries.items() if e.state is BlockState.READY and not e.evicting}
+            assert all(flags[s] in _STATES for s in self._slots.values()), "a block in no state, or in two"
+            assert sum(1 for f in flags if f) == len(self._slots), "flags of a slot that holds no block"
+            assert all(n > 0 and key in self._slots for key, n in self._pins.items()), "a pin of no block"
+            assert self._evicting == sum(1 for s in self._slots.values() if flags[s] & _EVICTING), (
+                "evicting count out of date"
+            )
+            tracked = {k for k, s in self._slots.items() if flags[s] == _READY}
             assert len(self.policy) == len(tracked) and all(k in self.policy for k in tracked), (
                 "the policy tracks other keys than the READY blocks"
             )
@@ -529,31 +546,33 @@ class Tier:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _ready_entry(self, key: bytes) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None or entry.state is not BlockState.READY:
-            state = "absent" if entry is None else entry.state.value
+    def _ready_slot(self, key: bytes) -> int:
+        slot = self._slots.get(key)
+        if slot is None or not self._flags[slot] & _READY:
+            state = "absent" if slot is None else "writing"
             raise StateError(f"block {key.hex()[:16]} is {state} in tier {self.name!r}, not ready")
-        return entry
+        return slot
 
-    def _writing_entry(self, key: bytes, what: str) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None or entry.state is not BlockState.WRITING:
+    def _writing_slot(self, key: bytes, what: str) -> int:
+        slot = self._slots.get(key)
+        if slot is None or not self._flags[slot] & _WRITING:
             raise StateError(f"{what} of block {key.hex()[:16]} which was not reserved in tier {self.name!r}")
-        return entry
+        return slot
 
     def _check_distinct(self, keys: list[bytes], what: str) -> None:
         if len(set(keys)) != len(keys):
             raise StateError(f"{what} got the same key twice")
 
-    def _fenced(self, entry: _Entry) -> bool:
-        return self._is_fenced is not None and self._is_fenced(self.name, entry.slot)
+    def _fenced(self, slot: int) -> bool:
+        return self._is_fenced is not None and self._is_fenced(self.name, slot)
 
-    def _check_unfenced(self, entry: _Entry) -> None:
-        if self._fenced(entry):
-            raise FenceError(f"slot {entry.slot} of tier {self.name!r} is still used by a job in flight")
+    def _check_unfenced(self, slot: int) -> None:
+        if self._fenced(slot):
+            raise FenceError(f"slot {slot} of tier {self.name!r} is still used by a job in flight")
 
-    def _free_entry(self, key: bytes) -> None:
-        self._check_unfenced(self._entries[key])
-        entry = self._entries.pop(key)
-        self._allocator.free(entry.slot)
+    def _free_block(self, key: bytes) -> None:
+        slot = self._slots[key]
+        self._check_unfenced(slot)
+        del self._slots[key]
+        self._flags[slot] = 0
+        self._allocator.free(slot)

@@ -62,13 +62,15 @@ past protected keys at the old end as LRU does (O(1) each per call).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable, Mapping
 from typing import Generic, TypeVar
 
-from kvtier.policies._queues import unpark
+from kvtier.policies._slots import SlotQueues
 from kvtier.policies.base import EvictionPolicy, Key
 
 K = TypeVar("K", bound=Hashable)
+
+PROBATION, PROTECTED = 0, 1  # the segments' queues
 
 
 class _History(Generic[K]):
@@ -184,8 +186,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._run_limit = 1  # a run ends at this many references (the history's size)
         self._protected_limit = 0
         self._mini_sizes = (1, 0, 1)  # a miniature's capacity, protected segment's limit and history generation
-        self._probation: OrderedDict[Key, None] = OrderedDict()  # oldest use first; evicted first
-        self._protected: OrderedDict[Key, None] = OrderedDict()  # read while resident; oldest use first
+        # The two segments, oldest use first: PROBATION (evicted first), PROTECTED (read while resident).
+        self._segments: SlotQueues[Key] = SlotQueues(2)
         self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
         self._inserted = 0  # the current run's inserts (tracked, not yet in a segment)
         self._sampled: list[Key] = []  # the current run's sampled references, in order
@@ -234,9 +236,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             self._end_run()  # nothing stored for this long: a run must end somewhere
         return False
 
+    def bind(self, index: Mapping[Key, int], capacity: int) -> None:
+        self._segments.bind(index, capacity)
+
     def insert(self, key: Key) -> None:
         run = self._run
-        if run.get(key) or key in self._probation or key in self._protected:
+        if run.get(key) or self._segments.queue_of(key) is not None:
             raise KeyError(f"key {key!r} is already tracked")
         run[key] = True
         self._inserted += 1
@@ -252,7 +257,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         run = self._run
         if self._inserted or key in run:
             self._end_run()
-        if key not in self._probation and key not in self._protected:
+        if self._segments.queue_of(key) is None:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
         if not (key[0] if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
@@ -260,26 +265,15 @@ class AdaptivePolicy(EvictionPolicy[Key]):
 
     def remove(self, key: Key) -> None:
         self._end_run()
-        if self._probation.pop(key, self) is self:
-            del self._protected[key]
+        self._segments.remove(key)
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
         if self._inserted:  # pending inserts are tracked, so they must be evictable
             self._end_run()
-        victims: list[Key] = []
-        for segment in (self._probation, self._protected):  # oldest first; protected keys keep their place
-            parked: list[Key] = []
-            popitem = segment.popitem
-            while len(victims) < n and segment:
-                key = popitem(last=False)[0]
-                if key in protected:
-                    parked.append(key)
-                else:
-                    victims.append(key)
-            if parked:
-                unpark(segment, parked)
-            if len(victims) >= n:
-                break
+        segments = self._segments  # oldest first; protected keys keep their place
+        victims = segments.take_oldest(PROBATION, n, protected)
+        if len(victims) < n:
+            victims += segments.take_oldest(PROTECTED, n - len(victims), protected)
         history = self._history
         history.new.update(victims)
         if len(history.new) >= history.half:
@@ -287,10 +281,10 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         return victims
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected) + self._inserted
+        return len(self._segments) + self._inserted
 
     def __contains__(self, key: object) -> bool:
-        return key in self._probation or key in self._protected or self._run.get(key) is True  # type: ignore[arg-type]
+        return self._segments.queue_of(key) is not None or self._run.get(key) is True  # type: ignore[arg-type]
 
     def _resize(self, capacity: int) -> None:
         """Size the history, the protected segment and the miniatures for a tier of ``capacity`` blocks."""
@@ -310,30 +304,25 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         run = self._run
         if not run:
             return
-        probation, protected = self._probation, self._protected
+        segments = self._segments
         for key, inserted in reversed(run.items()):
             if inserted:
-                probation[key] = None
-            elif inserted is None:  # asked, and declined or not stored
-                continue
-            elif key in protected:
-                protected.move_to_end(key)
-            elif key in probation:
-                del probation[key]
-                protected[key] = None
+                segments.push(key, PROBATION)
+            elif inserted is not None and segments.queue_of(key) is not None:  # (None: asked, not stored)
+                segments.move(key, PROTECTED)
             # else: evicted since it was read
         tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
         if tail is not None and not run[tail]:
             tail = None  # the last reference was a read (or a declined block): nothing to queue first
         if tail is not None and self.tail_first:
-            probation.move_to_end(tail, last=False)
-        tracked = len(probation) + len(protected)
+            segments.move(tail, PROBATION, oldest=True)
+        tracked = len(segments)
         if tracked > self._learned:
             self._learned = tracked
             if self._fixed is None and tracked > self._sized:
                 self._resize(tracked)
-        while len(protected) > self._protected_limit:
-            probation[protected.popitem(last=False)[0]] = None
+        while segments.length(PROTECTED) > self._protected_limit:
+            segments.push(segments.pop_oldest(PROTECTED), PROBATION)  # type: ignore[arg-type]
         sampled = self._sampled
         if sampled:
             self._watch(sampled, tail)

@@ -10,7 +10,7 @@ tier owns the lock: a policy is only ever called under it and needs none itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable, Mapping
 from typing import Generic, TypeVar
 
 
@@ -32,6 +32,12 @@ class EvictionPolicy(ABC, Generic[Key]):
         ``insert`` follows; asking is also what a policy can learn from (the key was wanted). The
         default admits every block."""
         return True
+
+    def bind(self, index: Mapping[Key, int], capacity: int) -> None:
+        """A tier hands over its index (key -> slot below ``capacity``) once, before the policy tracks
+        any key: every key inserted has its slot there until ``remove`` or ``evict`` gave it up. A
+        policy may order its keys by slot instead of keeping a dict of its own (``LRUPolicy`` does);
+        the default ignores it."""
 
     @abstractmethod
     def insert(self, key: Key) -> None:

@@ -2,42 +2,36 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
+from kvtier.policies._slots import SlotQueues
 from kvtier.policies.base import EvictionPolicy, Key
 
 
 class LRUPolicy(EvictionPolicy[Key]):
-    """An ordered dict from oldest to newest use; ``evict`` skips protected keys without reordering them."""
+    """One queue from oldest to newest use, linked by slot (``SlotQueues``); ``evict`` skips protected
+    keys without reordering them."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
+        self._order: SlotQueues[Key] = SlotQueues()
+
+    def bind(self, index: Mapping[Key, int], capacity: int) -> None:
+        self._order.bind(index, capacity)
 
     def insert(self, key: Key) -> None:
-        if key in self._order:
-            raise KeyError(f"key {key!r} is already tracked")
-        self._order[key] = None
+        self._order.push(key, 0)
 
     def touch(self, key: Key) -> None:
-        self._order.move_to_end(key)
+        self._order.move(key, 0)
 
     def remove(self, key: Key) -> None:
-        del self._order[key]
+        self._order.remove(key)
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        victims: list[Key] = []
-        for key in self._order:
-            if len(victims) >= n:
-                break
-            if key not in protected:
-                victims.append(key)
-        for key in victims:
-            del self._order[key]
-        return victims
+        return self._order.take_oldest(0, n, protected)
 
     def __len__(self) -> int:
         return len(self._order)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return self._order.queue_of(key) is not None  # type: ignore[arg-type]

@@ -107,9 +107,9 @@ def test_only_the_missing_blocks_before_the_first_declined_one_are_stored():
 def test_a_policy_that_evicts_a_protected_block_is_caught():
     class MostRecent(LRUPolicy):  # evicts the newest keys, protected or not
         def evict(self, n, protected):
-            victims = list(self._order)[-n:]
+            victims = list(self._order.oldest_first(0))[-n:]
             for k in victims:
-                del self._order[k]
+                self.remove(k)
             return victims
 
     with pytest.raises(StateError, match="MostRecent evicted 1, which is protected"):
