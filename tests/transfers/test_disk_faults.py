@@ -131,7 +131,8 @@ def put(stack, keys, batch=None):
     results = []
     for i in range(0, len(keys), batch):
         chunk = keys[i : i + batch]
-        blocks = np.stack([content(k, BLOCK) for k in chunk])
+        blocks = np.zeros(len(chunk) * BLOCK + 1, np.uint8)[1:].reshape(len(chunk), BLOCK)
+        blocks[:] = [content(k, BLOCK) for k in chunk]  # one byte off the page, always: every block its own write
         results.append(stack.store(chunk, buffer_storage(blocks, LAYOUT), range(len(chunk))).result(timeout=30))
     return results
 
