@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvtier.core.config import ConfigModel, SizeOrZero
 from kvtier.tiers.remote.config import StoreBackend
@@ -25,14 +25,27 @@ class MooncakeConfig(ConfigModel):
     # Memory this process lends the store (0: none; blocks then live in other clients' segments, e.g. a
     # standalone mooncake_client: a process that exits takes the blocks in its segment with it).
     segment_size: SizeOrZero = 0
+    # Clients open at once for loads and stores (calls in parallel; each its own transfer engine). A
+    # process that lends memory keeps one: a segment lives and dies with the client that mounted it.
+    pool_size: int = Field(1, ge=1)
     protocol: Literal["tcp", "rdma"] = "tcp"
     local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
 
+    @model_validator(mode="after")
+    def _one_lender(self) -> MooncakeConfig:
+        if self.pool_size > 1 and self.segment_size:
+            raise ValueError(
+                "pool_size above 1 needs segment_size 0: a process that lends memory to the store keeps "
+                "one client, whose segment lives and dies with it (lend memory from a standalone "
+                "mooncake_client instead, or set pool_size: 1)"
+            )
+        return self
+
 
 def connector(options: MooncakeConfig, timeout: float, lends_memory: bool) -> Connector:
-    """One client per process, its calls one at a time. A client that does not ``lends_memory`` mounts
-    no segment whatever ``segment_size`` says: lookup clients (the vLLM scheduler's among them) only
-    ask, so the memory an engine lends is its workers' alone."""
+    """``pool_size`` clients (one when lending memory), each one call at a time. A client that does not
+    ``lends_memory`` mounts no segment whatever ``segment_size`` says: lookup clients (the vLLM
+    scheduler's among them) only ask, so the memory an engine lends is its workers' alone."""
     from kvtier.tiers.remote.mooncake_client import MooncakeClient, store_class
 
     store_class()  # raises ConfigError naming the install line when the wheel or libibverbs1 is missing
@@ -46,7 +59,7 @@ def connector(options: MooncakeConfig, timeout: float, lends_memory: bool) -> Co
         protocol=options.protocol,
         local_hostname=options.local_hostname,
     )
-    return Connector(connect, 1, f"Mooncake master {options.master}")
+    return Connector(connect, options.pool_size, f"Mooncake master {options.master}")
 
 
 BACKEND = StoreBackend("mooncake", MooncakeConfig, connector)

@@ -169,8 +169,14 @@ def test_backend_settings_are_checked():
     )
     assert error_of(stack(HOST, remote(MOONCAKE, mooncake={"segments": 1}))) == (
         "config: tiers[1].mooncake.segments: unknown key 'segments'; allowed: master, metadata_server, segment_size, "
-        "protocol, local_hostname"
+        "pool_size, protocol, local_hostname"
     )
+    assert error_of(stack(HOST, remote(MOONCAKE, mooncake={"pool_size": 4, "segment_size": "1GiB"}))) == (
+        "config: tiers[1].mooncake: pool_size above 1 needs segment_size 0: a process that lends memory to the "
+        "store keeps one client, whose segment lives and dies with it (lend memory from a standalone "
+        "mooncake_client instead, or set pool_size: 1)"
+    )
+    assert RemoteTierConfig.model_validate(remote(MOONCAKE, mooncake={"pool_size": 4})).settings.pool_size == 4
 
 
 def test_host_capacity_counts_the_header_room_a_remote_tier_adds_before_each_slot():
