@@ -4,8 +4,9 @@ the store's servers.
 
 To add a backend: subclass ``helpers.stores.StoreUnderTest`` and add it to ``STORES``; every test here
 then runs over it. What one store does beyond this (Redis: a server that hangs or dies under a load, the
-password from the environment; Mooncake: its master or segment owner killed mid-load, the memory an
-engine lends) stays in tests/tiers/remote/test_redis_stack.py and test_mooncake_stack.py.
+password from the environment; a Redis Cluster: slots that move, masters killed, stopped or failed over;
+Mooncake: its master or segment owner killed mid-load, the memory an engine lends) stays in
+tests/tiers/remote/test_redis_stack.py, test_redis_cluster.py and test_mooncake_stack.py.
 
 What it shows: blocks round-trip bit-exact between stacks (with or without a disk tier between) and
 between processes through the store, and a local hit never asks the store; placed write-back, the store

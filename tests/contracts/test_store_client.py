@@ -1,8 +1,9 @@
 """The ``StoreClient`` contract (kvtier.tiers.remote.client), run against every store in
-``helpers.stores.STORES`` for real: a Redis server, a Mooncake master with a segment owner.
+``helpers.stores.STORES`` for real: a Redis server, a Redis Cluster of three masters, a Mooncake master
+with a segment owner.
 
 To add a backend: subclass ``helpers.stores.StoreUnderTest`` for its servers and client and add it to
-``STORES``; every test here then runs against it (ids ``[redis]``, ``[mooncake]``, ...).
+``STORES``; every test here then runs against it (ids ``[redis]``, ``[redis-cluster]``, ``[mooncake]``, ...).
 
 What every client promises (client.py's docstrings), checked here:
 - a record is the concatenation of its pieces: records of 1 to 3 pieces and of 1 byte to 1 MiB go in

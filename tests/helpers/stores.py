@@ -1,6 +1,6 @@
 """Every shared store kvtier's remote tier runs on, behind one test interface, so that a suite written once
 (tests/contracts: the ``StoreClient`` contract, the remote transfer backend, a stack over a store) runs
-against each of them for real: a Redis server, a Mooncake master with a segment owner.
+against each of them for real: a Redis server, a Redis Cluster, a Mooncake master with a segment owner.
 
     with STORES["redis"](tmp_path) as store:
         client = store.client(timeout=1.0)        # kvtier's StoreClient for this backend
@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+from helpers.redis_cluster import RedisCluster, redis_cluster
 from helpers.redis_server import RedisServer, redis_server
 from kvtier.core.errors import ClosedError, StoreError
 
@@ -249,6 +250,74 @@ class RedisStore(StoreUnderTest):
         return value if value is not None and len(value) == size else None
 
 
+class RedisClusterStore(StoreUnderTest):
+    """A Redis Cluster of three masters on free loopback ports (``helpers.redis_cluster``); its records
+    spread over all of them."""
+
+    name = "redis-cluster"
+    DEAD_WITHIN_S = 0.5  # every node refuses the connection at once
+    RECONNECTS_AT_ONCE = True  # as RedisStore: each node's batch goes once more on a new connection
+    SMALL = (192, 64 << 10)  # 12 MiB over three nodes of 3 MB each
+    SMALL_OPTIONS = {"maxmemory": "3mb"}
+    CLOSED_CALLS_RAISE = ClosedError
+
+    def __init__(self, directory: Path, maxmemory: str | None = None) -> None:
+        super().__init__(directory)
+        self.maxmemory = maxmemory
+        self.cluster: RedisCluster | None = None
+
+    def __enter__(self) -> RedisClusterStore:
+        self.cluster = self._stack.enter_context(redis_cluster(self.directory / "cluster", maxmemory=self.maxmemory))
+        return self
+
+    def client(self, timeout: float = 1.0):
+        from kvtier.tiers.remote.redis_cluster import RedisClusterClient
+
+        assert self.cluster is not None
+        return RedisClusterClient(self.cluster.url, timeout=timeout)
+
+    def tier(self, timeout: float = 1.0, **options: Any) -> dict:
+        assert self.cluster is not None
+        return {
+            "medium": "remote",
+            "backend": "redis",
+            "timeout": timeout,
+            "redis": {"url": self.cluster.url, "cluster": True},
+            **options,
+        }
+
+    def hung_window(self, timeout: float) -> tuple[float, float]:
+        from kvtier.tiers.remote.redis_cluster import REPLY_SHARE
+
+        # the first call waits REPLY_SHARE of the timeout for its nodes; the nodes are then down for a
+        # backoff in which calls fail at once
+        return 0.0, timeout * REPLY_SHARE + 1.0
+
+    def kill(self) -> None:
+        assert self.cluster is not None
+        self.cluster.kill_all()
+
+    def restart(self) -> None:
+        assert self.cluster is not None
+        self.cluster.restart()
+
+    def hang(self) -> None:
+        assert self.cluster is not None
+        for i in range(len(self.cluster.nodes)):
+            self.cluster.stop(i)
+
+    def resume(self) -> None:
+        assert self.cluster is not None
+        for i in range(len(self.cluster.nodes)):
+            self.cluster.cont(i)
+
+    def existence_queries(self) -> int:
+        assert self.cluster is not None
+        return sum(
+            node.client().info("commandstats").get("cmdstat_exists", {}).get("calls", 0) for node in self.cluster.nodes
+        )
+
+
 class MooncakeStore(StoreUnderTest):
     """A Mooncake master and one standalone segment owner holding the records (``helpers.mooncake_server``)."""
 
@@ -330,5 +399,9 @@ class MooncakeStore(StoreUnderTest):
         return int(float(counts["master_batch_exist_key_requests_total"]))
 
 
-STORES: dict[str, type[StoreUnderTest]] = {"redis": RedisStore, "mooncake": MooncakeStore}
+STORES: dict[str, type[StoreUnderTest]] = {
+    "redis": RedisStore,
+    "redis-cluster": RedisClusterStore,
+    "mooncake": MooncakeStore,
+}
 """Every store a suite parametrised over stores runs against (its ids are these names)."""

@@ -1,5 +1,7 @@
 """Redis or Valkey as kvtier's shared store (``backend: redis``): a ``StoreClient`` over one redis-py
-connection (hiredis parses the replies).
+connection (hiredis parses the replies), and the pieces it shares with the Redis Cluster client
+(``redis_cluster``): each record's command packed here, and ``Pipe``, pipelined exchanges over one
+connection.
 
 One record is one string key, written by ``SET`` (atomic: a reader sees the old record or the new
 one, never half of one; the server's own eviction removes whole keys). Every call is one round trip:
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,63 +49,41 @@ CLIENT_NAME = "kvtier"
 _COALESCE_BELOW = 64 * 1024
 """Chunks smaller than this are joined before they are sent (a small copy instead of one send each)."""
 
+Chunk = bytes | memoryview
+"""Bytes to send as they are: packed RESP, or a view of a record's piece (sent without a copy)."""
+OnReply = Callable[[int, Any], Any]
+"""``on_reply(i, reply)``: what is returned for record ``i``'s reply (not called for an error reply)."""
 
-class RedisClient(StoreClient):
-    """One connection to the Redis/Valkey server at ``url``; ``password`` is the secret itself (read from
-    the environment variable the config names), never logged: redis-py keeps it out of reprs and errors."""
+
+class PipelinedClient(StoreClient):
+    """The StoreClient calls of both Redis clients: one command per record, packed here, and the replies
+    turned into answers; ``_exchange`` says how they reach the server(s). Calls and ``close()`` hold one
+    lock, and ``close()`` is final (module docstring)."""
 
     name = "redis"
+    where: str
 
-    def __init__(self, url: str, *, timeout: float, password: str | None = None, ca_file: str | None = None) -> None:
-        options: dict[str, Any] = parse_url(url)
-        connection_class = options.pop("connection_class", Connection)
-        options.update(
-            password=password,
-            socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            protocol=2,
-            client_name=CLIENT_NAME,
-        )
-        if ca_file is not None:
-            options["ssl_ca_certs"] = ca_file
-        self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"
-        self._connection = connection_class(**options)
-        self._used = False  # a reply came back on the current connection
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # held by a call and by close(), so neither runs under the other
         self._closed = False
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        return [reply == 1 for reply in self._exchange([_command(b"EXISTS", name.encode()) for name in names])]
+        replies = self._call(names, [[command(b"EXISTS", name.encode())] for name in names])
+        return [reply == 1 for reply in replies]
 
     def put(self, names: Sequence[str], records: Sequence[Record]) -> list[bool]:
-        chunks: list[bytes | memoryview] = []
-        for name, record in zip(names, records, strict=True):
-            encoded = name.encode()
-            size = sum(size for _, size in record)
-            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(encoded), encoded, size))
-            chunks.extend(_view(piece) for piece in record)
-            chunks.append(b"\r\n")
-        return [reply == b"OK" for reply in self._exchange(_coalesced(chunks), len(names))]
+        replies = self._call(names, [_set(name, record) for name, record in zip(names, records, strict=True)])
+        return [reply == b"OK" for reply in replies]
 
     def get(self, names: Sequence[str], records: Sequence[Record]) -> list[bool]:
-        sizes = [sum(size for _, size in record) for record in records]
-
         def take(i: int, reply: Any) -> bool:
-            if not isinstance(reply, bytes) or len(reply) != sizes[i]:
-                return False
-            _scatter(reply, records[i])
-            return True
+            return _taken(reply, records[i])
 
-        ok = [False] * len(names)
-        replies = self._exchange([_command(b"GET", name.encode()) for name in names], on_reply=take)
-        for i, reply in enumerate(replies):
-            ok[i] = reply is True
-        return ok
+        replies = self._call(names, [[command(b"GET", name.encode())] for name in names], take)
+        return [reply is True for reply in replies]
 
     def remove(self, names: Sequence[str]) -> None:
-        if names:
-            self._exchange([_command(b"DEL", *(name.encode() for name in names))])
+        self._call(names, [[command(b"DEL", name.encode())] for name in names])
 
     def close(self) -> None:
         """Disconnect for good; waits for a call in flight to return first, so that no reply of it is
@@ -110,65 +92,169 @@ class RedisClient(StoreClient):
             if self._closed:
                 return
             self._closed = True
-            self._connection.disconnect()
+            self._disconnect()
 
-    def _exchange(
-        self,
-        commands: list[bytes | memoryview],
-        count: int | None = None,
-        on_reply: Callable[[int, Any], Any] | None = None,
-    ) -> list[Any]:
-        """Send ``commands`` (``count`` of them; one per entry when None) in one go and read their
-        replies in order; ``on_reply(i, reply)`` turns each reply into what is returned for it as it
-        arrives. An error reply stands for its command, the connection staying in step; when every
-        reply is one (an unauthenticated connection, say) the store could not be asked: StoreError. A
-        failure after some replies arrived returns those and None for the rest; one before any raises
-        StoreError, except on a connection that had worked before: the server dropped it while it was
-        idle (a restart), so the commands go once more on a new one. Raises ClosedError after ``close()``."""
-        count = len(commands) if count is None else count
+    def _call(self, names: Sequence[str], commands: list[list[Chunk]], on_reply: OnReply | None = None) -> list[Any]:
+        """Each record's reply, in order (``_exchange``); raises ClosedError after ``close()``."""
         with self._lock:
             if self._closed:
                 raise ClosedError(f"the client of {self.where} was closed")
-            if not count:
-                return []
-            try:
-                return self._round_trip(commands, count, on_reply)
-            except _Dropped:
-                return self._round_trip(commands, count, on_reply)
+            return self._exchange(names, commands, on_reply) if names else []
 
-    def _round_trip(
-        self, commands: list[bytes | memoryview], count: int, on_reply: Callable[[int, Any], Any] | None
-    ) -> list[Any]:
-        out: list[Any] = []
+    @abstractmethod
+    def _exchange(self, names: Sequence[str], commands: list[list[Chunk]], on_reply: OnReply | None) -> list[Any]:
+        """Send record ``i``'s ``commands[i]`` and return its reply: ``on_reply(i, reply)`` where given,
+        the reply itself otherwise, an error reply as its exception, None where none came. Raises
+        StoreError when nothing could be asked."""
+
+    @abstractmethod
+    def _disconnect(self) -> None: ...
+
+
+class RedisClient(PipelinedClient):
+    """One connection to the Redis/Valkey server at ``url``; ``password`` is the secret itself (read from
+    the environment variable the config names), never logged: redis-py keeps it out of reprs and errors."""
+
+    def __init__(self, url: str, *, timeout: float, password: str | None = None, ca_file: str | None = None) -> None:
+        super().__init__()
+        options = connection_options(url, timeout=timeout, password=password, ca_file=ca_file)
+        self._pipe = Pipe(options)
+        self.where = self._pipe.where
+
+    def _exchange(self, names: Sequence[str], commands: list[list[Chunk]], on_reply: OnReply | None) -> list[Any]:
+        """One round trip. An error reply stands for its command, the connection staying in step; when
+        every reply is one (an unauthenticated connection, say) the store could not be asked: StoreError.
+        A failure after some replies arrived returns those and None for the rest; one before any raises
+        StoreError, except on a connection that had worked before: the server dropped it while it was
+        idle (a restart), so the commands go once more on a new one."""
+        chunks = coalesced([chunk for command in commands for chunk in command])
+        replies = self._pipe.exchange(chunks, len(names), on_reply)
+        if replies.dropped:
+            replies = self._pipe.exchange(chunks, len(names), on_reply)
+        if replies.failure is not None and not replies.arrived:
+            raise StoreError(f"{self.where}: {replies.failure}")
+        if all(isinstance(reply, Exception) for reply in replies.values):
+            raise StoreError(f"{self.where} refused every command: {replies.values[0]}")
+        return replies.values
+
+    def _disconnect(self) -> None:
+        self._pipe.disconnect()
+
+
+def connection_options(url: str, *, timeout: float, password: str | None, ca_file: str | None) -> dict[str, Any]:
+    """redis-py ``Connection`` arguments for the server at ``url`` (its class under ``connection_class``):
+    no retries, RESP2, kvtier's client name, the socket timeout a backstop behind the tier's ``timeout``."""
+    options: dict[str, Any] = parse_url(url)
+    options.update(
+        password=password,
+        socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        protocol=2,
+        client_name=CLIENT_NAME,
+    )
+    if ca_file is not None:
+        options["ssl_ca_certs"] = ca_file
+    return options
+
+
+@dataclass
+class Replies:
+    """What came back for a batch sent on a ``Pipe``."""
+
+    values: list[Any]
+    """One per command, in order: ``on_reply``'s answer, an error reply as its exception, None if none came."""
+    arrived: int
+    """How many replies came before ``failure``."""
+    failure: redis.RedisError | None = None
+    """What broke the connection, if something did (it is disconnected then)."""
+    dropped: bool = False
+    """It broke before any reply on a connection that had worked: the server dropped it while it was idle
+    (a restart), so the same commands may go once more (``Pipe`` reconnects on the next send)."""
+
+
+class Pipe:
+    """Pipelined exchanges over one redis-py connection, opened on the first send: ``send`` packed
+    commands in one go, then ``receive`` their replies in order. Split in two so that a client of several
+    servers sends to all of them before it reads any (their round trips overlap)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        options = dict(options)
+        connection_class = options.pop("connection_class", Connection)
+        self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"
+        self._connection = connection_class(**options)
+        self._used = False  # a reply came back on the current connection
+        self._failure: redis.RedisError | None = None  # what broke the last send
+
+    def send(self, chunks: list[Chunk]) -> None:
+        """Send ``chunks`` (whole commands); a failure is kept for ``receive`` to report."""
         try:
-            self._connection.send_packed_command(commands, check_health=False)
-            while len(out) < count:
-                try:
-                    reply = self._connection.read_response()
-                except redis.ResponseError as exc:
-                    reply = exc
-                out.append(reply if on_reply is None or isinstance(reply, Exception) else on_reply(len(out), reply))
-                self._used = True
+            self._connection.send_packed_command(chunks, check_health=False)
+            self._failure = None
         except redis.RedisError as exc:
+            self._failure = exc
             self._connection.disconnect()
-            reused, self._used = self._used, False
-            if out:
-                return out + [None] * (count - len(out))
-            if reused and isinstance(exc, redis.ConnectionError):
-                raise _Dropped from None
-            raise StoreError(f"{self.where}: {exc}") from None
-        if all(isinstance(reply, Exception) for reply in out):
-            raise StoreError(f"{self.where} refused every command: {out[0]}")
-        return out
+
+    def receive(self, count: int, on_reply: OnReply | None = None, wait: Callable[[], float] | None = None) -> Replies:
+        """The replies of the ``count`` commands sent last, ``on_reply(i, reply)`` applied to each as it
+        arrives. With ``wait``, a reply not begun within ``wait()`` seconds is a timeout; the socket timeout
+        bounds each read either way. Any failure disconnects (no late reply is read)."""
+        values: list[Any] = []
+        failure, self._failure = self._failure, None
+        if failure is None:
+            try:
+                while len(values) < count:
+                    if wait is not None and not self._connection.can_read(wait()):
+                        raise redis.TimeoutError(f"no reply from {self.where} in time")
+                    try:
+                        reply = self._connection.read_response()
+                    except redis.ResponseError as exc:
+                        reply = exc
+                    if on_reply is not None and not isinstance(reply, Exception):
+                        reply = on_reply(len(values), reply)
+                    values.append(reply)
+                    self._used = True
+            except redis.RedisError as exc:
+                failure = exc
+                self._connection.disconnect()
+        arrived = len(values)
+        if failure is None:
+            return Replies(values, arrived)
+        reused, self._used = self._used, False
+        dropped = not arrived and reused and isinstance(failure, redis.ConnectionError)
+        return Replies(values + [None] * (count - arrived), arrived, failure, dropped)
+
+    def exchange(self, chunks: list[Chunk], count: int, on_reply: OnReply | None = None) -> Replies:
+        """One round trip: ``send``, then ``receive``."""
+        self.send(chunks)
+        return self.receive(count, on_reply)
+
+    def disconnect(self) -> None:
+        self._connection.disconnect()
 
 
-class _Dropped(Exception):
-    """A connection that had worked failed before any reply: the server dropped it while it was idle."""
-
-
-def _command(*args: bytes) -> bytes:
+def command(*args: bytes) -> bytes:
     """One RESP command of plain arguments."""
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
+
+
+def _set(name: str, record: Record) -> list[Chunk]:
+    """``SET name <record>``, the record's pieces sent as they are (no copy)."""
+    encoded = name.encode()
+    size = sum(size for _, size in record)
+    return [
+        b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(encoded), encoded, size),
+        *(_view(piece) for piece in record),
+        b"\r\n",
+    ]
+
+
+def _taken(reply: Any, record: Record) -> bool:
+    """Copy a GET's value into the record's pieces if it has exactly their size; whether it had."""
+    if not isinstance(reply, bytes) or len(reply) != sum(size for _, size in record):
+        return False
+    _scatter(reply, record)
+    return True
 
 
 def _view(piece: Piece) -> memoryview:
@@ -176,10 +262,10 @@ def _view(piece: Piece) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
-def _coalesced(chunks: list[bytes | memoryview]) -> list[bytes | memoryview]:
+def coalesced(chunks: list[Chunk]) -> list[Chunk]:
     """The chunks with runs of small ones joined: each chunk is one send."""
-    out: list[bytes | memoryview] = []
-    small: list[bytes | memoryview] = []
+    out: list[Chunk] = []
+    small: list[Chunk] = []
     for chunk in chunks:
         if len(chunk) < _COALESCE_BELOW:
             small.append(chunk)

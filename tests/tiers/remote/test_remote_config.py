@@ -94,7 +94,8 @@ def test_the_chosen_backend_needs_its_settings_and_only_those():
     tier = remote()
     del tier["redis"]
     assert error_of(stack(HOST, tier)) == (
-        "config: tiers[1]: missing key 'redis': the redis backend's settings (url, password_env, pool_size, ca_file)"
+        "config: tiers[1]: missing key 'redis': the redis backend's settings (url, password_env, pool_size, ca_file, "
+        "cluster, seeds)"
     )
     assert error_of(stack(HOST, remote(mooncake=MOONCAKE["mooncake"]))) == (
         "config: tiers[1].mooncake: settings for mooncake but the backend is redis; remove them or set backend: "
