@@ -1,0 +1,411 @@
+"""A fleet of engines on one shared store: throughput, latency and hits while a store node dies.
+
+What is measured
+    ``--engines`` processes (8), each an engine of its own: one kvtier stack (a small host tier over
+    the remote tier, write-through) used by ``--threads`` request threads (2), replaying its share of
+    the Mooncake trace in ``--trace`` (the shared data set: requests whose ``hash_ids`` repeat across
+    requests are shared prefixes, and every engine sees some of every prefix), each request capped
+    at ``--max-blocks`` blocks of ``--block-bytes``. A request is what an engine does with a prompt:
+    look its blocks up, load the leading ones found (checking every byte: a block's content is its key
+    repeated, so a block under the wrong name is caught), and store the rest. The store is started by
+    this script on loopback: ``redis``, a Redis Cluster of 3 masters with a replica each
+    (``tests/helpers/redis_cluster.py``); ``mooncake``, a mooncake_master with two segment owners
+    (``tests/helpers/mooncake_server.py``). Every engine runs for ``--duration`` seconds (60) from a
+    common start; at ``--kill-at`` of it (0.5) one master (Redis) or one segment owner (Mooncake) is
+    SIGKILLed.
+
+Reference, in the same run, by the same processes and threads
+    Requests alternate between kvtier and the store's own Python client driven with the same
+    batches (its own names, so both populate the store alike): redis-py's ``RedisCluster`` (a
+    pipeline of ``EXISTS``, of ``GET``, of ``SET``), and ``MooncakeDistributedStore``
+    (``batch_is_exist``, ``batch_get_into``, ``batch_put_from``). Its calls are bounded by the same
+    timeout where the client has one (redis-py's socket timeout; Mooncake's have none).
+
+Figures, per path (kvtier, raw)
+    load GB/s: bytes loaded bit-exact / time spent in load calls, times the number of callers
+    (engines x threads): the fleet's aggregate rate while loading. Store, load and lookup latency
+    p50/p99 (kvtier's store returns once its host tier holds the blocks; the copy to the store
+    follows in the background, so its store latency is not comparable with the raw put and is not in
+    the ratio). Hit ratio (blocks found / blocks asked) of the requests started before the kill and of
+    those started at least ``--settle`` seconds (2) after it. Requests that hung (a call that did not
+    return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected). For kvtier,
+    ``store_reads_per_block``: records the engines read from the store / blocks their requests found
+    only there (below 1 where requests of one engine waiting for the same block share one read).
+
+The last line printed is one JSON object: ``ratio`` = the worse over the stores run of kvtier's load
+GB/s / the raw client's, then every figure per store.
+
+Run: ``.venv/bin/python bench/fleet.py [--store both|redis|mooncake] [--engines 8] [--duration 60]``
+(about 2 x (duration + 20) s on two cores; ``--engines 2 --duration 10`` for a quick check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from kvtier import KVTier
+from kvtier.replay.trace import load_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the servers of the tests' helpers
+
+TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+NAMESPACE = "bench-fleet"
+HOST_BLOCKS_PER_THREAD = 2  # x max-blocks: enough to stage a request, too few to keep the shared prefixes
+HUNG_FACTOR = 10  # a call that takes this many timeouts hung
+OWNER_SIZE = "1GB"
+POOL_SIZE = 4  # Mooncake clients per engine for loads and stores (Redis: its default pool of 4)
+
+
+def block_key(hash_id: int) -> bytes:
+    """The trace's chained block id as a 16-byte key: equal ids, equal keys, in every engine."""
+    return hashlib.blake2b(b"%d" % hash_id, digest_size=16).digest()
+
+
+def content(key: bytes, block_bytes: int) -> bytes:
+    """A block's bytes: its key repeated (a block read under another key is caught)."""
+    return key * (block_bytes // len(key))
+
+
+# --- the raw clients --------------------------------------------------------------------------
+
+
+class RawRedis:
+    """redis-py's cluster client: pipelines grouped by node, as an engine author would write it."""
+
+    def __init__(self, seeds: list[str], timeout: float) -> None:
+        import redis
+        from redis.cluster import ClusterNode
+
+        nodes = [ClusterNode(urlsplit(seed).hostname, urlsplit(seed).port) for seed in seeds]
+        self.client = redis.RedisCluster(startup_nodes=nodes, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    def _pipe(self, commands: list[tuple]) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=False)
+
+    def exists(self, names: list[str]) -> list[bool]:
+        return [reply == 1 for reply in self._pipe([("EXISTS", name) for name in names])]
+
+    def get(self, names: list[str], out: np.ndarray) -> list[bool]:
+        ok = []
+        for i, value in enumerate(self._pipe([("GET", name) for name in names])):
+            good = isinstance(value, bytes) and len(value) == out.shape[1]
+            if good:
+                out[i] = np.frombuffer(value, np.uint8)
+            ok.append(good)
+        return ok
+
+    def put(self, names: list[str], blocks: np.ndarray) -> None:
+        self._pipe([("SET", name, memoryview(block)) for name, block in zip(names, blocks, strict=True)])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RawMooncake:
+    """A ``MooncakeDistributedStore`` of its own, reading into and writing from registered buffers."""
+
+    def __init__(self, master: str, metadata: str, buffers: list[np.ndarray]) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        if self.store.setup("127.0.0.1", metadata, 0, 0, "tcp", "", master) != 0:
+            raise RuntimeError("Mooncake setup failed")
+        for buffer in buffers:
+            self.store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+
+    def exists(self, names: list[str]) -> list[bool]:
+        return [code == 1 for code in self.store.batch_is_exist(names)]
+
+    def get(self, names: list[str], out: np.ndarray) -> list[bool]:
+        size = out.shape[1]
+        codes = self.store.batch_get_into(names, [out[i].ctypes.data for i in range(len(names))], [size] * len(names))
+        return [code == size for code in codes]
+
+    def put(self, names: list[str], blocks: np.ndarray) -> None:
+        size = blocks.shape[1]
+        self.store.batch_put_from(names, [blocks[i].ctypes.data for i in range(len(names))], [size] * len(names))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# --- one engine (a process of its own) -------------------------------------------------------
+
+
+def engine(rank: int, spec: dict) -> dict:
+    """Replay this engine's requests from ``spec["start"]`` for ``spec["duration"]`` s, alternating kvtier
+    and the raw client; returns one record per request and the stack's counters."""
+    block, timeout, threads = spec["block_bytes"], spec["timeout"], spec["threads"]
+    kv = KVTier.open(spec["config"])
+    records: list[dict] = []
+    lock = threading.Lock()
+    buffers = [np.zeros((spec["max_blocks"], block), np.uint8) for _ in range(2 * threads)]
+    if spec["store"] == "redis":
+        raw = RawRedis(spec["seeds"], timeout)
+    else:
+        raw = RawMooncake(spec["master"], spec["metadata"], buffers)
+    requests = spec["requests"][rank]
+    time.sleep(max(0.0, spec["start"] - time.time()))
+    stop = spec["start"] + spec["duration"]
+
+    def caller(t: int) -> None:
+        out, data = buffers[2 * t], buffers[2 * t + 1]
+        i = t
+        while time.time() < stop:
+            ids = requests[i % len(requests)]
+            path = "kvtier" if (i // threads) % 2 == 0 else "raw"  # every thread takes both turn about
+            record = request(kv, raw, path, ids, out, data, block, timeout)
+            record["t"] = record["t"] - spec["start"]
+            with lock:
+                records.append(record)
+            i += threads
+
+    workers = [threading.Thread(target=caller, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    stats = kv.stats()
+    with contextlib.suppress(Exception):  # a store node is dead: closing may report it
+        kv.close()
+    with contextlib.suppress(Exception):
+        raw.close()
+    return {"records": records, "stats": stats}
+
+
+def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, block: int, timeout: float) -> dict:
+    """One prompt: look up, load the leading blocks found (checked), store the rest."""
+    keys = [block_key(h) for h in ids]
+    n = len(keys)
+    for i, key in enumerate(keys):
+        data[i] = np.frombuffer(content(key, block), np.uint8)
+    record = {"t": time.time(), "path": path, "blocks": n, "hits": 0, "loaded": 0, "wrong": 0, "hung": 0, "remote": 0}
+    limit = HUNG_FACTOR * timeout
+    start = time.perf_counter()
+    if path == "kvtier":
+        found = kv.locate(keys)
+        hits, record["remote"] = found.hits, sum(1 for tier in found.tiers if tier == "remote")
+    else:
+        names = [f"raw/{key.hex()}" for key in keys]
+        present = raw.exists(names)
+        hits = present.index(False) if False in present else n
+    record["lookup_s"] = time.perf_counter() - start
+    record["hits"] = hits
+    if hits:
+        out[:hits] = 0
+        start = time.perf_counter()
+        if path == "kvtier":
+            try:
+                result = kv.load(keys[:hits], out[:hits]).result(limit)
+                ok = [i not in result.failed for i in range(result.hits)] + [False] * (hits - result.hits)
+            except TimeoutError:
+                record["hung"] += 1
+                ok = [False] * hits
+        else:
+            ok = raw.get(names[:hits], out[:hits])
+        record["load_s"] = time.perf_counter() - start
+        record["hung"] += record["load_s"] > limit
+        for i in range(hits):
+            if ok[i] and not np.array_equal(out[i], data[i]):
+                record["wrong"] += 1
+                ok[i] = False
+        record["loaded"] = ok.index(False) if False in ok else hits
+    start = time.perf_counter()
+    if path == "kvtier":
+        try:
+            kv.store(keys, data[:n]).result(limit)
+        except TimeoutError:
+            record["hung"] += 1
+    else:
+        missing = range(hits, n)
+        raw.put([names[i] for i in missing], data[hits:n])
+    record["store_s"] = time.perf_counter() - start
+    record["hung"] += record["store_s"] > limit or record["lookup_s"] > limit
+    return record
+
+
+# --- the stores -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def redis_fleet_store(work: Path, timeout: float) -> Iterator[tuple[dict, dict, object]]:
+    """A 3-master cluster with a replica each; the tier, the raw client's settings, and what to kill."""
+    from helpers.redis_cluster import redis_cluster
+
+    with redis_cluster(work / "redis", masters=3, replicas=1) as cluster:
+        tier = {
+            "medium": "remote",
+            "backend": "redis",
+            "timeout": timeout,
+            "redis": {"url": cluster.url, "cluster": True, "seeds": cluster.seeds[1:]},
+        }
+        yield tier, {"seeds": cluster.seeds}, lambda: cluster.kill(cluster.masters()[0])
+
+
+@contextlib.contextmanager
+def mooncake_fleet_store(work: Path, timeout: float) -> Iterator[tuple[dict, dict, object]]:
+    """A master with two segment owners; the tier, the raw client's settings, and what to kill."""
+    from helpers.mooncake_server import mooncake_problem, mooncake_store
+
+    problem = mooncake_problem()
+    if problem is not None:
+        raise SystemExit(f"cannot run the Mooncake part: {problem}")
+    with mooncake_store(2, OWNER_SIZE) as (master, owners):
+        tier = master.tier(timeout)
+        tier["mooncake"]["pool_size"] = POOL_SIZE
+        yield tier, {"master": master.address, "metadata": master.metadata_url}, owners[0].kill
+
+
+STORES = {"redis": redis_fleet_store, "mooncake": mooncake_fleet_store}
+
+
+def run_store(store: str, args: argparse.Namespace, chains: list[list[int]]) -> dict:
+    """Start the store, run the engines, kill a node mid-run, and sum up."""
+    callers = args.engines * args.threads
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-fleet-") as work:
+        with STORES[store](Path(work), args.timeout) as (tier, raw, kill):
+            host = {"medium": "host", "capacity_blocks": HOST_BLOCKS_PER_THREAD * args.threads * args.max_blocks}
+            spec = {
+                "store": store,
+                "config": {
+                    "block_bytes": args.block_bytes,
+                    "namespace": NAMESPACE,
+                    "tiers": [{**host, "eviction": "lru"}, tier],
+                },
+                "block_bytes": args.block_bytes,
+                "timeout": args.timeout,
+                "threads": args.threads,
+                "max_blocks": args.max_blocks,
+                "duration": args.duration,
+                "requests": [chains[e :: args.engines] for e in range(args.engines)],
+                "start": time.time() + args.warmup,
+                **raw,
+            }
+            kill_at = spec["start"] + args.kill_at * args.duration
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(args.engines) as pool:
+                pending = pool.starmap_async(engine, [(e, spec) for e in range(args.engines)])
+                time.sleep(max(0.0, kill_at - time.time()))
+                kill()
+                print(f"  {store}: killed a node at {time.time() - spec['start']:.1f} s", flush=True)
+                results = pending.get(args.duration + args.warmup + 60 * args.timeout + 60)
+    return summarize(results, args, kill_at - spec["start"], callers)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan")}
+    ordered = sorted(values)
+    return {
+        "p50_ms": 1e3 * statistics.median(ordered),
+        "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
+
+
+def summarize(results: list[dict], args: argparse.Namespace, killed: float, callers: int) -> dict:
+    records = [r for result in results for r in result["records"]]
+    out: dict = {"killed_at_s": killed, "requests": len(records)}
+    for path in ("kvtier", "raw"):
+        mine = [r for r in records if r["path"] == path]
+        loads = [r for r in mine if "load_s" in r]
+        load_time = sum(r["load_s"] for r in loads)
+        loaded_bytes = sum(r["loaded"] for r in loads) * args.block_bytes
+        before = [r for r in mine if r["t"] < killed]
+        after = [r for r in mine if r["t"] >= killed + args.settle]
+        out[path] = {
+            "requests": len(mine),
+            "load_gbps": loaded_bytes / load_time * callers / 1e9 if load_time else 0.0,
+            "loaded_gb": loaded_bytes / 1e9,
+            "load": percentiles([r["load_s"] for r in loads]),
+            "store": percentiles([r["store_s"] for r in mine]),
+            "lookup": percentiles([r["lookup_s"] for r in mine]),
+            "hit_ratio_before_kill": sum(r["hits"] for r in before) / max(1, sum(r["blocks"] for r in before)),
+            "hit_ratio_after_kill": sum(r["hits"] for r in after) / max(1, sum(r["blocks"] for r in after)),
+            "hung": sum(r["hung"] for r in mine),
+            "wrong_blocks": sum(r["wrong"] for r in mine),
+        }
+    reads = sum(result["stats"].get("remote", {}).get("hits", 0) for result in results)
+    needed = sum(r["remote"] for r in records if r["path"] == "kvtier")
+    out["kvtier"]["store_reads_per_block"] = reads / needed if needed else float("nan")
+    out["ratio"] = out["kvtier"]["load_gbps"] / out["raw"]["load_gbps"] if out["raw"]["load_gbps"] else 0.0
+    return out
+
+
+def print_store(store: str, figures: dict) -> None:
+    print(f"\n{store}: {figures['requests']} requests, a node killed at {figures['killed_at_s']:.1f} s")
+    print(
+        f"  {'path':7} {'load GB/s':>9} {'load p50/p99 ms':>16} {'lookup p50/p99':>15} {'store p50/p99':>15} "
+        f"{'hits before/after':>18} {'hung':>5} {'wrong':>6}"
+    )
+    for path in ("kvtier", "raw"):
+        f = figures[path]
+        print(
+            f"  {path:7} {f['load_gbps']:9.2f} {f['load']['p50_ms']:7.1f}/{f['load']['p99_ms']:<8.1f} "
+            f"{f['lookup']['p50_ms']:6.1f}/{f['lookup']['p99_ms']:<8.1f} {f['store']['p50_ms']:6.1f}/"
+            f"{f['store']['p99_ms']:<8.1f} {f['hit_ratio_before_kill']:8.3f}/{f['hit_ratio_after_kill']:<9.3f} "
+            f"{f['hung']:5d} {f['wrong_blocks']:6d}"
+        )
+    print(f"  kvtier store reads per block found only there: {figures['kvtier']['store_reads_per_block']:.3f}")
+    print(f"  load ratio kvtier / raw client: {figures['ratio']:.3f}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", choices=["both", *STORES], default="both")
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="request threads per engine")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds every engine runs")
+    p.add_argument("--kill-at", type=float, default=0.5, help="when a node is killed, as a share of the duration")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds after the kill not counted in either hit ratio")
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds the engines get to start before the run")
+    p.add_argument("--block-bytes", type=int, default=256 * 1024)
+    p.add_argument("--max-blocks", type=int, default=16, help="blocks per request at most")
+    p.add_argument("--timeout", type=float, default=1.0, help="the remote tier's timeout, s")
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--requests", type=int, default=4000, help="trace requests replayed (cycled)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chains = [list(r.hash_ids[: args.max_blocks]) for r in load_trace(args.trace)[: args.requests] if r.hash_ids]
+    stores = list(STORES) if args.store == "both" else [args.store]
+    print(
+        f"{args.engines} engines x {args.threads} threads, {args.duration:g} s per store, blocks of "
+        f"{args.block_bytes // 1024} KiB, at most {args.max_blocks} per request, timeout {args.timeout:g} s",
+        flush=True,
+    )
+    figures = {store: run_store(store, args, chains) for store in stores}
+    for store, result in figures.items():
+        print_store(store, result)
+    summary = {
+        "ratio": min(result["ratio"] for result in figures.values()),
+        "engines": args.engines,
+        "threads": args.threads,
+        "duration_s": args.duration,
+        "block_bytes": args.block_bytes,
+        **figures,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
