@@ -6,7 +6,8 @@ HTTP admin port with ``/health``) and ``SegmentOwner`` (the wheel's standalone `
 which holds ``size`` bytes of store memory for as long as it lives, like a long-lived owner in a
 deployment). Both are context managers on free loopback ports that wait until the server answers and
 always kill it on exit; ``kill()`` (SIGKILL), ``stop()`` (SIGSTOP), ``cont()`` and the master's
-``restart()`` (same ports, empty store) inject faults.
+``restart()`` (same ports, empty store) inject faults. ``mooncake_store(owners)`` starts a master with
+several owners; the master's admin API says which owner's segment holds each record (``replicas``).
 
 Every bind flag is set to 127.0.0.1 and so is ``MC_TCP_BIND_ADDRESS`` (without it the transfer engine
 advertises the first non-loopback interface). Mooncake 0.3.13 still listens on the wildcard address
@@ -36,8 +37,10 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -212,6 +215,15 @@ class MooncakeMaster(_Server):
         """``metadata_server`` in a tier's mooncake mapping."""
         return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
 
+    def tier(self, timeout: float) -> dict:
+        """A stack's remote tier mapping for this store (``backend: mooncake``), whose calls take ``timeout``."""
+        return {
+            "medium": "remote",
+            "backend": "mooncake",
+            "timeout": timeout,
+            "mooncake": {"master": self.address, "metadata_server": self.metadata_url},
+        }
+
     def _argv(self) -> list[str]:
         return [
             _binary("mooncake_master"),
@@ -238,9 +250,29 @@ class MooncakeMaster(_Server):
         body = http_get(self.metrics_port, "/get_all_segments")
         return [] if body is None else body.decode().split()
 
+    def replicas(self, names: Sequence[str]) -> dict[str, list[str]]:
+        """The segments holding each record's replicas (``/batch_query_keys``), [] for a record the master
+        does not know: which owner holds a record, as ``SegmentOwner.segment`` names it."""
+        assert not any("," in name for name in names), "the master splits its keys argument at commas"
+        keys = ",".join(urllib.parse.quote(name, safe="") for name in names)
+        body = http_get(self.metrics_port, f"/batch_query_keys?keys={keys}")
+        assert body is not None, "the master's admin API did not answer /batch_query_keys"
+        found = json.loads(body)["data"]
+        return {
+            name: [replica["transport_endpoint_"] for replica in found[name]["values"] or []]
+            if found[name]["ok"]
+            else []
+            for name in names
+        }
+
     def wait_segments(self, count: int, timeout: float = READY_TIMEOUT) -> None:
         """Wait until at least ``count`` segments are mounted (an owner re-mounts after a master restart)."""
         self._wait(lambda: len(self.segments()) >= count, f"to list {count} segment(s)", timeout)
+
+    def wait_dropped(self, segment: str, timeout: float = READY_TIMEOUT) -> None:
+        """Wait until ``segment`` is no longer mounted (a dead owner's goes ``--client_ttl`` after its last
+        heartbeat)."""
+        self._wait(lambda: segment not in self.segments(), f"to drop segment {segment}", timeout)
 
     def restart(self) -> None:
         """Kill the master and start a new one on the same ports: an empty store, the same address."""
@@ -251,20 +283,22 @@ class MooncakeMaster(_Server):
 class SegmentOwner(_Server):
     """The wheel's standalone ``mooncake_client``: contributes ``size`` (a Mooncake size string such as
     "64MB") of store memory for as long as it lives, with its HTTP ``/health`` on a port of its own.
-    Ready once it answers and the master lists its segment."""
+    Ready once it answers and the master lists its segment, whose name (``segment``: the owner's
+    transfer endpoint, which the owner picks itself) is where ``MooncakeMaster.replicas`` places records."""
 
     def __init__(self, master: MooncakeMaster, size: str = "64MB") -> None:
         super().__init__("mooncake-owner")
         self.master = master
         self.size = size
         self.port, self.http_port = free_port(), free_port()
+        self.segment = ""
 
     def __enter__(self) -> SegmentOwner:
         require_mooncake()
-        mounted = len(self.master.segments())
+        before = set(self.master.segments())
         try:
             self._spawn()
-            self.master.wait_segments(mounted + 1)
+            self._wait(lambda: self._mounted(before), "to mount its segment")
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -285,3 +319,19 @@ class SegmentOwner(_Server):
 
     def _ready(self) -> bool:
         return _accepts(self.port) and http_get(self.http_port, "/health") is not None
+
+    def _mounted(self, before: set[str]) -> bool:
+        """Whether the master lists a segment that it did not list ``before`` (then this owner's ``segment``)."""
+        new = set(self.master.segments()) - before
+        if len(new) == 1:
+            (self.segment,) = new
+        return bool(self.segment)
+
+
+@contextmanager
+def mooncake_store(owners: int, size: str = "64MB", *flags: str) -> Iterator[tuple[MooncakeMaster, list[SegmentOwner]]]:
+    """A master (with ``flags``) and ``owners`` segment owners of ``size`` each, started one after the other
+    (so each knows its segment) and all killed on exit."""
+    with ExitStack() as servers:
+        master = servers.enter_context(MooncakeMaster(*flags))
+        yield master, [servers.enter_context(SegmentOwner(master, size)) for _ in range(owners)]

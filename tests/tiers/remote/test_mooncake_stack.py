@@ -29,15 +29,7 @@ def config(master: MooncakeMaster, namespace: str = "test-model", host: str = "4
         "block_bytes": block,
         "fragments": 2,
         "namespace": namespace,
-        "tiers": [
-            {"medium": "host", "capacity": host, "eviction": "lru"},
-            {
-                "medium": "remote",
-                "backend": "mooncake",
-                "timeout": TIMEOUT,
-                "mooncake": {"master": master.address, "metadata_server": master.metadata_url},
-            },
-        ],
+        "tiers": [{"medium": "host", "capacity": host, "eviction": "lru"}, master.tier(TIMEOUT)],
     }
 
 
