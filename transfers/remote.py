@@ -6,10 +6,15 @@ where the client allows. Each transfer is one batched call of the store's client
 (``StoreLink``) on a thread of its own with the tier's deadline, so a hung store costs a job its
 deadline, never more:
 
-- a store (host -> remote) reports the blocks the store did not take; they are counted drops;
+- a store (host -> remote) first asks which records the store holds already (one batched existence
+  query, in the same call as the put) and writes only the others: a block another engine stored is
+  not sent again, and counts as stored (``RemoteStats.skipped_existing``). A record that failed to load
+  here is written without asking (``RemoteStorage.unreadable``): one that merely exists under our name
+  may be foreign garbage, and skipping it would pin a miss on its block. It reports the blocks the
+  store did not take; they are counted drops;
 - a load (remote -> host) accepts a block only when its record arrived whole and its header, data
   checksum and (with ``auth_key_env``) MAC say it is exactly that block, checked here before the job
-  reports; every other block fails, and the engine recomputes it;
+  reports; every other block fails, and the engine recomputes it (and stores it again: see above);
 - where a call failed or outlived its deadline and has not settled yet (it may still write into its
   destination slots, or read its source slots), the failed blocks are reported in a ``Quarantine``
   that the link lifts once nothing of that call can touch them any more.
@@ -35,7 +40,7 @@ from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
 from kvtier.tiers.remote.client import Piece, StoreClient
 from kvtier.tiers.remote.link import Call, StoreLink
-from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat
+from kvtier.tiers.remote.record import HEADER_BYTES
 from kvtier.tiers.remote.tier import RemoteStorage
 
 log = logging.getLogger(__name__)
@@ -69,9 +74,7 @@ class RemoteBackend(TransferBackend):
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
-        job = _Job(
-            remote.records, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room
-        )
+        job = _Job(remote, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room)
         with self._lock:
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
@@ -101,7 +104,12 @@ class RemoteBackend(TransferBackend):
     def _store(self, job: _Job) -> None:
         for i, key in enumerate(job.keys):
             job.header(i)[:] = job.records.header(key, job.data(i))
-        self._finish(job, self._call(job, lambda client: client.put(job.names, job.pieces)))
+        ask = [not bad for bad in job.remote.unreadable(job.keys)]
+        call, ok = answer = self._call(job, lambda client: _put_missing(client, job, ask))
+        if call is not None and call.ok:
+            written = [key for i, key in enumerate(job.keys) if ok[i] and i not in job.skipped]
+            job.remote.stored(written, len(job.skipped))
+        self._finish(job, answer)
 
     def _load(self, job: _Job) -> None:
         call, ok = self._call(job, lambda client: client.get(job.names, job.pieces))
@@ -112,6 +120,8 @@ class RemoteBackend(TransferBackend):
                 if problem is not None:
                     ok[i] = False
                     refused.append(f"{job.names[i]}: {problem}")
+        if call is not None and call.ok:
+            job.remote.loaded(job.keys, ok)
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
                 self.refused_records += len(refused)
@@ -148,6 +158,22 @@ class RemoteBackend(TransferBackend):
         job.on_complete(failed, quarantine)
 
 
+def _put_missing(client: StoreClient, job: _Job, ask: Sequence[bool]) -> list[bool]:
+    """Write ``job``'s records that the store lacks, in one call on ``client``: one batched existence
+    query of the names ``ask`` says, then one put of every record not found (``job.skipped``: those
+    found, left as they are). Returns, per record, whether the store holds it now. Raises ValueError
+    when the client answers for another number of records: the call fails (counted drops, no skip)."""
+    asked = [i for i, yes in enumerate(ask) if yes]
+    found = client.exists([job.names[i] for i in asked]) if asked else []
+    job.skipped = {i for i, here in zip(asked, found, strict=True) if here}
+    missing = [i for i in range(len(job.keys)) if i not in job.skipped]
+    written = client.put([job.names[i] for i in missing], [job.pieces[i] for i in missing]) if missing else []
+    ok = [True] * len(job.keys)
+    for i, good in zip(missing, written, strict=True):
+        ok[i] = good
+    return ok
+
+
 class _Job:
     """One transfer's blocks as the store sees them: keys, record names, and each record's pieces: its
     header, then the block's host memory. Where the host storage keeps ``header_room`` before each
@@ -156,16 +182,18 @@ class _Job:
 
     def __init__(
         self,
-        records: RecordFormat,
+        remote: RemoteStorage,
         keys: list[bytes],
         memory: list[list[Piece]],
         on_complete: OnComplete,
         keep: Transfer,
         header_room: int = 0,
     ) -> None:
-        self.records = records
+        self.remote = remote
+        self.records = remote.records
         self.keys = keys
-        self.names = [records.name(key) for key in keys]
+        self.names = [self.records.name(key) for key in keys]
+        self.skipped: set[int] = set()  # the records a store found in the store and left as they were
         self.memory = memory
         self.on_complete = on_complete
         if header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):

@@ -110,7 +110,7 @@ def test_a_record_is_the_same_whether_its_header_travels_in_the_room_before_the_
         assert reader.store()[:2] == (set(), None) and server.client().mget(names) == sent
         for rig in (writer, reader):
             room = rig.slab.storage.header_room
-            job = _Job(rig.records, KEYS, block_pieces(rig.slab.storage, range(len(KEYS))), lambda *_: None, None, room)
+            job = _Job(rig.remote, KEYS, block_pieces(rig.slab.storage, range(len(KEYS))), lambda *_: None, None, room)
             assert [len(pieces) for pieces in job.pieces] == [1 if room else 2] * len(KEYS)
     finally:
         writer.close()

@@ -15,7 +15,8 @@ over one connection per master node, the records spread over the cluster's 16384
   by ``REPLY_SHARE`` of the tier's timeout for the whole call (a reply already on its way gets
   ``GRACE_SHARE`` more), so the call returns before the link's deadline with the other nodes' answers.
   The node is then down for a backoff (doubling up to the link's maximum) in which its records fail at
-  once, without asking it. StoreError only when no master of the cluster could be asked.
+  once, without asking it. StoreError only when no node could be asked and no master answered lately
+  (``ALIVE_FOR_S``): a call for a dead master's records alone is then a miss for them.
 - Each connection is a ``redis_client.Pipe`` (the same packing and zero-copy writes as ``RedisClient``,
   the same single resend of a batch whose connection had been dropped while idle), and every node gets
   the options of ``url``: password, TLS and its CA.
@@ -52,6 +53,8 @@ GRACE_SHARE = 0.1
 _ASKING = command(b"ASKING")
 _CLUSTER_SLOTS = command(b"CLUSTER", b"SLOTS")
 
+ALIVE_FOR_S = 10.0
+"""How long a node's last answer says it is up, when a call could ask none of the nodes it needed."""
 Address = tuple[str, int]
 Route = list[tuple[int, bool]]
 """One node's share of a call: (record index, whether ``ASKING`` goes before its command)."""
@@ -64,9 +67,14 @@ class _Node:
         self.pipe = Pipe({**options, "host": address[0], "port": address[1]})
         self.backoff = 0.0
         self.down_until = 0.0
+        self.answered_at = -ALIVE_FOR_S  # when it last answered
 
     def down(self, now: float) -> bool:
         return now < self.down_until
+
+    def alive(self, now: float) -> bool:
+        """Answered within ``ALIVE_FOR_S`` and not failed since."""
+        return not self.down(now) and now - self.answered_at < ALIVE_FOR_S
 
     def failed(self) -> None:
         self.backoff = min(MAX_BACKOFF_S, self.backoff * 2 or FIRST_BACKOFF_S)
@@ -74,6 +82,7 @@ class _Node:
 
     def answered(self) -> None:
         self.backoff = self.down_until = 0.0
+        self.answered_at = time.monotonic()
 
 
 class RedisClusterClient(PipelinedClient):
@@ -130,15 +139,15 @@ class RedisClusterClient(PipelinedClient):
             ]
             answered |= self._round(_routes(redirected), commands, on_reply, replies, wait)
         if not answered and not self._any_master_up():
-            raise StoreError(f"{self.where}: no node of the cluster could be asked")
+            raise StoreError(f"{self.where}: no node could be asked, and no master answered lately")
         return replies  # (records of a node that is down: None, a miss; the link stays up for the others)
 
     def _any_master_up(self) -> bool:
-        """Whether some master is not in its backoff (one never used counts as up): where one is, a call
-        whose records all lie on dead nodes is a miss for them, not a failure that would take the link
-        down for every node's records."""
+        """Whether some master answered lately and has not failed since: then a call whose records all
+        lie on dead nodes is a miss for them, not a failure that would take the link down for every
+        node's records. A cluster none of whose masters answered lately is down as a whole."""
         now = time.monotonic()
-        return any(address not in self._nodes or not self._nodes[address].down(now) for address in self._masters)
+        return any(address in self._nodes and self._nodes[address].alive(now) for address in self._masters)
 
     def _round(
         self,

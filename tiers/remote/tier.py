@@ -6,18 +6,24 @@ seconds after the store said it holds the record (``query``, one batched existen
 this process stored it; WRITING while this process puts it; FREE otherwise. A key whose load failed
 (missing by then, damaged, foreign, unsigned) is FREE for those few seconds whatever the store says,
 so lookups stop promising a record that cannot be read, until this process stores the block again.
+Concurrent queries share what they ask (``query``): many requests of one engine that want the same
+prefix at once (a shared system prompt) cost the store one question per block.
 It has no slots (``by_key``: copies name keys), no pins (a record may vanish under a load anyway:
 that load then fails exactly that block) and no eviction (the store evicts by itself).
 
 ``RemoteStorage`` is what transfers see: the store's records for one stack, or for one rank of one
-(``RecordFormat``: names, headers, MAC). Bytes move through ``kvtier.transfers.remote``.
+(``RecordFormat``: names, headers, MAC), and which of them failed to load here. Bytes move through
+``kvtier.transfers.remote``, whose stores skip a record the store already holds (another engine stored
+the block) unless it failed to load here: a record that merely exists under our name may be a foreign
+one, and skipping its rewrite would pin a miss on that block.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.errors import StateError, StoreError, TransferError
@@ -35,24 +41,69 @@ KNOWN_FOR_S = 5.0
 """How long an answer counts (the store's "present", this process's own store, a failed load): short,
 because other engines and the store's eviction change what it holds without telling anyone."""
 
+UNREADABLE_KEPT = 65536
+"""How many keys whose records failed to load a ``RemoteStorage`` remembers (the oldest forgotten first):
+memory stays bounded however many foreign records a store holds under our names, and a key forgotten
+too early costs one more failed load (which remembers it again), not a miss for good."""
+
 
 class RemoteStorage(BlockStorage):
-    """The records of a shared store in one stack's (or rank's) ``RecordFormat``: no addresses, no slots."""
+    """The records of a shared store in one stack's (or rank's) ``RecordFormat``: no addresses, no slots.
 
-    def __init__(self, layout: BlockLayout, records: RecordFormat) -> None:
+    It remembers what loads found for the stores that follow (``loaded``, ``unreadable``, ``stored``):
+    a key whose record failed to load here is written again by its next store without asking whether
+    the store holds a record under its name. ``on_skipped`` counts the records a store left as the store
+    held them (the tier's ``skipped_existing``); a storage without a tier (a vLLM worker's) counts none."""
+
+    def __init__(
+        self, layout: BlockLayout, records: RecordFormat, on_skipped: Callable[[int], None] | None = None
+    ) -> None:
         super().__init__(layout, 0, KEYED_DEVICE)
         self.records = records
+        self._on_skipped = on_skipped
+        self._unreadable: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _addresses(self, slots):
         raise TransferError("a remote store's records have no addresses: they are named by key")
+
+    def loaded(self, keys: Sequence[bytes], ok: Sequence[bool]) -> None:
+        """What a load that the store answered found: the keys whose record arrived and passed its
+        checks are readable; the others (missing, of another size, damaged, foreign) are not."""
+        with self._lock:
+            for key, good in zip(keys, ok, strict=True):
+                if good:
+                    self._unreadable.pop(key, None)
+                else:
+                    self._unreadable[key] = None
+                    self._unreadable.move_to_end(key)
+            while len(self._unreadable) > UNREADABLE_KEPT:
+                self._unreadable.popitem(last=False)
+
+    def unreadable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether its record failed to load here since this process last wrote it."""
+        with self._lock:
+            return [key in self._unreadable for key in keys]
+
+    def stored(self, written: Iterable[bytes], skipped: int) -> None:
+        """What a store did: the records of ``written`` are this process's own now; ``skipped`` more
+        were found in the store and left as they were."""
+        with self._lock:
+            for key in written:
+                self._unreadable.pop(key, None)
+        if skipped and self._on_skipped is not None:
+            self._on_skipped(skipped)
 
 
 @dataclass
 class RemoteStats(TierStats):
     """A remote tier's counters: those of every tier (``aborted``: stores that did not land, counted
-    drops; ``read_errors``: loads that failed), and the lookups the store could not answer."""
+    drops; ``read_errors``: loads that failed; ``committed``: stores that landed, skipped ones too), the
+    lookups the store could not answer, and the stores skipped because the store already held a
+    record of the block (another engine stored it): asked about, not written again."""
 
     lookup_errors: int = 0
+    skipped_existing: int = 0
 
 
 class RemoteTier(Tier):
@@ -75,7 +126,7 @@ class RemoteTier(Tier):
         super().__init__(
             name,
             "remote",
-            RemoteStorage(layout, records[0]),
+            RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n)),
             LRUPolicy(),
             note=f"{link.connector.where}, timeout {link.timeout:g} s",
         )
@@ -87,6 +138,7 @@ class RemoteTier(Tier):
         self._known_for = known_for
         self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
         self._writing: set[bytes] = set()
+        self._asking: dict[bytes, threading.Event] = {}  # key -> set once the query asking for it is over
 
     def __repr__(self) -> str:
         return (
@@ -100,23 +152,44 @@ class RemoteTier(Tier):
         """Ask the store which keys it holds, in one batched query bounded by the link's timeout; each
         key present (for every rank) is READY here for a while. Returns how many leading keys are
         present; 0 when the store could not answer (counted in ``lookup_errors``): a miss, never a wait
-        past the timeout."""
+        past the timeout.
+
+        A key that another query is asking the store right now is not asked again: this query asks
+        only the others, then waits for that answer (within its own timeout; without one in time, the
+        key is a miss)."""
         if not keys:
             return 0
+        deadline = time.monotonic() + self.link.timeout
+        asked = threading.Event()
+        with self._lock:
+            theirs = {self._asking[key] for key in keys if key in self._asking}
+            mine = [key for key in dict.fromkeys(keys) if key not in self._asking]
+            self._asking.update(dict.fromkeys(mine, asked))
+        answered = self._ask(mine, asked) if mine else True
+        for other in theirs:
+            other.wait(max(0.0, deadline - time.monotonic()))
+        return self.lookup(keys) if answered else 0
+
+    def _ask(self, keys: list[bytes], asked: threading.Event) -> bool:
+        """Ask the store for ``keys`` (this query's in ``_asking``), remember those present, then let the
+        queries waiting for them go on; False (counted) when the store could not answer."""
         names = [fmt.name(key) for key in keys for fmt in self.records]
+        found: list[bool] | None = None
         try:
             found = self.link.ask(lambda client: client.exists(names))
         except StoreError:
             self.count(lookup_errors=1)
-            return 0
-        ranks = len(self.records)
-        present = [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
-        with self._lock:
-            now = time.monotonic()
-            for key, here in zip(keys, present, strict=True):
-                if here and self._answer(key, now) is not False:  # not after a failed load of it
-                    self._remember(key, True, now)
-            return self.lookup(keys)
+        finally:
+            ranks = len(self.records)
+            with self._lock:
+                now = time.monotonic()
+                for i, key in enumerate(keys):
+                    del self._asking[key]
+                    here = found is not None and all(found[i * ranks : (i + 1) * ranks])
+                    if here and self._answer(key, now) is not False:  # not after a failed load of it
+                        self._remember(key, True, now)
+            asked.set()
+        return found is not None
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the store was found to hold recently (no network)."""
