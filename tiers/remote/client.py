@@ -41,6 +41,13 @@ class StoreClient(ABC):
     """True when a read that failed or was abandoned may still write into its buffers after the call
     returned, until ``close()`` (Mooncake's TCP transfer engine). Such buffers stay fenced until then."""
 
+    def may_write_late(self) -> bool:
+        """With ``late_writes``, after a call some of whose records failed: whether a transfer of one of
+        them may still touch its buffers (the client is then closed before they are reused). True
+        unless the client can tell that every failure started no transfer (a record that does not
+        exist): closing a client can cost a second, and a full store misses all the time."""
+        return True
+
     @abstractmethod
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Which records exist now (one batched query). Raises StoreError when the store cannot say."""

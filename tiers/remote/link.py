@@ -200,7 +200,7 @@ class StoreLink:
             if client is None:
                 client = self.connector.connect()
             result = call.result = fn(client)
-            late = client.late_writes and dirty(result)
+            late = client.late_writes and dirty(result) and client.may_write_late()
         except Exception as exc:
             call.error = exc
         in_time = call._claim()

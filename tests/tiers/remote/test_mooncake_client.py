@@ -27,6 +27,7 @@ from helpers.mooncake_server import MooncakeMaster, SegmentOwner, free_port, req
 from helpers.stores import bounded
 from kvtier.core.errors import ConfigError
 from kvtier.tiers.remote.client import StoreError
+from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.mooncake_client import MooncakeClient
 
 HEADER = 64
@@ -165,10 +166,33 @@ def test_killed_owner_fails_exactly_the_blocks_not_yet_moved(rng):
         loaded, seconds = result["returned"]
         assert 0 < sum(loaded) < count, f"the kill landed outside the get: {sum(loaded)} of {count} loaded"
         assert seconds < 5.0
+        assert client.may_write_late()  # transfers started and failed: the link closes this client
         assert all(target.record(i) == source.record(i) for i in range(count) if loaded[i])
         # later reads of the dead owner's records fail fast too (until the master drops its segment)
         assert bounded(client.get, keys[:4], target.pieces(range(4)), limit=5.0)[0] == [False] * 4
         bounded(client.close)
+
+
+def test_a_read_of_records_that_do_not_exist_keeps_the_client(rng):
+    """A miss started no transfer: the link keeps the client (no close, which stops every thread of the
+    engine for most of a second) and the call settles at once; a hit among misses changes nothing."""
+    with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
+        opened: list[MooncakeClient] = []
+
+        def connect() -> MooncakeClient:
+            opened.append(make_client(master))
+            return opened[-1]
+
+        link = StoreLink(Connector(connect, 1, "test"), 2.0, "loads and stores")
+        records = Records(make_client(master), 2, 4096)
+        records.fill(rng)
+        assert link.ask(lambda c: c.put(["here"], records.pieces([0]))) == [True]
+        call = link.run(lambda c: c.get(["here", "absent"], records.pieces()), dirty=lambda ok: not all(ok))
+        assert call.ok and call.result == [True, False] and call.settled
+        assert not opened[0].may_write_late()
+        assert link.ask(lambda c: c.exists(["here"])) == [True]
+        assert len(opened) == 1, "the client was dropped after a miss"
+        assert link.close(timeout=10)
 
 
 def test_close_waits_for_a_call_stuck_on_a_stopped_owner_and_nothing_lands_afterwards(rng):
