@@ -15,20 +15,23 @@ What is measured
     SIGKILLed.
 
 Reference, in the same run, by the same processes and threads
-    Requests alternate between kvtier and the store's own Python client driven with the same
-    batches (its own names, so both populate the store alike): redis-py's ``RedisCluster`` (a
+    Every engine alternates, in step with the others, between ``--window`` seconds (5) of kvtier and
+    as many of the store's own Python client driven with the same batches (its own names, so both
+    populate the store alike): redis-py's ``RedisCluster`` (a
     pipeline of ``EXISTS``, of ``GET``, of ``SET``), and ``MooncakeDistributedStore``
     (``batch_is_exist``, ``batch_get_into``, ``batch_put_from``). Its calls are bounded by the same
     timeout where the client has one (redis-py's socket timeout; Mooncake's have none).
 
 Figures, per path (kvtier, raw)
-    load GB/s: bytes loaded bit-exact / time spent in load calls, times the number of callers
-    (engines x threads): the fleet's aggregate rate while loading. Store, load and lookup latency
+    load GB/s: bytes the fleet loaded bit-exact / the seconds that path ran: what the fleet gets out
+    of the cache while it looks up, loads and stores (kvtier's copies to the store run in the
+    background within its own windows). Store, load and lookup latency
     p50/p99 (kvtier's store returns once its host tier holds the blocks; the copy to the store
     follows in the background, so its store latency is not comparable with the raw put and is not in
     the ratio). Hit ratio (blocks found / blocks asked) of the requests started before the kill and of
     those started at least ``--settle`` seconds (2) after it. Requests that hung (a call that did not
-    return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected). For kvtier,
+    return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected), calls that
+    raised (``errors``: the raw client's while a node is gone; kvtier's do not raise). For kvtier,
     ``store_reads_per_block``: records the engines read from the store / blocks their requests found
     only there (below 1 where requests of one engine waiting for the same block share one read).
 
@@ -65,8 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 NAMESPACE = "bench-fleet"
 HOST_BLOCKS_PER_THREAD = 2  # x max-blocks: enough to stage a request, too few to keep the shared prefixes
+PATHS = ("kvtier", "raw")
 HUNG_FACTOR = 10  # a call that takes this many timeouts hung
-OWNER_SIZE = "1GB"
+OWNER_SIZE = "1GB"  # each Mooncake segment owner's store memory
+NODE_MEMORY = "1gb"  # each Redis node's maxmemory (the cluster evicts, as a store in service does)
 POOL_SIZE = 4  # Mooncake clients per engine for loads and stores (Redis: its default pool of 4)
 
 
@@ -170,7 +175,7 @@ def engine(rank: int, spec: dict) -> dict:
         i = t
         while time.time() < stop:
             ids = requests[i % len(requests)]
-            path = "kvtier" if (i // threads) % 2 == 0 else "raw"  # every thread takes both turn about
+            path = PATHS[int((time.time() - spec["start"]) / spec["window"]) % 2]
             record = request(kv, raw, path, ids, out, data, block, timeout)
             record["t"] = record["t"] - spec["start"]
             with lock:
@@ -197,6 +202,7 @@ def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, 
     for i, key in enumerate(keys):
         data[i] = np.frombuffer(content(key, block), np.uint8)
     record = {"t": time.time(), "path": path, "blocks": n, "hits": 0, "loaded": 0, "wrong": 0, "hung": 0, "remote": 0}
+    record["errors"] = 0  # calls that raised (the raw client's, when a node is gone): a miss or a drop
     limit = HUNG_FACTOR * timeout
     start = time.perf_counter()
     if path == "kvtier":
@@ -204,7 +210,7 @@ def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, 
         hits, record["remote"] = found.hits, sum(1 for tier in found.tiers if tier == "remote")
     else:
         names = [f"raw/{key.hex()}" for key in keys]
-        present = raw.exists(names)
+        present = raised(record, raw.exists, names) or [False] * n
         hits = present.index(False) if False in present else n
     record["lookup_s"] = time.perf_counter() - start
     record["hits"] = hits
@@ -219,7 +225,7 @@ def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, 
                 record["hung"] += 1
                 ok = [False] * hits
         else:
-            ok = raw.get(names[:hits], out[:hits])
+            ok = raised(record, raw.get, names[:hits], out[:hits]) or [False] * hits
         record["load_s"] = time.perf_counter() - start
         record["hung"] += record["load_s"] > limit
         for i in range(hits):
@@ -235,10 +241,19 @@ def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, 
             record["hung"] += 1
     else:
         missing = range(hits, n)
-        raw.put([names[i] for i in missing], data[hits:n])
+        raised(record, raw.put, [names[i] for i in missing], data[hits:n])
     record["store_s"] = time.perf_counter() - start
     record["hung"] += record["store_s"] > limit or record["lookup_s"] > limit
     return record
+
+
+def raised(record: dict, call, *args):
+    """``call(*args)``, or None (counted in the record's ``errors``) when it raises."""
+    try:
+        return call(*args)
+    except Exception:
+        record["errors"] += 1
+        return None
 
 
 # --- the stores -------------------------------------------------------------------------------
@@ -249,7 +264,7 @@ def redis_fleet_store(work: Path, timeout: float) -> Iterator[tuple[dict, dict, 
     """A 3-master cluster with a replica each; the tier, the raw client's settings, and what to kill."""
     from helpers.redis_cluster import redis_cluster
 
-    with redis_cluster(work / "redis", masters=3, replicas=1) as cluster:
+    with redis_cluster(work / "redis", masters=3, replicas=1, maxmemory=NODE_MEMORY) as cluster:
         tier = {
             "medium": "remote",
             "backend": "redis",
@@ -278,7 +293,6 @@ STORES = {"redis": redis_fleet_store, "mooncake": mooncake_fleet_store}
 
 def run_store(store: str, args: argparse.Namespace, chains: list[list[int]]) -> dict:
     """Start the store, run the engines, kill a node mid-run, and sum up."""
-    callers = args.engines * args.threads
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-fleet-") as work:
         with STORES[store](Path(work), args.timeout) as (tier, raw, kill):
             host = {"medium": "host", "capacity_blocks": HOST_BLOCKS_PER_THREAD * args.threads * args.max_blocks}
@@ -294,6 +308,7 @@ def run_store(store: str, args: argparse.Namespace, chains: list[list[int]]) -> 
                 "threads": args.threads,
                 "max_blocks": args.max_blocks,
                 "duration": args.duration,
+                "window": args.window,
                 "requests": [chains[e :: args.engines] for e in range(args.engines)],
                 "start": time.time() + args.warmup,
                 **raw,
@@ -306,7 +321,7 @@ def run_store(store: str, args: argparse.Namespace, chains: list[list[int]]) -> 
                 kill()
                 print(f"  {store}: killed a node at {time.time() - spec['start']:.1f} s", flush=True)
                 results = pending.get(args.duration + args.warmup + 60 * args.timeout + 60)
-    return summarize(results, args, kill_at - spec["start"], callers)
+    return summarize(results, args, kill_at - spec["start"])
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -319,19 +334,29 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(results: list[dict], args: argparse.Namespace, killed: float, callers: int) -> dict:
+def path_seconds(duration: float, window: float) -> dict[str, float]:
+    """How long each path ran: windows taken in turn, kvtier first, until ``duration``."""
+    seconds = dict.fromkeys(PATHS, 0.0)
+    start, turn = 0.0, 0
+    while start < duration:
+        seconds[PATHS[turn % 2]] += min(window, duration - start)
+        start, turn = start + window, turn + 1
+    return seconds
+
+
+def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> dict:
     records = [r for result in results for r in result["records"]]
     out: dict = {"killed_at_s": killed, "requests": len(records)}
-    for path in ("kvtier", "raw"):
+    ran = path_seconds(args.duration, args.window)
+    for path in PATHS:
         mine = [r for r in records if r["path"] == path]
         loads = [r for r in mine if "load_s" in r]
-        load_time = sum(r["load_s"] for r in loads)
         loaded_bytes = sum(r["loaded"] for r in loads) * args.block_bytes
         before = [r for r in mine if r["t"] < killed]
         after = [r for r in mine if r["t"] >= killed + args.settle]
         out[path] = {
             "requests": len(mine),
-            "load_gbps": loaded_bytes / load_time * callers / 1e9 if load_time else 0.0,
+            "load_gbps": loaded_bytes / ran[path] / 1e9,
             "loaded_gb": loaded_bytes / 1e9,
             "load": percentiles([r["load_s"] for r in loads]),
             "store": percentiles([r["store_s"] for r in mine]),
@@ -340,6 +365,7 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float, call
             "hit_ratio_after_kill": sum(r["hits"] for r in after) / max(1, sum(r["blocks"] for r in after)),
             "hung": sum(r["hung"] for r in mine),
             "wrong_blocks": sum(r["wrong"] for r in mine),
+            "errors": sum(r["errors"] for r in mine),
         }
     reads = sum(result["stats"].get("remote", {}).get("hits", 0) for result in results)
     needed = sum(r["remote"] for r in records if r["path"] == "kvtier")
@@ -352,7 +378,7 @@ def print_store(store: str, figures: dict) -> None:
     print(f"\n{store}: {figures['requests']} requests, a node killed at {figures['killed_at_s']:.1f} s")
     print(
         f"  {'path':7} {'load GB/s':>9} {'load p50/p99 ms':>16} {'lookup p50/p99':>15} {'store p50/p99':>15} "
-        f"{'hits before/after':>18} {'hung':>5} {'wrong':>6}"
+        f"{'hits before/after':>18} {'hung':>5} {'wrong':>6} {'errors':>7}"
     )
     for path in ("kvtier", "raw"):
         f = figures[path]
@@ -360,7 +386,7 @@ def print_store(store: str, figures: dict) -> None:
             f"  {path:7} {f['load_gbps']:9.2f} {f['load']['p50_ms']:7.1f}/{f['load']['p99_ms']:<8.1f} "
             f"{f['lookup']['p50_ms']:6.1f}/{f['lookup']['p99_ms']:<8.1f} {f['store']['p50_ms']:6.1f}/"
             f"{f['store']['p99_ms']:<8.1f} {f['hit_ratio_before_kill']:8.3f}/{f['hit_ratio_after_kill']:<9.3f} "
-            f"{f['hung']:5d} {f['wrong_blocks']:6d}"
+            f"{f['hung']:5d} {f['wrong_blocks']:6d} {f['errors']:7d}"
         )
     print(f"  kvtier store reads per block found only there: {figures['kvtier']['store_reads_per_block']:.3f}")
     print(f"  load ratio kvtier / raw client: {figures['ratio']:.3f}")
@@ -372,6 +398,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--threads", type=int, default=2, help="request threads per engine")
     p.add_argument("--duration", type=float, default=60.0, help="seconds every engine runs")
+    p.add_argument("--window", type=float, default=5.0, help="seconds of one path before the other's turn")
     p.add_argument("--kill-at", type=float, default=0.5, help="when a node is killed, as a share of the duration")
     p.add_argument("--settle", type=float, default=2.0, help="seconds after the kill not counted in either hit ratio")
     p.add_argument("--warmup", type=float, default=15.0, help="seconds the engines get to start before the run")
