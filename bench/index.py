@@ -32,17 +32,29 @@ What is measured
       alive), so a serving tier costs more than a freshly filled one.
 
     Restart: a disk slab (``DiskSlab``) for 2 MiB and for 64 KiB blocks sized for ``--slab-bytes``
-    (1 TiB), created in a scratch folder under ``--dir``. DiskSlab preallocates its file for real
-    (``posix_fallocate``, sparse only where the filesystem cannot), so a 1 TiB slab needs 1 TiB
-    free: the slab is cut to ``--disk-share`` (20%) of the free space when it does not fit, and the
-    times are scaled to the requested slot count, marked ``extrapolated``: linear, as the scan reads
-    one header page per slot, and the reopen's ``posix_fallocate`` walks the file's extents, which
-    the header writes split into one per slot (open and scan are also given apart). A valid slot
-    header (``pack_slot_header``, with the slab's namespace digest) is written at the start of every
-    slot, one ``pwrite`` of one page each, no block bytes; the slab is closed and its pages dropped
-    from the page cache (``POSIX_FADV_DONTNEED``); then reopening plus ``scan()`` is timed cold, and
-    once more warm. ``scan_blank_s``: ``scan()`` of the fresh slab before any header is written (a
-    blank page costs more to recognise than a valid header).
+    (1 TiB: 523,265 and 15,790,320 slots, each a block and its 4 KiB header page), created in a
+    scratch folder under ``--dir``, SPARSE (``ftruncate``; the bench's ``SparseSlab`` skips the
+    preallocation a real slab gets at its first open, which there is not 1 TiB of disk for; a real
+    slab's later opens skip it too). Two paths:
+
+    * after a clean close, from the index snapshot (``disk_snapshot``): the slab is closed with its
+      blocks listed (``held_blocks``, what ``disk_tier`` hands it), which writes the snapshot of
+      every slot, always at the FULL slot count: for 2 MiB over the slab whose headers are all
+      written, for 64 KiB directly, over a slab whose headers are not written (a snapshot is read
+      without touching a header). Slab and snapshot pages are dropped from the page cache
+      (``POSIX_FADV_DONTNEED``), then the cold reopen is timed: open and lock, read, check and
+      decode the snapshot (``recovery_s``); then ``Tier.restore`` of all its blocks into the last
+      tier's default policy (``restore_s``, the index's own cost, measured here at the full count;
+      ``restart_s`` is the two together). ``snapshot_close_s``: the close that writes it.
+    * after a crash, by the full scan (``scan()``: one header page per slot). A valid slot header
+      (``pack_slot_header``, with the slab's namespace digest) is written at the start of every slot,
+      one ``pwrite`` of one page each, no block bytes: a 4 KiB page per slot on disk, so at most 8
+      GiB (and ``--disk-share`` of the free space) of them: all 523,265 for 2 MiB, 2,097,152 of the
+      15,790,320 for 64 KiB, on a slab of that many slots. The slab is closed without a snapshot
+      (as a crash leaves it) and dropped from the page cache; then reopening plus ``scan()`` is timed
+      cold, and once more warm, and scaled linearly to the full slot count where fewer were written,
+      marked ``extrapolated`` (the scan reads one page per slot). ``scan_blank_s``: ``scan()`` of the
+      fresh slab before any header is written (blank pages, holes in the sparse file).
 
     ``Tier.restore`` of the recovered blocks (what ``disk_tier`` and the scheduler side do next) is
     timed on its own for ``--restore-blocks`` and half of that, and extrapolated to the full slot
@@ -58,7 +70,8 @@ The last line printed is one JSON object. At the largest size, for the worse of 
 ``ratio`` = kvtier's (index + key) bytes per block / the plain dict's (table + slot ints + key);
 ``lookup_ratio`` and ``insert_ratio`` = kvtier's per-second rate / the plain dict's (below 1:
 slower). Then every figure, per size and policy (``index``), after churn (``churn``) and per slot
-size (``recovery``: ``recovery_s`` is the cold reopen + scan).
+size (``recovery``). ``recovery_s``: the cold reopen from the index snapshot of a 1 TiB slab, for the worse slot
+size (its ``Tier.restore`` apart, in ``recovery``).
 
 Run: ``.venv/bin/python bench/index.py [--blocks 1000000,10000000] [--churn-blocks 1000000]
 [--slab-bytes 1TiB] [--skip-recovery]`` (about 11 minutes and 8 GiB of memory at the defaults on two
@@ -93,14 +106,16 @@ from kvtier.core.slots import PAGE, slot_stride
 from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
 from kvtier.tiers.compression import CODEC_IDS
-from kvtier.tiers.disk import DiskSlab, pack_slot_header
+from kvtier.tiers.disk import SLAB_NAME, DiskSlab, pack_slot_header
+from kvtier.tiers.disk_files import SNAPSHOT_NAME
 
 BATCH = 32  # keys per store, and per lookup: a request's chain of blocks
 POLICIES = ("lru", "adaptive")  # the defaults: an upper tier, the last tier
 LAYOUT = BlockLayout.contiguous(64 * 1024)  # the index does not depend on the geometry
 SMALL_INTS = 257  # CPython caches the ints -5..256: a slot below 257 costs no object of its own
 NAMESPACE = "bench-index"
-KiB, MiB = 1024, 1024 * 1024
+KiB, MiB, GiB = 1024, 1024 * 1024, 1024 * 1024 * 1024
+HEADER_BUDGET = 8 * GiB  # the most slot header pages the restart test writes (one 4 KiB page per slot)
 
 
 # --- keys, structures, the store and lookup paths ---------------------------------------------
@@ -344,10 +359,70 @@ def drop_cached_pages(path: Path) -> None:
         os.close(fd)
 
 
-def reopen_and_scan(directory: Path, slots: int, layout: BlockLayout) -> tuple[float, float, list]:
-    """Seconds to open the slab again and to scan its headers (a restart), and what the scan found."""
+class SparseSlab(DiskSlab):
+    """A slab whose file stays sparse (``ftruncate``): this bench makes 1 TiB slabs on disks that do not
+    hold 1 TiB. A real slab is preallocated at its first open only; its later opens skip that too."""
+
+    def _preallocate(self) -> None:
+        os.ftruncate(self.open_fd, self.file_bytes)
+
+
+def write_headers(directory: Path, keys: list[bytes], layout: BlockLayout) -> tuple[float, float]:
+    """Make a sparse slab of ``len(keys)`` slots with a valid header for ``keys[i]`` in slot i, and close
+    it without a snapshot (as a crash leaves it): seconds to scan it blank, and to write the headers."""
+    slab = SparseSlab(directory, len(keys), layout, NAMESPACE)
+    try:
+        start = time.perf_counter()
+        slab.scan()
+        scan_blank_s = time.perf_counter() - start
+        page = bytearray(PAGE)
+        block_bytes = layout.block_bytes
+        start = time.perf_counter()
+        for slot, key in enumerate(keys):
+            pack_slot_header(page, 0, key, slab.namespace, block_bytes, 0, slot + 1, block_bytes, CODEC_IDS["none"])
+            os.pwrite(slab.open_fd, page, slab.slot_offset(slot))
+        write_s = time.perf_counter() - start
+    finally:
+        slab.close()
+    return scan_blank_s, write_s
+
+
+def close_with_snapshot(directory: Path, keys: list[bytes], layout: BlockLayout) -> tuple[float, int]:
+    """Open the slab of ``len(keys)`` slots in ``directory`` (made here, sparse, when there is none) and
+    close it with every slot listed as held, ``keys[i]`` in slot i: the snapshot a clean close of a
+    full tier writes. Seconds the close takes, and the snapshot's size."""
+    slab = SparseSlab(directory, len(keys), layout, NAMESPACE)
+    slab.held_blocks = lambda: (keys, list(range(len(keys))))
     start = time.perf_counter()
-    slab = DiskSlab(directory, slots, layout, NAMESPACE)
+    slab.close()
+    close_s = time.perf_counter() - start
+    return close_s, os.stat(directory / SNAPSHOT_NAME).st_size
+
+
+def reopen_from_snapshot(directory: Path, keys: list[bytes], layout: BlockLayout) -> tuple[float, float]:
+    """Seconds to reopen the slab from its index snapshot (open, read, check and decode it), and to
+    restore its blocks into a tier (``Tier.restore``, the last tier's default policy); closes it
+    without a snapshot."""
+    start = time.perf_counter()
+    slab = SparseSlab(directory, len(keys), layout, NAMESPACE)
+    try:
+        opened = time.perf_counter()
+        tier = new_tier(POLICIES[-1], len(keys))
+        start_restore = time.perf_counter()
+        recovered = slab.recover(tier.restore)
+        restored = time.perf_counter()
+    finally:
+        slab.close()
+    if recovered.source != "index snapshot" or tier.ready_keys() != keys:
+        raise AssertionError(f"the snapshot did not give back the keys written: {recovered}")
+    return opened - start, restored - start_restore
+
+
+def reopen_and_scan(directory: Path, slots: int, layout: BlockLayout) -> tuple[float, float, list]:
+    """Seconds to open the slab again and to scan its headers (a restart after a crash), and what the
+    scan found."""
+    start = time.perf_counter()
+    slab = SparseSlab(directory, slots, layout, NAMESPACE)
     try:
         opened = time.perf_counter()
         found, damaged = slab.scan()
@@ -360,58 +435,53 @@ def reopen_and_scan(directory: Path, slots: int, layout: BlockLayout) -> tuple[f
 
 
 def restart_case(parent: str, block_bytes: int, slab_bytes: int, share: float, seed: int) -> dict:
-    """Create a slab of ``slab_bytes`` (or what ``share`` of the free space holds), write a header
-    into every slot, and time a cold and a warm reopen + scan."""
+    """Restart a sparse slab of ``slab_bytes``: cold from the index snapshot of a clean close, at the full
+    slot count, and cold and warm by the full scan after a crash, over as many written headers as
+    8 GiB (and ``share`` of the free space) hold, scaled to the full count."""
     stride = slot_stride(block_bytes)
     wanted = (slab_bytes - PAGE) // stride
     free = shutil.disk_usage(parent).free
-    slots = min(wanted, int((free * share - PAGE) // stride))
-    if slots < 1:
-        raise SystemExit(f"{parent}: {format_size(free)} free holds no {format_size(block_bytes)} slot")
+    headers = min(wanted, HEADER_BUDGET // PAGE, int(free * share) // PAGE)
+    if headers < 1:
+        raise SystemExit(f"{parent}: {format_size(free)} free holds no slot header")
     layout = BlockLayout.contiguous(block_bytes)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-index-", dir=parent))
-    directory = scratch / "slab"
+    scan_dir = scratch / "scan"
+    snapshot_dir = scan_dir if headers == wanted else scratch / "snapshot"
     try:
-        start = time.perf_counter()
-        slab = DiskSlab(directory, slots, layout, NAMESPACE)
-        create_s = time.perf_counter() - start
-        try:
-            st = os.fstat(slab.open_fd)
-            file_bytes, allocated = st.st_size, st.st_blocks * 512
-            start = time.perf_counter()
-            slab.scan()
-            scan_blank_s = time.perf_counter() - start
-            page = bytearray(PAGE)
-            keys = make_keys(slots, seed)
-            start = time.perf_counter()
-            for slot, key in enumerate(keys):
-                pack_slot_header(page, 0, key, slab.namespace, block_bytes, 0, slot + 1, block_bytes, CODEC_IDS["none"])
-                os.pwrite(slab.open_fd, page, slab.slot_offset(slot))
-            write_s = time.perf_counter() - start
-        finally:
-            slab.close()
-        drop_cached_pages(slab.path)
-        cold_open_s, cold_s, found = reopen_and_scan(directory, slots, layout)
-        warm_open_s, warm_s, _ = reopen_and_scan(directory, slots, layout)
+        keys = make_keys(wanted, seed)
+        scan_blank_s, write_s = write_headers(scan_dir, keys[:headers], layout)
+        close_s, snapshot_bytes = close_with_snapshot(snapshot_dir, keys, layout)
+        drop_cached_pages(snapshot_dir / SLAB_NAME)
+        drop_cached_pages(snapshot_dir / SNAPSHOT_NAME)
+        snapshot_open_s, restore_s = reopen_from_snapshot(snapshot_dir, keys, layout)
+        drop_cached_pages(scan_dir / SLAB_NAME)
+        cold_open_s, cold_s, found = reopen_and_scan(scan_dir, headers, layout)
+        warm_open_s, warm_s, _ = reopen_and_scan(scan_dir, headers, layout)
+        file_bytes = os.stat(snapshot_dir / SLAB_NAME).st_size
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if [key for _, key, _ in found] != keys:
+    if [key for _, key, _ in found] != keys[:headers]:
         raise AssertionError("the scan did not give back the keys written, oldest first")
-    scale = wanted / slots
+    scale = wanted / headers
     return {
         "block_bytes": block_bytes,
         "slab_bytes": slab_bytes,
+        "file_bytes": file_bytes,
         "slots": wanted,
-        "measured_slots": slots,
-        "measured_file_bytes": file_bytes,
-        "preallocated_bytes": allocated,
-        "extrapolated": slots < wanted,
-        "recovery_s": (cold_open_s + cold_s) * scale,
-        "recovery_warm_s": (warm_open_s + warm_s) * scale,
+        "recovery_s": snapshot_open_s,
+        "restore_s": restore_s,
+        "restart_s": snapshot_open_s + restore_s,
+        "snapshot_close_s": close_s,
+        "snapshot_bytes": snapshot_bytes,
+        "scan_measured_slots": headers,
+        "extrapolated": headers < wanted,
+        "scan_recovery_s": (cold_open_s + cold_s) * scale,
+        "scan_recovery_warm_s": (warm_open_s + warm_s) * scale,
         "scan_blank_s": scan_blank_s * scale,
         "header_write_s": write_s * scale,
         "measured": {"open_s": cold_open_s, "scan_s": cold_s, "warm_open_s": warm_open_s, "warm_scan_s": warm_s,
-                     "scan_blank_s": scan_blank_s, "header_write_s": write_s, "create_s": create_s},
+                     "scan_blank_s": scan_blank_s, "header_write_s": write_s},
     }  # fmt: skip
 
 
@@ -462,21 +532,25 @@ def print_parts(title: str, parts: dict[str, float], unattributed: float) -> Non
 
 
 def print_recovery(recovery: list[dict], restore: dict | None) -> None:
-    print("restart of a disk tier (seconds; scaled to the slots asked for where marked *; restore by its growth)")
+    print(
+        "restart of a sparse disk slab (seconds, cold unless marked warm): after a clean close, from the index "
+        "snapshot (measured at the full slot count); after a crash, by the full scan (* scaled from the slots "
+        "measured)"
+    )
     header = (
-        f"{'block':>8}{'slab':>10}{'slots':>11}{'measured':>10}  {'reopen+scan cold':>17}{'warm':>9}"
-        f"{'blank scan':>11}{'write hdrs':>11}{'restore (est.)':>16}"
+        f"{'block':>8}{'slab':>10}{'slots':>11}  {'snapshot':>9}{'restore':>9}{'restart':>9}{'close':>8}"
+        f"{'snap MB':>9}  {'scan slots':>11}{'scan':>9}{'warm':>9}{'blank':>9}{'write hdrs':>11}"
     )
     print(header)
     print("-" * len(header))
     for r in recovery:
         mark = "*" if r["extrapolated"] else " "
-        restore_s = r.get("restore_s_estimated")
         print(
-            f"{format_size(r['block_bytes']):>8}{format_size(r['slab_bytes']):>10}{r['slots']:>11}"
-            f"{r['measured_slots']:>10}  {r['recovery_s']:>16.2f}{mark}{r['recovery_warm_s']:>8.2f}{mark}"
-            f"{r['scan_blank_s']:>10.2f}{mark}{r['header_write_s']:>10.2f}{mark}"
-            f"{'-' if restore_s is None else f'{restore_s:,.0f}':>16}"
+            f"{format_size(r['block_bytes']):>8}{format_size(r['slab_bytes']):>10}{r['slots']:>11}  "
+            f"{r['recovery_s']:>9.2f}{r['restore_s']:>9.2f}{r['restart_s']:>9.2f}{r['snapshot_close_s']:>8.2f}"
+            f"{r['snapshot_bytes'] / 1e6:>9.0f}  {r['scan_measured_slots']:>11}"
+            f"{r['scan_recovery_s']:>8.2f}{mark}{r['scan_recovery_warm_s']:>8.2f}{mark}"
+            f"{r['scan_blank_s']:>8.2f}{mark}{r['header_write_s']:>10.2f}{mark}"
         )
     if restore:
         print(
@@ -559,11 +633,6 @@ def main(argv: list[str] | None = None) -> int:
             growth = max(1.0, restore["exponent"])  # (below 1: noise of two short timings)
             r["restore_s_estimated"] = restore["restore_s"] * (r["slots"] / restore["blocks"]) ** growth
         print_recovery(recovery, restore)
-        r = recovery[0]
-        print(
-            f"DiskSlab preallocates (posix_fallocate): a {format_size(r['measured_file_bytes'])} slab file had "
-            f"{format_size(r['preallocated_bytes'])} allocated before any write"
-        )
 
     largest = results[args.blocks[-1]]
     ref = largest["dict"]
@@ -589,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                 "object_costs": costs,
                 "index": {str(n): cases for n, cases in results.items()},
                 "churn": churn,
+                "recovery_s": round(max(r["recovery_s"] for r in recovery), 3) if recovery else None,
                 "recovery": recovery,
                 "restore": restore,
                 "cpus": os.cpu_count(),

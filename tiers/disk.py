@@ -17,6 +17,13 @@ Each slot is written header and bytes in one call (``kvtier.transfers.disk``); a
 mid-store leaves each slot old or new. Reopening the directory rebuilds the index by scanning slot
 headers; a torn slot found there fails its first load and is dropped.
 
+Restart in seconds: a scan reads one header page per slot, minutes for a slab of millions of slots.
+So a clean close leaves an index snapshot of the tier's blocks beside the slab (``disk_snapshot``),
+and the next open restores from it instead, after checking that it describes the slab exactly as that
+close left it. The open removes it before anything writes to the slab: after a crash there is none,
+and the scan above recovers everything. A snapshot can only cause misses (every load checks its
+slot's header), never wrong data.
+
 Opening (``disk_files``): the directory and slab must be the running user's and writable by nobody
 else (unless ``shared_directory``), the slab is never reached through a symbolic link, and a lock on
 the slab itself keeps a second process out. A file under the slab's name that is not a kvtier slab
@@ -26,17 +33,20 @@ is never overwritten unless ``reinitialise`` says so.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
 from kvtier.core.config import DiskTierConfig
-from kvtier.core.errors import ClosedError, ConfigError
+from kvtier.core.errors import ClosedError, ConfigError, StateError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import FILE_DEVICE, Capabilities, Medium, RankRequest, TierRequest
@@ -56,6 +66,7 @@ from kvtier.tiers.disk_files import (
     remove_slab,
     reopen_slab,
 )
+from kvtier.tiers.disk_snapshot import SlabIdentity, Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -329,12 +340,26 @@ def _checked_file_header(fd: int, slab_path: Path) -> tuple:
     return fields
 
 
+HeldBlocks = Callable[[], tuple[list[bytes], list[int]]]
+"""What lists a tier's READY blocks, as (keys, slots) oldest first, for its slab's index snapshot."""
+
+
+class Recovered(NamedTuple):
+    """What reopening a slab found (``DiskSlab.recover``)."""
+
+    blocks: int
+    damaged: int  # slot headers not blank yet failing their checks (a scan counts them; a snapshot knows none)
+    source: str  # "index snapshot" or "scan"
+
+
 class DiskSlab:
-    """The slab file and its directory: geometry, file descriptors (the main one holds the lock), and
-    the newest header sequence number.
+    """The slab file and its directory: geometry, file descriptors (the main one holds the lock; the
+    directory's is kept for the index snapshot), and the newest header sequence number.
 
     Thread safety: positioned I/O on the descriptors is safe from any thread. ``count`` and
-    ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock.
+    ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock. ``held_blocks`` (also set by
+    ``disk_tier``) lists the tier's READY blocks, as (keys, slots) oldest first, for the snapshot the
+    close writes; without it the close writes none.
     """
 
     @classmethod
@@ -386,15 +411,19 @@ class DiskSlab:
         self.namespace = namespace_digest(namespace, layout)
         self.count = lambda **counts: None  # where the backend counts incompressible blocks
         self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
+        self.held_blocks: HeldBlocks | None = None
+        self.shared = shared_directory
         self.file_bytes = PAGE + num_slots * self.slot_stride
         self.fd: int | None = None  # the main descriptor, holding the lock; None once closed
         self.direct_fd: int | None = None
-        dir_fd = open_directory(self.dir, shared=shared_directory, create=True)
-        try:
-            self._open(dir_fd, shared_directory, reinitialise, o_direct)
-        finally:
-            os.close(dir_fd)
+        self._snapshot: Snapshot | None = None  # taken at open, until ``recover``
         self.sequence = 0
+        self.dir_fd: int | None = open_directory(self.dir, shared=shared_directory, create=True)
+        try:
+            self._open(self.dir_fd, shared_directory, reinitialise, o_direct)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def o_direct(self) -> bool:
@@ -419,6 +448,7 @@ class DiskSlab:
         self.fd = fd
         try:
             try:
+                self._snapshot = self._take_snapshot(dir_fd)
                 self._prepare_file(reinitialise)
                 self.direct_fd = self._open_direct(o_direct, dir_fd)
             except DiskTierError:
@@ -430,6 +460,30 @@ class DiskSlab:
                 remove_slab(dir_fd, fd)
             self.close()
             raise
+
+    def _identity(self, st: os.stat_result) -> SlabIdentity:
+        """What an index snapshot names to describe this slab, the file ``st`` describes."""
+        return SlabIdentity(
+            VERSION,
+            self.block_bytes,
+            self.slot_stride,
+            self.num_slots,
+            self.codec_id,
+            self.namespace,
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+        )
+
+    def _take_snapshot(self, dir_fd: int) -> Snapshot | None:
+        """The blocks of the index snapshot the last clean close left, when it describes this slab as it
+        is and this open keeps its geometry (``take_snapshot``); the snapshot is removed either way,
+        and this runs before anything writes to the slab."""
+        fd = self.open_fd
+        header = _pack_file_header(self.block_bytes, self.slot_stride, self.num_slots, self.codec_id)
+        kept = os.pread(fd, len(header), 0) == header
+        identity = self._identity(os.fstat(fd)) if kept else None
+        return take_snapshot(dir_fd, self.dir, shared=self.shared, identity=identity)
 
     def _prepare_file(self, reinitialise: bool) -> None:
         """Keep a file of the same geometry, also at another capacity; start a fresh one, saying why,
@@ -565,6 +619,26 @@ class DiskSlab:
 
     # --- recovery ------------------------------------------------------------------------------
 
+    def recover(self, restore: Callable[[Sequence[tuple[bytes, int]]], None]) -> Recovered:
+        """Hand the blocks this slab holds, as (key, slot) oldest first, to ``restore`` (``Tier.restore``)
+        and take up their newest sequence number: from the index snapshot the open took, when there
+        was a valid one and ``restore`` accepts it, by a ``scan`` otherwise. ``restore`` must take all
+        or nothing and raise StateError for a key named twice, which only a forged snapshot holds (the
+        snapshot's own checks leave that one out: a set of 16.7 M keys costs seconds, and
+        ``restore`` builds one anyway)."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None:
+            try:
+                restore(snapshot)
+            except StateError as exc:
+                log.warning("disk tier %s: index snapshot not used (%s); scanning every slot header", self.path, exc)
+            else:
+                self.sequence = max(self.sequence, snapshot.sequence)
+                return Recovered(len(snapshot), 0, "index snapshot")
+        found, damaged = self.scan()
+        restore([(key, slot) for _, key, slot in found])
+        return Recovered(len(found), damaged, "scan")
+
     def scan(self) -> tuple[list[tuple[int, bytes, int]], int]:
         """Read every slot header: ([(sequence, key, slot)] of valid blocks of this namespace, damaged count).
 
@@ -593,19 +667,56 @@ class DiskSlab:
         return header_fits(header, self.block_bytes, self.codec_id, self.room)
 
     def close(self) -> None:
-        """Flush and close the descriptors; closing the main one releases the lock, also when the
-        fsync fails."""
-        direct_fd, self.direct_fd = self.direct_fd, None
-        fd, self.fd = self.fd, None
+        """Flush the slab, leave the index snapshot of ``held_blocks`` beside it (when set), and close the
+        descriptors; closing the main one releases the lock, also when the fsync fails. The snapshot
+        is written after the slab's final fsync, holding the lock."""
+        held, self.held_blocks = self.held_blocks, None
+        self._snapshot = None
+        fd, dir_fd = self.fd, self.dir_fd
+        descriptors = (self.direct_fd, fd, dir_fd)
+        self.direct_fd = self.fd = self.dir_fd = None
         try:
-            if direct_fd is not None:
-                os.close(direct_fd)
-        finally:
             if fd is not None:
-                try:
+                if held is not None and dir_fd is not None and self._seal(fd):
                     os.fsync(fd)
-                finally:
-                    os.close(fd)
+                    self._write_snapshot(fd, dir_fd, held)
+                else:
+                    os.fsync(fd)
+        finally:
+            for each in descriptors:
+                if each is not None:
+                    os.close(each)
+
+    def _seal(self, fd: int) -> bool:
+        """Ready the slab for a snapshot: set its mtime just below its last write's, a time no later write
+        can give it (a write sets the clock's current time, which is at least the last one), so that a
+        snapshot naming the mtime is stale after any write, even one within the clock's tick. False
+        (logged) when the mtime cannot be set (another user's slab in a shared directory): no
+        snapshot may then describe the slab."""
+        try:
+            st = os.fstat(fd)
+            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns - 1))
+            return True
+        except OSError as exc:
+            self._no_snapshot(exc)
+            return False
+
+    def _write_snapshot(self, fd: int, dir_fd: int, held: HeldBlocks) -> None:
+        """Write the index snapshot of the blocks ``held`` lists, for the slab as it is now (sealed and
+        synced). A snapshot that cannot be written is logged, not raised: the next open scans."""
+        keys, slots = held()
+        identity = self._identity(os.fstat(fd))
+        try:
+            write_snapshot(
+                dir_fd, shared=self.shared, identity=identity, keys=keys, slots=slots, sequence=self.sequence
+            )
+        except OSError as exc:
+            self._no_snapshot(exc)
+
+    def _no_snapshot(self, why: object) -> None:
+        log.warning(
+            "disk tier %s: index snapshot not written (%s); the next open scans every slot header", self.path, why
+        )
 
 
 class FileStorage(BlockStorage):
@@ -636,25 +747,27 @@ def disk_tier(
     """
     slab = DiskSlab.from_config(config, num_slots, layout, namespace)
     try:
-        recovered, damaged = slab.scan()
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
         packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
         tier = Tier(
-            name,
-            "disk",
-            FileStorage(slab, layout),
-            policy,
-            watermark,
-            is_fenced,
-            f"{slab.path}, {io}{packing}, {len(recovered)} blocks recovered",
+            name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}"
         )
-        tier.restore([(key, slot) for _, key, slot in recovered])
-        tier.count(damaged=damaged)
+        recovered = slab.recover(tier.restore)
+        tier.note += f", {recovered.blocks} blocks recovered ({recovered.source})"
+        tier.count(damaged=recovered.damaged)
         slab.count, slab.refuse = tier.count, tier.refuse
+        slab.held_blocks = functools.partial(_ready_blocks, tier)
         return tier
     except BaseException:
         slab.close()
         raise
+
+
+def _ready_blocks(tier: Tier) -> tuple[list[bytes], list[int]]:
+    """The tier's READY blocks, as (keys, slots) in the order they became readable: what a disk tier's
+    index snapshot holds (its close runs once no job is left, so nothing changes between the calls)."""
+    keys = tier.ready_keys()
+    return keys, tier.slots(keys)
 
 
 def rank_directory(path: str | os.PathLike, rank: int) -> Path:
@@ -679,13 +792,15 @@ def _tier(request: TierRequest) -> Tier:
 
 
 def _rank_storage(request: RankRequest) -> BlockStorage:
-    """One rank's slab. Scanning marks every old header without touching it: the blocks an engine's
-    scheduler side took back stay readable, and any slot is cleared before new bytes land in it."""
+    """One rank's slab. Recovering takes up the newest sequence number and leaves every old header
+    as it is: the blocks an engine's scheduler side took back (``connectors/vllm/recovery.py`` reads
+    the headers itself) stay readable, and any slot is cleared before new bytes land in it. A worker
+    holds no index, so its close leaves no snapshot."""
     assert isinstance(request.config, DiskTierConfig)
     path = rank_directory(request.config.path, request.rank)
     slab = DiskSlab.from_config(request.config, request.slots, request.layout, request.namespace, path)
     try:
-        slab.scan()
+        slab.recover(lambda blocks: None)
     except BaseException:
         slab.close()
         raise

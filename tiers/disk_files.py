@@ -15,20 +15,30 @@ cannot block the open (``O_NONBLOCK``) and is refused as not a regular file.
 The slab itself carries the lock (``flock``, taken right after the open): two processes cannot use one
 slab, whatever else is deleted from the directory. Who holds it is read from /proc/locks, never probed
 with a lock of our own (a probe could make an engine that opens the slab at that moment fail).
+
+The index snapshot a clean close leaves beside the slab (``disk_snapshot``) passes the same checks as
+the slab when it is read, and is written under a temporary name and renamed over its own: a crash
+mid-write leaves the old state, never half a snapshot under the real name. The temporary name is
+removed before it is created (``O_EXCL``), so a file planted there, such as a second name of the
+slab, is never written through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal, overload
 
 from kvtier.core.errors import KvtierError
 
 SLAB_NAME = "slab.kvt"
+SNAPSHOT_NAME = "index.kvt"
+_TEMPORARY_SUFFIX = ".tmp"
 _OPEN_ATTEMPTS = 3  # a slab created or removed by another process between our two opens: try again
 
 
@@ -69,18 +79,19 @@ def _check_directory(st: os.stat_result, path: Path, shared: bool) -> None:
     )
 
 
-def _check_slab(st: os.stat_result, path: Path, shared: bool) -> None:
-    """Refuse a slab that is not one plain file of ours (see ``_check_trust``)."""
+def _check_file(st: os.stat_result, what: str, path: Path, shared: bool) -> None:
+    """Refuse a file of the tier (``what``: "slab", "index snapshot") that is not one plain file of ours
+    (see ``_check_trust``)."""
     if not stat.S_ISREG(st.st_mode):
         raise DiskTierError(
-            f"disk tier slab {str(path)!r} is not a regular file; remove it or point the tier at another directory"
+            f"disk tier {what} {str(path)!r} is not a regular file; remove it or point the tier at another directory"
         )
     if st.st_nlink != 1:  # another name would change with every write (0: it was removed while we opened it)
         raise DiskTierError(
-            f"disk tier slab {str(path)!r} has {st.st_nlink} names (hard links), not exactly "
+            f"disk tier {what} {str(path)!r} has {st.st_nlink} names (hard links), not exactly "
             f"one; remove the other names or the file"
         )
-    _check_trust(st, "slab", path, shared, f"`chmod 600 {path}`")
+    _check_trust(st, what, path, shared, f"`chmod 600 {path}`")
 
 
 def _make_directories(path: Path) -> None:
@@ -149,13 +160,13 @@ def _kept_if(fd: int, check, path: Path, shared: bool) -> int:
     return fd
 
 
-def _open_error(path: Path, exc: OSError) -> DiskTierError:
+def _open_error(path: Path, exc: OSError, what: str = "slab") -> DiskTierError:
     if exc.errno == errno.ELOOP:
         return DiskTierError(
-            f"disk tier slab {str(path)!r} is a symbolic link; kvtier never follows one (it "
+            f"disk tier {what} {str(path)!r} is a symbolic link; kvtier never follows one (it "
             f"would write wherever the link points): remove the link"
         )
-    return DiskTierError(f"disk tier slab {str(path)!r} cannot be opened: {exc.strerror}")
+    return DiskTierError(f"disk tier {what} {str(path)!r} cannot be opened: {exc.strerror}")
 
 
 # O_NONBLOCK: a FIFO or device under the slab's name must not block the open; on a regular file it changes nothing.
@@ -206,7 +217,7 @@ def open_slab(dir_fd: int, directory: Path, *, shared: bool) -> tuple[int, bool]
         _take_lock(fd, directory)
         locked = True
         st = os.fstat(fd)
-        _check_slab(st, path, shared)
+        _check_file(st, "slab", path, shared)
         if st.st_uid == os.geteuid() and (created or stat.S_IMODE(st.st_mode) & ~mode):
             os.fchmod(fd, mode)
     except BaseException:
@@ -246,16 +257,66 @@ def open_slab_for_reading(directory: Path, *, shared: bool) -> int | None:
     dir_fd = open_directory(directory, shared=shared, create=False)
     if dir_fd is None:
         return None
-    path = directory / SLAB_NAME
     try:
-        fd = os.open(SLAB_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+        return open_file_for_reading(dir_fd, directory, SLAB_NAME, "slab", shared=shared)
+    finally:
+        os.close(dir_fd)
+
+
+def open_file_for_reading(dir_fd: int, directory: Path, name: str, what: str, *, shared: bool) -> int | None:
+    """A read-only descriptor of the tier's file ``name`` (``what`` it is, for errors) in ``dir_fd``, the
+    checked descriptor of ``directory``, once it passes the slab's checks (``_check_file``: one regular
+    file of ours, never through a link); None when there is none. DiskTierError otherwise."""
+    path = directory / name
+    try:
+        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise _open_error(path, exc) from exc
-    finally:
-        os.close(dir_fd)
-    return _kept_if(fd, _check_slab, path, shared)
+        raise _open_error(path, exc, what) from exc
+    return _kept_if(fd, lambda st, path, shared: _check_file(st, what, path, shared), path, shared)
+
+
+def remove_file(dir_fd: int, name: str) -> bool:
+    """Remove the name ``name`` from ``dir_fd`` durably (the directory is synced); False when there was
+    none. Whatever the name is (a link, a FIFO), only the name goes. Raises OSError when it stays."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    os.fsync(dir_fd)
+    return True
+
+
+def replace_file(dir_fd: int, name: str, chunks: Iterable[bytes | memoryview], *, shared: bool) -> None:
+    """Make ``name`` in ``dir_fd`` hold the bytes of ``chunks``, durably and all at once: written under a
+    temporary name created afresh (0600, 0660 when ``shared``), synced, renamed over ``name``, and the
+    directory synced. On any error the temporary file is removed and the OSError raised; ``name`` is
+    then as it was."""
+    temporary = name + _TEMPORARY_SUFFIX
+    remove_file(dir_fd, temporary)  # a leftover of a crash, or a planted name: never written through
+    mode = 0o660 if shared else 0o600
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        try:
+            os.fchmod(fd, mode)  # whatever the umask
+            for chunk in chunks:
+                _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)
+
+
+def _write_all(fd: int, chunk: bytes | memoryview) -> None:
+    view = memoryview(chunk).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def lock_holder(st: os.stat_result) -> str | None:

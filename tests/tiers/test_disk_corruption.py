@@ -23,7 +23,8 @@ Invariants checked:
   block cut in half is a failed load, never partial bytes;
 - garbage over slots makes them damaged and free; they are reused cleanly afterwards;
 - after every kind of damage the index, the allocator and the policy stay consistent, the tier takes
-  new blocks, and they survive the next reopen.
+  new blocks, and they survive the next reopen: from the clean close's index snapshot, and by a scan
+  (the snapshot removed, as after a crash), which alone counts the damaged headers left.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, SlotHeader, inspect_slab
+from kvtier.tiers.disk_files import SNAPSHOT_NAME
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)
@@ -138,19 +140,24 @@ def load_everything(stack, keys=KEYS):
 
 
 def still_works(path, stack, damaged_left=0):
-    """The damaged tier takes new blocks, and they (with what survived) come back after a reopen, where
-    ``damaged_left`` damaged headers remain (slots not reused since)."""
+    """The damaged tier takes new blocks, and they (with what survived) come back after a reopen: from
+    the index snapshot of the clean close, and again by a scan (the snapshot removed, as after a
+    crash), which finds the ``damaged_left`` damaged headers that remain (slots not reused since)."""
     put(stack, KEYS[20:23])
     survivors = ready(stack.tiers[-1], KEYS)
     assert set(KEYS[20:23]) <= set(survivors)
     assert_no_leaks(stack)
     stack.close()
-    stack = open_stack(path)
-    disk = stack.tiers[-1]
-    assert ready(disk, KEYS) == survivors and disk.stats.damaged == damaged_left
-    found, bad = load_everything(stack)
-    assert bad == []
-    stack.close()
+    for source, damaged in (("index snapshot", 0), ("scan", damaged_left)):
+        if source == "scan":
+            os.unlink(os.path.join(path, SNAPSHOT_NAME))
+        stack = open_stack(path)
+        disk = stack.tiers[-1]
+        assert f"recovered ({source})" in disk.note
+        assert ready(disk, KEYS) == survivors and disk.stats.damaged == damaged
+        found, bad = load_everything(stack)
+        assert bad == []
+        stack.close()
 
 
 # --- block data -------------------------------------------------------------------------------------
@@ -278,6 +285,12 @@ def test_a_header_copied_onto_another_slot_never_returns_that_slots_bytes(slab, 
     inspect = inspect_slab(slab.path)
     # the forged header that failed its load was zeroed; a's own (older) header remains
     assert inspect["damaged_headers"] == 0 and inspect["blocks"] == N - newer
+    # the clean close's index snapshot names what the tier held: not a, when the tier dropped it
+    stack = open_stack(slab.path)
+    assert stack.tiers[0].state(a) is (BlockState.FREE if newer else BlockState.READY)
+    assert load_everything(stack, KEYS[:N])[1] == []
+    stack.close()
+    os.unlink(slab.path / SNAPSHOT_NAME)  # as after a crash: a scan finds a's own header again
     stack = open_stack(slab.path)
     assert stack.tiers[0].slots([a]) == [slab.slot_of[a]] and stack.tiers[0].state(b) is BlockState.FREE
     assert load_everything(stack, KEYS[:N])[1] == []
