@@ -15,8 +15,10 @@ from __future__ import annotations
 import array
 import enum
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
 from kvtier.core.keys import check_key
@@ -37,7 +39,7 @@ class SlotAllocator:
 
     Compact and O(1) per slot at any capacity (a disk tier of 16 M slots restores every one of them at
     start): a byte per slot says whether it is free, and a stack of free slot numbers (machine ints,
-    not objects) hands them out; a slot taken by ``claim`` stays in the stack until ``allocate`` pops
+    not objects) hands them out; a slot taken by ``claim_many`` stays in the stack until ``allocate`` pops
     and skips it, instead of being searched for there."""
 
     def __init__(self, capacity: int) -> None:
@@ -67,12 +69,34 @@ class SlotAllocator:
         """Whether ``slot`` is in range and free (False for one out of range)."""
         return 0 <= slot < self.capacity and bool(self._is_free[slot])
 
-    def claim(self, slot: int) -> None:
-        """Take one particular free slot (a tier reopening its storage puts recovered blocks back)."""
-        if not self.is_free(slot):
-            raise StateError(f"slot {slot} is not a free slot of [0, {self.capacity})")
-        self._is_free[slot] = 0
-        self._num_free -= 1
+    def claim_many(self, slots: np.ndarray) -> int | None:
+        """Take these particular free slots, all or none; returns None, or (taking none) the index in
+        ``slots`` of the first one that is out of range, taken, or given twice. Vectorised: a tier
+        reopening its storage claims millions at once."""
+        if not len(slots):
+            return None
+        free = np.frombuffer(self._is_free, np.uint8)
+        outside = (slots < 0) | (slots >= self.capacity)
+        if outside.any():
+            return int(np.argmax(outside))
+        taken = free[slots] == 0
+        if taken.any():
+            return int(np.argmax(taken))
+        free[slots] = 0
+        claimed = self._num_free - int(np.count_nonzero(free))
+        if claimed != len(slots):  # a slot given twice: the first one that repeats an earlier one
+            free[slots] = 1
+            order = np.argsort(slots, kind="stable")
+            repeats = order[1:][slots[order[1:]] == slots[order[:-1]]]
+            return int(repeats.min())
+        self._num_free -= claimed
+        return None
+
+    def free_many(self, slots: np.ndarray) -> None:
+        """Give back slots ``claim_many`` took (a restore that failed after it); they are still in the
+        stack of free slots, as every claimed slot is."""
+        np.frombuffer(self._is_free, np.uint8)[slots] = 1
+        self._num_free += len(slots)
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.capacity:
@@ -379,36 +403,38 @@ class Tier:
             for slot in slots:
                 self._flags[slot] |= _REFUSED
 
-    def restore(self, blocks: Sequence[tuple[bytes, int]]) -> None:
-        """Put back READY blocks that persistent storage already holds, as (key, slot), oldest use first.
+    def restore(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Put back READY blocks that persistent storage already holds: ``keys[i]`` in ``slots[i]``, oldest
+        use first.
 
         All or nothing: StateError names the first block that cannot go back (a key already here or
         given twice, a slot out of range, taken or given twice), and nothing of the call is left.
         Restoring block by block would leave the blocks before a bad one indexed but unknown to the
-        policy, so never evicted. The blocks go straight into the index (a disk tier opening puts
-        back millions: no second structure of them) and come out again on a bad one.
+        policy, so never evicted. In columns, checked and applied by numpy and dict operations
+        rather than a Python step per block: a disk tier of 64 KiB blocks reopening 1 TiB puts back
+        15.8 M of them (``bench/index.py``).
         """
+        if len(keys) != len(slots):
+            raise StateError(f"restore got {len(keys)} keys for {len(slots)} slots")
         with self._lock:
-            index, flags, is_free = self._slots, self._flags, self._allocator.is_free
-            done = 0
-            try:
-                for key, slot in blocks:
-                    if key in index:
-                        raise StateError(f"block {key.hex()[:16]} is restored twice into tier {self.name!r}")
-                    if not is_free(slot) or flags[slot]:  # (flags: given twice in this call)
-                        raise StateError(f"slot {slot} of tier {self.name!r} is not free for block {key.hex()[:16]}")
-                    index[key] = slot
-                    flags[slot] = _READY
-                    done += 1
-            except BaseException:
-                for key, slot in blocks[:done]:
-                    del index[key]
-                    flags[slot] = 0
-                raise
-            claim = self._allocator.claim
-            for _, slot in blocks:
-                claim(slot)
-            self.policy.restore(key for key, _ in blocks)
+            at = np.asarray(slots, dtype=np.int64)
+            bad = self._allocator.claim_many(at)
+            if bad is not None:
+                block = keys[bad].hex()[:16]
+                raise StateError(f"slot {slots[bad]} of tier {self.name!r} is not free for block {block}")
+            index = self._slots
+            before = len(index)
+            if index.keys().isdisjoint(keys):
+                index.update(zip(keys, slots, strict=True))
+            if len(index) != before + len(keys):  # a key already here, or given twice
+                if len(index) != before:  # (only when none was here: the update took them all in)
+                    for key in keys:
+                        index.pop(key, None)
+                self._allocator.free_many(at)
+                again = _first_repeated(keys, index)
+                raise StateError(f"block {again.hex()[:16]} is restored twice into tier {self.name!r}")
+            np.frombuffer(self._flags, np.uint8)[at] = _READY
+            self.policy.restore(keys, slots)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop READY blocks that proved unreadable (a failed checksum, an I/O error) so no reader
@@ -576,3 +602,13 @@ class Tier:
         del self._slots[key]
         self._flags[slot] = 0
         self._allocator.free(slot)
+
+
+def _first_repeated(keys: Sequence[bytes], index: Container[bytes]) -> bytes:
+    """The first of ``keys`` that is in ``index`` or came before in ``keys``."""
+    seen: set[bytes] = set()
+    for key in keys:
+        if key in index or key in seen:
+            return key
+        seen.add(key)
+    raise ValueError("no key is repeated")

@@ -62,7 +62,7 @@ past protected keys at the old end as LRU does (O(1) each per call).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Iterable, Mapping
+from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from kvtier.policies._slots import SlotQueues
@@ -246,12 +246,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         run[key] = True
         self._inserted += 1
 
-    def restore(self, keys: Iterable[Key]) -> None:
-        """Restored blocks (oldest use first) are not one request's chain: each is a run of its own."""
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+        """Restored blocks (oldest use first) are not one request's chain: each is a run of its own,
+        which puts it at probation's young end, the whole list at once."""
         self._end_run()
-        for key in keys:
-            self.insert(key)
-            self._end_run()
+        self._segments.push_many(keys, PROBATION, slots)
+        self._note_size()
 
     def touch(self, key: Key) -> None:
         run = self._run
@@ -297,6 +297,14 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         mini = max(1, capacity // self._sample_every)
         self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor) // 2))
 
+    def _note_size(self) -> None:
+        """Learn the capacity from the most keys tracked at once (see the module's Capacity)."""
+        tracked = len(self._segments)
+        if tracked > self._learned:
+            self._learned = tracked
+            if self._fixed is None and tracked > self._sized:
+                self._resize(tracked)
+
     def _end_run(self) -> None:
         """Apply the run deepest first: touched keys to the protected segment's new end, inserted ones to
         probation's (its last reference, if inserted and ``tail_first``, to probation's old end); then
@@ -316,11 +324,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             tail = None  # the last reference was a read (or a declined block): nothing to queue first
         if tail is not None and self.tail_first:
             segments.move(tail, PROBATION, oldest=True)
-        tracked = len(segments)
-        if tracked > self._learned:
-            self._learned = tracked
-            if self._fixed is None and tracked > self._sized:
-                self._resize(tracked)
+        self._note_size()
         while segments.length(PROTECTED) > self._protected_limit:
             segments.push(segments.pop_oldest(PROTECTED), PROBATION)  # type: ignore[arg-type]
         sampled = self._sampled

@@ -10,7 +10,7 @@ tier owns the lock: a policy is only ever called under it and needs none itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Hashable, Iterable, Mapping
+from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 
@@ -43,9 +43,10 @@ class EvictionPolicy(ABC, Generic[Key]):
     def insert(self, key: Key) -> None:
         """A block became readable in the tier. The key is not tracked yet."""
 
-    def restore(self, keys: Iterable[Key]) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
         """Blocks a tier found again in persistent storage at start, oldest use first: they should
-        leave in that order. Policies that reorder batches of inserts override this."""
+        leave in that order; ``slots``, where a tier that ``bind``s its index has them. Policies that
+        reorder batches of inserts, or link keys by slot, override this."""
         for key in keys:
             self.insert(key)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 
 from kvtier.policies._slots import SlotQueues
 from kvtier.policies.base import EvictionPolicy, Key
@@ -20,6 +20,9 @@ class LRUPolicy(EvictionPolicy[Key]):
 
     def insert(self, key: Key) -> None:
         self._order.push(key, 0)
+
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+        self._order.push_many(keys, 0, slots)
 
     def touch(self, key: Key) -> None:
         self._order.move(key, 0)

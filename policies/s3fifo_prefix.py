@@ -20,7 +20,7 @@ Pending keys are tracked (``len``, ``in``) like any other; every operation stays
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Sequence
 
 from kvtier.policies.base import Key
 from kvtier.policies.s3fifo import S3FIFOPolicy
@@ -44,7 +44,7 @@ class PrefixS3FIFOPolicy(S3FIFOPolicy[Key]):
             raise KeyError(f"key {key!r} is already tracked")
         self._pending[key] = None
 
-    def restore(self, keys: Iterable[Key]) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
         """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
         self._flush()
         for key in keys:

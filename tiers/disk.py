@@ -619,8 +619,8 @@ class DiskSlab:
 
     # --- recovery ------------------------------------------------------------------------------
 
-    def recover(self, restore: Callable[[Sequence[tuple[bytes, int]]], None]) -> Recovered:
-        """Hand the blocks this slab holds, as (key, slot) oldest first, to ``restore`` (``Tier.restore``)
+    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int]], None]) -> Recovered:
+        """Hand the blocks this slab holds, as keys and slots oldest first, to ``restore`` (``Tier.restore``)
         and take up their newest sequence number: from the index snapshot the open took, when there
         was a valid one and ``restore`` accepts it, by a ``scan`` otherwise. ``restore`` must take all
         or nothing and raise StateError for a key named twice, which only a forged snapshot holds (the
@@ -629,14 +629,14 @@ class DiskSlab:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
             try:
-                restore(snapshot)
+                restore(snapshot.keys, snapshot.slots)
             except StateError as exc:
                 log.warning("disk tier %s: index snapshot not used (%s); scanning every slot header", self.path, exc)
             else:
                 self.sequence = max(self.sequence, snapshot.sequence)
                 return Recovered(len(snapshot), 0, "index snapshot")
         found, damaged = self.scan()
-        restore([(key, slot) for _, key, slot in found])
+        restore([key for _, key, _ in found], [slot for _, _, slot in found])
         return Recovered(len(found), damaged, "scan")
 
     def scan(self) -> tuple[list[tuple[int, bytes, int]], int]:
@@ -800,7 +800,7 @@ def _rank_storage(request: RankRequest) -> BlockStorage:
     path = rank_directory(request.config.path, request.rank)
     slab = DiskSlab.from_config(request.config, request.slots, request.layout, request.namespace, path)
     try:
-        slab.recover(lambda blocks: None)
+        slab.recover(lambda keys, slots: None)
     except BaseException:
         slab.close()
         raise

@@ -206,7 +206,7 @@ class SchedulerSide:
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
         """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``)."""
         blocks = blocks_on_every_rank(tier_cfg, self.copy_ranks, tier.capacity, layout, self.namespace.hex())
-        tier.restore(blocks)
+        tier.restore([key for key, _ in blocks], [slot for _, slot in blocks])
         self._stored_events([key for key, _ in blocks], tier)
         if blocks:
             log.info("kvtier disk tier %s: %d blocks kept from before the restart", tier_cfg.path, len(blocks))

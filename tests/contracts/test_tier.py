@@ -609,12 +609,12 @@ def test_abort_names_the_blocks_the_storage_refused_for_good(tier):
 
 
 def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
-    tier.restore([(k(5), 2), (k(6), 0)])
+    tier.restore([k(5), k(6)], [2, 0])
     assert tier.lookup([k(5), k(6)]) == 2 and tier.slots([k(5), k(6)]) == [2, 0]
     with pytest.raises(StateError):
-        tier.restore([(k(5), 1)])  # the key twice
+        tier.restore([k(5)], [1])  # the key twice
     with pytest.raises(StateError):
-        tier.restore([(k(7), 2)])  # a slot taken
+        tier.restore([k(7)], [2])  # a slot taken
     assert tier.reserve([k(8), k(9)]) is not None and tier.reserve([k(10)]) is not None  # evicts k(5), the oldest
     assert tier.state(k(5)) is BlockState.FREE and tier.state(k(6)) is BlockState.READY
     tier.abort([k(8), k(9), k(10)])
@@ -635,12 +635,12 @@ def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
 def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path, blocks):
     tier = LOCAL_TIERS[kind](kind, 4, LRUPolicy(), None, None, tmp_path)  # not make_tier's: it checks at the end
     try:
-        tier.restore([(k(0), 0)])
+        tier.restore([k(0)], [0])
         with pytest.raises(StateError):
-            tier.restore(blocks)
+            tier.restore([key for key, _ in blocks], [slot for _, slot in blocks])
         tier.check_invariants()
         assert tier.state(k(1)) is tier.state(k(2)) is BlockState.FREE and tier.usage().used == 1
-        tier.restore([(k(1), 1), (k(2), 2)])  # the slots the failed call named are still free
+        tier.restore([k(1), k(2)], [1, 2])  # the slots the failed call named are still free
         tier.check_invariants()
         assert tier.evict(3) == [k(0), k(1), k(2)]  # and every restored block is known to the policy
     finally:

@@ -8,6 +8,7 @@ slot taken by ``claim`` (checked against a set of free slots over any sequence o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -66,15 +67,18 @@ def test_allocator_refuses_slots_out_of_range(slot):
     assert alloc.num_free == 0
 
 
-def test_allocator_claims_particular_slots_and_never_hands_them_out():
+def test_allocator_claims_particular_slots_all_or_none_and_never_hands_them_out():
     alloc = SlotAllocator(4)
-    alloc.claim(0)
-    alloc.claim(2)
+    assert alloc.claim_many(np.array([0, 2])) is None
     assert alloc.num_free == 2 and not alloc.is_free(0) and alloc.is_free(1)
-    with pytest.raises(StateError):
-        alloc.claim(2)  # taken
-    with pytest.raises(StateError):
-        alloc.claim(4)  # out of range
+    assert alloc.claim_many(np.array([1, 2])) == 1  # taken: the index of the first bad one, none claimed
+    assert alloc.claim_many(np.array([3, 4])) == 1  # out of range
+    assert alloc.claim_many(np.array([1, 3, 1])) == 2  # given twice
+    assert alloc.claim_many(np.array([-1])) == 0
+    assert alloc.num_free == 2 and alloc.is_free(1) and alloc.is_free(3)
+    alloc.free_many(np.array([0]))
+    assert alloc.num_free == 3 and alloc.is_free(0)
+    assert alloc.claim_many(np.array([0])) is None
     assert alloc.allocate(2) == [1, 3]
     alloc.free(2)
     assert alloc.allocate(1) == [2] and alloc.allocate(1) is None
@@ -97,6 +101,6 @@ def test_allocator_agrees_with_a_set_of_free_slots(ops):
             alloc.free(n)
             free.add(n)
         elif op == "claim" and n in free:
-            alloc.claim(n)
+            assert alloc.claim_many(np.array([n])) is None
             free.discard(n)
         assert alloc.num_free == len(free) and all(alloc.is_free(s) == (s in free) for s in range(8))

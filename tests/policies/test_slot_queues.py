@@ -81,3 +81,23 @@ def test_protected_keys_keep_their_place_and_queues_stay_apart():
     assert (queues.length(0), queues.length(1), len(queues)) == (2, 2, 4)
     with pytest.raises(KeyError):
         queues.remove(2)
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, AdaptivePolicy], ids=["lru", "adaptive"])
+def test_a_bound_restore_in_numpy_steps_orders_as_pushes_one_by_one(make):
+    """``restore`` of a bound policy links all the keys at once (``push_many``): the same order as an
+    unbound one that pushes them one by one, and a key restored twice is refused."""
+    bound, free = make(), make()
+    tier = Tierlike()
+    bound.bind(tier.index, CAPACITY)
+    keys = [b"k%02d" % i for i in (5, 1, 7, 0, 3)]
+    for key in keys:
+        tier.add(key)
+    bound.restore(keys)
+    free.restore(keys)
+    bound.touch(keys[2])
+    free.touch(keys[2])
+    assert len(bound) == len(free) == 5
+    assert bound.evict(CAPACITY, {keys[0]}) == free.evict(CAPACITY, {keys[0]})
+    with pytest.raises(KeyError):
+        bound.restore([keys[0]])  # still tracked: it was protected
