@@ -4,7 +4,9 @@ them: what the disk tier tests (tests/tiers) share. A block's bytes are a pure f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 
 import numpy as np
 
@@ -81,6 +83,16 @@ def get(stack, keys, layout=LAYOUT, dst_medium=None, out=None):
     dst = buffer_storage(out, layout, writable=True)
     result = stack.load(keys, dst, range(len(keys)), dst_medium=dst_medium).result(timeout=30)
     return result, out
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    """The process's umask set to ``mask`` within the block (files a test creates get modes it chose)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def assert_exact(keys, result, out, salt=b"", nbytes=BLOCK):

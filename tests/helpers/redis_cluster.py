@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from helpers.redis_server import INSTALL_SERVER, SERVER, RedisServer, _missing, free_port, require_redis
+from helpers.redis_server import INSTALL_SERVER, RedisServer, free_port, require_redis, skip_unless_present
 
 CLI = "redis-cli"
 NODE_TIMEOUT_MS = 1000
@@ -39,7 +39,7 @@ def require_cluster() -> None:
     """``require_redis()``, and redis-cli (which creates the cluster)."""
     require_redis()
     if shutil.which(CLI) is None:
-        _missing([f"redis-cli is not installed: {INSTALL_SERVER}"])
+        skip_unless_present([f"redis-cli is not installed: {INSTALL_SERVER}"])
 
 
 class ClusterNode(RedisServer):
@@ -50,38 +50,17 @@ class ClusterNode(RedisServer):
         super().__init__(directory, maxmemory, password)
         self.bus_port = free_port()
 
-    def start(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lines = [
-            f"port {self.port}",
-            "bind 127.0.0.1",
-            "save ''",
-            "appendonly no",
-            f"dir {self.directory}",
-            "daemonize no",
-            f"logfile {self.directory / 'redis.log'}",
+    def config_lines(self) -> list[str]:
+        lines = super().config_lines() + [
             "cluster-enabled yes",
             f"cluster-port {self.bus_port}",
             f"cluster-config-file {self.directory / 'nodes.conf'}",
             f"cluster-node-timeout {NODE_TIMEOUT_MS}",
             "cluster-require-full-coverage no",
         ]
-        if self.maxmemory is not None:
-            lines += [f"maxmemory {self.maxmemory}", "maxmemory-policy allkeys-lru"]
         if self.password is not None:  # replicas log in to their masters with it too
-            lines += [f"requirepass {self.password}", f"masterauth {self.password}"]
-        self.proc = subprocess.Popen(
-            [SERVER, "-"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("\n".join(lines).encode() + b"\n")
-        self.proc.stdin.close()
-        self.stopped = False
-        self._wait_ready()
+            lines.append(f"masterauth {self.password}")
+        return lines
 
     @property
     def address(self) -> str:

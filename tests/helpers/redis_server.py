@@ -51,7 +51,7 @@ def require_redis() -> None:
         import redis  # noqa: F401
     except ImportError as exc:
         missing.append(f"the Python client is missing ({exc.name}): {INSTALL_CLIENT}")
-    _missing(missing)
+    skip_unless_present(missing)
 
 
 def require_tls() -> None:
@@ -66,10 +66,12 @@ def require_tls() -> None:
             f"{SERVER} was built without TLS (BUILD_TLS=yes): {INSTALL_SERVER} from a distribution "
             f"that builds it with TLS (Debian and Ubuntu do)"
         )
-    _missing(missing)
+    skip_unless_present(missing)
 
 
-def _missing(missing: list[str]) -> None:
+def skip_unless_present(missing: list[str]) -> None:
+    """Skip the test naming what is ``missing`` (each with its install line), or fail it under
+    KVTIER_REQUIRE_REMOTE=1 (CI, where the remote tier's tests must run); nothing when none is."""
     if missing:
         message = "; ".join(missing)
         if os.environ.get("KVTIER_REQUIRE_REMOTE") == "1":
@@ -200,6 +202,21 @@ class RedisServer:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [SERVER, "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n".join(self.config_lines()).encode() + b"\n")
+        self.proc.stdin.close()
+        self.stopped = False
+        self._wait_ready()
+
+    def config_lines(self) -> list[str]:
+        """The server's configuration, one directive a line (given on stdin: no secret in its argv)."""
         if self.tls is None:
             listen = [f"port {self.port}"]
         else:
@@ -224,18 +241,7 @@ class RedisServer:
             lines += [f"maxmemory {self.maxmemory}", "maxmemory-policy allkeys-lru"]
         if self.password is not None:
             lines.append(f"requirepass {self.password}")
-        self.proc = subprocess.Popen(
-            [SERVER, "-"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("\n".join(lines).encode() + b"\n")
-        self.proc.stdin.close()
-        self.stopped = False
-        self._wait_ready()
+        return lines
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_WITHIN_S

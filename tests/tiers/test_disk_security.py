@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from helpers.disk_helpers import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_dict, data, get, open_stack, put
+from helpers.disk_helpers import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_dict, data, get, open_stack, put, umask
 from helpers.stack_helpers import key
 from kvtier.cli import main
 from kvtier.core.keys import MAX_KEY_BYTES
@@ -95,15 +95,6 @@ def assert_blocks_back(path, keys=KEYS[:4], **options) -> None:
     assert loaded.loaded == len(keys) and not loaded.failed
     assert_exact(keys, loaded, out)
     stack.close()
-
-
-@contextlib.contextmanager
-def umask(mask: int):
-    old = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def returns_within(seconds: float, fn, *args):

@@ -30,7 +30,6 @@ Invariants checked:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -44,7 +43,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put
+from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put, umask
 from helpers.stack_helpers import ready
 from kvtier.core.slots import slot_stride
 from kvtier.core.tier import BlockState
@@ -133,15 +132,6 @@ def set_key_length(row: int, value: int):
         raw[len(raw) - 8 - count * (1 + width + 8) + row] = value
 
     return edit
-
-
-@contextlib.contextmanager
-def umask(mask: int):
-    old = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 # --- a clean close, a restart ---------------------------------------------------------------------

@@ -13,8 +13,10 @@ blocks; a hostile record written with redis-cli is refused; wrong cluster settin
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -196,15 +198,22 @@ def test_during_a_migration_ask_sends_asking_and_the_command_to_the_importing_no
 # --- nodes that fail --------------------------------------------------------------------------------
 
 
-def test_a_master_killed_mid_load_fails_exactly_its_blocks_within_the_timeout(own):
+@contextlib.contextmanager
+def over_the_cluster(own: RedisCluster) -> Iterator[tuple[KVTier, list[int], np.ndarray, int, list[int]]]:
+    """A stack over ``own`` that finds 12 blocks in the store: (the stack, their tokens, their bytes, the
+    master serving block 3, the blocks that master serves)."""
     tokens, blocks = prompt(12), data(12)
     cfg = config(own, seeds=own.seeds)  # a new client finds the cluster whichever node is down
     stored(cfg, tokens, blocks)
     with KVTier.open(cfg) as kv:
         where = owners(kv, own, tokens)
         victim = where[3]
-        lost = [i for i, node in enumerate(where) if node == victim]
         assert kv.locate(tokens).tiers == ("remote",) * 12
+        yield kv, tokens, blocks, victim, [i for i, node in enumerate(where) if node == victim]
+
+
+def test_a_master_killed_mid_load_fails_exactly_its_blocks_within_the_timeout(own):
+    with over_the_cluster(own) as (kv, tokens, blocks, victim, lost):
         own.stop(victim)  # the load's GETs reach a master that does not answer...
         started = time.monotonic()
         out = np.zeros((12, BLOCK), np.uint8)
@@ -285,14 +294,7 @@ def test_after_a_failover_the_promoted_replica_serves_what_replicated_bit_exact(
 
 
 def test_a_stopped_master_costs_lookups_and_loads_the_deadline_at_most_and_fails_only_its_blocks(own):
-    tokens, blocks = prompt(12), data(12)
-    cfg = config(own, seeds=own.seeds)
-    stored(cfg, tokens, blocks)
-    with KVTier.open(cfg) as kv:
-        where = owners(kv, own, tokens)
-        victim = where[3]
-        lost = [i for i, node in enumerate(where) if node == victim]
-        assert kv.locate(tokens).tiers == ("remote",) * 12
+    with over_the_cluster(own) as (kv, tokens, blocks, victim, lost):
         own.stop(victim)
         try:
             started = time.monotonic()
@@ -301,7 +303,7 @@ def test_a_stopped_master_costs_lookups_and_loads_the_deadline_at_most_and_fails
             assert (result.failed, result.loaded) == (lost, 12 - len(lost))
             kept = [i for i in range(12) if i not in lost]
             assert np.array_equal(out[kept], blocks[kept])
-            with KVTier.open(cfg) as other:  # a client of its own, which has not asked for the slot map yet
+            with KVTier.open(kv.config) as other:  # a client of its own, which has not asked for the slot map yet
                 started = time.monotonic()
                 assert other.lookup(tokens) == lost[0] and time.monotonic() - started < TIMEOUT
         finally:
