@@ -32,7 +32,7 @@ How
       probation segment, which is evicted first. Blocks read again outlive a burst of one-off
       prompts, while most of the tier still follows recency.
     * ``admit(key)``: a key found in the history (declined or evicted within the last
-      ``history_factor`` / 2 to ``history_factor`` x capacity keys: two generations of sets) is
+      ``history_factor`` / 2 to ``history_factor`` x capacity keys: two generations of Bloom filters) is
       admitted. Any other key is admitted while the filter is off, and declined (and remembered in
       the history) while it is on.
     * Two miniature caches run the same mechanism on a sample of the keys, one admitting
@@ -65,6 +65,8 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
+import xxhash
+
 from kvtier.policies._slots import SlotQueues
 from kvtier.policies.base import EvictionPolicy, Key
 
@@ -73,37 +75,66 @@ K = TypeVar("K", bound=Hashable)
 PROBATION, PROTECTED = 0, 1  # the segments' queues
 
 
-class _History(Generic[K]):
-    """Keys seen recently but not stored: two generations of sets, the older dropped whole when the
-    newer holds ``half`` keys, so it remembers the last ``half`` to 2 x ``half`` keys added (cheaper
-    than an ordered dict trimmed one key at a time)."""
+BITS_PER_KEY = 10
+"""Bloom filter bits per key a history remembers (at least: a filter's size is a power of two): with
+three probes, under 1.7% of the keys it never saw look remembered (a first-seen block admitted while
+the filter is on: harmless)."""
 
-    __slots__ = ("new", "old", "half")
+
+def _probes(key: Hashable, mask: int) -> tuple[int, int, int]:
+    """Three bit positions for ``key`` in a filter of ``mask`` + 1 bits, from one 128-bit hash that is
+    the same in every process (Python salts ``hash`` of bytes and str per process, and the same
+    traffic must get the same decisions in every run)."""
+    if isinstance(key, bytes):
+        data = key
+    elif isinstance(key, int):
+        data = key.to_bytes(16, "little", signed=True)
+    else:
+        data = repr(key).encode()
+    h = xxhash.xxh3_128_intdigest(data)
+    return h & mask, (h >> 42) & mask, (h >> 84) & mask
+
+
+class _History(Generic[K]):
+    """Keys seen recently but not stored: two generations of Bloom filters, the older dropped whole when
+    the newer has taken ``half`` keys, so it remembers the last ``half`` to 2 x ``half`` keys added.
+    Bits, not the keys: a tier of 10 M blocks remembers up to 40 M evicted or declined keys, which as
+    a set (and the key objects it kept alive) cost more than the tier's whole index; as filters, 5
+    to 10 bytes per block of the tier. A filter cannot forget one key: a key found stays remembered."""
+
+    __slots__ = ("new", "old", "added", "old_added", "half")
 
     def __init__(self) -> None:
-        self.new: set[K] = set()
-        self.old: set[K] = set()
         self.half = 1
+        self.new = self._filter()
+        self.old = self._filter()
+        self.added = self.old_added = 0
+
+    def _filter(self) -> bytearray:
+        return bytearray(max(8, 1 << (self.half * BITS_PER_KEY - 1).bit_length()) // 8)
 
     def take(self, key: K) -> bool:
-        """Whether ``key`` was remembered; it is forgotten now."""
-        if key in self.new:
-            self.new.remove(key)
-            return True
-        if key in self.old:
-            self.old.remove(key)
-            return True
+        """Whether ``key`` was remembered (or is one of the few false positives)."""
+        for bits in (self.new, self.old):
+            a, b, c = _probes(key, len(bits) * 8 - 1)
+            if bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & 1:
+                return True
         return False
 
     def add(self, key: K) -> None:
-        new = self.new
-        new.add(key)
-        if len(new) >= self.half:
-            self.old = new
-            self.new = set()
+        bits = self.new
+        a, b, c = _probes(key, len(bits) * 8 - 1)
+        bits[a >> 3] |= 1 << (a & 7)
+        bits[b >> 3] |= 1 << (b & 7)
+        bits[c >> 3] |= 1 << (c & 7)
+        self.added += 1
+        if self.added >= self.half:
+            self.old, self.new = self.new, self._filter()
+            self.old_added, self.added = self.added, 0
 
     def __len__(self) -> int:
-        return len(self.new) + len(self.old)
+        """Keys added to the two generations (what it may remember)."""
+        return self.added + self.old_added
 
 
 class _Miniature(Generic[K]):
@@ -222,16 +253,9 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if not self.filtering:
             return True
         history = self._history
-        new = history.new
-        if key in new:
-            new.remove(key)
+        if history.take(key):
             return True
-        if key in history.old:
-            history.old.remove(key)
-            return True
-        new.add(key)
-        if len(new) >= history.half:
-            history.old, history.new = new, set()
+        history.add(key)
         if len(run) >= self._run_limit:
             self._end_run()  # nothing stored for this long: a run must end somewhere
         return False
@@ -274,10 +298,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         victims = segments.take_oldest(PROBATION, n, protected)
         if len(victims) < n:
             victims += segments.take_oldest(PROTECTED, n - len(victims), protected)
-        history = self._history
-        history.new.update(victims)
-        if len(history.new) >= history.half:
-            history.old, history.new = history.new, set()
+        for victim in victims:
+            self._history.add(victim)
         return victims
 
     def __len__(self) -> int:
