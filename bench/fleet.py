@@ -23,9 +23,11 @@ Reference, in the same run, by the same processes and threads
     timeout where the client has one (redis-py's socket timeout; Mooncake's have none).
 
 Figures, per path (kvtier, raw)
-    load GB/s: bytes the fleet loaded bit-exact / the seconds that path ran: what the fleet gets out
-    of the cache while it looks up, loads and stores (kvtier's copies to the store run in the
-    background within its own windows). Store, load and lookup latency
+    load GB/s: bytes loaded bit-exact / the seconds spent in load calls, times the callers (engines x
+    threads): the fleet's aggregate rate while it loads, whatever share of blocks it found (kvtier's
+    copies to the store run in the background within its own windows, and slow its loads there).
+    delivered GB/s: bytes loaded / the seconds that path ran (hits and load speed together: the two
+    paths replay different requests in their windows, so their hit ratios differ). Store, load and lookup latency
     p50/p99 (kvtier's store returns once its host tier holds the blocks; the copy to the store
     follows in the background, so its store latency is not comparable with the raw put and is not in
     the ratio). Hit ratio (blocks found / blocks asked) of the requests started before the kill and of
@@ -33,7 +35,9 @@ Figures, per path (kvtier, raw)
     return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected), calls that
     raised (``errors``: the raw client's while a node is gone; kvtier's do not raise). For kvtier,
     ``store_reads_per_block``: records the engines read from the store / blocks their requests found
-    only there (below 1 where requests of one engine waiting for the same block share one read).
+    only there (below 1 where requests of one engine waiting for the same block share one read), and
+    the remote tiers' counters summed (``remote_tier``: stores committed, dropped (``aborted``: the
+    store did not take them within the timeout) and skipped as already there, loads, errors).
 
 The last line printed is one JSON object: ``ratio`` = the worse over the stores run of kvtier's load
 GB/s / the raw client's, then every figure per store.
@@ -348,15 +352,18 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> d
     records = [r for result in results for r in result["records"]]
     out: dict = {"killed_at_s": killed, "requests": len(records)}
     ran = path_seconds(args.duration, args.window)
+    callers = args.engines * args.threads
     for path in PATHS:
         mine = [r for r in records if r["path"] == path]
         loads = [r for r in mine if "load_s" in r]
         loaded_bytes = sum(r["loaded"] for r in loads) * args.block_bytes
+        load_seconds = sum(r["load_s"] for r in loads)
         before = [r for r in mine if r["t"] < killed]
         after = [r for r in mine if r["t"] >= killed + args.settle]
         out[path] = {
             "requests": len(mine),
-            "load_gbps": loaded_bytes / ran[path] / 1e9,
+            "load_gbps": loaded_bytes / load_seconds * callers / 1e9 if load_seconds else 0.0,
+            "delivered_gbps": loaded_bytes / ran[path] / 1e9,
             "loaded_gb": loaded_bytes / 1e9,
             "load": percentiles([r["load_s"] for r in loads]),
             "store": percentiles([r["store_s"] for r in mine]),
@@ -367,7 +374,12 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> d
             "wrong_blocks": sum(r["wrong"] for r in mine),
             "errors": sum(r["errors"] for r in mine),
         }
-    reads = sum(result["stats"].get("remote", {}).get("hits", 0) for result in results)
+    remote = [result["stats"].get("remote", {}) for result in results]
+    out["kvtier"]["remote_tier"] = {
+        name: sum(stats.get(name, 0) for stats in remote)
+        for name in ("committed", "aborted", "skipped_existing", "hits", "read_errors", "lookup_errors")
+    }
+    reads = out["kvtier"]["remote_tier"]["hits"]
     needed = sum(r["remote"] for r in records if r["path"] == "kvtier")
     out["kvtier"]["store_reads_per_block"] = reads / needed if needed else float("nan")
     out["ratio"] = out["kvtier"]["load_gbps"] / out["raw"]["load_gbps"] if out["raw"]["load_gbps"] else 0.0
@@ -377,18 +389,21 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> d
 def print_store(store: str, figures: dict) -> None:
     print(f"\n{store}: {figures['requests']} requests, a node killed at {figures['killed_at_s']:.1f} s")
     print(
-        f"  {'path':7} {'load GB/s':>9} {'load p50/p99 ms':>16} {'lookup p50/p99':>15} {'store p50/p99':>15} "
+        f"  {'path':7} {'load GB/s':>9} {'delivered':>9} {'load p50/p99 ms':>16} {'lookup p50/p99':>15} "
+        f"{'store p50/p99':>15} "
         f"{'hits before/after':>18} {'hung':>5} {'wrong':>6} {'errors':>7}"
     )
     for path in ("kvtier", "raw"):
         f = figures[path]
         print(
-            f"  {path:7} {f['load_gbps']:9.2f} {f['load']['p50_ms']:7.1f}/{f['load']['p99_ms']:<8.1f} "
+            f"  {path:7} {f['load_gbps']:9.2f} {f['delivered_gbps']:9.2f} "
+            f"{f['load']['p50_ms']:7.1f}/{f['load']['p99_ms']:<8.1f} "
             f"{f['lookup']['p50_ms']:6.1f}/{f['lookup']['p99_ms']:<8.1f} {f['store']['p50_ms']:6.1f}/"
             f"{f['store']['p99_ms']:<8.1f} {f['hit_ratio_before_kill']:8.3f}/{f['hit_ratio_after_kill']:<9.3f} "
             f"{f['hung']:5d} {f['wrong_blocks']:6d} {f['errors']:7d}"
         )
     print(f"  kvtier store reads per block found only there: {figures['kvtier']['store_reads_per_block']:.3f}")
+    print(f"  kvtier's remote tiers, summed: {figures['kvtier']['remote_tier']}")
     print(f"  load ratio kvtier / raw client: {figures['ratio']:.3f}")
 
 
