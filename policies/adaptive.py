@@ -113,6 +113,16 @@ class _History(Generic[K]):
     def _filter(self) -> bytearray:
         return bytearray(max(8, 1 << (self.half * BITS_PER_KEY - 1).bit_length()) // 8)
 
+    def resize(self, half: int) -> None:
+        """Remember ``half`` to 2 x ``half`` keys from now on. A filter with too few bits for that would
+        fill up and then say every key was seen, so a generation of the new size starts at once (the
+        current one becomes the old, remembered as it is); sizes are powers of two, so a growing tier
+        starts a new one a few times, not at every step."""
+        self.half = half
+        if len(self.new) * 8 < half * BITS_PER_KEY:
+            self.old, self.new = self.new, self._filter()
+            self.old_added, self.added = self.added, 0
+
     def take(self, key: K) -> bool:
         """Whether ``key`` was remembered (or is one of the few false positives)."""
         for bits in (self.new, self.old):
@@ -158,7 +168,7 @@ class _Miniature(Generic[K]):
                 break
             hits += 1
         remembered = self._history
-        remembered.half = history
+        remembered.resize(history)
         filters = self._filters
         for key in reversed(keys):  # deepest first, as the real cache applies a run
             if key in protected:
@@ -313,7 +323,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._sized = capacity
         limit = max(1, int(capacity * self._history_factor))
         self._run_limit = limit
-        self._history.half = max(1, limit // 2)
+        self._history.resize(max(1, limit // 2))
         self._watch_half = max(1, limit // self._sample_every // 2)
         self._protected_limit = int(capacity * self._protected_share)
         mini = max(1, capacity // self._sample_every)

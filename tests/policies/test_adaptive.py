@@ -149,3 +149,16 @@ def test_the_last_block_rule_holds_while_run_tails_are_not_read_again_and_stops_
         policy = AdaptivePolicy(capacity=100, sample_every=1)
         replay(stream, 100, policy)
         assert policy.tail_first is kept
+
+
+def test_a_history_resized_for_more_keys_does_not_say_it_saw_every_key():
+    """A Bloom filter sized for few keys fills up and then finds every key: growing the history starts a
+    generation of the new size, so first-seen keys are still declined while the filter is on."""
+    policy = AdaptivePolicy(capacity=2)
+    policy._resize(100_000)  # a tier that turned out far larger than first thought
+    history = policy._history
+    for i in range(50_000):
+        history.add(b"seen-%d" % i)
+    assert all(history.take(b"seen-%d" % i) for i in range(0, 50_000, 997))
+    unseen = sum(history.take(b"never-%d" % i) for i in range(10_000))
+    assert unseen < 300, f"{unseen} of 10,000 keys never added look remembered"
