@@ -32,6 +32,7 @@ without ``close()`` is collected and a finalizer releases its threads, memory an
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -51,7 +52,7 @@ from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
-from kvtier.core.tier import Tier
+from kvtier.core.tier import BlockState, Tier
 from kvtier.core.transfer import TransferBackend, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class TierStack:
         dst_medium = dst_medium or caller_medium(dst.device)
         future: Future[LoadResult] = Future()
         self._ask_remote(keys)
+        self._await_staging(keys, dst_medium)
         with self._lock:
             self._check_open()
             for index, stage in enumerate(self.planner.staging(dst_medium)):  # refuse before pinning anything
@@ -334,6 +336,24 @@ class TierStack:
             start = len(self.planner.lookup(keys).sources)
         if start < len(keys):
             self._remote.query(keys[start:])
+
+    def _await_staging(self, keys: Sequence[bytes], dst_medium: str) -> None:
+        """Wait until no block of ``keys`` is being written into a tier that a load into ``dst_medium``
+        stages through: another request's load of the same blocks (a hot prefix), or a store of them.
+        This load then takes them from there instead of stopping at them, and the store is read once
+        per block however many requests want it. Outside the stack's lock (those copies end by their
+        deadlines); not on kvtier's own threads, where a job must not wait for another."""
+        if on_kvtier_thread():
+            return
+        for stage in {s for s in self.planner.staging(dst_medium) if s is not None}:
+            tier = self.tiers[stage]
+            slots = []
+            for key in keys:
+                if tier.state(key) is BlockState.WRITING:
+                    with contextlib.suppress(StateError):  # (written, and gone again, meanwhile)
+                        slots += tier.slots([key])
+            if slots:
+                self.jobs.flush(tier.name, slots)
 
     def _await_room(self, index: int, n: int) -> None:
         """Make ``n`` slots of tier ``index`` free before a plan reserves them, waiting where the

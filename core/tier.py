@@ -424,7 +424,7 @@ class Tier:
                 raise StateError(f"slot {slots[bad]} of tier {self.name!r} is not free for block {block}")
             index = self._slots
             before = len(index)
-            if index.keys().isdisjoint(keys):
+            if not index or index.keys().isdisjoint(keys):  # (a tier opening its storage is empty)
                 index.update(zip(keys, slots, strict=True))
             if len(index) != before + len(keys):  # a key already here, or given twice
                 if len(index) != before:  # (only when none was here: the update took them all in)
@@ -434,7 +434,7 @@ class Tier:
                 again = _first_repeated(keys, index)
                 raise StateError(f"block {again.hex()[:16]} is restored twice into tier {self.name!r}")
             np.frombuffer(self._flags, np.uint8)[at] = _READY
-            self.policy.restore(keys, slots)
+            self.policy.restore(keys, at)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop READY blocks that proved unreadable (a failed checksum, an I/O error) so no reader

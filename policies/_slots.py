@@ -69,7 +69,7 @@ class SlotQueues(Generic[K]):
         self._keys[at] = key
         self._link(at, queue, oldest)
 
-    def push_many(self, keys: Sequence[K], queue: int, slots: Sequence[int] | None = None) -> None:
+    def push_many(self, keys: Sequence[K], queue: int, slots: Sequence[int] | np.ndarray | None = None) -> None:
         """``push`` each of ``keys``, in order: bound to a tier, in numpy steps over the slots' links
         rather than a Python step per link (a disk tier reopening puts back millions of blocks).
         ``slots``: the keys' slots in the tier's index, when the caller has them at hand."""

@@ -65,6 +65,7 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
 import xxhash
 
 from kvtier.policies._slots import SlotQueues
@@ -280,7 +281,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         run[key] = True
         self._inserted += 1
 
-    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         """Restored blocks (oldest use first) are not one request's chain: each is a run of its own,
         which puts it at probation's young end, the whole list at once."""
         self._end_run()

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
+
 
 class PolicyError(ValueError):
     """A policy name that names no usable policy: unknown, not importable, or not an ``EvictionPolicy``.
@@ -43,7 +45,7 @@ class EvictionPolicy(ABC, Generic[Key]):
     def insert(self, key: Key) -> None:
         """A block became readable in the tier. The key is not tracked yet."""
 
-    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         """Blocks a tier found again in persistent storage at start, oldest use first: they should
         leave in that order; ``slots``, where a tier that ``bind``s its index has them. Policies that
         reorder batches of inserts, or link keys by slot, override this."""

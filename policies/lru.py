@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 
+import numpy as np
+
 from kvtier.policies._slots import SlotQueues
 from kvtier.policies.base import EvictionPolicy, Key
 
@@ -21,7 +23,7 @@ class LRUPolicy(EvictionPolicy[Key]):
     def insert(self, key: Key) -> None:
         self._order.push(key, 0)
 
-    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         self._order.push_many(keys, 0, slots)
 
     def touch(self, key: Key) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
+import numpy as np
+
 from kvtier.policies.base import Key
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
@@ -44,7 +46,7 @@ class PrefixS3FIFOPolicy(S3FIFOPolicy[Key]):
             raise KeyError(f"key {key!r} is already tracked")
         self._pending[key] = None
 
-    def restore(self, keys: Sequence[Key], slots: Sequence[int] | None = None) -> None:
+    def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         """Restored blocks (oldest use first) are not one batch of a chain: they keep their order."""
         self._flush()
         for key in keys:
