@@ -75,9 +75,10 @@ size (``recovery``). ``recovery_s``: the cold restart from the index snapshot of
 ``Tier.restore``), for the worse slot size.
 
 Run: ``.venv/bin/python bench/index.py [--blocks 1000000,10000000] [--churn-blocks 1000000]
-[--slab-bytes 1TiB] [--skip-recovery]`` (about 11 minutes and 8 GiB of memory at the defaults on two
-cores, and 20% of the free disk for a moment; ``--blocks 100000 --churn-blocks 100000 --slab-bytes
-1GiB`` for a quick check).
+[--slab-bytes 1TiB] [--skip-recovery]`` (on two cores: the index part about 8 minutes and 8 GiB of
+memory, ``--skip-recovery`` alone; the restart part about 9 minutes, up to 8 GiB of slot headers on disk
+for a moment, ``--blocks 32 --churn-blocks 0`` alone; ``--blocks 100000 --churn-blocks 100000
+--slab-bytes 1GiB`` for a quick check).
 """
 
 from __future__ import annotations
