@@ -266,6 +266,14 @@ class Tier:
             flags = self._flags
             return [key for key, slot in self._slots.items() if flags[slot] & _READY]
 
+    def ready_blocks(self) -> tuple[list[bytes], list[int]]:
+        """Keys and slots of every READY block, in the order they became readable (what a disk tier's
+        index snapshot lists): two passes over the index, no lookup per key."""
+        with self._lock:
+            flags = self._flags
+            keys = [key for key, slot in self._slots.items() if flags[slot] & _READY]
+            return keys, [slot for slot in self._slots.values() if flags[slot] & _READY]
+
     def slots(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of keys that are present in any state; raises StateError on an absent key."""
         with self._lock:

@@ -611,6 +611,9 @@ def test_abort_names_the_blocks_the_storage_refused_for_good(tier):
 def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
     tier.restore([k(5), k(6)], [2, 0])
     assert tier.lookup([k(5), k(6)]) == 2 and tier.slots([k(5), k(6)]) == [2, 0]
+    tier.reserve([k(7)])  # being written: not READY, so not among the blocks a snapshot lists
+    assert tier.ready_blocks() == ([k(5), k(6)], [2, 0]) == (tier.ready_keys(), tier.slots(tier.ready_keys()))
+    tier.abort([k(7)])
     with pytest.raises(StateError):
         tier.restore([k(5)], [1])  # the key twice
     with pytest.raises(StateError):
