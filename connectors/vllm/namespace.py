@@ -27,13 +27,12 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
     fingerprint of the weights of a local model folder, quantization, dtypes, layout, TP size, block
     size and the kvtier config's own ``namespace``. Reads the model folder: call it once per process."""
     model = vllm_config.model_config
-    fields: dict[str, Any] = {
+    settings: dict[str, Any] = {
         "model": model.model,
-        "revision": _revision(model.revision),
-        "weights": weights_fingerprint(model.model),
-        "quantization": _text(model.quantization),
-        "dtype": _text(model.dtype),
-        "cache_dtype": _text(vllm_config.cache_config.cache_dtype),
+        "revision": model.revision,
+        "quantization": model.quantization,
+        "dtype": model.dtype,
+        "cache_dtype": vllm_config.cache_config.cache_dtype,
         "layout": kv_cache_config.kv_cache_layout,
         "tp": vllm_config.parallel_config.tensor_parallel_size,
         "block_size": vllm_config.cache_config.block_size,
@@ -41,7 +40,7 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
     }
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > 1:  # hybrid: which layers each group holds, and how (single-group namespaces stay as they were)
-        fields["groups"] = [
+        settings["groups"] = [
             [
                 type(g.kv_cache_spec).__name__,
                 getattr(g.kv_cache_spec, "block_size", None),
@@ -50,6 +49,21 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
             ]
             for g in groups
         ]
+    return settings_namespace(settings)
+
+
+def settings_namespace(settings: dict[str, Any]) -> bytes:
+    """The namespace of an engine's ``settings``, a plain dict of what ``engine_namespace`` reads from
+    vLLM's config (``model``, ``revision``, ``quantization``, ``dtype``, ``cache_dtype``, ``layout``,
+    ``tp``, ``block_size``, ``namespace``, ``groups`` for a hybrid model), with the fingerprint of a
+    local model folder's weights added. Apart so that ``kvtier doctor`` computes an engine's namespace
+    from its command line with the very same rules, without importing vLLM."""
+    fields = {
+        **settings,
+        "revision": _revision(settings["revision"]),
+        "weights": weights_fingerprint(settings["model"]),
+        **{name: _text(settings[name]) for name in ("quantization", "dtype", "cache_dtype")},
+    }
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 

@@ -1,0 +1,173 @@
+"""What decides whether two engines share blocks, as ``kvtier doctor`` reports it: the namespace digest,
+the fields behind it, and the comparison of two reports ("these two share" or "they differ in: ...").
+
+Two engines find each other's blocks only when they give equal tokens equal keys, and, through a shared
+store, when they read the same records and accept them. Keys follow from the block size, the namespace
+(under vLLM: the engine's model, weights, dtypes, layout, TP size and the config's ``namespace``) and the
+key secret; records from the store's address, the remote tier's ``prefix`` and its MAC secret. Any
+difference is silent: every lookup of one engine misses the other's blocks. So the report names each
+field, and its digest is the key kvtier itself gives one block of token id 0 under them
+(``chain_hashes``, with the namespace an engine's request without LoRA or cache salt hashes under):
+equal digests mean equal keys for every prompt.
+
+Secrets appear only as fingerprints: 4 bytes of a BLAKE2b of the key kvtier derives from the secret,
+enough to tell two secrets apart; the keys any tenant of a shared store sees are derived from the same
+secret already.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.connectors.vllm.namespace import request_namespace, settings_namespace
+from kvtier.core.config import StackConfig, load_config
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import chain_hashes, hash_key, key_secret
+from kvtier.core.strict_yaml import read_yaml
+from kvtier.tiers.remote.config import remote_config
+from kvtier.tiers.remote.factory import connector
+from kvtier.tiers.remote.record import mac_key
+
+_FINGERPRINT_PERSON = b"kvtier-doctor-1"
+_VLLM_DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def vllm_dtype(name: str) -> str:
+    """A ``--dtype`` as vLLM's config holds it once resolved (``torch.bfloat16``), which is what enters its
+    namespace. ``auto`` is refused: vLLM resolves it from the model's config by rules of its own."""
+    name = name.removeprefix("torch.")
+    if name not in _VLLM_DTYPES:
+        raise ValueError(
+            f"{name!r} is not a dtype kvtier doctor knows; give the one the engine runs with "
+            f"({', '.join(_VLLM_DTYPES)}), not auto"
+        )
+    return f"torch.{_VLLM_DTYPES[name]}"
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """A vLLM engine's settings that enter its blocks' namespace, as ``kvtier doctor``'s command line names
+    them (``engine_namespace`` reads the same from vLLM's config). ``layout`` is the KV cache layout vLLM
+    resolves from its attention backend (``LBHNC``, ...); ``revision`` the commit a Hub model resolved to."""
+
+    model: str
+    dtype: str
+    layout: str
+    block_size: int = 16
+    tp: int = 1
+    cache_dtype: str = "auto"
+    revision: str | None = None
+    quantization: str | None = None
+
+    def namespace(self, config: StackConfig) -> bytes:
+        """The engine's namespace under ``config`` (reads a local model folder for its weights' fingerprint)."""
+        return settings_namespace(
+            {
+                "model": self.model,
+                "revision": self.revision,
+                "quantization": self.quantization,
+                "dtype": vllm_dtype(self.dtype),
+                "cache_dtype": self.cache_dtype,
+                "layout": self.layout,
+                "tp": self.tp,
+                "block_size": self.block_size,
+                "namespace": config.namespace,
+            }
+        )
+
+
+def fingerprint(key: bytes) -> str:
+    """4 bytes naming a key derived from a secret, never the secret."""
+    return hashlib.blake2b(key, digest_size=4, person=_FINGERPRINT_PERSON).hexdigest()
+
+
+def sharing(config: StackConfig, engine: VllmEngine | None = None) -> dict[str, Any]:
+    """``{"digest": ..., "fields": {...}}``: what decides which engines share blocks with a stack of
+    ``config`` (under ``engine``, or standalone: ``kvtier.api``). The digest is None when the key secret
+    cannot be read (the ``key secret`` check says why)."""
+    if engine is None:
+        fields: dict[str, Any] = {"block_size": config.block_tokens, "namespace": config.namespace}
+        chain_namespace = config.namespace.encode()
+    else:
+        engine_namespace = engine.namespace(config)
+        fields = json.loads(engine_namespace)
+        chain_namespace = request_namespace(engine_namespace)
+    try:
+        secret = key_secret(config.key_secret_env)
+    except ConfigError:
+        secret, fields["key_secret"], digest = None, "unreadable", None
+    else:
+        fields["key_secret"] = None if secret is None else fingerprint(hash_key(secret))
+        digest = chain_hashes([0] * fields["block_size"], fields["block_size"], chain_namespace, secret=secret)[0].hex()
+    fields.update(_store_fields(config))
+    return {"digest": digest, "fields": fields}
+
+
+def _store_fields(config: StackConfig) -> dict[str, Any]:
+    """Which records a stack reads on its remote tier's store: where the store is, the names' prefix and
+    the MAC key's fingerprint (none without a remote tier)."""
+    remote = remote_config(config)
+    if remote is None:
+        return {}
+    try:
+        where = connector(remote, lends_memory=False).where
+    except ConfigError:  # a missing password or client package: the secrets check names it
+        where = f"{remote.backend} (its client cannot be set up)"
+    try:
+        mac = mac_key(remote.auth_key_env)
+        mac_fingerprint = None if mac is None else fingerprint(mac)
+    except ConfigError:
+        mac_fingerprint = "unreadable"
+    return {"store": where, "store_prefix": remote.prefix, "store_mac_key": mac_fingerprint}
+
+
+def recorded_report(path: str) -> dict[str, Any] | None:
+    """The report in ``path`` when it holds a ``kvtier doctor --json`` output (JSON is YAML), else None: a
+    config, or a file that cannot be read (loading it as a config then says why)."""
+    try:
+        data = read_yaml(Path(path), path)
+    except ConfigError:
+        return None
+    return data if isinstance(data, dict) and {"checks", "sharing"} <= data.keys() else None
+
+
+def other_sharing(path: str, engine: VllmEngine | None) -> dict[str, Any]:
+    """The sharing report to compare with: from a ``kvtier doctor --json`` output in ``path`` (another
+    machine's, say) as it was recorded, or from a config file, under the same ``engine``. Raises
+    ConfigError when neither gives one."""
+    recorded = recorded_report(path)
+    if recorded is None:
+        return sharing(load_config(path), engine)
+    shared = recorded["sharing"]
+    if not isinstance(shared, dict) or not isinstance(shared.get("fields"), dict) or "digest" not in shared:
+        raise ConfigError(f"{path}: a kvtier doctor report without a namespace (its config did not load)")
+    return shared
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``"<field> <a> vs <b>"`` for every field two sharing reports give different values (a field only
+    one has counts, shown as null); the digests where no field explains them."""
+    fields_a, fields_b = a["fields"], b["fields"]
+    differ = [
+        f"{name} {json.dumps(fields_a.get(name))} vs {json.dumps(fields_b.get(name))}"
+        for name in sorted(fields_a.keys() | fields_b.keys())
+        if fields_a.get(name) != fields_b.get(name)
+    ]
+    if not differ and (a["digest"] != b["digest"] or a["digest"] is None):
+        differ.append(f"digest {json.dumps(a['digest'])} vs {json.dumps(b['digest'])}")
+    return differ
+
+
+def verdict(differ: list[str]) -> str:
+    """The comparison in words."""
+    return "these two share" if not differ else "they differ in: " + "; ".join(differ)
