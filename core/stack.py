@@ -53,11 +53,15 @@ from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
-from kvtier.core.transfer import TransferBackend, TransferRegistry
+from kvtier.core.transfer import CopiesHere, TransferBackend, TransferRegistry
 
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("write_through", "write_back")
+LATER_COPIES_HERE_BYTES = 16 * 2**20
+"""A later stage's copy (a staged load's copy from host memory into the caller's blocks) of at most this
+much runs on the thread that completed the stage before it (``CopiesHere``): in a busy process the
+hand-off to the copy pool and back cost more than a copy of this size on one thread."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class TierStack:
         if len(block_bytes) != 1:
             raise ArgumentError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
+        self._later_copies = CopiesHere(self.transfers, LATER_COPIES_HERE_BYTES)
         for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
                 self.transfers.backend(
@@ -414,7 +419,12 @@ class TierStack:
         storages = self._storages if caller is None else {**self._storages, ENGINE: caller}
         # The run reports to the job manager, not through a closure over the stack: see _Resources.
         run = StagedRun(
-            plan.stages, plan.num_blocks, storages, self.transfers, functools.partial(_report, self.jobs, job.id)
+            plan.stages,
+            plan.num_blocks,
+            storages,
+            self.transfers,
+            functools.partial(_report, self.jobs, job.id),
+            later=self._later_copies,
         )
         run.start()
         if run.start_errors and job.state.final:  # nothing could start: the caller hears why

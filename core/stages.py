@@ -36,7 +36,9 @@ class StagedRun:
     ``done(run)`` runs once, after the last stage, on whichever thread finished it. ``refused(keys)``
     says which of a copy's failed keys its destination refused for good (a disk slab names them).
     ``on_stage(k)`` runs before stage k starts, and with ``len(stages)`` at the end: after it, no
-    copy reads the stages before k again.
+    copy reads the stages before k again. The copies of later stages go to ``later`` where given: they
+    are submitted from the completion of the stage before, on a thread that has nothing else to do
+    (``CopiesHere`` runs them right there).
     """
 
     def __init__(
@@ -48,11 +50,13 @@ class StagedRun:
         done: Callable[[StagedRun], None],
         refused: Callable[[list[bytes]], set[bytes]] = lambda keys: set(),
         on_stage: Callable[[int], None] = lambda k: None,
+        later: Submits | None = None,
     ) -> None:
         self.stages = stages
         self.num_blocks = num_blocks
         self.storages = storages
         self.transfers = transfers
+        self.later = later or transfers
         self.failed: set[int] = set()  # lost in some stage (an error or a refusal)
         self.refused: set[int] = set()  # of those, refused for good by their destination
         self.first_stage_failed: set[int] = set()
@@ -121,10 +125,11 @@ class StagedRun:
             if last:
                 self._run(k + 1)
 
+        transfers = self.later if k else self.transfers
         for copy in copies:
-            self._submit(copy, functools.partial(copied, copy))
+            self._submit(transfers, copy, functools.partial(copied, copy))
 
-    def _submit(self, copy: Copy, on_complete: Callable[..., None]) -> None:
+    def _submit(self, transfers: Submits, copy: Copy, on_complete: Callable[..., None]) -> None:
         """Hand one copy to the backend for its two sides' devices; a copy that cannot start fails whole."""
         try:
             transfer = Transfer(
@@ -134,7 +139,7 @@ class StagedRun:
                 copy.dst.slots or (),
                 copy.keys,
             )
-            self.transfers.submit(transfer, on_complete)
+            transfers.submit(transfer, on_complete)
         except (TransferError, ClosedError, KeyError) as exc:
             self.start_errors.append(exc)
             on_complete(set(range(len(copy.blocks))))

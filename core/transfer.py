@@ -217,6 +217,11 @@ class TransferBackend(ABC):
         another thread. Raises TransferError or ClosedError (and never calls ``on_complete``) when the
         transfer cannot be started."""
 
+    def copy_now(self, transfer: Transfer) -> set[int] | None:
+        """Run ``transfer`` on the calling thread and return the blocks that failed, where this backend
+        can (a memmove); None where it copies only asynchronously, through ``submit``."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Wait for copies in flight, then refuse new ones."""
@@ -258,3 +263,27 @@ class TransferRegistry:
         """Close every backend; each waits for its copies in flight."""
         for backend in self.backends:
             backend.close()
+
+
+class CopiesHere:
+    """Where copies run on the thread that submits them, when their backend can run them there (a
+    memmove) and they are at most ``max_bytes``; others go to their backend as usual.
+
+    Why: a copy handed to a backend's pool costs hand-offs between threads, and in a busy interpreter
+    each one waits for the GIL (up to the switch interval per thread that wants it). A copy that would
+    only be waited for, or that follows from a completion on a thread with nothing else to do, is
+    cheaper right there.
+    """
+
+    def __init__(self, transfers: TransferRegistry, max_bytes: int | None = None) -> None:
+        self._transfers = transfers
+        self._max_bytes = max_bytes
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
+        too_large = self._max_bytes is not None and transfer.nbytes > self._max_bytes
+        failed = None if too_large else backend.copy_now(transfer)
+        if failed is None:
+            backend.submit(transfer, on_complete)
+        else:
+            on_complete(failed)

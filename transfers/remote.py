@@ -3,7 +3,7 @@
 A store moves one record per block: its header (``RecordFormat``: key, namespace digest, lengths,
 checksum, MAC), then the block's bytes straight out of or into the host slot, with no staging copy
 where the client allows. Each transfer is one batched call of the store's client, run by the link
-(``StoreLink``) on a thread of its own with the tier's deadline, so a hung store costs a job its
+(``StoreLink``) on one of its workers with the tier's deadline, so a hung store costs a job its
 deadline, never more:
 
 - a store (host -> remote) first asks which records the store holds already (one batched existence
@@ -29,12 +29,10 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.core.errors import ClosedError, StoreError, TransferError
-from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
@@ -48,7 +46,9 @@ log = logging.getLogger(__name__)
 
 class RemoteBackend(TransferBackend):
     """Stores and loads blocks between host memory ("cpu") and a shared store, through ``link``: as many
-    transfers at once as the link has clients."""
+    transfers at once as the link has clients. A transfer is prepared on the caller's thread, run on a
+    link worker and completed there (record checks, ``on_complete``): one hand-off between threads each
+    way, however busy the interpreter."""
 
     name = "remote"
     pairs = frozenset({(HOST_DEVICE, KEYED_DEVICE), (KEYED_DEVICE, HOST_DEVICE)})
@@ -56,10 +56,8 @@ class RemoteBackend(TransferBackend):
     def __init__(self, link: StoreLink) -> None:
         self.link = link
         self.refused_records = 0  # records that arrived whole but were not the block asked for
-        self._pool = ThreadPoolExecutor(
-            link.connector.clients, thread_name_prefix="kvtier-remote", initializer=mark_kvtier_thread
-        )
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._in_flight = 0
         self._closed = False
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
@@ -78,41 +76,55 @@ class RemoteBackend(TransferBackend):
         with self._lock:
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
-            try:
-                self._pool.submit(self._run, self._store if storing else self._load, job)
-            except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
-                raise ClosedError(f"the remote transfer backend takes no more copies: {exc}") from None
+            self._in_flight += 1
+        if storing:
+            self.link.start(lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty)
+        else:
+            self.link.start(
+                lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
+            )
 
     def close(self) -> None:
         """Wait for the transfers in flight (each ends by its deadline), then close the link's clients;
         a call still past its deadline closes its client when it returns."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True)
+            while self._in_flight:
+                self._lock.wait()
         self.link.close(timeout=0)
 
-    # --- the two directions (on the pool's threads) --------------------------------------------
+    # --- completions (on the link's threads) ---------------------------------------------------
+
+    def _completion(
+        self, job: _Job, direction: Callable[[_Job, Call[list[bool]], list[bool]], None]
+    ) -> Callable[[Call[list[bool]]], None]:
+        """The call's ``on_done``: ``direction`` checks what the call did, then the job reports its
+        failed blocks (a bug fails them all rather than losing the completion)."""
+
+        def done(call: Call[list[bool]]) -> None:
+            n = len(job.keys)
+            ok = list(call.result) if call.ok and call.result is not None and len(call.result) == n else [False] * n
+            try:
+                direction(job, call, ok)
+            except Exception:
+                log.exception("kvtier remote transfer failed")
+                ok = [False] * n
+            try:
+                _finish(job, call, ok)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    self._lock.notify_all()
+
+        return done
 
     @staticmethod
-    def _run(direction: Callable[[_Job], None], job: _Job) -> None:
-        try:
-            direction(job)
-        except Exception:  # a bug must fail the job, not lose its completion
-            log.exception("kvtier remote transfer failed")
-            job.on_complete(set(range(len(job.keys))))
-
-    def _store(self, job: _Job) -> None:
-        for i, key in enumerate(job.keys):
-            job.header(i)[:] = job.records.header(key, job.data(i))
-        ask = [not bad for bad in job.remote.unreadable(job.keys)]
-        call, ok = answer = self._call(job, lambda client: _put_missing(client, job, ask))
-        if call is not None and call.ok:
+    def _stored(job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
+        if call.ok:
             written = [key for i, key in enumerate(job.keys) if ok[i] and i not in job.skipped]
             job.remote.stored(written, len(job.skipped))
-        self._finish(job, answer)
 
-    def _load(self, job: _Job) -> None:
-        call, ok = self._call(job, lambda client: client.get(job.names, job.pieces))
+    def _loaded(self, job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
         refused = []
         for i, key in enumerate(job.keys):
             if ok[i]:
@@ -120,7 +132,7 @@ class RemoteBackend(TransferBackend):
                 if problem is not None:
                     ok[i] = False
                     refused.append(f"{job.names[i]}: {problem}")
-        if call is not None and call.ok:
+        if call.ok:
             job.remote.loaded(job.keys, ok)
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
@@ -132,37 +144,32 @@ class RemoteBackend(TransferBackend):
                 self.link.connector.where,
                 refused[0],
             )
-        self._finish(job, (call, ok))
-
-    def _call(self, job: _Job, fn: Callable[[StoreClient], list[bool]]) -> tuple[Call[list[bool]] | None, list[bool]]:
-        """Run a batched call through the link: the call (None when the link refused it at once) and
-        which records it handled, all False unless it returned in time. ``fn`` holds ``job``, and so
-        the header buffers and host memory its pieces point into, for as long as the call runs: an
-        abandoned call may still write into them."""
-        n = len(job.keys)
-        try:
-            call = self.link.run(fn, dirty=lambda ok: not all(ok))
-        except (StoreError, ClosedError):
-            return None, [False] * n
-        return call, list(call.result) if call.ok and call.result is not None else [False] * n
-
-    @staticmethod
-    def _finish(job: _Job, answer: tuple[Call[list[bool]] | None, list[bool]]) -> None:
-        """Report the failed blocks; those of a call that has not settled yet are quarantined until it has."""
-        call, ok = answer
-        failed = {i for i, good in enumerate(ok) if not good}
-        quarantine = None
-        if failed and call is not None and not call.settled:
-            quarantine = Quarantine(failed)
-            call.when_settled(quarantine.lift)
-        job.on_complete(failed, quarantine)
 
 
-def _put_missing(client: StoreClient, job: _Job, ask: Sequence[bool]) -> list[bool]:
-    """Write ``job``'s records that the store lacks, in one call on ``client``: one batched existence
-    query of the names ``ask`` says, then one put of every record not found (``job.skipped``: those
-    found, left as they are). Returns, per record, whether the store holds it now. Raises ValueError
-    when the client answers for another number of records: the call fails (counted drops, no skip)."""
+def _dirty(ok: list[bool]) -> bool:
+    """A call that left some records unhandled: a client with late writes may still write into them."""
+    return not all(ok)
+
+
+def _finish(job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
+    """Report the failed blocks; those of a call that has not settled yet are quarantined until it has."""
+    failed = {i for i, good in enumerate(ok) if not good}
+    quarantine = None
+    if failed and not call.settled:
+        quarantine = Quarantine(failed)
+        call.when_settled(quarantine.lift)
+    job.on_complete(failed, quarantine)
+
+
+def _put_missing(client: StoreClient, job: _Job) -> list[bool]:
+    """Write ``job``'s records that the store lacks, in one call on ``client``: their headers, one
+    batched existence query (of every name but those whose load failed here: ``RemoteStorage.unreadable``),
+    then one put of every record not found (``job.skipped``: those found, left as they are). Returns, per
+    record, whether the store holds it now. Raises ValueError when the client answers for another number
+    of records: the call fails (counted drops, no skip)."""
+    for i, key in enumerate(job.keys):
+        job.header(i)[:] = job.records.header(key, job.data(i))
+    ask = [not bad for bad in job.remote.unreadable(job.keys)]
     asked = [i for i, yes in enumerate(ask) if yes]
     found = client.exists([job.names[i] for i in asked]) if asked else []
     job.skipped = {i for i, here in zip(asked, found, strict=True) if here}

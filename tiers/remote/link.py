@@ -2,9 +2,12 @@
 
 A store call blocks its thread and can hang far longer than any engine may wait: a stalled Redis
 server holds a read until the socket times out, a stalled Mooncake segment owner holds a transfer for
-60 s and may still write into its buffers after that. So every call runs on a thread of its own
-(``Call``), and its caller waits at most ``timeout``; past it the call is abandoned: the caller treats
-it as failed, while its thread keeps waiting for the client to return.
+60 s and may still write into its buffers after that. So calls run on the link's worker threads
+(``start``), each with a deadline of ``timeout``: a call that returns in time is completed by the
+worker that ran it (``on_done`` runs there, with no further hand-off between threads: under a busy
+interpreter every hand-off waits for the GIL); past its deadline the link's watchdog abandons it: its
+``on_done`` runs at once, as failed, while its worker keeps waiting for the client to return (the
+link starts another worker for the calls that follow). ``run`` is ``start`` for a caller that waits.
 
 - A client whose call raised or was abandoned is dropped: closed once the call returned, never handed
   another call. So is a client with ``late_writes`` whose result says some records failed (``dirty``):
@@ -17,18 +20,21 @@ it as failed, while its thread keeps waiting for the client to return.
   first call after the backoff reconnects (a new client); a success ends the backoff.
 
 At most ``clients`` clients are open at once (a client is not shared by concurrent calls); a call
-waits for a free one within its own deadline.
+waits in line for a free one within its own deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from kvtier.core.errors import ClosedError, StoreError
+from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.transfer import Latch
 from kvtier.tiers.remote.client import StoreClient
 
@@ -38,11 +44,12 @@ T = TypeVar("T")
 
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
+WORKER_IDLE_S = 30.0  # a worker with nothing to do for this long ends
 
 
 class Connector(NamedTuple):
-    """How to open one client of a store (``connect``, called on a call's thread), how many may be open
-    at once, and where the store is for messages (never a secret)."""
+    """How to open one client of a store (``connect``, called on a worker), how many may be open at
+    once, and where the store is for messages (never a secret)."""
 
     connect: Callable[[], StoreClient]
     clients: int
@@ -50,16 +57,28 @@ class Connector(NamedTuple):
 
 
 class Call(Generic[T]):
-    """One client call on a thread of its own: its ``result`` or ``error`` once it returned in time,
-    ``abandoned`` when its caller stopped waiting first, and whether it has ``settled``."""
+    """One client call: its ``result`` or ``error`` once it returned in time (``error`` also when the
+    link refused it at once), ``abandoned`` when its deadline passed first, and whether it has
+    ``settled``. The link decides each call exactly once (returned in time, or not), under its lock."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        fn: Callable[[StoreClient], T],
+        dirty: Callable[[T], bool],
+        on_done: Callable[[Call[T]], None],
+        deadline: float,
+    ) -> None:
         self.result: T | None = None
         self.error: BaseException | None = None
         self.abandoned = False
+        self.deadline = deadline
+        self._fn = fn
+        self._dirty = dirty
+        self._on_done = on_done
+        self._client: StoreClient | None = None  # the idle client it was given, None: connect a new one
+        self._running = False  # a worker has it (else it waits in line for a client)
+        self._decided = False
         self._in_time = False
-        self._returned = threading.Event()
-        self._lock = threading.Lock()
         self._settled = Latch()
 
     @property
@@ -75,23 +94,11 @@ class Call(Generic[T]):
         """Run ``callback`` once nothing this call started can touch its buffers (at once if that is so)."""
         self._settled.when_fired(callback)
 
-    def _wait(self, timeout: float) -> bool:
-        """The caller: wait for the call at most ``timeout``; False (abandoned from then on) when it
-        did not return in time."""
-        self._returned.wait(timeout)
-        with self._lock:
-            self.abandoned = not self._in_time
-            return self._in_time
-
-    def _claim(self) -> bool:
-        """The call's thread, once the call returned: True when it is in time (not abandoned yet).
-        Exactly one of this and ``_wait`` decides, under the lock."""
-        with self._lock:
-            self._in_time = not self.abandoned
-            return self._in_time
-
-    def _settle(self) -> None:
-        self._settled.fire()
+    def _done(self) -> None:
+        try:
+            self._on_done(self)
+        except Exception:  # the caller's completion must not take the link's thread down
+            log.exception("a kvtier store call's completion failed")
 
 
 class StoreLink:
@@ -104,40 +111,65 @@ class StoreLink:
         self.failures = 0  # calls that raised or outlived the deadline
         self._idle: list[StoreClient] = []
         self._open = 0  # clients idle or in a call that is not abandoned
+        self._in_line: deque[Call] = deque()  # calls waiting for a client
+        self._by_deadline: deque[Call] = deque()  # undecided calls (and some decided), oldest first
+        self._refused: deque[Call] = deque()  # calls refused at once, for the watchdog to complete
         self._unsettled: set[Call] = set()
+        self._work: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._idle_workers = 0  # workers waiting on _work, less the calls put there for them
+        self._watchdog: threading.Thread | None = None
+        self._watching_until = float("inf")  # when the watchdog wakes next
         self._backoff = 0.0
         self._down_until = 0.0
         self._closed = False
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # calls settling, for close()
+        self._watch_cond = threading.Condition(lock)  # for the watchdog alone: settling does not wake it
+
+    def start(
+        self,
+        fn: Callable[[StoreClient], T],
+        on_done: Callable[[Call[T]], None],
+        dirty: Callable[[T], bool] = lambda result: False,
+    ) -> Call[T]:
+        """Run ``fn(client)`` on a worker within ``timeout``; ``on_done(call)`` runs exactly once, on
+        another thread: on the worker once the call returned in time, on the watchdog when it did not
+        (abandoned), or at once when the link refused it (down after a failure, or closed: ``error``
+        says which). ``dirty(result)`` says whether a client with ``late_writes`` must be dropped
+        after this result."""
+        call: Call[T] = Call(fn, dirty, on_done, time.monotonic() + self.timeout)
+        with self._cond:
+            try:
+                self._check_up()
+            except (StoreError, ClosedError) as exc:
+                call.error = exc
+                call._decided = True
+                call._settled.fire()  # nothing started
+                self._refused.append(call)
+                self._wake_watchdog(0.0)
+            else:
+                self._unsettled.add(call)
+                self._in_line.append(call)
+                self._by_deadline.append(call)
+                self._wake_watchdog(call.deadline)
+                self._dispatch()
+        return call
 
     def run(self, fn: Callable[[StoreClient], T], dirty: Callable[[T], bool] = lambda result: False) -> Call[T]:
-        """Run ``fn(client)`` on a thread of its own and wait for it at most ``timeout``; returns the
-        call (``ok``, or failed: raised or abandoned). ``dirty(result)`` says whether a client with
-        ``late_writes`` must be dropped after this result. Raises StoreError at once while the link
-        is down after a failure, ClosedError once it is closed."""
-        deadline = time.monotonic() + self.timeout
-        call: Call[T] = Call()
+        """``start`` and wait for the call (at most ``timeout``); returns it, ``ok`` or failed. Raises
+        StoreError at once while the link is down after a failure, ClosedError once it is closed."""
         with self._cond:
             self._check_up()
-            client = self._take_client(deadline)
-            self._unsettled.add(call)
-        threading.Thread(
-            target=self._call, args=(call, client, fn, dirty), name="kvtier-store-call", daemon=True
-        ).start()
-        if not call._wait(max(0.0, deadline - time.monotonic())):
-            with self._cond:
-                self._open -= 1  # its client is dropped when the call returns: room for a new one
-                self._cond.notify()
-            self._failed(f"no answer within {self.timeout:g} s")
-        elif call.error is not None:
-            self._failed(str(call.error))
-        else:
-            self._succeeded()
+        done = threading.Event()
+        call = self.start(fn, lambda call: done.set(), dirty)
+        done.wait()
         return call
 
     def ask(self, fn: Callable[[StoreClient], T]) -> T:
         """``run`` for a call that writes no buffer: its result, or StoreError when it failed."""
         call = self.run(fn)
+        if isinstance(call.error, (StoreError, ClosedError)):
+            raise call.error
         if call.error is not None:
             raise StoreError(str(call.error))
         if not call.ok:
@@ -146,11 +178,23 @@ class StoreLink:
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new calls, close the idle clients, and wait up to ``timeout`` for calls in flight to
-        settle (their clients are closed as they return); False when some had not."""
+        settle (their clients are closed as they return); False when some had not. Calls still in line
+        for a client fail at once."""
         with self._cond:
             self._closed = True
             idle, self._idle = self._idle, []
             self._open -= len(idle)
+            while self._in_line:
+                call = self._in_line.popleft()
+                call.error = ClosedError(f"the {self.purpose} link to {self.connector.where} is closed")
+                call._decided = True
+                call._settled.fire()  # nothing started
+                self._unsettled.discard(call)
+                self._refused.append(call)
+            for _ in range(self._idle_workers):
+                self._work.put(None)
+            self._idle_workers = 0
+            self._wake_watchdog(0.0)
         for client in idle:
             _close(client)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -162,7 +206,7 @@ class StoreLink:
                 self._cond.wait(left)
         return True
 
-    # --- helpers (the first two under self._cond) ----------------------------------------------
+    # --- under self._cond ------------------------------------------------------------------------
 
     def _check_up(self) -> None:
         if self._closed:
@@ -173,56 +217,135 @@ class StoreLink:
                 f"{self.connector.where} failed recently; the next try for {self.purpose} is in {wait:.2f} s"
             )
 
-    def _take_client(self, deadline: float) -> StoreClient | None:
-        """An idle client, or None where a new one may be opened (on the call's thread); waits for one
-        to come free until ``deadline`` (StoreError past it)."""
-        while not self._idle and self._open >= self.connector.clients:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreError(
-                    f"no {self.connector.where} client came free for {self.purpose} within {self.timeout:g} s"
-                )
-            self._cond.wait(left)
-        if self._idle:
-            return self._idle.pop()
-        self._open += 1
-        return None
+    def _dispatch(self) -> None:
+        """Hand calls in line to workers while there is a client for them: an idle one, or room to open one."""
+        while self._in_line and (self._idle or self._open < self.connector.clients):
+            call = self._in_line.popleft()
+            if self._idle:
+                call._client = self._idle.pop()
+            else:
+                self._open += 1
+            call._running = True
+            if self._idle_workers:
+                self._idle_workers -= 1
+                self._work.put(call)
+            else:
+                threading.Thread(target=self._worker, args=(call,), name="kvtier-store-call", daemon=True).start()
 
-    def _call(
-        self, call: Call[T], client: StoreClient | None, fn: Callable[[StoreClient], T], dirty: Callable[[T], bool]
-    ) -> None:
-        """The call's thread: connect if needed and call; then keep the client, or drop it (closed)
-        when the call raised, was abandoned, or left a ``late_writes`` client dirty; and settle. A kept
-        client's call settles before its caller wakes; a dropped one's after the close, so the caller
-        does not wait for a slow close (Mooncake's takes most of a second)."""
+    def _wake_watchdog(self, at: float) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="kvtier-store-deadlines", daemon=True)
+            self._watchdog.start()
+        elif at < self._watching_until:
+            self._watch_cond.notify()
+
+    # --- the workers ---------------------------------------------------------------------------
+
+    def _worker(self, call: Call | None) -> None:
+        mark_kvtier_thread()
+        while call is not None:
+            self._execute(call)
+            with self._cond:
+                self._idle_workers += 1
+            try:
+                call = self._work.get(timeout=WORKER_IDLE_S)
+            except queue.Empty:
+                with self._cond:
+                    if self._idle_workers > 0:  # no call was put there for this worker: end it
+                        self._idle_workers -= 1
+                        return
+                call = self._work.get()
+
+    def _execute(self, call: Call) -> None:
+        """Connect if needed and call; then keep the client, or drop it (closed) when the call raised,
+        was abandoned, or left a ``late_writes`` client dirty; complete the call if it was in time, and
+        settle it. A kept client's call settles before it completes; a dropped one's after the close,
+        so the caller does not wait for a slow close (Mooncake's takes most of a second)."""
+        client = call._client
         late = False  # a late_writes client whose result says it may still write into buffers
         try:
             if client is None:
                 client = self.connector.connect()
-            result = call.result = fn(client)
-            late = client.late_writes and dirty(result) and client.may_write_late()
+            call.result = call._fn(client)
+            late = client.late_writes and call._dirty(call.result) and client.may_write_late()
         except Exception as exc:
             call.error = exc
-        in_time = call._claim()
-        keep = client if in_time and call.error is None and not late else None
         with self._cond:
-            if keep is not None and not self._closed:
+            in_time = call._in_time = not call._decided
+            call._decided = True
+            keep = client if in_time and call.error is None and not late and not self._closed else None
+            if keep is not None:
                 self._idle.append(keep)
+            elif in_time:
+                self._open -= 1  # an abandoned call's client was counted out when it was abandoned
+            self._dispatch()
+        if in_time:
+            if call.error is None:
+                self._succeeded()
             else:
-                keep = None
-                if in_time:
-                    self._open -= 1  # an abandoned call's client was counted out when it was abandoned
-            self._cond.notify()
+                self._failed(str(call.error))
         if keep is not None:
-            call._settle()
-        call._returned.set()
+            self._settle(call)
+        if in_time:
+            call._done()
         if keep is None:
             if client is not None:
                 _close(client)
-            call._settle()
+            self._settle(call)
+
+    def _settle(self, call: Call) -> None:
+        call._settled.fire()
         with self._cond:
             self._unsettled.discard(call)
             self._cond.notify_all()
+
+    # --- the watchdog --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Complete refused calls, and abandon calls at their deadline; ends once the link is closed and
+        nothing is left to watch."""
+        mark_kvtier_thread()
+        while True:
+            with self._cond:
+                refused, self._refused = self._refused, deque()
+                late: list[Call] = []
+                now = time.monotonic()
+                while self._by_deadline and (self._by_deadline[0]._decided or self._by_deadline[0].deadline <= now):
+                    call = self._by_deadline.popleft()
+                    if not call._decided:
+                        self._abandon(call)
+                        late.append(call)
+                if not refused and not late:
+                    if self._closed and not self._by_deadline:
+                        self._watchdog = None
+                        return
+                    self._watching_until = self._by_deadline[0].deadline if self._by_deadline else float("inf")
+                    self._watch_cond.wait(None if not self._by_deadline else self._watching_until - now)
+                    self._watching_until = 0.0
+                    continue
+            for call in late:
+                if call._running:
+                    self._failed(f"no answer within {self.timeout:g} s")
+                else:
+                    self._settle(call)
+                call._done()
+            for call in refused:
+                call._done()
+
+    def _abandon(self, call: Call) -> None:
+        """Under the lock: ``call`` missed its deadline, running (its client is counted out: room for a
+        new one) or still in line for a client."""
+        call._decided = call.abandoned = True
+        if call._running:
+            self._open -= 1
+            self._dispatch()
+        else:
+            self._in_line.remove(call)
+            call.error = StoreError(
+                f"no {self.connector.where} client came free for {self.purpose} within {self.timeout:g} s"
+            )
+
+    # --- backoff -------------------------------------------------------------------------------
 
     def _failed(self, why: str) -> None:
         with self._cond:

@@ -46,6 +46,9 @@ from kvtier.tiers.remote.client import Piece, Record, StoreClient
 SOCKET_TIMEOUT_FACTOR = 3
 CLIENT_NAME = "kvtier"
 """What ``CLIENT LIST`` shows for kvtier's connections."""
+READ_BYTES = 512 * 1024
+"""What one read from a server's socket takes at most (redis-py's default: 64 KiB): a block's value
+arrives in fewer reads, and each read is a wait for the GIL in a busy process."""
 _COALESCE_BELOW = 64 * 1024
 """Chunks smaller than this are joined before they are sent (a small copy instead of one send each)."""
 
@@ -149,6 +152,7 @@ def connection_options(url: str, *, timeout: float, password: str | None, ca_fil
         password=password,
         socket_timeout=timeout * SOCKET_TIMEOUT_FACTOR,
         socket_connect_timeout=timeout,
+        socket_read_size=READ_BYTES,
         retry=Retry(NoBackoff(), 0),
         protocol=2,
         client_name=CLIENT_NAME,
@@ -197,14 +201,15 @@ class Pipe:
 
     def receive(self, count: int, on_reply: OnReply | None = None, wait: Callable[[], float] | None = None) -> Replies:
         """The replies of the ``count`` commands sent last, ``on_reply(i, reply)`` applied to each as it
-        arrives. With ``wait``, a reply not begun within ``wait()`` seconds is a timeout; the socket timeout
-        bounds each read either way. Any failure disconnects (no late reply is read)."""
+        arrives. With ``wait``, a first reply not begun within ``wait()`` seconds is a timeout; the socket
+        timeout bounds each read either way (asking before every reply costs three system calls, each a
+        wait for the GIL in a busy process). Any failure disconnects (no late reply is read)."""
         values: list[Any] = []
         failure, self._failure = self._failure, None
         if failure is None:
             try:
                 while len(values) < count:
-                    if wait is not None and not self._connection.can_read(wait()):
+                    if wait is not None and not values and not self._connection.can_read(wait()):
                         raise redis.TimeoutError(f"no reply from {self.where} in time")
                     try:
                         reply = self._connection.read_response()
