@@ -15,7 +15,7 @@ A job's fragment copies go out in one of three ways (``mode``):
   (pageable host memory, an old driver) and the way a failed batch pinpoints the failed blocks.
 
 ``auto`` uses the kernel for jobs of small fragments and the batched DMA otherwise; the threshold
-comes from bench/gpu_copy.py on an H100 (see README).
+comes from bench/gpu_copy.py on an H100 (see docs/benchmarks.md, "GPU copies").
 """
 
 from __future__ import annotations

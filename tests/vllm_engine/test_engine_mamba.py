@@ -2,7 +2,7 @@
 Qwen3-Next, gated-delta-net (linear attention) layers interleaved with full attention, which vLLM
 runs as a ``MambaSpec`` group and a ``FullAttentionSpec`` group under its hybrid KV cache manager.
 kvtier keeps that manager on, serves no prefix hit for such a model (the state at a hit's end is not
-a block kvtier holds; see the README's model families) and says so: the engine starts, answers
+a block kvtier holds; see docs/vllm.md, "Model families") and says so: the engine starts, answers
 with exactly the tokens it gives without kvtier, and kvtier stores nothing and leaks nothing."""
 
 from __future__ import annotations
