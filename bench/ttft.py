@@ -402,7 +402,7 @@ def main() -> int:
                 "prompts": args.prompts,
                 "cpu": cpu_model(),
                 "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
-                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (see docs/benchmarks.md)
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (docs/benchmarks.md)
             }
         )
     )

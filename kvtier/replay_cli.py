@@ -15,17 +15,23 @@ no trace is given, on any machine.
   one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
 * ``--belady`` adds the offline optimum for the same number of blocks (with a stack: all its tiers'
   blocks together); ``--sweep`` repeats the run at several capacities for every policy given (all
-  registered policies by default); ``--plot`` draws the sweep and the tier occupancy over time.
+  registered policies by default); ``--plot`` draws the sweep, what each capacity buys and the tier
+  occupancy over time.
+* Sizing (``kvtier.replay.sizing``): per tier, prompt tokens not recomputed per second of trace, and
+  the prefill seconds that saves net of loading the hits, at each tier's load bandwidth measured over
+  all the command's runs (or ``--load-gbps``) against recomputing at ``--prefill-tokens-per-s`` (an
+  assumption).
 
-Output: a rich progress bar, the stack, a table per tier, the totals; with ``--json`` the last line
-is one JSON object with the same figures. Hit rule (see ``kvtier.replay.cache``): the longest present
-prefix of a request's blocks is its hit, then every block of the request is referenced.
+Output: a rich progress bar, the stack, a table per tier, the sizing, the totals; with ``--json`` the
+last line is one JSON object with the same figures. Hit rule (see ``kvtier.replay.cache``): the
+longest present prefix of a request's blocks is its hit, then every block of the request is referenced.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -41,6 +47,7 @@ from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, par
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
 from kvtier.replay.cache import belady, replay
+from kvtier.replay.sizing import DEFAULT_PREFILL_TOKENS_PER_S, Assumptions, LoadTimes, sizing, trace_seconds
 from kvtier.replay.stack import prefill_tokens_saved, replay_through_stack
 from kvtier.replay.trace import Request, load_trace, write_trace
 from kvtier.replay.workload import ChatWorkload, generate
@@ -73,8 +80,24 @@ def add_replay_parser(commands) -> None:
     p.add_argument("--sweep", help="comma-separated capacities in blocks, e.g. 1000,4000,16000")
     p.add_argument("--block-bytes", help="bytes stored per block in a real replay, e.g. 16KiB (default: the config's)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id, for saved tokens (default 512)")
-    p.add_argument("--plot", type=Path, help="write a PNG: hit ratio vs capacity (with --sweep), occupancy over time")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="write a PNG: hit ratio and what it buys vs capacity (with --sweep), occupancy over time",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help="sizing: the engine's prefill rate a hit is weighed against (an assumption; default "
+        f"{DEFAULT_PREFILL_TOKENS_PER_S:,.0f}, roughly a 7-8B model on one data-centre GPU)",
+    )
+    p.add_argument(
+        "--load-gbps",
+        help="sizing: load bandwidth per tier in GB/s, e.g. host=20,disk=2.5, instead of the one measured "
+        "(with --metadata-only, where nothing is measured, the one cache is named cache)",
+    )
     p.add_argument(
         "--conversations",
         type=int,
@@ -130,7 +153,22 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
         raise ReplayError(f"--capacity must be at least {0 if args.metadata_only else 1} block(s), not {args.capacity}")
     if args.block_tokens < 1:
         raise ReplayError(f"--block-tokens must be at least 1, not {args.block_tokens}")
+    if not (math.isfinite(args.prefill_tokens_per_s) and args.prefill_tokens_per_s > 0):
+        raise ReplayError(f"--prefill-tokens-per-s must be a positive number, not {args.prefill_tokens_per_s}")
     block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
+    assumed = Assumptions(
+        args.prefill_tokens_per_s,
+        trace_seconds(requests),
+        _load_gbps(args.load_gbps, ["cache"] if args.metadata_only else names) if args.load_gbps else {},
+    )
+    if args.load_gbps and not (block_bytes or config.block_bytes):
+        raise ReplayError("--load-gbps needs the size of a block: give --block-bytes (the config has no block_bytes)")
+    timed = LoadTimes()  # every stack run's timed loads: one bandwidth per tier for all the runs
+
+    def size(run: dict) -> dict:
+        hits = {name: tier["hits"] for name, tier in run["tiers"].items()}
+        return sizing(hits, args.block_tokens, block_bytes or config.block_bytes, timed.gbps(), assumed)
+
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -153,7 +191,7 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
                 cfg = _fresh_disk_dirs(
                     _override(config, names.index(governed), policy, capacity, block_bytes), disk_dirs
                 )
-                return _stack_run(requests, cfg, args.block_tokens, advance)
+                return _stack_run(requests, cfg, args.block_tokens, timed, advance)
         finally:
             progress.remove_task(task)
 
@@ -169,17 +207,21 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
             summary["belady_hit_ratio"] = belady(requests, summary["belady_capacity"]).hit_ratio
         if capacities:
             sweep: dict[str, dict[str, float]] = {}
+            runs: dict[str, dict[str, dict]] = {}
             belady_sweep: dict[str, float] = {}
             for policy in policies:
-                sweep[policy] = {}
+                sweep[policy], runs[policy] = {}, {}
                 for c in capacities:
                     run, _ = one_run(policy, c, f"sweep {policy} @ {c:,}")
                     sweep[policy][str(c)] = run["hit_ratio"]
+                    runs[policy][str(c)] = run
                     if args.belady and str(c) not in belady_sweep:
                         belady_sweep[str(c)] = belady(requests, _belady_capacity(run)).hit_ratio
             summary["sweep"] = sweep
+            summary["sizing_sweep"] = {p: {c: size(run) for c, run in by_c.items()} for p, by_c in runs.items()}
             if belady_sweep:
                 summary["belady_sweep"] = belady_sweep
+    summary["sizing"] = size(summary)  # after every run: each one's loads are timed
     return summary, occupancy
 
 
@@ -233,6 +275,29 @@ def _capacities(text: str) -> list[int]:
     if not capacities or min(capacities) < 1:
         raise ReplayError(f"--sweep {text!r}: give at least one capacity, each at least 1 block")
     return capacities
+
+
+def _load_gbps(text: str, tiers: Sequence[str]) -> dict[str, float]:
+    """``--load-gbps host=20,disk=2.5`` as {tier: GB/s}: each tier one of the run's, each rate positive."""
+    rates: dict[str, float] = {}
+    for item in filter(str.strip, text.split(",")):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not name:
+            raise ReplayError(f"--load-gbps {text!r}: give TIER=GBPS pairs separated by commas, e.g. disk=2.5")
+        if name not in tiers:
+            raise ReplayError(f"--load-gbps: no tier {name!r} in this run; its tiers: {', '.join(tiers)}")
+        if name in rates:
+            raise ReplayError(f"--load-gbps: tier {name!r} is given twice")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = math.nan  # refused below, like a negative rate
+        if not (math.isfinite(rate) and rate > 0):
+            raise ReplayError(f"--load-gbps {name}={value}: the bandwidth must be a positive number of GB/s")
+        rates[name] = rate
+    if not rates:
+        raise ReplayError(f"--load-gbps {text!r}: give TIER=GBPS pairs separated by commas, e.g. disk=2.5")
+    return rates
 
 
 def _blocks(config: StackConfig, index: int) -> int:
@@ -308,8 +373,13 @@ def _metadata_run(
 
 
 def _stack_run(
-    requests: Sequence[Request], config: StackConfig, block_tokens: int, advance: Callable[[], None]
+    requests: Sequence[Request],
+    config: StackConfig,
+    block_tokens: int,
+    timed: LoadTimes,
+    advance: Callable[[], None],
 ) -> tuple[dict, list]:
+    """One replay through a real stack built from ``config``; its timed loads are added to ``timed``."""
     stack = build_stack(config)
     try:
         description = stack.describe()
@@ -318,6 +388,7 @@ def _stack_run(
     finally:
         stack.close()
     seconds = max(result.seconds, 1e-9)
+    timed.merge(result.loads)
     tiers = {}
     for name, s in result.tiers.items():
         tiers[name] = {

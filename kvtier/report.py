@@ -1,4 +1,4 @@
-"""Rich tables for a replay's summary: per tier, the totals, and a policy sweep.
+"""Rich tables for a replay's summary: per tier, the sizing, the totals, and a policy sweep.
 
 Why separate: the replay command builds one summary dict (also printed as JSON), and these functions
 only render it, so the table and the JSON line can never disagree.
@@ -103,11 +103,97 @@ def sweep_table(summary: dict) -> Table:
     return table
 
 
+SIZING_COLUMNS = ["tier", "hits", "tokens/s", "GB/s", "ms/block", "net s/s", "pays?"]
+
+
+def sizing_table(summary: dict) -> Table:
+    """The single run's sizing (``kvtier.replay.sizing``): one row per tier and one for all of them."""
+    table = _sizing_frame(summary["sizing"], "sizing: what this capacity buys per second of trace", SIZING_COLUMNS)
+    for row in _sizing_rows(summary["sizing"]):
+        table.add_row(*row.values())
+    return table
+
+
+def sizing_sweep_table(summary: dict) -> Table:
+    """The sizing of every capacity of the sweep, for the run's policy (the JSON has every policy's). No
+    GB/s column: a tier's bandwidth is one for all the runs, shown in the single run's table."""
+    by_capacity = summary["sizing_sweep"][summary["policy"]]
+    title = f"sizing by capacity of {summary['governed_tier']} (blocks), {summary['policy']}, per second of trace"
+    columns = [c for c in SIZING_COLUMNS if c != "GB/s"]
+    table = _sizing_frame(next(iter(by_capacity.values())), title, ["capacity", *columns])
+    for capacity, figures in by_capacity.items():
+        rows = _sizing_rows(figures)
+        for i, row in enumerate(rows):
+            cells = [row[c] for c in columns]
+            table.add_row(f"{int(capacity):,}" if i == 0 else "", *cells, end_section=i == len(rows) - 1)
+    return table
+
+
+def _sizing_frame(sizing: dict, title: str, columns: list[str]) -> Table:
+    """An empty sizing table whose caption says what the figures assume and how to read them."""
+    span = sizing["trace_seconds"]
+    rates = (
+        f"Per second of trace ({span:,.1f} s): tokens/s = prompt tokens not recomputed; net s/s = prefill "
+        "seconds saved minus seconds spent loading."
+        if span > 0
+        else "The trace's timestamps span no time: per-second figures need a trace with timestamps."
+    )
+    caption = (
+        f"{rates} Recomputing a {sizing['block_tokens']}-token block takes "
+        f"{sizing['recompute_s_per_block'] * 1e3:.3g} ms at {sizing['prefill_tokens_per_s']:,.0f} tokens/s "
+        f"(assumed: --prefill-tokens-per-s); loading its {_number(sizing['block_bytes'], ',')} bytes takes "
+        "ms/block at the tier's GB/s (measured over this command's runs, or --load-gbps). pays? NO: loading a "
+        "block from that tier is slower than recomputing it at this rate, so its hits do not pay; unmeasured: "
+        "no load read that tier alone, or --metadata-only (give --load-gbps)."
+    )
+    table = Table(title=title, caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("tier", "pays?") else "right", no_wrap=True)
+    return table
+
+
+def _sizing_rows(sizing: dict) -> list[dict[str, str]]:
+    """Each tier's cells and the total's, by column of ``SIZING_COLUMNS``; "-" where a figure is unknown."""
+    rows = []
+    for name, t in sizing["tiers"].items():
+        load_ms = None if t["load_s_per_block"] is None else t["load_s_per_block"] * 1e3
+        rows.append(_row(name, t, _number(t["load_gbps"]), _number(load_ms), _verdict(t)))
+    total = sizing["total"]
+    rows.append(_row("all", total, "", "", _total_verdict(total)))
+    return rows
+
+
+def _row(label: str, figures: dict, gbps: str, load_ms: str, verdict: str) -> dict[str, str]:
+    cells = [label, f"{figures['hits']:,}", _number(figures["tokens_saved_per_s"], ",.0f"), gbps, load_ms]
+    cells += [_number(figures["net_s_saved_per_s"]), verdict]
+    return dict(zip(SIZING_COLUMNS, cells, strict=True))
+
+
+def _number(value: float | None, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _verdict(tier: dict) -> str:
+    """Plainly: whether loading one block from this tier beats recomputing it at the assumed rate."""
+    if tier["pays"] is None:
+        return "no hits" if tier["hits"] == 0 else "unmeasured"
+    return "yes" if tier["pays"] else "[bold red]NO: recompute[/]"
+
+
+def _total_verdict(total: dict) -> str:
+    net = total["net_s_saved_per_s"]
+    if net is None:
+        return ""
+    return "saves" if net > 0 else "[bold red]LOSES[/]" if net < 0 else "-"
+
+
 def print_summary(summary: dict, console: Console) -> None:
     if summary.get("stack_description"):
         console.print(summary["stack_description"], highlight=False, soft_wrap=True)
     console.print(tier_table(summary))
+    console.print(sizing_table(summary))
     if "sweep" in summary:
         console.print(sweep_table(summary))
+        console.print(sizing_sweep_table(summary))
     for line in totals_lines(summary):
         console.print(line, highlight=False, soft_wrap=True)

@@ -22,6 +22,13 @@ What one request does (serially, in trace order)
     3. The pins are released and the stack is left idle (background demotions finished), so a
        replay is deterministic and the next request sees a settled stack.
 
+Load bandwidth per tier (for sizing, ``kvtier.replay.sizing``)
+    Each load is timed, from the call to its last block arriving in the caller's buffer (staging
+    included: a block on disk reaches the engine through host memory). A load whose hits all come
+    from one tier adds its bytes and seconds to that tier's (``StackReplayResult.loads``); a load
+    that reads from several tiers is left out, since the copies of one plan run together and its
+    time cannot be split between them.
+
 The one difference from ``kvtier.replay.cache.replay``: a load unpins the hit prefix once it has
 arrived, so the request's own store may evict those blocks, where the metadata replay protects
 every block of the request. With LRU that happens only to a request longer than the tier, so with
@@ -44,6 +51,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.replay.sizing import LoadTimes
 from kvtier.replay.trace import Request
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: distinct ids give distinct fills
@@ -88,6 +96,7 @@ class StackReplayResult:
     seconds: float = 0.0
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     occupancy: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request index, used per tier)
+    loads: LoadTimes = field(default_factory=LoadTimes)  # the loads one tier served alone, timed
 
     @property
     def hit_ratio(self) -> float:
@@ -127,7 +136,11 @@ def replay_through_stack(
     for index, request in enumerate(requests):
         ids = request.hash_ids
         keys = [block_key(h) for h in ids]
+        load_started = time.perf_counter()
         loaded = stack.load(keys, loaded_into, range(len(keys)), dst_medium).result(timeout)
+        load_seconds = time.perf_counter() - load_started
+        if len(set(loaded.sources)) == 1 and not loaded.failed:
+            result.loads.add(loaded.sources[0], loaded.loaded * bb, load_seconds)
         good = loaded.failed[0] if loaded.failed else loaded.hits
         result.failed_blocks += len(loaded.failed)
         for i in range(good):

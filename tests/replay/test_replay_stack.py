@@ -8,7 +8,9 @@ Invariants checked:
 - every hit is compared with the bytes stored for its id: a block damaged in a tier's memory is
   counted corrupt, ends the request's prefix, and is not a hit;
 - prefill tokens saved are capped by the prompt length; block contents differ per id and per word;
-- a stack that already holds blocks is refused; nothing stays pinned after a replay (close() checks).
+- a stack that already holds blocks is refused; nothing stays pinned after a replay (close() checks);
+- load bandwidth is timed per tier on the loads one tier served alone: their bytes exactly, a load
+  that read from two tiers left out.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def check_hand_trace(stack, upper: str, lower: str) -> None:
     assert u["bytes_in"] == 8 * BB and u["bytes_out"] == (6 + 3) * BB
     assert lo["bytes_in"] == 6 * BB and lo["bytes_out"] == 4 * BB
     assert result.occupancy[-1] == (6, {upper: 2, lower: 4})
+    # Every load here reads one tier: U serves 1 then 4,5; L serves 2, then 1,2, then 3.
+    assert result.loads.bytes_loaded == {upper: 3 * BB, lower: 4 * BB}
+    assert set(result.loads.seconds) == set(result.loads.gbps()) == {upper, lower}
+    for name, seconds in result.loads.seconds.items():
+        assert seconds > 0 and result.loads.gbps()[name] == result.loads.bytes_loaded[name] / seconds / 1e9
     held = [[k for k in range(1, 8) if t.state(block_key(k)) is BlockState.READY] for t in stack.tiers]
     assert held == [[1, 7], [2, 3, 5, 6]]
     stack.close()
@@ -94,6 +101,18 @@ def test_one_tier_lru_equals_the_metadata_replay(chains, capacity):
     assert (real.hits, real.references) == (expected.hits, expected.references)
     assert real.tiers["host"]["evicted"] == expected.evictions
     assert real.verified_blocks == real.hits and real.corrupt_blocks == 0
+
+
+def test_a_load_from_two_tiers_is_not_timed():
+    # U (2 blocks) over L: [1,2] fills U; [3] pushes 1 down to L; [1,2] reads 1 from L and 2 from U in
+    # one load (left out of both tiers' timing); [2] then reads 2 from U alone.
+    stack = two_tier({"medium": "gpu", "capacity_blocks": 2}, {"medium": "host", "capacity_blocks": 4})
+    try:
+        result = replay_through_stack(requests_from_ids([[1, 2], [3], [1, 2], [2]]), stack)
+    finally:
+        stack.close()
+    assert (result.tiers["gpu"]["hits"], result.tiers["host"]["hits"]) == (2, 1)
+    assert result.loads.bytes_loaded == {"gpu": BB} and set(result.loads.gbps()) == {"gpu"}
 
 
 def test_a_stack_that_holds_blocks_is_refused():
