@@ -39,6 +39,10 @@ from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy
 
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 """The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
+RESERVED_TIER_NAMES = {
+    "misses": "is the key of the miss counts in KVTier.stats(), beside the tiers'",
+    "all": "is the tier label of the miss counts' totals",
+}
 
 
 def env_name_hint(example: str) -> str:
@@ -179,7 +183,7 @@ class DiskTierConfig(SizedTierConfig):
     compression: Literal["none", "lz4", "zstd"] = "none"
     slot_bytes: Size | None = None
     # Trust: by default the directory and slab must be the running user's and writable by nobody else.
-    # True accepts a directory a group of services shares on purpose (README, Security): every user who
+    # True accepts a directory a group of services shares on purpose (docs/security.md): every user who
     # can write it can then plant blocks that this tier loads.
     shared_directory: bool = False
     # True lets the tier overwrite a file named like its slab that is not a kvtier slab; by default that
@@ -224,7 +228,7 @@ TierConfig = Annotated[TierConfigBase, _RegisteredMedia()]
 
 UPPER_TIER_EVICTION = "lru"
 LAST_TIER_EVICTION = "adaptive"
-"""Default policies, from ``kvtier replay`` and bench/policies.py (README, main job): a tier above
+"""Default policies, from ``kvtier replay`` and bench/policies.py (docs/replay.md): a tier above
 another only demotes what it evicts, and recency order did best there; the last tier's evictions
 leave the stack, and there LRU with a second-sight admission filter that turns itself on only where
 it pays (``adaptive``) was never below LRU on any workload and size measured, where S3-FIFO fed
@@ -310,7 +314,11 @@ class StackConfig(ConfigModel):
             else:
                 first_of_medium[tier.medium] = i
                 name = self.tier_name(i)  # same-medium duplicates are reported once, above
-                if name in first_of_name:
+                if name in RESERVED_TIER_NAMES:
+                    problems.append(
+                        (("tiers", i, "name"), f"{name!r} {RESERVED_TIER_NAMES[name]}: pick another tier name")
+                    )
+                elif name in first_of_name:
                     problems.append(
                         (
                             ("tiers", i, "name"),

@@ -36,6 +36,10 @@ inside a hook, asks again at the next step.
 A copy's endpoint is a tier's slots or the caller's own blocks (``ENGINE``: vLLM's GPU blocks, a
 stack caller's buffer); its slots may be absent, for a store that is not ours and is addressed by key.
 
+Why a block is not in a tier, for the miss attribution (``core/misses.py``), is recorded here too, in
+the planner's ``ghost`` index, where it happens: victims evicted, blocks the admission policy declined,
+stores that did not land (no room, refused, failed, quarantined), loads that failed (damaged).
+
 Thread safety: every tier call takes that tier's lock. An executor plans from one thread at a time
 (the stack under its lock); ``finish`` may run meanwhile on a completion thread: it only commits,
 aborts, unpins, discards and ends evictions, each under the tier's lock.
@@ -51,6 +55,7 @@ from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, Job, JobState
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import HOST, Capabilities
+from kvtier.core.misses import GhostIndex, MissReason
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
@@ -242,9 +247,12 @@ class Planner:
         tiers: Sequence[Tier],
         route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
         capabilities: Capabilities | None = None,
+        ghost: GhostIndex | None = None,
     ) -> None:
         self.tiers = list(tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
+        self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
+        self.ghost = ghost or GhostIndex(len(self.tiers))
         self._route = route
         self._capabilities = capabilities or Capabilities()
         self._staging: dict[str, tuple[int | None, ...]] = {}
@@ -336,7 +344,7 @@ class Planner:
         if short <= 0:
             return usage.evicting
         if index + 1 == len(self.tiers) or not self.tiers[index + 1].takes_demotions:
-            room.drop(tier, tier.evict(short))
+            self._evicted(index, tier.evict(short), room)
             return tier.usage().evicting
         lower = self.tiers[index + 1]
         victims = [key for key, _ in tier.begin_evict(short)]
@@ -345,16 +353,23 @@ class Planner:
         admitted = self._admits(index + 1, dirty)
         clean += [key for key, ok in zip(dirty, admitted, strict=True) if not ok]
         dirty = [key for key, ok in zip(dirty, admitted, strict=True) if ok]
-        room.drop(tier, tier.end_evict(clean))
+        self._evicted(index, tier.end_evict(clean), room)
         slots, below_pending = self._reserve(index + 1, dirty, room)
         rest = dirty[len(slots) :]
         if rest and below_pending:
             tier.end_evict(rest, drop=False)
         else:
-            room.drop(tier, tier.end_evict(rest))
+            lost = tier.end_evict(rest)
+            self._evicted(index, lost, room)
+            self.ghost.record(index + 1, lost, MissReason.DROPPED)  # no room below for them
         if slots:
             room.demotions.append(self._demotion(index, dirty[: len(slots)], slots))
         return tier.usage().evicting + (len(rest) if below_pending else 0)
+
+    def _evicted(self, index: int, keys: list[bytes], room: Room) -> None:
+        """Victims of tier ``index``'s policy that left it now."""
+        room.drop(self.tiers[index], keys)
+        self.ghost.record(index, keys, MissReason.EVICTED)
 
     def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int | None], int]:
         """Slots of tier ``index`` for a prefix of ``keys`` (room made first; as many as are free
@@ -362,12 +377,20 @@ class Planner:
         pending = self._make_room(index, len(keys), room) if keys else 0
         return self._take_free(index, keys), pending
 
+    def _reserve_or_drop(self, index: int, keys: Sequence[bytes], room: Room) -> list[int | None]:
+        """``_reserve`` for a store into tier ``index``: the keys past the room it found are dropped."""
+        slots, _ = self._reserve(index, keys, room)
+        self.ghost.record(index, keys[len(slots) :], MissReason.DROPPED)
+        return slots
+
     def _admits(self, index: int, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether tier ``index``'s policy admits it (``Tier.admit``). A tier addressed by key
         has no policy of ours: it takes everything."""
         if not keys or self.tiers[index].by_key:
             return [True] * len(keys)
-        return self.tiers[index].admit(keys)
+        verdicts = self.tiers[index].admit(keys)
+        self.ghost.record(index, [k for k, ok in zip(keys, verdicts, strict=True) if not ok], MissReason.DECLINED)
+        return verdicts
 
     def _admitted_prefix(self, index: int, keys: Sequence[bytes]) -> Sequence[bytes]:
         """The leading keys tier ``index``'s policy admits: a store is a prefix of a chain, and a block
@@ -405,13 +428,13 @@ class Planner:
         room = Room()
         admitted = self._admitted_prefix(0, keys)
         declined = len(keys) - len(admitted)
-        slots, _ = self._reserve(0, admitted, room)
+        slots = self._reserve_or_drop(0, admitted, room)
         keys = keys[: len(slots)]
         stages = [[copy_of(ENGINE, self.tiers[0].name, numbered(keys, src_slots, slots))]] if slots else []
         for index in range(1, min(hops, len(self.tiers) - 1) + 1):
             if self.tiers[index].by_key:
                 break
-            below, _ = self._reserve(index, self._admitted_prefix(index, keys[: len(slots)]), room)
+            below = self._reserve_or_drop(index, self._admitted_prefix(index, keys[: len(slots)]), room)
             if not below:
                 break
             stages.append([copy_of(self.tiers[index - 1].name, self.tiers[index].name, numbered(keys, slots, below))])
@@ -444,7 +467,7 @@ class Planner:
         if not keys:
             return Planned(plan_of("store", [], []), room)
         src_slots = tier.pin(keys)
-        slots, _ = self._reserve(target, keys, room)
+        slots = self._reserve_or_drop(target, keys, room)
         tier.unpin(keys[len(slots) :])
         keys = keys[: len(slots)]
         stages = [[copy_of(tier.name, lower.name, numbered(keys, src_slots, slots))]] if keys else []
@@ -571,6 +594,7 @@ class Planner:
                 if copy.dst.tier is not None:
                     held = self._held_by(copy, copy.src.tier, job)
                     named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, held, outcome)
+                    self._note_landed(plan.kind, copy, gone)
                     written.setdefault(copy.dst.tier, set()).update(copy.blocks)
         for k, stage in enumerate(plan.stages):
             for copy in stage:
@@ -604,6 +628,15 @@ class Planner:
             return set()
         return job.quarantined_blocks & set(copy.blocks)
 
+    def _note_landed(self, kind: str, copy: Copy, gone: set[int]) -> None:
+        """Ghost entries of a copy into a tier: what arrived is there now; a store's or a demotion's
+        blocks that did not arrive were dropped (a load's staging copy drops nothing: the block
+        stays where it was read from)."""
+        index = self._index[copy.dst.tier]  # type: ignore[index]
+        self.ghost.forget(index, copy.keys_not_in(gone))
+        if kind != "load":
+            self.ghost.record(index, copy.keys_in(gone), MissReason.DROPPED)
+
     @staticmethod
     def _land(
         tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int], outcome: Outcome
@@ -621,8 +654,8 @@ class Planner:
             outcome.quarantined.setdefault(tier.name, []).extend(tier.quarantine(copy.keys_in(held)))
         return set(tier.abort(failed)) if failed else set()
 
-    @staticmethod
     def _let_go(
+        self,
         tier: Tier,
         kind: str,
         copy: Copy,
@@ -636,20 +669,27 @@ class Planner:
         """Release the sources ``copy`` read in ``tier``: those the plan held (pinned or being
         evicted), not the blocks an earlier stage of it wrote there (``wrote``), and not those a write
         may still read (``held``: they stay pinned until ``lift``); a load also drops what failed to
-        copy out."""
+        copy out. Ghost entries: a demotion's victims that leave were evicted; a load's blocks that
+        failed are unreadable here (why: what the tier knows once it dropped them, else damaged)."""
+        index = self._index[tier.name]
         served = copy.keys_not_in(wrote | lost)
         kept = copy.keys_in(held - wrote)
         _add(outcome.held, tier.name, kept)
         if kind == "demote":
             tier.pin(kept)  # a victim whose copy failed stays; this pin keeps it in place until ``lift``
             failed = copy.keys_in(lost - wrote)
-            _add(outcome.dropped, tier.name, tier.end_demotion(served, failed, [k for k in failed if k in refused]))
+            left = tier.end_demotion(served, failed, [k for k in failed if k in refused])
+            self.ghost.record(index, left, MissReason.EVICTED)
+            _add(outcome.dropped, tier.name, left)
         else:
             tier.unpin(copy.keys_not_in(wrote | held))
         counts = {"bytes_out": len(served) * tier.block_bytes}
         if kind == "load":
             if lost_here:
-                _add(outcome.dropped, tier.name, tier.discard(copy.keys_in(lost_here)))
+                unreadable = copy.keys_in(lost_here)
+                _add(outcome.dropped, tier.name, tier.discard(unreadable))
+                for key in unreadable:
+                    self.ghost.record(index, [key], tier.why_absent(key) or MissReason.DAMAGED)
             if served:
                 outcome.served[tier.name] = outcome.served.get(tier.name, 0) + len(served)
             counts["hits"] = len(served)

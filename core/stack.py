@@ -48,6 +48,7 @@ from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateE
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
 from kvtier.core.media import HOST, Capabilities, caller_medium, medium
+from kvtier.core.misses import GhostIndex, Misses
 from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
 from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
@@ -110,6 +111,7 @@ class TierStack:
         placement: str = "write_back",
         capabilities: Capabilities | None = None,
         route: Callable[[str, str, Capabilities], tuple[str, ...]] = plan_route,
+        ghost: GhostIndex | None = None,
     ) -> None:
         if not tiers:
             raise ArgumentError("a stack needs at least one tier")
@@ -133,7 +135,8 @@ class TierStack:
         self.jobs = jobs or JobManager()
         self.placement = placement
         self.capabilities = capabilities or Capabilities()
-        self.planner = Planner(self.tiers, route, self.capabilities)
+        self.planner = Planner(self.tiers, route, self.capabilities, ghost)
+        self.misses = Misses(names, self.planner.ghost, [t.why_absent for t in self.tiers])
         self._index = {t.name: i for i, t in enumerate(self.tiers)}
         self._storages: dict[str | None, BlockStorage] = {t.name: t.storage for t in self.tiers}
         self._lock = threading.RLock()
@@ -149,14 +152,21 @@ class TierStack:
 
     # --- the engine's questions ----------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> StackLookup:
+    def lookup(self, keys: Sequence[bytes], partial: bool = False, count: bool = True) -> StackLookup:
         """The longest prefix of ``keys`` readable in some tier, and which tier (the fastest) holds each.
-        A remote tier is asked for the keys past the local hit (waiting at most its timeout)."""
+        A remote tier is asked for the keys past the local hit (waiting at most its timeout).
+
+        A lookup that ends early (before the last key, or, with ``partial``, before a partial block
+        the caller has after them) is counted in ``misses`` with its reason, unless ``count`` is False
+        (a caller that counts it itself)."""
         self._ask_remote(keys)
         with self._lock:
             self._check_open()
             found = self.planner.lookup(keys)
-            return StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
+            result = StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
+        if count:
+            self.misses.count(self.misses.explain(keys, result.hits, partial))
+        return result
 
     def store(self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]) -> Future[StoreResult]:
         """Copy blocks ``src_slots`` of ``src`` into the first tier under ``keys``.

@@ -23,6 +23,7 @@ import numpy as np
 from kvtier.core.errors import CapacityError, DoubleFreeError, FenceError, StateError
 from kvtier.core.keys import check_key
 from kvtier.core.metrics import TierStats
+from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
@@ -459,6 +460,11 @@ class Tier:
                 dropped.append(key)
             self.stats.read_errors += len(dropped)
             return dropped
+
+    def why_absent(self, key: bytes) -> MissReason | None:
+        """Why ``key`` is not readable here, as far as the tier itself knows (a remote tier: its store
+        did not answer, a load of it failed); None: the planner's ghost index tells (``core/misses.py``)."""
+        return None
 
     # --- eviction ------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@
 
 Token ids are hashed into chained block keys (only full blocks get one); callers that already have
 keys pass a list of ``bytes`` instead. Every data call returns a ``concurrent.futures.Future``; the
-``a``-prefixed methods are the asyncio flavour of the same calls.
+``a``-prefixed methods are the asyncio flavour of the same calls. A lookup that ends early is counted
+with its reason (``stats()["misses"]``, ``core/misses.py``); ``explain`` names it for one prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
 from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import chain_hashes, check_key, key_secret
+from kvtier.core.misses import Miss
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 from kvtier.core.storage import buffer_storage
 
@@ -62,12 +64,27 @@ class KVTier:
     # --- blocking calls returning futures ------------------------------------------------------
 
     def lookup(self, tokens_or_keys: TokensOrKeys) -> int:
-        """Number of leading blocks present in some tier (loadable now)."""
-        return self.stack.lookup(self.keys(tokens_or_keys)).hits
+        """Number of leading blocks present in some tier (loadable now). A lookup that ends before the
+        prompt's end (token ids: its partial last block too) is counted in ``stats()["misses"]``."""
+        return self.locate(tokens_or_keys).hits
 
     def locate(self, tokens_or_keys: TokensOrKeys) -> StackLookup:
         """Like ``lookup``, also naming the tier that holds each block."""
-        return self.stack.lookup(self.keys(tokens_or_keys))
+        keys = self.keys(tokens_or_keys)
+        found = self.stack.lookup(keys, count=False)
+        self.stack.misses.count(self._miss(tokens_or_keys, keys, found.hits))
+        return found
+
+    def explain(self, tokens_or_keys: TokensOrKeys) -> Miss | None:
+        """Why a lookup of this prompt ends early now, in total and per tier (None: it does not);
+        counts nothing. Asks a remote tier, like a lookup."""
+        keys = self.keys(tokens_or_keys)
+        return self._miss(tokens_or_keys, keys, self.stack.lookup(keys, count=False).hits)
+
+    def _miss(self, tokens_or_keys: TokensOrKeys, keys: list[bytes], hits: int) -> Miss | None:
+        """The miss of a lookup of ``keys`` that found ``hits``; token ids say whether a partial block follows."""
+        partial = _are_token_ids(tokens_or_keys) and len(tokens_or_keys) % self.config.block_tokens != 0
+        return self.stack.misses.explain(keys, hits, partial)
 
     def store(self, tokens_or_keys: TokensOrKeys, blocks: Blocks):
         """Copy the caller's blocks into the stack; one block per key, in order.
@@ -108,8 +125,10 @@ class KVTier:
     def describe(self) -> str:
         return self.stack.describe()
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return self.stack.stats()
+    def stats(self) -> dict[str, dict]:
+        """Per tier its counters and usage (``TierStack.stats``), and ``"misses"``: lookups that ended
+        early by reason, ``{"total": {reason: n}, "by_tier": {tier: {reason: n}}}``."""
+        return {**self.stack.stats(), "misses": self.stack.misses.stats()}
 
     def wait_idle(self, timeout: float | None = 60.0) -> None:
         self.stack.wait_idle(timeout)

@@ -418,6 +418,7 @@ def _stack_run(
         "corrupt_blocks": result.corrupt_blocks,
         "failed_blocks": result.failed_blocks,
         "stored_blocks": result.stored_blocks,
+        "misses": result.misses,
         "block_bytes": config.block_bytes,
         "placement": config.placement,
         "seconds": result.seconds,

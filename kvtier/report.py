@@ -52,6 +52,19 @@ def tier_table(summary: dict) -> Table:
     return table
 
 
+def misses_table(summary: dict) -> Table:
+    """Requests whose prefix missed, one row per reason: in total (the first missing block's reason)
+    and per tier (why that block was not in the tier)."""
+    misses = summary["misses"]
+    table = Table(title="misses (requests whose prefix ended early)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("reason")
+    for column in ["total", *misses["by_tier"]]:
+        table.add_column(column, justify="right")
+    for reason, total in misses["total"].items():
+        table.add_row(reason, f"{total:,}", *(f"{tier[reason]:,}" for tier in misses["by_tier"].values()))
+    return table
+
+
 def totals_lines(summary: dict) -> list[str]:
     """The headline figures in a few sentences."""
     s = summary
@@ -192,6 +205,8 @@ def print_summary(summary: dict, console: Console) -> None:
         console.print(summary["stack_description"], highlight=False, soft_wrap=True)
     console.print(tier_table(summary))
     console.print(sizing_table(summary))
+    if "misses" in summary:
+        console.print(misses_table(summary))
     if "sweep" in summary:
         console.print(sweep_table(summary))
         console.print(sizing_sweep_table(summary))

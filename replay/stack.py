@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.core.layout import BlockLayout
+from kvtier.core.misses import MissCounter
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import Tier
@@ -97,6 +98,7 @@ class StackReplayResult:
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     occupancy: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request index, used per tier)
     loads: LoadTimes = field(default_factory=LoadTimes)  # the loads one tier served alone, timed
+    misses: dict[str, dict] = field(default_factory=dict)  # requests whose prefix missed (``MissCounter.stats``)
 
     @property
     def hit_ratio(self) -> float:
@@ -132,6 +134,7 @@ def replay_through_stack(
     top_capacity = stack.tiers[0].capacity
     every = max(1, -(-len(requests) // max(samples, 1)))
     result = StackReplayResult()
+    misses = MissCounter([t.name for t in stack.tiers])  # this run's alone
     started = time.perf_counter()
     for index, request in enumerate(requests):
         ids = request.hash_ids
@@ -149,6 +152,9 @@ def replay_through_stack(
                 good = i
                 break
         result.verified_blocks += good
+        miss = stack.misses.explain(keys, good)
+        if miss is not None:
+            misses.add(miss)
         result.hits += good
         result.references += len(ids)
         result.requests += 1
@@ -172,6 +178,7 @@ def replay_through_stack(
             on_request(index)
     result.seconds = time.perf_counter() - started
     result.tiers = stack.stats()
+    result.misses = misses.stats()
     return result
 
 

@@ -125,15 +125,16 @@ class RemoteBackend(TransferBackend):
             job.remote.stored(written, len(job.skipped))
 
     def _loaded(self, job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
-        refused = []
+        refused, damaged = [], []
         for i, key in enumerate(job.keys):
             if ok[i]:
                 problem = job.records.problem(job.header(i), key, job.data(i))
                 if problem is not None:
                     ok[i] = False
                     refused.append(f"{job.names[i]}: {problem}")
+                    damaged.append(key)
         if call.ok:
-            job.remote.loaded(job.keys, ok)
+            job.remote.loaded(job.keys, ok, damaged)
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
                 self.refused_records += len(refused)

@@ -384,3 +384,9 @@ def test_yaml_text_is_not_a_path():
 
 def test_other_source_types_refused():
     assert "got int" in error_of(5)
+
+
+@pytest.mark.parametrize("name", ["misses", "all"])
+def test_a_tier_name_the_miss_counts_use_is_refused(name):
+    message = error_of({"tiers": [{"medium": "host", "name": name, "capacity": "1MiB"}]})
+    assert f"'{name}' is the " in message and "pick another tier name" in message

@@ -25,12 +25,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.core.errors import StateError, StoreError, TransferError
 from kvtier.core.keys import check_key
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.metrics import TierStats
+from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.policies import LRUPolicy
@@ -61,21 +63,23 @@ class RemoteStorage(BlockStorage):
         super().__init__(layout, 0, KEYED_DEVICE)
         self.records = records
         self._on_skipped = on_skipped
-        self._unreadable: OrderedDict[bytes, None] = OrderedDict()
+        self._unreadable: OrderedDict[bytes, MissReason] = OrderedDict()  # key -> why its record failed
         self._lock = threading.Lock()
 
     def _addresses(self, slots):
         raise TransferError("a remote store's records have no addresses: they are named by key")
 
-    def loaded(self, keys: Sequence[bytes], ok: Sequence[bool]) -> None:
+    def loaded(self, keys: Sequence[bytes], ok: Sequence[bool], refused: Iterable[bytes] = ()) -> None:
         """What a load that the store answered found: the keys whose record arrived and passed its
-        checks are readable; the others (missing, of another size, damaged, foreign) are not."""
+        checks are readable; the others are not: ``refused`` ones arrived and failed a check (damaged,
+        foreign, unsigned), the rest were missing (the store lost them since it said it held them)."""
+        damaged = set(refused)
         with self._lock:
             for key, good in zip(keys, ok, strict=True):
                 if good:
                     self._unreadable.pop(key, None)
                 else:
-                    self._unreadable[key] = None
+                    self._unreadable[key] = MissReason.DAMAGED if key in damaged else MissReason.EVICTED
                     self._unreadable.move_to_end(key)
             while len(self._unreadable) > UNREADABLE_KEPT:
                 self._unreadable.popitem(last=False)
@@ -84,6 +88,12 @@ class RemoteStorage(BlockStorage):
         """Per key, whether its record failed to load here since this process last wrote it."""
         with self._lock:
             return [key in self._unreadable for key in keys]
+
+    def failure(self, key: bytes) -> MissReason | None:
+        """Why the record of ``key`` failed to load here (``loaded``); None when it did not, or when no
+        store answered (the call failed or timed out)."""
+        with self._lock:
+            return self._unreadable.get(key)
 
     def stored(self, written: Iterable[bytes], skipped: int) -> None:
         """What a store did: the records of ``written`` are this process's own now; ``skipped`` more
@@ -123,13 +133,11 @@ class RemoteTier(Tier):
         placement: str = "write_through",
         known_for: float = KNOWN_FOR_S,
     ) -> None:
+        storage = RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n))
         super().__init__(
-            name,
-            "remote",
-            RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n)),
-            LRUPolicy(),
-            note=f"{link.connector.where}, timeout {link.timeout:g} s",
+            name, "remote", storage, LRUPolicy(), note=f"{link.connector.where}, timeout {link.timeout:g} s"
         )
+        self._remote_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
         self.records = list(records)
         self.link = link
         self.placement = placement
@@ -137,6 +145,7 @@ class RemoteTier(Tier):
         self.stats = RemoteStats()
         self._known_for = known_for
         self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
+        self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()  # key -> (expiry, why not)
         self._writing: set[bytes] = set()
         self._asking: dict[bytes, threading.Event] = {}  # key -> set once the query asking for it is over
 
@@ -188,6 +197,10 @@ class RemoteTier(Tier):
                     here = found is not None and all(found[i * ranks : (i + 1) * ranks])
                     if here and self._answer(key, now) is not False:  # not after a failed load of it
                         self._remember(key, True, now)
+                    if found is None:
+                        self._fail(key, MissReason.REMOTE_ERROR, now)
+                    elif self._failed.get(key, (0.0, None))[1] is MissReason.REMOTE_ERROR:
+                        del self._failed[key]  # answered now
             asked.set()
         return found is not None
 
@@ -252,8 +265,16 @@ class RemoteTier(Tier):
             now = time.monotonic()
             for key in keys:
                 self._remember(key, False, now)
+                self._fail(key, self._remote_storage.failure(key) or MissReason.REMOTE_ERROR, now)
             self.stats.read_errors += len(keys)
             return []
+
+    def why_absent(self, key: bytes) -> MissReason | None:
+        """Why ``key`` was not readable here lately: the store did not answer a query of it, or a load of
+        it failed (its record damaged or missing, the call failed); None otherwise."""
+        with self._lock:
+            failed = self._failed.get(key)
+            return failed[1] if failed is not None and failed[0] > time.monotonic() else None
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -283,12 +304,12 @@ class RemoteTier(Tier):
         """Remember an answer for ``key`` for a while, forgetting those that have expired (the oldest
         first: every answer lives equally long)."""
         self._answers[key] = (now + self._known_for, readable)
-        self._answers.move_to_end(key)
-        while self._answers:
-            oldest, (until, _) = next(iter(self._answers.items()))
-            if until > now:
-                break
-            del self._answers[oldest]
+        _expire(self._answers, key, now)
+
+    def _fail(self, key: bytes, why: MissReason, now: float) -> None:
+        """Remember for a while why ``key`` was not readable (``why_absent``), forgetting expired reasons."""
+        self._failed[key] = (now + self._known_for, why)
+        _expire(self._failed, key, now)
 
     def _end_writing(self, keys: Iterable[bytes], what: str) -> list[bytes]:
         keys = list(keys)
@@ -299,3 +320,14 @@ class RemoteTier(Tier):
             )
         self._writing.difference_update(keys)
         return keys
+
+
+def _expire(answers: OrderedDict[bytes, tuple[float, Any]], key: bytes, now: float) -> None:
+    """Move ``key``, just answered, to the end of ``answers`` (key -> (expiry, answer)) and forget the
+    answers that have expired, the oldest first: every answer lives equally long."""
+    answers.move_to_end(key)
+    while answers:
+        oldest, (until, _) = next(iter(answers.items()))
+        if until > now:
+            break
+        del answers[oldest]
