@@ -88,6 +88,8 @@ class RankRequest:
     header_room: int  # bytes a host slot keeps before each block (StackConfig.header_room)
     shared_name: str | None  # the ranks' shared host slab, where one copy serves every rank
     refuse: Callable[[list[bytes]], None]  # for blocks this storage can never hold (``BlockStorage.refuse``)
+    # where the storage counts what its tier would (``Tier.count``: ``skipped_existing=n``), for the engine's stats
+    count: Callable[..., None] = lambda **counts: None
 
 
 @dataclass(frozen=True)

@@ -83,17 +83,19 @@ class SlotQueues(Generic[K]):
         else:
             at = np.asarray(slots, dtype=np.int64) + first
         which = np.frombuffer(self._which, np.uint8)
-        marked = np.count_nonzero(which == queue)
         if (which[at] != _NONE).any():
             raise KeyError("a key is already tracked")
-        which[at] = queue
-        if np.count_nonzero(which == queue) - marked != len(at):
-            which[at] = _NONE
+        nxt, prev = np.frombuffer(self._next, np.int32), np.frombuffer(self._prev, np.int32)
+        # Given twice: an entry's number written into its link (unused while untracked) is overwritten
+        # by a later one at the same entry. O(len(keys)), not O(capacity): a restore comes in chunks.
+        order = np.arange(len(at), dtype=np.int32)
+        nxt[at] = order
+        if (nxt[at] != order).any():
             raise KeyError("a key is given twice")
+        which[at] = queue
         entries = self._keys
         for i, key in zip(at.tolist(), keys, strict=True):
             entries[i] = key
-        nxt, prev = np.frombuffer(self._next, np.int32), np.frombuffer(self._prev, np.int32)
         tail = int(prev[queue])
         nxt[tail], prev[at[0]] = at[0], tail
         nxt[at[:-1]], prev[at[1:]] = at[1:], at[:-1]
@@ -171,8 +173,8 @@ class SlotQueues(Generic[K]):
         more = capacity - have
         if more <= 0:
             return
-        self._next.extend(range(more))
-        self._prev.extend(range(more))
+        self._next.frombytes(bytes(self._next.itemsize * more))  # (links of untracked entries are unused)
+        self._prev.frombytes(bytes(self._prev.itemsize * more))
         self._which.extend(bytes([_NONE]) * more)
         self._keys.extend([None] * more)
 

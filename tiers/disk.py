@@ -20,9 +20,10 @@ headers; a torn slot found there fails its first load and is dropped.
 Restart in seconds: a scan reads one header page per slot, minutes for a slab of millions of slots.
 So a clean close leaves an index snapshot of the tier's blocks beside the slab (``disk_snapshot``),
 and the next open restores from it instead, after checking that it describes the slab exactly as that
-close left it. The open removes it before anything writes to the slab: after a crash there is none,
-and the scan above recovers everything. A snapshot can only cause misses (every load checks its
-slot's header), never wrong data.
+close left it; the tier serves as soon as the blocks' slots are claimed, the blocks going back into
+its index in chunks meanwhile (``disk_restore``). The open removes it before anything writes to the
+slab: after a crash there is none, and the scan above recovers everything. A snapshot can only cause
+misses (every load checks its slot's header), never wrong data.
 
 Opening (``disk_files``): the directory and slab must be the running user's and writable by nobody
 else (unless ``shared_directory``), the slab is never reached through a symbolic link, and a lock on
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 from kvtier.core.config import DiskTierConfig
@@ -65,6 +67,7 @@ from kvtier.tiers.disk_files import (
     remove_slab,
     reopen_slab,
 )
+from kvtier.tiers.disk_restore import ChunkedRestore
 from kvtier.tiers.disk_snapshot import SlabIdentity, Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -357,8 +360,9 @@ class DiskSlab:
 
     Thread safety: positioned I/O on the descriptors is safe from any thread. ``count`` and
     ``refuse`` (the tier's, set by ``disk_tier``) take the tier's lock. ``held_blocks`` (also set by
-    ``disk_tier``) lists the tier's READY blocks, as (keys, slots) oldest first, for the snapshot the
-    close writes; without it the close writes none.
+    ``disk_tier``) lists the tier's blocks, as (keys, slots) oldest first, for the snapshot the
+    close writes; without it the close writes none. ``restoring`` (a disk tier's, set by
+    ``disk_tier``): its blocks going back into the index after the open (``disk_restore``).
     """
 
     @classmethod
@@ -411,6 +415,7 @@ class DiskSlab:
         self.count = lambda **counts: None  # where the backend counts incompressible blocks
         self.refuse = lambda keys: None  # where the backend names blocks that can never fit (Tier.refuse)
         self.held_blocks: HeldBlocks | None = None
+        self.restoring: ChunkedRestore | None = None  # a disk tier's, putting its blocks back (``disk_tier``)
         self.shared = shared_directory
         self.file_bytes = PAGE + num_slots * self.slot_stride
         self.fd: int | None = None  # the main descriptor, holding the lock; None once closed
@@ -618,13 +623,15 @@ class DiskSlab:
 
     # --- recovery ------------------------------------------------------------------------------
 
-    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int]], None]) -> Recovered:
-        """Hand the blocks this slab holds, as keys and slots oldest first, to ``restore`` (``Tier.restore``)
-        and take up their newest sequence number: from the index snapshot the open took, when there
-        was a valid one and ``restore`` accepts it, by a ``scan`` otherwise. ``restore`` must take all
-        or nothing and raise StateError for a key named twice, which only a forged snapshot holds (the
-        snapshot's own checks leave that one out: a set of 15.8 M keys costs seconds, and
-        ``Tier.restore`` notices anyway, its index growing by fewer keys than it was given)."""
+    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int] | np.ndarray], object]) -> Recovered:
+        """Hand the blocks this slab holds, as keys and slots oldest first, to ``restore`` (``Tier.restore``,
+        or ``ChunkedRestore.start``, which puts them back while the tier serves) and take up their
+        newest sequence number: from the index snapshot the open took, when there was a valid one and
+        ``restore`` accepts it, by a ``scan`` otherwise. ``restore`` claims every slot or none, and
+        raises StateError for one it cannot take; a key named twice, which only a forged snapshot
+        holds, is the restore's to drop (the snapshot's own checks leave that one out: a set of 15.8 M
+        keys costs seconds, and the tier notices anyway, its index growing by fewer keys than it
+        was given)."""
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
             try:
@@ -742,7 +749,9 @@ def disk_tier(
 ) -> Tier:
     """A tier of ``num_slots`` blocks over the slab its ``config`` describes, holding again every block a
     previous process committed there under the same namespace, block size and slot geometry (codec and
-    slot size). Raises ConfigError for a bad combination or a codec whose package is missing.
+    slot size): their slots are taken at once, and the blocks come back into the index in chunks
+    while the tier already serves (``disk_restore``; until then each is a miss). Raises ConfigError
+    for a bad combination or a codec whose package is missing.
     """
     slab = DiskSlab.from_config(config, num_slots, layout, namespace)
     try:
@@ -751,13 +760,17 @@ def disk_tier(
         tier = Tier(
             name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}"
         )
-        recovered = slab.recover(tier.restore)
+        slab.restoring = ChunkedRestore(tier, str(slab.path))
+        recovered = slab.recover(slab.restoring.start)
+        # (the close runs once no job is left: nothing changes while it lists the blocks)
+        slab.held_blocks = slab.restoring.held_blocks
         tier.note += f", {recovered.blocks} blocks recovered ({recovered.source})"
         tier.count(damaged=recovered.damaged)
         slab.count, slab.refuse = tier.count, tier.refuse
-        slab.held_blocks = tier.ready_blocks  # (its close runs once no job is left: nothing changes meanwhile)
         return tier
     except BaseException:
+        if slab.restoring is not None:
+            slab.restoring.stop()
         slab.close()
         raise
 
@@ -785,9 +798,11 @@ def _tier(request: TierRequest) -> Tier:
 
 def _rank_storage(request: RankRequest) -> BlockStorage:
     """One rank's slab. Recovering takes up the newest sequence number and leaves every old header
-    as it is: the blocks an engine's scheduler side took back (``connectors/vllm/recovery.py`` reads
-    the headers itself) stay readable, and any slot is cleared before new bytes land in it. A worker
-    holds no index, so its close leaves no snapshot."""
+    as it is: the blocks an engine's scheduler side took back (``connectors/vllm/recovery.py``) stay
+    readable, and any slot is cleared before new bytes land in it. A worker holds no index (the
+    scheduler side does), so its clean close leaves a snapshot of no blocks (``_no_blocks``): it
+    carries the sequence number, and the next open takes it from there instead of reading every
+    slot header; after a crash it reads them."""
     assert isinstance(request.config, DiskTierConfig)
     path = rank_directory(request.config.path, request.rank)
     slab = DiskSlab.from_config(request.config, request.slots, request.layout, request.namespace, path)
@@ -797,6 +812,7 @@ def _rank_storage(request: RankRequest) -> BlockStorage:
         slab.close()
         raise
     slab.refuse = request.refuse
+    slab.held_blocks = _no_blocks
     return FileStorage(slab, request.layout)
 
 
@@ -815,3 +831,51 @@ MEDIUM = Medium(
     hit_source="DISK",
     survives_restart=True,
 )
+
+
+def _no_blocks() -> tuple[list[bytes], list[int]]:
+    """What an engine's worker lists for its slab's snapshot: no block (the scheduler side indexes them)."""
+    return [], []
+
+
+_RANK_FILE = struct.Struct("<QQq")
+"""One rank's slab file in ``rank_slabs_identity``'s digest: inode, size, mtime (ns)."""
+
+
+def rank_slabs_identity(
+    config: DiskTierConfig, ranks: int, num_slots: int, layout: BlockLayout, namespace: str
+) -> SlabIdentity | None:
+    """What an index of the blocks held by an engine's ``ranks`` slabs (``rank_directory``, each of
+    ``num_slots`` slots) names to describe them (``disk_snapshot``): the geometry and namespace the
+    configuration gives, and every rank's slab file as it is now. A worker's clean close seals its
+    slab's mtime (``DiskSlab.close``) and any later write changes it, so an index written after the
+    workers closed describes the slabs only until one of them is written again. None when a rank
+    has no slab; raises OSError (DiskTierError included) when one fails the owner's checks
+    (``disk_files``, ``shared_directory`` as configured) or cannot be read."""
+    room = checked_slot_room(config.path, layout.block_bytes, config.compression, config.slot_bytes)
+    files = []
+    for rank in range(ranks):
+        fd = open_slab_for_reading(rank_directory(config.path, rank), shared=config.shared_directory)
+        if fd is None:
+            return None
+        try:
+            files.append(os.fstat(fd))
+        finally:
+            os.close(fd)
+    first, others = files[0], files[1:]
+    others_digest = xxhash.xxh3_128_digest(
+        b"".join(_RANK_FILE.pack(st.st_ino, st.st_size, st.st_mtime_ns) for st in others)
+    )
+    return SlabIdentity(
+        VERSION,
+        layout.block_bytes,
+        PAGE + room,
+        num_slots,
+        CODEC_IDS[config.compression],
+        namespace_digest(namespace, layout),
+        first.st_ino,
+        first.st_size,
+        first.st_mtime_ns,
+        ranks,
+        others_digest if others else bytes(16),
+    )

@@ -17,6 +17,11 @@ of the close) and carries a checksum of the whole file; one that does not match 
 fails its checksum or breaks a bound (a slot outside the slab or named twice, a key of 0 or more than
 MAX_KEY_BYTES bytes, counts the file cannot hold) is not used: one log line, and the slab is scanned.
 
+The same file indexes the slabs of an engine's ranks under vLLM (``connectors/vllm/recovery.py``): one
+slab per rank, each holding its shard of every block at the same slot. Its identity then also names
+how many ranks there are and the other ranks' slabs (``ranks``, ``other_slabs``); the fields of one
+slab describe rank 0's.
+
 Format, little-endian: ``_HEADER`` (magic, which carries the format's version; block count, key
 width, the highest sequence number of the slab's headers, the identity), then three columns of
 ``count`` rows (key lengths as u8, keys zero-padded to the key width, slots as u64), then the xxh3-64
@@ -28,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import overload
@@ -41,10 +46,10 @@ from kvtier.tiers.disk_files import SNAPSHOT_NAME, open_file_for_reading, remove
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"KVTIDX01"
+_MAGIC = b"KVTIDX02"  # 02: the identity names the ranks' slabs (01 named one slab)
 # magic, count, key width, highest sequence, then the identity: slab format version, block bytes, slot
-# stride, slot count, codec id, namespace digest, inode, size, mtime (ns)
-_HEADER = struct.Struct("<8sQIQIQQQB16sQQq")
+# stride, slot count, codec id, namespace digest, inode, size, mtime (ns), ranks, other ranks' slabs
+_HEADER = struct.Struct("<8sQIQIQQQB16sQQqI16s")
 _CHECKSUM = struct.Struct("<Q")
 _ROW_BYTES = 1 + MAX_KEY_BYTES + 8  # the most one block takes: key length, key, slot
 
@@ -68,32 +73,46 @@ class SlabIdentity:
     inode: int
     size: int
     mtime_ns: int
+    ranks: int = 1  # the slabs indexed: one, or an engine's ranks (each its shard of a block, at the same slot)
+    other_slabs: bytes = bytes(16)  # with several ranks: a digest of ranks 1.. slabs' inode, size and mtime
 
 
-class Snapshot(Sequence[tuple[bytes, int]]):
-    """The blocks a snapshot names, as (key, slot) oldest first (what ``Tier.restore`` takes), over two
-    lists: the pairs are made as they are read, since 16.7 M tuples made at once would cost seconds
-    and a GiB. ``sequence``: the highest sequence number of the slab's slot headers at close."""
+class KeyColumn(Sequence[bytes]):
+    """A snapshot's keys, each made into a bytes object only when read: a disk tier takes them back
+    chunk by chunk while it already serves (``disk_restore``), where making 15.8 M of them at once
+    would keep it from answering for a second. A slice gives a list of keys."""
 
-    def __init__(self, keys: list[bytes], slots: list[int], sequence: int) -> None:
-        self.keys = keys
-        self.slots = slots
-        self.sequence = sequence
+    def __init__(self, lengths: np.ndarray, matrix: np.ndarray) -> None:
+        self._lengths = lengths
+        self._matrix = matrix
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return _key_objects(self._lengths[index], self._matrix[index])
+        return bytes(self._matrix[index, : self._lengths[index]])
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self[:])
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The blocks a snapshot names, oldest first, as ``Tier.restore`` takes them: ``keys[i]`` in
+    ``slots[i]`` (int64). ``sequence``: the highest sequence number of the slab's slot headers at close."""
+
+    keys: KeyColumn
+    slots: np.ndarray
+    sequence: int
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[bytes, int]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Snapshot: ...
-    def __getitem__(self, index: int | slice) -> tuple[bytes, int] | Snapshot:
-        if isinstance(index, slice):
-            return Snapshot(self.keys[index], self.slots[index], self.sequence)
-        return self.keys[index], self.slots[index]
-
-    def __iter__(self):
-        return zip(self.keys, self.slots, strict=True)
 
 
 def write_snapshot(
@@ -198,7 +217,7 @@ def _decode(raw: np.ndarray, identity: SlabIdentity) -> Snapshot:
     seen[slots] = True
     if int(np.count_nonzero(seen)) != count:
         raise SnapshotError("a slot is named twice")
-    return Snapshot(_key_objects(lengths, matrix), slots.tolist(), sequence)
+    return Snapshot(KeyColumn(lengths, matrix), slots.astype(np.int64), sequence)
 
 
 def _key_objects(lengths: np.ndarray, matrix: np.ndarray) -> list[bytes]:

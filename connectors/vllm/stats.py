@@ -1,8 +1,9 @@
 """Connector statistics in vLLM's ``KVConnectorStats`` form: counters that add up across ranks and steps.
 
 The scheduler side counts blocks (hits per medium: host, disk, remote; failed loads; stored blocks); the
-workers count bytes and seconds per direction (into vLLM's KV blocks: load; out of them: store), which
-the connector wraps here (``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs
+workers count bytes and seconds per direction (into vLLM's KV blocks: load; out of them: store), and
+what their storages count (``STORAGE_COUNTERS``), which the connector wraps here
+(``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs
 ``reduce()``, and feeds each step's figures to ``KVTierPromMetrics``, which exposes them as Prometheus
 counters on vLLM's own /metrics endpoint.
 """
@@ -16,11 +17,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvtier.connectors.counters import PROMETHEUS_HELP, counter_names, hit_media
 
+STORAGE_COUNTERS = ("skipped_existing",)
+"""Counted by the workers' storages (``RankRequest.count``), summed over ranks: ``skipped_existing``,
+records a store to the remote tier did not write because the store held them already (another engine
+stored the block; each rank's record counts). vLLM logs them with the others (``reduce``); they are not
+on /metrics, where no remote tier counter is."""
+
+
+def _names() -> tuple[str, ...]:
+    return (*counter_names(), *STORAGE_COUNTERS)
+
 
 @dataclass
 class KVTierConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
-        for name in counter_names():
+        for name in _names():
             self.data.setdefault(name, 0)
 
     def record_load(self, hits: dict[str, int], failed: int) -> None:
@@ -33,12 +44,12 @@ class KVTierConnectorStats(KVConnectorStats):
         self.data["stored_blocks"] += blocks
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(counter_names(), 0)
+        self.data = dict.fromkeys(_names(), 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         if not isinstance(other, KVTierConnectorStats):
             raise TypeError(f"cannot aggregate kvtier stats with {type(other).__name__}")
-        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in counter_names()})
+        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in _names()})
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.data)
@@ -48,7 +59,7 @@ class KVTierConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in counter_names())
+        return not any(self.data.get(k) for k in _names())
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):

@@ -48,10 +48,9 @@ from kvtier.core.jobs import WorkerReport
 from kvtier.core.media import HOST_DEVICE, RankRequest, medium
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
-from kvtier.core.transfer import OnComplete, Transfer, TransferRegistry
+from kvtier.core.transfer import CopiesHere, TransferRegistry
 from kvtier.tiers.remote.config import remote_config
 from kvtier.transfers import backends_for
-from kvtier.transfers.cpu import CPUBackend
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -113,7 +112,7 @@ class WorkerSide:
         same_kv = replicated(kv_cache_config)
         shared_name = shared_slab_name(engine_id, namespace) if same_kv and ranks > 1 else None
         self.into_gpu_only = shared_name is not None and rank > 0
-        self._transferred: dict[str, float] = {}  # "load_bytes", "store_seconds", ...: see stats.py
+        self._counts: dict[str, float] = {}  # "load_bytes", "store_seconds", "skipped_existing", ...: see stats.py
         self._lock = threading.Lock()
         self._load_ended = threading.Condition(self._lock)  # notified when an asynchronous load ends
         self._running: dict[int, _RunningJob] = {}
@@ -143,6 +142,7 @@ class WorkerSide:
                     config.header_room,
                     shared_name,
                     self._note_refused,
+                    self._count_storage,
                 )
                 self.storages[name] = entry.rank_storage(request)
         except BaseException:
@@ -159,6 +159,14 @@ class WorkerSide:
         for src, dst in ((gpu.device, HOST_DEVICE), (HOST_DEVICE, gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu
+        # An in-step load into vLLM's KV cache in CPU memory runs its copies on vLLM's own thread, which
+        # would otherwise only wait for them in ``start_load_kv``: on a pool thread every copy costs
+        # hand-offs, and copies that keep the GIL (small ones do, see ``kvtier.transfers.cpu``) stall vLLM's
+        # thread whenever it needs the GIL while they run; waiting per layer in ``wait_for_layer_load`` to
+        # overlap them with the forward pass made that worse. Measured with ``bench/ttft.py --prefix-blocks
+        # 64`` (an 8,192-token prefix, 24 MiB of KV, 2-core AMD EPYC): vLLM's own prefix cache 106.0 ms,
+        # copies here 106.7 ms; on the pool, waited per layer, 114.9 ms (its run's cache 101.5 ms). A GPU's
+        # copies go to their backend as usual, and are waited for whole.
         self.in_step_copies = CopiesHere(self.transfers) if gpu.device == HOST_DEVICE else self.transfers
 
     # --- running jobs --------------------------------------------------------------------------
@@ -250,7 +258,15 @@ class WorkerSide:
     def _count(self, direction: str, nbytes: int, seconds: float) -> None:
         """Bytes and seconds per direction: "load" (into vLLM's blocks) or "store" (out of them)."""
         for name, value in ((f"{direction}_bytes", nbytes), (f"{direction}_seconds", seconds)):
-            self._transferred[name] = self._transferred.get(name, 0) + value
+            self._counts[name] = self._counts.get(name, 0) + value
+
+    def _count_storage(self, **counts: int) -> None:
+        """The storages' ``count`` hook (``RankRequest.count``), on a transfer backend's thread: what a
+        tier would count, such as the records a remote store held already (``skipped_existing``), goes
+        into this rank's stats."""
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + value
 
     # --- what vLLM collects after the step -----------------------------------------------------
 
@@ -293,11 +309,12 @@ class WorkerSide:
             return report
 
     def take_stats(self) -> dict[str, float] | None:
-        """Bytes and seconds moved per direction since the last call (None when nothing moved)."""
+        """Bytes and seconds moved per direction, and what the storages counted, since the last call
+        (None when nothing was counted)."""
         with self._lock:
-            if not self._transferred:
+            if not self._counts:
                 return None
-            counts, self._transferred = self._transferred, {}
+            counts, self._counts = self._counts, {}
             return counts
 
     def in_flight(self) -> int:
@@ -314,27 +331,3 @@ class WorkerSide:
             if name != GPU:
                 storage.close()
         self.storages.clear()
-
-
-class CopiesHere:
-    """Where an in-step load's copies go when vLLM's KV cache is in CPU memory: they run on the thread
-    that submits them, vLLM's own in ``start_load_kv``, which would otherwise only wait for them.
-
-    Why: on a pool thread every copy costs hand-offs, and copies that keep the GIL (small ones do, see
-    ``kvtier.transfers.cpu``) stall vLLM's thread whenever it needs the GIL while they run; waiting
-    per layer in ``wait_for_layer_load`` to overlap them with the forward pass made that worse, since
-    vLLM's thread then computes beside them. Measured with ``bench/ttft.py --prefix-blocks 64`` (an
-    8,192-token prefix, 24 MiB of KV, 2-core AMD EPYC): vLLM's own prefix cache 106.0 ms, copies here
-    106.7 ms; on the pool, waited per layer, 114.9 ms (its run's cache 101.5 ms). Copies between other
-    devices (a GPU's KV) go to their backend as usual, and are waited for whole.
-    """
-
-    def __init__(self, transfers: TransferRegistry) -> None:
-        self._transfers = transfers
-
-    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
-        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
-        if isinstance(backend, CPUBackend):
-            on_complete(backend.copy_now(transfer))
-        else:
-            backend.submit(transfer, on_complete)

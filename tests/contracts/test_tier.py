@@ -23,8 +23,10 @@ Invariants checked (the state machine's in its docstring):
   refused for good and keeps what failed;
 - a fence (is_fenced) refuses to free a slot: abort raises FenceError and keeps every entry;
 - quarantined slots stay taken, out of reach, until released; discard drops unreadable READY blocks but
-  not pinned or evicting ones; abort names the blocks refused for good; restore puts blocks back READY,
-  all or nothing (a key present or given twice, a slot taken, given twice or out of range changes nothing);
+  not pinned or evicting ones; abort names the blocks refused for good; restore puts blocks back READY
+  (a slot taken, given twice or out of range changes nothing; a key present or given twice keeps the
+  block that came first and frees the other's slot); claim takes slots that are neither free nor
+  readable until restore_claimed puts their blocks back, or release frees them;
 - close() refuses while blocks are pinned or being written; stats count what happened;
 - committed bytes survive every other operation on the tier, also with four threads at once;
   ``check_invariants`` holds throughout.
@@ -609,13 +611,11 @@ def test_abort_names_the_blocks_the_storage_refused_for_good(tier):
 
 
 def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
-    tier.restore([k(5), k(6)], [2, 0])
+    assert tier.restore([k(5), k(6)], [2, 0]) == 2
     assert tier.lookup([k(5), k(6)]) == 2 and tier.slots([k(5), k(6)]) == [2, 0]
     tier.reserve([k(7)])  # being written: not READY, so not among the blocks a snapshot lists
     assert tier.ready_blocks() == ([k(5), k(6)], [2, 0]) == (tier.ready_keys(), tier.slots(tier.ready_keys()))
     tier.abort([k(7)])
-    with pytest.raises(StateError):
-        tier.restore([k(5)], [1])  # the key twice
     with pytest.raises(StateError):
         tier.restore([k(7)], [2])  # a slot taken
     assert tier.reserve([k(8), k(9)]) is not None and tier.reserve([k(10)]) is not None  # evicts k(5), the oldest
@@ -627,15 +627,13 @@ def test_restore_puts_blocks_back_ready_oldest_use_first(tier):
     "blocks",
     [
         [(k(1), 1), (k(2), 0)],  # a slot taken
-        [(k(1), 1), (k(0), 2)],  # a key already here
-        [(k(1), 1), (k(1), 2)],  # a key twice in one call
         [(k(1), 1), (k(2), 1)],  # a slot twice in one call
         [(k(1), 1), (k(2), 4)],  # a slot out of range
         [(k(1), 1), (k(2), -1)],
     ],
-    ids=["slot-taken", "key-present", "key-twice", "slot-twice", "slot-past-end", "slot-negative"],
+    ids=["slot-taken", "slot-twice", "slot-past-end", "slot-negative"],
 )
-def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path, blocks):
+def test_a_restore_naming_a_slot_it_cannot_take_changes_nothing(kind, tmp_path, blocks):
     tier = LOCAL_TIERS[kind](kind, 4, LRUPolicy(), None, None, tmp_path)  # not make_tier's: it checks at the end
     try:
         tier.restore([k(0)], [0])
@@ -648,6 +646,51 @@ def test_a_restore_that_fails_part_way_leaves_the_tier_consistent(kind, tmp_path
         assert tier.evict(3) == [k(0), k(1), k(2)]  # and every restored block is known to the policy
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize(
+    "keys,slots,freed",
+    [
+        ([k(1), k(0), k(2)], [1, 3], 2),  # a key already here (k(0), in slot 0)
+        ([k(1), k(2), k(1)], [1, 2], 3),  # a key twice in one call: its first slot
+    ],
+    ids=["key-present", "key-twice"],
+)
+def test_a_restore_naming_a_key_the_tier_holds_keeps_what_came_first(make_tier, keys, slots, freed):
+    tier = make_tier()
+    tier.restore([k(0)], [0])
+    assert tier.restore(keys, [1, 2, 3]) == 2
+    assert tier.ready_keys() == [k(0), k(1), k(2)] and tier.slots([k(0), k(1), k(2)]) == [0, *slots]
+    assert tier.usage().used == 3  # the other slot is free again
+    tier.check_invariants()
+    assert tier.reserve([k(9)]) == [freed]
+    tier.abort([k(9)])
+    assert tier.evict(3) == [k(0), k(1), k(2)]  # every block back is known to the policy, in order
+
+
+def test_claimed_slots_are_taken_yet_unreadable_until_their_blocks_come_back(make_tier):
+    tier = make_tier()
+    fill(tier, [k(0)])  # slot 0
+    claimed = tier.claim([3, 1])
+    assert tier.usage().used == 3 and tier.lookup([k(1)]) == 0 and tier.state(k(1)) is BlockState.FREE
+    tier.check_invariants()
+    assert tier.reserve([k(1)]) == [2]  # a store of a key whose block waits here wins ...
+    tier.commit([k(1)])
+    assert tier.reserve([k(8)], allow_evict=False) is None  # (no slot is free, none claimed is handed out)
+    with pytest.raises(StateError):
+        tier.claim([1])  # claimed already
+    assert tier.restore_claimed([k(1), k(3)], claimed) == 1  # ... its block from slot 3 is dropped
+    assert tier.slots([k(1), k(3)]) == [2, 1] and tier.usage().used == 3
+    with pytest.raises(StateError):
+        tier.restore_claimed([k(4)], claimed[:1])  # slot 3 is free again, not claimed
+    with pytest.raises(StateError):
+        tier.release(claimed[1:])  # slot 1 holds k(3) now
+    tier.check_invariants()
+    again = tier.claim([3])
+    tier.release(again)
+    assert tier.usage().used == 3 and tier.reserve([k(9)]) == [3]
+    tier.abort([k(9)])
+    tier.check_invariants()
 
 
 # --- watermark, fences, close, stats ---------------------------------------------------------------

@@ -18,10 +18,19 @@ Invariants checked:
   written again, a slab header zeroed right after the close (within the clock's tick), a slab
   replaced by a copy, a reopen at another capacity;
 - a damaged, truncated, oversized or forged snapshot (bad checksum, a slot out of range or named twice,
-  a key named twice, key lengths out of bounds, huge counts, another namespace) is ignored with one
-  log line naming it and why, never crashes the open, and the scan finds every block;
+  key lengths out of bounds, huge counts, another namespace) is ignored with one log line naming it
+  and why, never crashes the open, and the scan finds every block (a key named twice is the
+  restore's to drop: ``test_disk_restore.py``);
 - a forged snapshot that passes every check but points keys at each other's slots only causes misses:
   those loads fail and their bytes are never returned, every other block loads bit-exact;
+- restoring while serving (``disk_restore``, chunks of two blocks held by a gate): every slot is taken
+  at open and a block not back yet is a miss, never an error; blocks load bit-exact once their chunk
+  is in, oldest first; a store of a block still to come back wins (its bytes stay, the old slot is
+  freed: free slots counted); a close mid-restore lists what is back, what was stored meanwhile and
+  what was still to come, and the reopen has every block; eviction meanwhile takes only blocks
+  already back, a store that finds no more room stores less; a forged snapshot naming a key twice
+  (either copy the wrong one, in one chunk or two) serves no wrong bytes and leaks no slot; a restore
+  thread that fails logs why, frees the slots of the blocks not back, and the tier keeps serving;
 - a snapshot another user owns, that its group or every user can write, that is a symbolic link, a
   FIFO or has a second name is refused like such a slab (the open scans, the link's target and the
   other name are left alone); a file planted under the temporary name is never written through; a
@@ -37,6 +46,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +56,11 @@ import xxhash
 from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put, umask
 from helpers.stack_helpers import ready
 from kvtier.core.slots import slot_stride
-from kvtier.core.tier import BlockState
+from kvtier.core.tier import BlockState, Tier
 from kvtier.tiers.compression import CODEC_IDS
 from kvtier.tiers.disk import SLAB_NAME, VERSION, namespace_digest, read_block_headers
 from kvtier.tiers.disk_files import SNAPSHOT_NAME
+from kvtier.tiers.disk_restore import ChunkedRestore
 from kvtier.tiers.disk_snapshot import SlabIdentity, write_snapshot
 
 SLOTS = 16  # the disk tier's capacity in these tests
@@ -291,7 +302,6 @@ DAMAGE = {
     "a key longer than the key width": lambda path: rewrite(path, set_key_length(3, 17)),
     "a slot out of range": lambda path: forge(path, KEYS[:N], [*range(N - 1), SLOTS]),
     "a slot named twice": lambda path: forge(path, KEYS[:N], [*range(N - 1), 0]),
-    "a key named twice": lambda path: forge(path, [*KEYS[: N - 1], KEYS[0]], range(N)),
     "another namespace": lambda path: forge(path, KEYS[:N], range(N), namespace="model-b"),
 }
 WHY = {
@@ -307,7 +317,6 @@ WHY = {
     "a key longer than the key width": "key length",
     "a slot out of range": "outside",
     "a slot named twice": "named twice",
-    "a key named twice": "twice",
     "another namespace": "namespace",
 }
 
@@ -426,4 +435,211 @@ def test_a_directory_under_the_snapshots_name_costs_the_snapshot_not_the_tier(tm
     loaded, out = get(stack, KEYS[:N])
     assert loaded.loaded == N and not loaded.failed
     assert np.array_equal(out[0], data(KEYS[0]))
+    stack.close()
+
+
+# --- restoring while the tier serves (``disk_restore``) ----------------------------------------------
+
+
+class Gate:
+    """Holds a disk tier's restore thread before each chunk until the test lets it through (``allow``):
+    which blocks are back is the test's choice, with no timing involved."""
+
+    def __init__(self) -> None:
+        self._permits = threading.Semaphore(0)
+        self._passed = threading.Condition()
+        self._steps = 0
+
+    def wrap(self, step):
+        def gated(restore: ChunkedRestore) -> bool:
+            if restore.thread is not threading.current_thread():
+                return step(restore)  # a restore of one chunk, before the open returns
+            self._permits.acquire()
+            try:
+                return step(restore)
+            finally:
+                with self._passed:
+                    self._steps += 1
+                    self._passed.notify_all()
+
+        return gated
+
+    def allow(self, chunks: int) -> None:
+        """Let ``chunks`` more chunks through, and wait until they are in."""
+        with self._passed:
+            target = self._steps + chunks
+            self._permits.release(chunks)
+            assert self._passed.wait_for(lambda: self._steps >= target, timeout=60)
+
+    def finish(self, disk) -> None:
+        """Let every chunk through and wait until the restore thread has ended."""
+        self._permits.release(SLOTS)
+        restoring = disk.storage.slab.restoring
+        restoring.thread.join(timeout=60)
+        assert not restoring.thread.is_alive() and restoring.done.is_set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Restores of two blocks a chunk, each chunk held until the test allows it."""
+    monkeypatch.setattr(ChunkedRestore, "chunk", 2)
+    gate = Gate()
+    monkeypatch.setattr(ChunkedRestore, "step", gate.wrap(ChunkedRestore.step))
+    yield gate
+    gate._permits.release(SLOTS)  # (a test that failed half way leaves no thread waiting)
+
+
+def free_slots(disk) -> int:
+    return disk.capacity - disk.usage().used
+
+
+def test_blocks_come_back_chunk_by_chunk_and_load_bit_exact_once_in(tmp_path, gate):
+    slots = stored_and_closed(tmp_path)
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    assert f"{N} blocks recovered (index snapshot)" in disk.note
+    assert disk.usage().used == N  # every slot is taken from the start, no block is readable yet
+    loaded, _ = get(stack, KEYS[:N])
+    assert (stack.lookup(KEYS[:N]).hits, loaded.hits, loaded.failed) == (0, 0, [])  # a miss, not an error
+    disk.check_invariants()
+    gate.allow(2)  # oldest first: the first four
+    assert ready(disk, KEYS[:N]) == KEYS[:4] and disk.slots(KEYS[:4]) == [slots[k] for k in KEYS[:4]]
+    loaded, out = get(stack, KEYS[:N])
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (4, 4, [])
+    assert_exact(KEYS[:4], loaded, out)
+    disk.check_invariants()
+    gate.finish(disk)
+    assert disk.ready_keys() == KEYS[:N] and disk.slots(KEYS[:N]) == [slots[k] for k in KEYS[:N]]
+    loaded, out = get(stack, KEYS[:N])
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (N, N, [])
+    assert_exact(KEYS[:N], loaded, out)
+    assert disk.usage().used == N and disk.leaks() == {"pinned": 0, "writing": 0}
+    disk.check_invariants()
+    stack.close()
+
+
+def test_a_store_of_a_block_still_to_come_back_wins(tmp_path, gate):
+    """The store's bytes stay (salted here, so they differ from the old copy), the old slot is freed
+    when its chunk comes, and the next open has the stored block."""
+    old = stored_and_closed(tmp_path)
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    gate.allow(1)
+    new = KEYS[5]
+    put(stack, [new], salt=b"again")
+    assert disk.state(new) is BlockState.READY and disk.slots([new])[0] not in old.values()
+    assert free_slots(disk) == SLOTS - N - 1
+    gate.finish(disk)
+    assert free_slots(disk) == SLOTS - N  # the old copy's slot is free again: none leaked
+    assert disk.ready_keys() == KEYS[:2] + [new] + KEYS[2:5] + KEYS[6:N]
+    loaded, out = get(stack, [new])
+    assert loaded.loaded == 1 and np.array_equal(out[0], data(new, b"again"))
+    disk.check_invariants()
+    put(stack, KEYS[N : N + SLOTS - N])  # every free slot is handed out, the old copy's too
+    assert disk.usage().used == SLOTS and disk.lookup([new]) == 1
+    stack.close()
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    loaded, out = get(stack, [new])
+    assert loaded.loaded == 1 and np.array_equal(out[0], data(new, b"again"))
+    stack.close()
+
+
+def test_a_close_mid_restore_keeps_every_block(tmp_path, gate):
+    """The snapshot lists the blocks back, the blocks stored meanwhile and, after them, the blocks
+    still to come (less one stored again meanwhile): the next open has every one."""
+    stored_and_closed(tmp_path)
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    gate.allow(2)
+    put(stack, KEYS[N : N + 2])
+    put(stack, [KEYS[8]], salt=b"again")  # its old copy is still to come back
+    stack.close()
+    gate.finish(disk)
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)  # (chunks of two, none held: the gate is the thread's)
+    disk = stack.tiers[0]
+    assert f"{N + 2} blocks recovered (index snapshot)" in disk.note
+    gate.finish(disk)
+    assert disk.ready_keys() == KEYS[:4] + KEYS[N : N + 2] + [KEYS[8]] + KEYS[4:8] + [KEYS[9]]
+    assert disk.usage().used == N + 2
+    keys = [k for k in KEYS[: N + 2] if k != KEYS[8]]
+    loaded, out = get(stack, keys)
+    assert (loaded.loaded, loaded.failed) == (N + 1, [])
+    assert_exact(keys, loaded, out)
+    loaded, out = get(stack, [KEYS[8]])
+    assert loaded.loaded == 1 and np.array_equal(out[0], data(KEYS[8], b"again"))
+    disk.check_invariants()
+    stack.close()
+
+
+def test_eviction_during_the_restore_takes_only_blocks_already_back(tmp_path, gate):
+    stored_and_closed(tmp_path, KEYS[:SLOTS])  # a full tier
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    gate.allow(1)  # KEYS[0] and KEYS[1] are back, the other 14 still to come
+    put(stack, KEYS[SLOTS : SLOTS + 2])  # room made by evicting the two blocks back
+    assert disk.state(KEYS[0]) is disk.state(KEYS[1]) is BlockState.FREE
+    assert disk.stats.evicted == 2
+    (result,) = put(stack, KEYS[SLOTS + 2 : SLOTS + 5])  # three, two blocks to evict: the blocks to come stay
+    assert (result.stored, result.dropped) == (2, 1) and disk.stats.evicted == 4
+    assert disk.ready_keys() == KEYS[SLOTS + 2 : SLOTS + 4]
+    gate.finish(disk)
+    keys = KEYS[SLOTS + 2 : SLOTS + 4] + KEYS[2:SLOTS]
+    assert disk.ready_keys() == keys and disk.usage().used == SLOTS
+    loaded, out = get(stack, keys)
+    assert (loaded.loaded, loaded.failed) == (SLOTS, [])
+    assert_exact(keys, loaded, out)
+    disk.check_invariants()
+    stack.close()
+
+
+@pytest.mark.parametrize("chunk", [2, 64], ids=["chunks-of-2", "one-chunk"])
+@pytest.mark.parametrize("wrong", ["second", "first"])
+def test_a_forged_snapshot_naming_a_key_twice_never_serves_wrong_bytes(tmp_path, monkeypatch, chunk, wrong):
+    """KEYS[0] named at its own slot and at KEYS[9]'s: the first one named stays, the other slot is
+    freed. Where the first is the wrong one, its load fails its header check and is dropped."""
+    monkeypatch.setattr(ChunkedRestore, "chunk", chunk)
+    slots = stored_and_closed(tmp_path)
+    own, other = (slots[KEYS[0]], slots[KEYS[9]]) if wrong == "second" else (slots[KEYS[9]], slots[KEYS[0]])
+    forge(tmp_path, [KEYS[0], *KEYS[1 : N - 1], KEYS[0]], [own, *(slots[k] for k in KEYS[1 : N - 1]), other])
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    disk.storage.slab.restoring.done.wait(timeout=60)
+    assert disk.usage().used == N - 1 and disk.lookup([KEYS[9]]) == 0
+    loaded, out = get(stack, KEYS[: N - 1])
+    assert loaded.hits == N - 1 and loaded.failed == ([] if wrong == "second" else [0])
+    assert_exact(KEYS[: N - 1], loaded, out)
+    if wrong == "first":
+        assert disk.state(KEYS[0]) is BlockState.FREE and disk.stats.read_errors == 1
+    disk.check_invariants()
+    stack.close()
+
+
+def test_a_restore_that_fails_drops_the_blocks_not_back_and_frees_their_slots(tmp_path, gate, monkeypatch, caplog):
+    stored_and_closed(tmp_path)
+    restore_claimed = Tier.restore_claimed
+
+    def fails_on_the_third_chunk(tier, keys, slots):
+        if KEYS[4] in keys:
+            raise MemoryError("injected")
+        return restore_claimed(tier, keys, slots)
+
+    monkeypatch.setattr(Tier, "restore_claimed", fails_on_the_third_chunk)
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)
+    disk = stack.tiers[0]
+    with caplog.at_level(logging.ERROR):
+        gate.finish(disk)
+    assert "restoring its index failed" in caplog.text and "MemoryError: injected" in caplog.text
+    assert disk.ready_keys() == KEYS[:4] and disk.usage().used == 4  # the other slots are free
+    put(stack, KEYS[N : N + SLOTS - 4])  # and handed out again
+    assert disk.usage().used == SLOTS
+    disk.check_invariants()
+    stack.close()
+    stack = open_stack(tmp_path, host=0, disk=SLOTS)  # the snapshot lists what the tier held, nothing dropped
+    disk = stack.tiers[0]
+    gate.finish(disk)
+    keys = KEYS[:4] + KEYS[N : N + SLOTS - 4]
+    assert disk.ready_keys() == keys
+    loaded, out = get(stack, keys)
+    assert (loaded.loaded, loaded.failed) == (SLOTS, [])
+    assert_exact(keys, loaded, out)
     stack.close()

@@ -60,10 +60,13 @@ def _tier(request: TierRequest) -> RemoteTier:
 
 
 def _rank_storage(request: RankRequest) -> BlockStorage:
-    """One rank's records (one record per block for every rank, where their KV is the same)."""
+    """One rank's records (one record per block for every rank, where their KV is the same). The stores
+    it skips because the store held the record already (another engine stored the block) are counted
+    where the engine's worker says (``RankRequest.count``: ``skipped_existing``), as a tier counts them."""
     assert isinstance(request.config, RemoteTierConfig)
     rank = None if request.replicated else request.rank
-    return RemoteStorage(request.layout, record_format(request.config, request.layout, request.namespace, rank))
+    records = record_format(request.config, request.layout, request.namespace, rank)
+    return RemoteStorage(request.layout, records, lambda n: request.count(skipped_existing=n))
 
 
 # A store others write to and evict from: what this engine stores there is not announced as its own.

@@ -361,3 +361,26 @@ def test_a_hybrid_models_groups_come_from_the_store_each_as_its_own_record(make_
     reader.run([again])
     assert sum(s.get("hit_blocks_remote", 0) for s in reader.stats) == 6 + 2
     reader.assert_no_leaks()
+
+
+def test_records_another_engine_stored_meanwhile_are_skipped_and_counted_in_the_stats(make_engine, redis):
+    """Two engines compute the same prompt at once (the store held none of it when each asked): the
+    second to store finds the first one's records there, writes none of them again, and its workers
+    count them (``skipped_existing``, one per rank's record) in the stats vLLM collects."""
+    config = redis_config(redis)
+    shared = prompt(4, 5, seed=1)
+    first, second = make_engine(config, tp=2), make_engine(config, tp=2)
+    a, b = first.add(shared, max_tokens=2), second.add(shared, max_tokens=2)
+    assert answer(first, a) == answer(second, b) == (0, False)
+    first.run([a])
+    second.run([b])
+    for engine in (first, second):
+        assert engine.kvtier.remote.stats.committed == 4  # a skipped record counts as stored
+        engine.assert_no_leaks()
+    skipped = [sum(s.get("skipped_existing", 0) for s in engine.stats) for engine in (first, second)]
+    assert skipped == [0, 4 * 2]
+    reader = make_engine(config, tp=2)  # and the records are whole: a third engine loads them bit-exact
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    step_until_scheduled(reader, again)
+    assert reader.blocks_match(again, range(4)) and not reader.load_errors

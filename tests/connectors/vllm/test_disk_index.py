@@ -1,0 +1,335 @@
+"""A restart under vLLM without reading every slot header (issue 29): an engine's clean shutdown leaves
+the scheduler side's index of its disk tier (``<path>/index.kvt``) and, on every rank, a snapshot of
+no blocks carrying the slab's sequence number (``<path>/rank<r>/index.kvt``). The next engine takes
+both: its scheduler side restores every block from the index (no slot header read), its workers
+take the sequence number (no scan), and the blocks load back bit-exact on every rank. A crash, or an
+index that is stale (a slab written since, workers that closed after the scheduler side), damaged,
+hostile or forged, means one log line and the headers read as before; an index naming the wrong
+slots can only cause misses, which vLLM recomputes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers.vllm_harness import Engine
+from helpers.vllm_helpers import (
+    BLOCK,
+    assert_loads_back,
+    assert_recomputed_from,
+    forget_gpu,
+    held_by,
+    prompt,
+    step_until_scheduled,
+)
+from kvtier.connectors.vllm import recovery
+from kvtier.core.keys import chain_hashes
+from kvtier.tiers.disk import PAGE, DiskSlab, rank_directory, rank_slabs_identity, read_block_headers
+from kvtier.tiers.disk_files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk_snapshot import write_snapshot
+
+PREFIXES = (1, 2, 3)
+TP = 2
+
+
+def disk_config(path) -> dict:
+    return {
+        "placement": "write_through",
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 4},
+            {"medium": "disk", "capacity_blocks": 16, "path": str(path)},
+        ],
+    }
+
+
+class Calls:
+    """Counts the calls of a function that still runs as it is: ``owner.name`` for the test's length."""
+
+    def __init__(self, monkeypatch, owner, name: str) -> None:
+        self.count = 0
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.fixture
+def header_reads(monkeypatch):
+    """How often the scheduler side reads a rank's slot headers (``read_block_headers``)."""
+    return Calls(monkeypatch, recovery, "read_block_headers")
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    """How often a worker's slab reads every slot header at open (``DiskSlab.scan``)."""
+    return Calls(monkeypatch, DiskSlab, "scan")
+
+
+def prefix_keys(engine, prefix: int) -> list[bytes]:
+    return chain_hashes(prompt(4, 0, seed=0, prefix=prefix), BLOCK, engine.kvtier.request_namespace())
+
+
+def filled(make_engine, config: dict):
+    """An engine whose disk tier holds the 4 blocks of each of ``PREFIXES`` (on every rank), still open."""
+    engine = make_engine(config, tp=TP)
+    for p in PREFIXES:
+        engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    assert engine.kvtier.tier("disk").usage().used == 4 * len(PREFIXES)
+    engine.assert_no_leaks()
+    return engine
+
+
+def assert_all_back(engine) -> None:
+    """Every block of ``PREFIXES`` is in the disk tier and loads back bit-exact on every rank."""
+    assert engine.kvtier.tier("disk").usage().used == 4 * len(PREFIXES)
+    for p in PREFIXES:
+        assert held_by(engine, prefix_keys(engine, p)) == ["disk"] * 4
+    for p in PREFIXES:
+        assert_loads_back(engine, prompt(4, 7, seed=10 + p, prefix=p), computed=7, blocks=4)
+    assert not engine.load_errors
+
+
+def index_path(path) -> Path:
+    return Path(path) / SNAPSHOT_NAME
+
+
+def warnings_about_the_index(caplog, path) -> list[str]:
+    """The warnings about the scheduler side's index (not the workers' snapshots in the rank directories)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING
+        and "index snapshot" in r.getMessage()
+        and str(index_path(path)) in r.getMessage()
+    ]
+
+
+def test_a_clean_restart_restores_every_block_from_the_index_without_reading_a_header(
+    make_engine, tmp_path, header_reads, scans, caplog
+):
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    before = filled(make_engine, config)
+    before.shutdown()
+    assert index_path(path).is_file()
+    assert all((rank_directory(path, r) / SNAPSHOT_NAME).is_file() for r in range(TP))
+    header_reads.count = scans.count = 0
+
+    caplog.set_level(logging.INFO)
+    after = make_engine(config, tp=TP)
+    assert (header_reads.count, scans.count) == (0, 0)  # neither side read a slot header
+    assert not index_path(path).exists()  # taken: a crash from now on leaves none behind
+    assert not any((rank_directory(path, r) / SNAPSHOT_NAME).exists() for r in range(TP))
+    assert any("12 blocks kept from before the restart (from the index snapshot)" in m for m in caplog.messages)
+    assert not warnings_about_the_index(caplog, path)
+    assert_all_back(after)
+    stored = {
+        h for e in after.events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE" for h in e.block_hashes
+    }
+    assert {k for p in PREFIXES for k in prefix_keys(after, p)} <= stored  # announced as the disk tier's
+
+
+def test_the_index_restores_the_order_blocks_leave_in(make_engine, tmp_path, header_reads):
+    """The index lists blocks oldest first, as ``Tier.restore`` takes them: a full disk tier makes room
+    by dropping the oldest prefix."""
+    config = disk_config(tmp_path / "disk")
+    config["tiers"][1]["capacity_blocks"] = 8
+    before = make_engine(config, tp=TP)
+    for p in (1, 2):
+        before.run([before.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    before.shutdown()
+    header_reads.count = 0
+
+    after = make_engine(config, tp=TP)
+    assert header_reads.count == 0 and after.kvtier.tier("disk").usage().used == 8
+    after.run([after.add(prompt(4, 5, seed=3, prefix=3), max_tokens=2)])
+    disk = after.kvtier.tier("disk")
+    assert [disk.lookup(prefix_keys(after, p)) for p in (1, 2, 3)] == [0, 4, 4]
+    assert_loads_back(after, prompt(4, 7, seed=4, prefix=2), computed=7, blocks=4)
+
+
+def test_a_crash_reads_every_ranks_headers(model_dir, make_engine, tmp_path, header_reads, scans, caplog):
+    """Workers killed (each in a process of its own) and a scheduler side that never shut down leave
+    no index and no worker snapshot: the next engine reads the headers, as before, and keeps every block."""
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    crashed = Engine(model_dir, config, tp=TP, processes=True)
+    for p in PREFIXES:
+        crashed.run([crashed.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    for worker in crashed.workers:
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join(30)
+    assert not index_path(path).exists()
+    assert not any((rank_directory(path, r) / SNAPSHOT_NAME).exists() for r in range(TP))
+    header_reads.count = scans.count = 0
+
+    caplog.set_level(logging.INFO)
+    after = make_engine(config, tp=TP)
+    assert (header_reads.count, scans.count) == (TP, TP)
+    assert any("12 blocks kept from before the restart (from the slot headers" in m for m in caplog.messages)
+    assert_all_back(after)
+
+
+def rewrite_header_in_place(path, rank: int) -> None:
+    """Write slot 0's header page of a rank's slab back as it is: the bytes stay, the slab's mtime moves."""
+    with open(rank_directory(path, rank) / SLAB_NAME, "r+b") as f:
+        f.seek(PAGE)
+        page = f.read(PAGE)
+        f.seek(PAGE)
+        f.write(page)
+
+
+def flip_a_byte(path) -> None:
+    raw = bytearray(index_path(path).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    index_path(path).write_bytes(raw)
+
+
+def planted_link(path) -> None:
+    """The index replaced by a link to a copy of it elsewhere: never followed."""
+    elsewhere = path.parent / "elsewhere.kvt"
+    os.replace(index_path(path), elsewhere)
+    os.symlink(elsewhere, index_path(path))
+
+
+DEFECTS = {
+    "a slab written since": lambda path: rewrite_header_in_place(path, rank=1),
+    "damaged": flip_a_byte,
+    "writable by others": lambda path: os.chmod(index_path(path), 0o666),
+    "a symbolic link": planted_link,
+}
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_an_index_that_cannot_be_used_means_one_warning_and_the_headers(
+    make_engine, tmp_path, header_reads, caplog, defect
+):
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    filled(make_engine, config).shutdown()
+    DEFECTS[defect](path)
+    header_reads.count = 0
+
+    after = make_engine(config, tp=TP)
+    assert header_reads.count == TP
+    assert len(warnings_about_the_index(caplog, path)) == 1
+    assert not os.path.lexists(index_path(path))  # taken, whatever it was
+    assert_all_back(after)
+
+
+def test_workers_closing_after_the_scheduler_side_make_its_index_stale(make_engine, tmp_path, header_reads, caplog):
+    """The order vLLM does not use: the scheduler side writes its index while the workers still hold
+    their slabs; their closes seal the slabs after it, so the next engine refuses the index."""
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    before = filled(make_engine, config)
+    before.connector.shutdown()
+    for worker in before.workers:
+        worker.shutdown()
+    header_reads.count = 0
+
+    after = make_engine(config, tp=TP)
+    assert header_reads.count == TP
+    (warning,) = warnings_about_the_index(caplog, path)
+    assert "describes another slab" in warning
+    assert_all_back(after)
+
+
+def engine_disk(engine) -> recovery.RankSlabs:
+    """The engine's disk tier as its scheduler side restores it: its config, ranks, slots, layout, namespace."""
+    side = engine.kvtier
+    disk_cfg = next(t for t in side.config.tiers if t.medium == "disk")
+    return recovery.RankSlabs(disk_cfg, TP, 16, engine.workers[0].connector.worker_side.layout, side.namespace.hex())
+
+
+def forge_index(slabs: recovery.RankSlabs, keys: list[bytes], slots: list[int]) -> None:
+    """Replace the index by one naming ``keys`` at ``slots``, valid in every other way (identity,
+    checksum): what someone who can write the directory could leave."""
+    identity = rank_slabs_identity(slabs.config, slabs.ranks, slabs.slots, slabs.layout, slabs.namespace)
+    dir_fd = os.open(slabs.config.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        write_snapshot(dir_fd, shared=False, identity=identity, keys=keys, slots=slots, sequence=0)
+    finally:
+        os.close(dir_fd)
+
+
+def test_two_keys_slots_swapped_in_the_index_fail_their_loads_and_are_recomputed(make_engine, tmp_path, header_reads):
+    """An index is a hint about where blocks are: one naming two blocks at each other's slots (valid in
+    every other way) restores them there, and loading them fails the slot header's key check on every
+    rank; vLLM recomputes them, never reads the other block's KV."""
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    before = filled(make_engine, config)
+    keys = prefix_keys(before, 1)
+    slots = dict(zip(*before.kvtier.tier("disk").ready_blocks(), strict=True))
+    slabs = engine_disk(before)
+    before.shutdown()
+    slots[keys[1]], slots[keys[2]] = slots[keys[2]], slots[keys[1]]
+    forge_index(slabs, list(slots), list(slots.values()))
+    header_reads.count = 0
+
+    after = make_engine(config, tp=TP)
+    assert header_reads.count == 0
+    assert held_by(after, keys) == ["disk"] * 4
+    again = assert_recomputed_from(after, prompt(4, 7, seed=2, prefix=1), damaged=1, blocks=4, computed=3 * BLOCK + 7)
+    (block_ids,) = after.scheduler.kv_cache_manager.get_block_ids(again.request_id)
+    assert {block_ids[1], block_ids[2]} <= after.load_errors  # both, and KV right (blocks_match) once recomputed
+    after.run([again])
+    assert sum(s["failed_load_blocks"] for s in after.stats) == 2
+    assert after.kvtier.tier("disk").stats.read_errors == 2
+    after.assert_no_leaks()
+    assert_loads_back(after, prompt(4, 3, seed=3, prefix=2), computed=3, blocks=4)  # the others are intact
+
+
+def test_an_index_naming_a_key_twice_never_gives_wrong_kv(make_engine, tmp_path):
+    """A forged index naming block 0 of prefix 1 again at the slot of prefix 3's last block: whatever the
+    restore keeps of it, every prefix then reaches vLLM's blocks with the right KV, loaded or recomputed."""
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    before = filled(make_engine, config)
+    keys, slots = before.kvtier.tier("disk").ready_blocks()
+    slabs = engine_disk(before)
+    before.shutdown()
+    forge_index(slabs, [*keys[:-1], keys[0]], slots)
+
+    after = make_engine(config, tp=TP)
+    assert not os.path.lexists(index_path(path))
+    for p in PREFIXES:
+        forget_gpu(after)
+        again = after.add(prompt(4, 7, seed=10 + p, prefix=p), max_tokens=2)
+        step_until_scheduled(after, again)
+        assert after.blocks_match(again, range(4))
+        after.run([again])
+    after.assert_no_leaks()
+
+
+def test_a_worker_takes_its_sequence_from_its_snapshot_and_stores_after_it(make_engine, tmp_path, scans):
+    """No scan at a clean restart, yet the next stores' headers carry higher sequence numbers than every
+    old one (what the scheduler side's header read picks the newest copy of a block by)."""
+    path = tmp_path / "disk"
+    config = disk_config(path)
+    before = filled(make_engine, config)
+    newest = before.workers[0].connector.worker_side.storages["disk"].slab.sequence
+    slabs = engine_disk(before)
+    before.shutdown()
+    scans.count = 0
+
+    after = make_engine(config, tp=TP)
+    assert scans.count == 0
+    for worker in after.workers:
+        assert worker.connector.worker_side.storages["disk"].slab.sequence == newest
+    after.run([after.add(prompt(4, 5, seed=4, prefix=4), max_tokens=2)])
+    new = set(prefix_keys(after, 4))
+    for rank in range(TP):
+        headers = read_block_headers(rank_directory(path, rank), 16, slabs.layout, slabs.namespace)
+        old = [h.sequence for h in headers.values() if h.key not in new]
+        fresh = [h.sequence for h in headers.values() if h.key in new]
+        assert len(old) == 12 and len(fresh) == 4
+        assert min(fresh) > max(old) == newest
