@@ -21,10 +21,12 @@ import enum
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
+
+from kvtier.core.namespaces import said
 
 log = logging.getLogger("kvtier.misses")
 
@@ -46,7 +48,7 @@ class MissReason(enum.Enum):
     DROPPED = "dropped"  # a store of it did not land: no room, refused, failed, timed out, quarantined
     DAMAGED = "damaged"  # a load of it failed its checksum, header or MAC check (or could not be read)
     REMOTE_ERROR = "remote_error"  # the remote store did not answer in time, or failed
-    OTHER_NAMESPACE = "other_namespace"  # stored under another namespace (block size, namespace, key secret)
+    OTHER_NAMESPACE = "other_namespace"  # stored under another namespace (block size, namespace, geometry)
     PARTIAL_BLOCK = "partial_block"  # every full block hit; the prompt's last block is partial (never stored)
 
 
@@ -121,7 +123,7 @@ class Miss:
     """Why one lookup ended early: ``hits`` of ``blocks`` full blocks were found; the first missing
     block is absent for ``reason``, which happened in ``tier`` (None: in none, e.g. never stored);
     ``by_tier``: why it is absent from each tier; ``differing``: for ``OTHER_NAMESPACE``, the
-    namespace fields that differ from the stack that stored it."""
+    namespace fields that differ from the stack that stored it, ``{field: (here, there)}``."""
 
     hits: int
     blocks: int
@@ -129,6 +131,15 @@ class Miss:
     tier: str | None
     by_tier: dict[str, MissReason]
     differing: dict[str, tuple[object, object]] = field(default_factory=dict)
+
+
+def in_other_namespace(miss: Miss, found: Mapping[str, Mapping[str, tuple[object, object]]]) -> Miss:
+    """``miss``, a block never stored, told as stored under another namespace in the tiers ``found``
+    names (each with the fields that differ there, ``{field: (ours, theirs)}``;
+    ``core/namespaces.OtherNamespaces.find``): their reason, and in total the deepest of them."""
+    tier = [name for name in miss.by_tier if name in found][-1]
+    by_tier = {name: MissReason.OTHER_NAMESPACE if name in found else why for name, why in miss.by_tier.items()}
+    return Miss(miss.hits, miss.blocks, MissReason.OTHER_NAMESPACE, tier, by_tier, dict(found[tier]))
 
 
 class MissCounter:
@@ -233,7 +244,6 @@ def describe(miss: Miss) -> str:
     where = f" in {miss.tier}" if miss.tier else ""
     tiers = ", ".join(f"{name}={reason.value}" for name, reason in miss.by_tier.items())
     line = f"lookup hit {miss.hits}/{miss.blocks} full blocks; miss: {miss.reason.value}{where}; per tier: {tiers}"
-    if miss.differing:
-        fields = ", ".join(f"{name} {ours!r} here, {theirs!r} there" for name, (ours, theirs) in miss.differing.items())
-        line += f"; namespace differs in: {fields}"
+    if miss.reason is MissReason.OTHER_NAMESPACE:
+        line += f"; namespace differs (here vs there) in: {'; '.join(said(miss.differing)) or 'no recorded field'}"
     return line

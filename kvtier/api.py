@@ -8,12 +8,17 @@
 Token ids are hashed into chained block keys (only full blocks get one); callers that already have
 keys pass a list of ``bytes`` instead. Every data call returns a ``concurrent.futures.Future``; the
 ``a``-prefixed methods are the asyncio flavour of the same calls. A lookup that ends early is counted
-with its reason (``stats()["misses"]``, ``core/misses.py``); ``explain`` names it for one prompt.
+with its reason (``stats()["misses"]``, ``core/misses.py``); ``explain`` names it for one prompt. A
+stack records its namespace in its disk and remote tiers when it opens, so a prompt whose blocks a
+stack of another block size or namespace stored there misses as ``other_namespace``, naming the
+fields that differ (``core/namespaces.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -22,9 +27,12 @@ from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import StackConfig, default_config_path, load_config
 from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import chain_hashes, check_key, key_secret
-from kvtier.core.misses import Miss
+from kvtier.core.misses import Miss, MissReason, in_other_namespace
+from kvtier.core.namespaces import KnownNamespace, OtherNamespaces, secret_fingerprint, stack_fields
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 from kvtier.core.storage import buffer_storage
+
+log = logging.getLogger(__name__)
 
 Blocks = Any  # a numpy array or torch tensor of n blocks, or a list of n such arrays
 TokensOrKeys = Sequence[int] | Sequence[bytes]
@@ -43,6 +51,12 @@ class KVTier:
         self.config = config
         self.layout = config_layout(config)
         self.stack: TierStack = build_stack(config, self.layout)
+        ours = _namespace(config, self.key_secret)
+        try:
+            self.namespaces = None if ours is None else OtherNamespaces(ours, self.stack.tiers, self.key_secret)
+        except BaseException:
+            self.stack.close()
+            raise
 
     @classmethod
     def open(cls, config: str | Path | dict | StackConfig | None = None) -> KVTier:
@@ -82,9 +96,16 @@ class KVTier:
         return self._miss(tokens_or_keys, keys, self.stack.lookup(keys, count=False).hits)
 
     def _miss(self, tokens_or_keys: TokensOrKeys, keys: list[bytes], hits: int) -> Miss | None:
-        """The miss of a lookup of ``keys`` that found ``hits``; token ids say whether a partial block follows."""
+        """The miss of a lookup of ``keys`` that found ``hits``; token ids say whether a partial block
+        follows, and whether a block never stored here is stored under another namespace."""
         partial = _are_token_ids(tokens_or_keys) and len(tokens_or_keys) % self.config.block_tokens != 0
-        return self.stack.misses.explain(keys, hits, partial)
+        miss = self.stack.misses.explain(keys, hits, partial)
+        if miss is None or miss.reason is not MissReason.NEVER_STORED or self.namespaces is None:
+            return miss
+        if not _are_token_ids(tokens_or_keys):
+            return miss
+        found = self.namespaces.find(tokens_or_keys, hits * self.config.block_tokens)
+        return in_other_namespace(miss, found) if found else miss
 
     def store(self, tokens_or_keys: TokensOrKeys, blocks: Blocks):
         """Copy the caller's blocks into the stack; one block per key, in order.
@@ -149,3 +170,20 @@ class KVTier:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _namespace(config: StackConfig, secret: bytes | None) -> KnownNamespace | None:
+    """What a stack of ``config`` records as its namespace where its blocks live (``core/namespaces.py``):
+    what its keys are hashed under, and the geometry its records carry. None (logged) for a namespace
+    too long to record (over 1,024 characters): that stack then neither records it nor searches."""
+    fields = {
+        **stack_fields(config.block_tokens, config.namespace),
+        "key_secret": secret_fingerprint(secret),
+        "block_bytes": config.block_bytes,
+        "fragments": config.fragments,
+    }
+    try:
+        return KnownNamespace(fields, time.time())
+    except ValueError as exc:
+        log.warning("kvtier: this stack's namespace is not recorded, and its misses not searched in others: %s", exc)
+        return None

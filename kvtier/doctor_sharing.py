@@ -17,7 +17,6 @@ secret already.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +25,18 @@ from typing import Any
 from kvtier.connectors.vllm.namespace import request_namespace, settings_namespace
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import chain_hashes, hash_key, key_secret
+from kvtier.core.keys import chain_hashes, key_secret
+from kvtier.core.namespaces import (
+    differences as differences,  # (kvtier doctor --compare's, kept in core)
+    fingerprint,
+    secret_fingerprint,
+    stack_fields,
+)
 from kvtier.core.strict_yaml import read_yaml
 from kvtier.tiers.remote.config import remote_config
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.record import mac_key
 
-_FINGERPRINT_PERSON = b"kvtier-doctor-1"
 _VLLM_DTYPES = {
     "half": "float16",
     "float16": "float16",
@@ -86,17 +90,12 @@ class VllmEngine:
         )
 
 
-def fingerprint(key: bytes) -> str:
-    """4 bytes naming a key derived from a secret, never the secret."""
-    return hashlib.blake2b(key, digest_size=4, person=_FINGERPRINT_PERSON).hexdigest()
-
-
 def sharing(config: StackConfig, engine: VllmEngine | None = None) -> dict[str, Any]:
     """``{"digest": ..., "fields": {...}}``: what decides which engines share blocks with a stack of
     ``config`` (under ``engine``, or standalone: ``kvtier.api``). The digest is None when the key secret
     cannot be read (the ``key secret`` check says why)."""
     if engine is None:
-        fields: dict[str, Any] = {"block_size": config.block_tokens, "namespace": config.namespace}
+        fields = stack_fields(config.block_tokens, config.namespace)
         chain_namespace = config.namespace.encode()
     else:
         engine_namespace = engine.namespace(config)
@@ -107,7 +106,7 @@ def sharing(config: StackConfig, engine: VllmEngine | None = None) -> dict[str, 
     except ConfigError:
         secret, fields["key_secret"], digest = None, "unreadable", None
     else:
-        fields["key_secret"] = None if secret is None else fingerprint(hash_key(secret))
+        fields["key_secret"] = secret_fingerprint(secret)
         digest = chain_hashes([0] * fields["block_size"], fields["block_size"], chain_namespace, secret=secret)[0].hex()
     fields.update(_store_fields(config))
     return {"digest": digest, "fields": fields}
@@ -152,20 +151,6 @@ def other_sharing(path: str, engine: VllmEngine | None) -> dict[str, Any]:
     if not isinstance(shared, dict) or not isinstance(shared.get("fields"), dict) or "digest" not in shared:
         raise ConfigError(f"{path}: a kvtier doctor report without a namespace (its config did not load)")
     return shared
-
-
-def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """``"<field> <a> vs <b>"`` for every field two sharing reports give different values (a field only
-    one has counts, shown as null); the digests where no field explains them."""
-    fields_a, fields_b = a["fields"], b["fields"]
-    differ = [
-        f"{name} {json.dumps(fields_a.get(name))} vs {json.dumps(fields_b.get(name))}"
-        for name in sorted(fields_a.keys() | fields_b.keys())
-        if fields_a.get(name) != fields_b.get(name)
-    ]
-    if not differ and (a["digest"] != b["digest"] or a["digest"] is None):
-        differ.append(f"digest {json.dumps(a['digest'])} vs {json.dumps(b['digest'])}")
-    return differ
 
 
 def verdict(differ: list[str]) -> str:

@@ -4,6 +4,7 @@ and a damaged record in it (damaged, remote), on a real redis-server."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 from helpers.redis_server import redis_server
 from kvtier import KVTier
 from kvtier.core.misses import TOTAL, MissReason
+from kvtier.core.namespaces import ENTRY_BYTES, REGISTRY_BYTES, decode_entry
+from kvtier.tiers.disk_namespaces import NAMESPACES_NAME
 from kvtier.tiers.remote.record import HEADER_BYTES
 
 BLOCK = 4096
@@ -108,3 +111,147 @@ def test_a_damaged_record_is_damaged_in_the_remote_tier(server):
             (MissReason.NEVER_STORED, "host"): 1,
             (MissReason.DAMAGED, "remote"): 1,
         }
+
+
+# --- another namespace: stacks of another block size or namespace before this one ---------------
+
+
+def on_disk(path, block_tokens: int = TOKENS, namespace: str = "") -> dict:
+    disk = {"medium": "disk", "path": str(path), "capacity_blocks": 16}
+    tiers = [{"medium": "host", "capacity_blocks": 8}, disk]
+    return {**host_only(), "block_tokens": block_tokens, "namespace": namespace, "tiers": tiers}
+
+
+def stored_by_another(path) -> list[int]:
+    """A prompt of 4 blocks of 16 tokens that a stack of the default namespace stored in ``path``'s disk
+    tier and closed; then this test's stack opens there with ``config``."""
+    tokens = prompt(4)
+    with KVTier.open(on_disk(path)) as kv:
+        kv.store(tokens, data(4)).result(WAIT)
+    return tokens
+
+
+def debug_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvtier.misses"]
+
+
+@pytest.mark.parametrize(
+    ("config", "differing", "said"),
+    [
+        ({"block_tokens": 32}, {"block_size": (32, 16)}, "block_size 32 vs 16"),
+        ({"namespace": "other"}, {"namespace": ("other", "")}, 'namespace "other" vs ""'),
+    ],
+    ids=["block_tokens", "namespace"],
+)
+def test_a_block_the_disk_holds_under_another_namespace_is_other_namespace(tmp_path, caplog, config, differing, said):
+    tokens = stored_by_another(tmp_path)
+    with KVTier.open(on_disk(tmp_path, **config)) as kv:
+        with caplog.at_level(logging.DEBUG, logger="kvtier.misses"):
+            assert kv.lookup(tokens) == 0
+        assert kv.stack.misses.take() == {
+            (MissReason.OTHER_NAMESPACE, TOTAL): 1,
+            (MissReason.NEVER_STORED, "host"): 1,
+            (MissReason.OTHER_NAMESPACE, "disk"): 1,
+        }
+        (line,) = debug_lines(caplog)
+        assert line.endswith(f"disk=other_namespace; namespace differs (here vs there) in: {said}")
+        miss = kv.explain(tokens)
+        assert (miss.reason, miss.tier, miss.differing) == (MissReason.OTHER_NAMESPACE, "disk", differing)
+        assert kv.stack.misses.take() == {}, "explain counts nothing"
+        assert kv.lookup(tokens[::-1]) == 0  # another prompt: never stored anywhere
+        assert kv.stack.misses.take()[MissReason.NEVER_STORED, TOTAL] == 1
+
+
+def test_without_another_namespace_a_miss_stays_never_stored(tmp_path):
+    tokens = stored_by_another(tmp_path)
+    with KVTier.open(on_disk(tmp_path)) as kv:  # the same namespace: its blocks are hits
+        assert kv.lookup(tokens) == 4 and kv.lookup(prompt(5)) == 4
+        assert kv.stack.misses.take() == {
+            (MissReason.NEVER_STORED, TOTAL): 1,
+            (MissReason.NEVER_STORED, "host"): 1,
+            (MissReason.NEVER_STORED, "disk"): 1,
+        }
+    with KVTier.open(on_disk(tmp_path / "fresh", block_tokens=32)) as kv:  # nobody else used this directory
+        assert kv.lookup(tokens) == 0
+        assert kv.stack.misses.take()[MissReason.NEVER_STORED, "disk"] == 1
+
+
+def plant(path, how: str, tmp_path) -> None:
+    """Put a hostile ``namespaces.json`` in the disk tier's directory ``path``, in place of the real one."""
+    registry = path / NAMESPACES_NAME
+    if how == "garbage":
+        registry.write_bytes(b"\x00{not json" * 100)
+    elif how == "huge":  # valid JSON, too large to read
+        registry.write_text(json.dumps({"kvtier_namespaces": 1, "entries": [], "pad": "x" * REGISTRY_BYTES}))
+    elif how == "symlink":  # to a copy of the real one, elsewhere: it must not be followed
+        target = tmp_path / "elsewhere.json"
+        target.write_bytes(registry.read_bytes())
+        registry.unlink()
+        registry.symlink_to(target)
+    elif how == "world-writable":
+        registry.chmod(0o666)
+
+
+@pytest.mark.parametrize("how", ["garbage", "huge", "symlink", "world-writable"])
+def test_a_hostile_namespaces_json_is_ignored_with_one_log_line(tmp_path, caplog, how):
+    path = tmp_path / "disk"
+    tokens = stored_by_another(path)
+    plant(path, how, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk_namespaces"):
+        kv = KVTier.open(on_disk(path, block_tokens=32))
+    with kv:
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers.disk_namespaces"]
+        assert f"{NAMESPACES_NAME} ignored" in warning
+        assert kv.lookup(tokens) == 0
+        assert kv.stack.misses.take()[MissReason.NEVER_STORED, "disk"] == 1, "the other namespace is not known"
+    registry = path / NAMESPACES_NAME
+    assert registry.is_file() and not registry.is_symlink() and registry.stat().st_mode & 0o777 == 0o600
+    (entry,) = json.loads(registry.read_text())["entries"]  # replaced by this stack's own
+    assert entry["fields"]["block_size"] == 32
+    if how == "symlink":
+        assert "entries" in json.loads((tmp_path / "elsewhere.json").read_text()), "its target is left alone"
+
+
+def test_a_block_the_remote_store_holds_under_another_block_size_is_other_namespace(server, caplog):
+    tokens = prompt(4)
+    with KVTier.open(over(server)) as writer:
+        writer.store(tokens, data(4)).result(WAIT)
+        writer.wait_idle(WAIT)
+    with KVTier.open({**over(server), "block_tokens": 32}) as reader:
+        with caplog.at_level(logging.DEBUG, logger="kvtier.misses"):
+            assert reader.lookup(tokens) == 0
+        assert reader.stack.misses.take() == {
+            (MissReason.OTHER_NAMESPACE, TOTAL): 1,
+            (MissReason.NEVER_STORED, "host"): 1,
+            (MissReason.OTHER_NAMESPACE, "remote"): 1,
+        }
+        (line,) = debug_lines(caplog)
+        assert line.endswith("remote=other_namespace; namespace differs (here vs there) in: block_size 32 vs 16")
+        assert reader.explain(tokens).differing == {"block_size": (32, 16)}
+        server.kill()  # the search's query fails: a remote error, as the lookup's own
+        assert reader.explain(tokens).reason is MissReason.REMOTE_ERROR
+
+
+def test_hostile_registry_records_in_the_store_are_ignored_with_one_log_line(server, caplog):
+    tokens = prompt(4)
+    with KVTier.open(over(server)) as writer:
+        writer.store(tokens, data(4)).result(WAIT)
+        writer.wait_idle(WAIT)
+    client = server.client()
+    assert decode_entry(client.get("kvtier/namespaces/0")).fields["block_size"] == TOKENS  # the writer's
+    client.set("kvtier/namespaces/1", b"\xff{" * (ENTRY_BYTES // 2))  # garbage of the right size
+    client.set("kvtier/namespaces/2", b" " * (64 * ENTRY_BYTES))  # huge
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.remote.tier"):
+        reader = KVTier.open({**over(server), "block_tokens": 32})
+    with reader:
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers.remote.tier"]
+        assert warning.endswith("kvtier/namespaces/1, kvtier/namespaces/2")
+        assert reader.lookup(tokens) == 0
+        assert reader.stack.misses.take()[MissReason.OTHER_NAMESPACE, "remote"] == 1, "the writer's entry still counts"
+        client.delete("kvtier/namespaces/0")
+    with KVTier.open({**over(server), "block_tokens": 64}) as third:  # lists the second stack's only
+        assert third.lookup(tokens) == 0
+        assert third.stack.misses.take()[MissReason.NEVER_STORED, TOTAL] == 1, "no other namespace's key is held"
+    mine = decode_entry(client.get("kvtier/namespaces/1"))  # the second's: the first record free or unreadable
+    assert mine.fields["block_size"] == 32 and mine.records is not None
+    assert len(client.get("kvtier/namespaces/2")) == 64 * ENTRY_BYTES

@@ -51,9 +51,10 @@ from kvtier.core.errors import ClosedError, ConfigError, StateError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import FILE_DEVICE, Capabilities, Medium, RankRequest, TierRequest
+from kvtier.core.namespaces import KnownNamespace
 from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
-from kvtier.core.tier import Tier
+from kvtier.core.tier import BlockState, Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.compression import CODEC_IDS, CODEC_NAMES, codec
@@ -67,6 +68,7 @@ from kvtier.tiers.disk_files import (
     remove_slab,
     reopen_slab,
 )
+from kvtier.tiers.disk_namespaces import record
 from kvtier.tiers.disk_restore import ChunkedRestore
 from kvtier.tiers.disk_snapshot import SlabIdentity, Snapshot, take_snapshot, write_snapshot
 
@@ -81,6 +83,8 @@ _FILE_HEADER = struct.Struct("<8sIQQQB")
 _SLOT_HEADER = struct.Struct(f"<8s16sH{MAX_KEY_BYTES}sQQQQB")
 _CHECKSUM = struct.Struct("<Q")
 VERSION = 3  # 3: keys up to 64 bytes (2 held 32)
+FOREIGN_KEPT = 65536
+"""Keys of other namespaces' blocks a disk tier's scan remembers at most (``DiskSlab.foreign``)."""
 
 
 def namespace_digest(namespace: str, layout: BlockLayout) -> bytes:
@@ -421,6 +425,8 @@ class DiskSlab:
         self.fd: int | None = None  # the main descriptor, holding the lock; None once closed
         self.direct_fd: int | None = None
         self._snapshot: Snapshot | None = None  # taken at open, until ``recover``
+        # keys of blocks of other namespaces a scan found (a disk tier's: ``DiskTier.hold_elsewhere``)
+        self.foreign: set[bytes] | None = None
         self.sequence = 0
         self.dir_fd: int | None = open_directory(self.dir, shared=shared_directory, create=True)
         try:
@@ -649,7 +655,8 @@ class DiskSlab:
         """Read every slot header: ([(sequence, key, slot)] of valid blocks of this namespace, damaged count).
 
         A slot holding the same key as a newer slot is left out (an older copy). Damaged headers
-        (not blank, failing their checksum or geometry) are counted; their slots are free.
+        (not blank, failing their checksum or geometry) are counted; their slots are free. Keys of
+        other namespaces' blocks go into ``foreign`` where it is a set (their slots are free too).
         """
         found: dict[bytes, tuple[int, bytes, int]] = {}
         damaged = 0
@@ -658,6 +665,8 @@ class DiskSlab:
                 damaged += not blank
                 continue
             if header.namespace != self.namespace:
+                if self.foreign is not None and len(self.foreign) < FOREIGN_KEPT:
+                    self.foreign.add(header.key)
                 continue
             if not self.fits(header):
                 damaged += 1
@@ -736,6 +745,36 @@ class FileStorage(BlockStorage):
         return (PAGE + slots * self.slab.slot_stride + PAGE)[:, None]
 
 
+class DiskTier(Tier):
+    """A tier over a slab that keeps the namespaces of the stacks that used its directory
+    (``namespaces.json``, ``disk_namespaces``): a ``NamespaceBook`` (``core/namespaces.py``)."""
+
+    def __init__(
+        self,
+        name: str,
+        storage: FileStorage,
+        policy: EvictionPolicy[bytes],
+        watermark: Watermark | None,
+        is_fenced: Callable[[str, int], bool] | None,
+        note: str,
+    ) -> None:
+        super().__init__(name, "disk", storage, policy, watermark, is_fenced, note)
+        self.slab = storage.slab
+
+    def record_namespace(self, ours: KnownNamespace) -> list[KnownNamespace]:
+        """Record ``ours`` in the directory's ``namespaces.json``; the others it lists (none once closed)."""
+        if self.slab.dir_fd is None:
+            return []
+        return record(self.slab.dir_fd, self.slab.dir, ours, shared=self.slab.shared)
+
+    def hold_elsewhere(self, keys: Sequence[tuple[KnownNamespace, bytes]]) -> list[bool]:
+        """Whether the slab holds each key: in this tier's index (a namespace whose blocks have this
+        tier's digest, such as another block size), or among the other digests' blocks the open found
+        (they stay until their slots are reused: a statistic, which may be stale)."""
+        foreign = self.slab.foreign or set()
+        return [self.state(key) is BlockState.READY or key in foreign for _, key in keys]
+
+
 def disk_tier(
     name: str,
     num_slots: int,
@@ -746,7 +785,7 @@ def disk_tier(
     *,
     config: DiskTierConfig,
     namespace: str = "",
-) -> Tier:
+) -> DiskTier:
     """A tier of ``num_slots`` blocks over the slab its ``config`` describes, holding again every block a
     previous process committed there under the same namespace, block size and slot geometry (codec and
     slot size): their slots are taken at once, and the blocks come back into the index in chunks
@@ -754,12 +793,11 @@ def disk_tier(
     for a bad combination or a codec whose package is missing.
     """
     slab = DiskSlab.from_config(config, num_slots, layout, namespace)
+    slab.foreign = set()
     try:
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
         packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
-        tier = Tier(
-            name, "disk", FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}"
-        )
+        tier = DiskTier(name, FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}")
         slab.restoring = ChunkedRestore(tier, str(slab.path))
         recovered = slab.recover(slab.restoring.start)
         # (the close runs once no job is left: nothing changes while it lists the blocks)

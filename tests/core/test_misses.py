@@ -3,13 +3,27 @@ once per lookup, in total and per tier; the ghost index stays within its budget 
 
 from __future__ import annotations
 
+import json
 import tracemalloc
+
+import pytest
 
 from helpers.admission import AdmitOnSecondAsk
 from helpers.disk_helpers import get, open_stack, put
 from helpers.stack_helpers import LAYOUT, assert_no_leaks, flip, key, make_stack, store
 from kvtier.core.jobs import JobManager
 from kvtier.core.misses import TOTAL, GhostIndex, MissCounter, Misses, MissReason
+from kvtier.core.namespaces import (
+    ENTRY_BYTES,
+    MAX_NAMESPACES,
+    REGISTRY_BYTES,
+    KnownNamespace,
+    decode_entries,
+    decode_entry,
+    encode_entries,
+    encode_entry,
+    listing,
+)
 from kvtier.core.stack import TierStack
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.disk import PAGE, SLAB_NAME
@@ -165,3 +179,61 @@ def test_a_block_evicted_from_host_but_on_disk_is_a_hit_and_a_flipped_byte_is_da
     assert stack.lookup(keys).hits == victim
     counted(stack, DM, host=E, disk=DM)
     stack.close()
+
+
+# --- the namespace registry (core/namespaces.py): what other stacks recorded, checked ------------
+
+
+def namespace(block_size: int, written: float = 0.0, **fields) -> KnownNamespace:
+    return KnownNamespace({"block_size": block_size, "namespace": "", **fields}, written)
+
+
+def test_a_registry_keeps_the_newest_namespaces_and_ours_once():
+    older = [namespace(size, written=size) for size in range(1, 21)]
+    ours = namespace(7, written=100.0)
+    kept = listing(older, ours)
+    assert len(kept) == MAX_NAMESPACES and kept[0] is ours
+    newest_others = [size for size in range(20, 0, -1) if size != 7][: MAX_NAMESPACES - 1]
+    assert [entry.fields["block_size"] for entry in kept[1:]] == newest_others, "ours replaced its older entry"
+    assert decode_entries(encode_entries(kept)) == kept
+    assert decode_entry(encode_entry(ours)) == ours and len(encode_entry(ours)) == ENTRY_BYTES
+    assert ours.chain == (7, "") and namespace(7, model="m").chain is None  # an engine's keys: not made here
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\x00\xff",
+        b"[]",
+        b'{"kvtier_namespaces": 2, "entries": []}',
+        b"[" * 30000 + b"]" * 30000,
+        json.dumps({"kvtier_namespaces": 1, "entries": [{"fields": {}}] * (MAX_NAMESPACES + 1)}).encode(),
+        json.dumps({"kvtier_namespaces": 1, "entries": [], "pad": " " * REGISTRY_BYTES}).encode(),
+    ],
+    ids=["empty", "binary", "a list", "another version", "deep", "too many", "too large"],
+)
+def test_a_registry_file_that_is_not_one_is_refused(raw):
+    with pytest.raises(ValueError):
+        decode_entries(raw)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"fields": {"Block Size": 16}},
+        {"fields": {"namespace": "x" * 2000}},
+        {"fields": {"namespace": {"nested": 1}}},
+        {"fields": {f"f{i}": i for i in range(64)}},
+        {"fields": {}, "written": float("nan")},
+        {"fields": {}, "records": "../../etc"},
+        {"fields": {}, "more": 1},
+        {"written": 1.0},
+    ],
+    ids=["field name", "long value", "nested value", "too many fields", "nan", "records", "unknown key", "no fields"],
+)
+def test_an_entry_that_is_not_a_namespace_is_refused(entry):
+    with pytest.raises(ValueError):
+        KnownNamespace.from_json(entry)
+    with pytest.raises(ValueError):
+        decode_entry(json.dumps(entry).encode().ljust(ENTRY_BYTES))

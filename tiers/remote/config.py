@@ -31,6 +31,9 @@ class StoreBackend:
     name: str
     settings: type[ConfigModel]
     connector: Callable[[Any, float, bool], Connector]
+    reads_anywhere: bool = True
+    """Its clients read into any memory (Redis's); False where they read only into memory registered
+    with them (Mooncake's transfer engine): such a store keeps no namespace registry (``RemoteTier``)."""
 
 
 _BACKENDS: dict[str, StoreBackend] = {}

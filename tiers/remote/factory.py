@@ -51,7 +51,8 @@ def remote_tier(
     records = [record_format(config, layout, namespace, rank) for rank in ranks]
     wired = connector(config, lends_memory=False)
     link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
-    return RemoteTier(name, layout, records, link, config.placement)
+    registry = store_backend(config.backend).reads_anywhere
+    return RemoteTier(name, layout, records, link, config.placement, registry=registry)
 
 
 def _tier(request: TierRequest) -> RemoteTier:

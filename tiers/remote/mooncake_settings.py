@@ -62,4 +62,4 @@ def connector(options: MooncakeConfig, timeout: float, lends_memory: bool) -> Co
     return Connector(connect, options.pool_size, f"Mooncake master {options.master}")
 
 
-BACKEND = StoreBackend("mooncake", MooncakeConfig, connector)
+BACKEND = StoreBackend("mooncake", MooncakeConfig, connector, reads_anywhere=False)

@@ -20,12 +20,15 @@ one, and skipping its rewrite would pin a miss on that block.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from kvtier.core.errors import StateError, StoreError, TransferError
 from kvtier.core.keys import check_key
@@ -33,11 +36,15 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.metrics import TierStats
 from kvtier.core.misses import MissReason
+from kvtier.core.namespaces import ENTRY_BYTES, MAX_NAMESPACES, KnownNamespace, decode_entry, encode_entry
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.policies import LRUPolicy
-from kvtier.tiers.remote.link import StoreLink
+from kvtier.tiers.remote.client import StoreClient
+from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat
+
+log = logging.getLogger(__name__)
 
 KNOWN_FOR_S = 5.0
 """How long an answer counts (the store's "present", this process's own store, a failed load): short,
@@ -132,6 +139,7 @@ class RemoteTier(Tier):
         link: StoreLink,
         placement: str = "write_through",
         known_for: float = KNOWN_FOR_S,
+        registry: bool = True,
     ) -> None:
         storage = RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n))
         super().__init__(
@@ -143,6 +151,7 @@ class RemoteTier(Tier):
         self.placement = placement
         self.takes_demotions = placement == "write_back"
         self.stats = RemoteStats()
+        self.registry = registry  # whether the store keeps the namespace registry (``record_namespace``)
         self._known_for = known_for
         self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
         self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()  # key -> (expiry, why not)
@@ -226,6 +235,65 @@ class RemoteTier(Tier):
     def ready_keys(self) -> list[bytes]:
         """None: what the store holds is not listed, it is asked for."""
         return []
+
+    # --- the namespaces that use the store (``core/namespaces.py``) -----------------------------
+
+    def record_namespace(self, ours: KnownNamespace) -> list[KnownNamespace]:
+        """Record ``ours`` (named by this tier's record digest) in the store's registry and return the other
+        namespaces it lists: ``MAX_NAMESPACES`` records ``{prefix}/namespaces/{i}`` of ``ENTRY_BYTES``
+        each (a store cannot list names, so their names are fixed), read in one call and ours written
+        over its own, a free or unreadable one, or the oldest. Anyone who can write the store can write
+        them: each is checked (size, JSON, fields) and a bad one is free; what is listed only ever
+        names a miss's reason. Never raises: a store that does not answer is one log line.
+
+        On a client of its own, closed afterwards: the lookups' link stays as it was (its client opens
+        on the first lookup, no backoff after a failure here). A store without ``registry`` (Mooncake's
+        clients read only into memory registered with them, and closing one holds the GIL most of a
+        second) lists none and opens no client."""
+        if not self.registry:
+            return []
+        ours = replace(ours, records=self.records[0].namespace.hex())
+        names = [f"{self.records[0].prefix}/namespaces/{i}" for i in range(MAX_NAMESPACES)]
+        try:
+            record = np.frombuffer(encode_entry(ours), np.uint8).copy()
+        except ValueError as exc:  # (a namespace too long to record: the others are read all the same)
+            log.warning("remote tier %s: this stack's namespace not recorded: %s", self.name, exc)
+            record = None
+        wired = self.link.connector
+        link = StoreLink(Connector(wired.connect, 1, wired.where), self.link.timeout, "the namespace registry")
+        try:
+            listed, bad = link.ask(lambda client: _record_namespace(client, names, ours, record))
+        except StoreError as exc:
+            log.warning("remote tier %s: the store's namespace registry not read: %s", self.name, exc)
+            return []
+        finally:
+            link.close(timeout=0)  # (an abandoned call's client is closed once it returns)
+        if bad:
+            log.warning(
+                "remote tier %s: namespace registry records ignored (not %d bytes of a namespace's JSON): %s",
+                self.name,
+                ENTRY_BYTES,
+                ", ".join(bad),
+            )
+        return [entry for entry in listed if not entry.same(ours)]
+
+    def hold_elsewhere(self, keys: Sequence[tuple[KnownNamespace, bytes]]) -> list[bool]:
+        """Whether the store holds each key under its namespace's record digest (every rank's record),
+        in one batched query within the timeout; no for all when it cannot say (nothing is counted:
+        the lookup that missed counted its own query)."""
+        asked = [(entry.records, key) for entry, key in keys if entry.records is not None]
+        names = [
+            RecordFormat(fmt.prefix, bytes.fromhex(digest), fmt.block_bytes, rank=fmt.rank).name(key)
+            for digest, key in asked
+            for fmt in self.records
+        ]
+        try:
+            found = self.link.ask(lambda client: client.exists(names)) if names else []
+        except StoreError:
+            return [False] * len(keys)
+        ranks = len(self.records)
+        held = iter([all(found[i * ranks : (i + 1) * ranks]) for i in range(len(asked))])
+        return [entry.records is not None and next(held) for entry, _ in keys]
 
     # --- stores --------------------------------------------------------------------------------
 
@@ -331,3 +399,32 @@ def _expire(answers: OrderedDict[bytes, tuple[float, Any]], key: bytes, now: flo
         if until > now:
             break
         del answers[oldest]
+
+
+def _record_namespace(
+    client: StoreClient, names: list[str], ours: KnownNamespace, record: np.ndarray | None
+) -> tuple[list[KnownNamespace], list[str]]:
+    """One call on a client: read the registry records ``names`` and write ``record`` (``ours``) into one
+    of them (``RemoteTier.record_namespace``); the entries listed and the names of records that exist
+    but are not an entry."""
+    buffer = np.zeros((len(names), ENTRY_BYTES), np.uint8)
+    pieces = [[(buffer.ctypes.data + i * ENTRY_BYTES, ENTRY_BYTES)] for i in range(len(names))]
+    exists = client.exists(names)
+    got = client.get(names, pieces)
+    slots: list[KnownNamespace | None] = []
+    bad = []
+    for name, here, ok, raw in zip(names, exists, got, buffer, strict=True):
+        try:
+            slots.append(decode_entry(raw.tobytes()) if ok else None)
+        except ValueError:
+            slots.append(None)
+        if here and slots[-1] is None:
+            bad.append(name)
+    mine = next((i for i, entry in enumerate(slots) if entry is not None and entry.same(ours)), None)
+    free = next((i for i, entry in enumerate(slots) if entry is None), None)
+    if record is not None:
+        written = [0.0 if entry is None else entry.written for entry in slots]
+        oldest = written.index(min(written))
+        slot = next(i for i in (mine, free, oldest) if i is not None)
+        client.put([names[slot]], [[(record.ctypes.data, ENTRY_BYTES)]])
+    return [entry for entry in slots if entry is not None], bad
