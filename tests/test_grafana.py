@@ -62,13 +62,16 @@ def test_every_panel_has_a_title_the_datasource_and_defined_variables():
     assert layout_problems(load_dashboard()) == []
 
 
-def test_the_dashboard_shows_hits_traffic_failures_and_a_miss_reasons_row():
+def test_the_dashboard_shows_hits_traffic_failures_and_miss_reasons():
     dashboard = load_dashboard()
     titles = {panel["title"]: panel for panel in panels(dashboard)}
     rows = [panel["title"] for panel in panels(dashboard) if panel["type"] == "row"]
     assert rows == ["Hits", "Traffic", "Failures", "Miss reasons"]
-    assert "miss-reason counters" in titles["Miss reasons"]["options"]["content"]
-    shown = ["hit_blocks", "failed_load_blocks", "stored_blocks"]
+    explained = titles["Miss reasons"]["options"]["content"]  # (the row's text panel)
+    assert all(f"`{reason}`" in explained for reason in ("never_stored", "evicted", "partial_block"))
+    by_tier = titles["Misses per second by reason and tier"]["targets"][0]["expr"]
+    assert by_tier.startswith("sum by (reason, tier) (rate(${engine}:kvtier_miss_reason_total{")
+    shown = ["hit_blocks", "failed_load_blocks", "stored_blocks", "miss_reason"]
     shown += [f"{direction}_{unit}" for direction in ("load", "store") for unit in ("bytes", "seconds")]
     assert dashboard_metrics(dashboard, "sglang") == {f"sglang:kvtier_{name}_total" for name in shown}
 

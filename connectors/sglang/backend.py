@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.builder import build_stack
+from kvtier.connectors.counters import miss_counts
 from kvtier.connectors.sglang.metrics import StorageCounters
 from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
 from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
@@ -110,9 +111,14 @@ class KVTierStorage(HiCacheStorage):
     # --- the zero-copy interface (interface_v1: 1) ---------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading pages some tier holds (a remote store is asked only past the local hit)."""
+        """How many leading pages some tier holds (a remote store is asked only past the local hit). A
+        lookup that ends before the last page is counted with its reason (``TierStack.lookup``; SGLang
+        asks for full pages only) and exported with the process's counters."""
         try:
-            return self._opened()[0].lookup(self._keys(keys)).hits
+            stack, _, counters = self._opened()
+            hits = stack.lookup(self._keys(keys)).hits
+            counters.missed(miss_counts(stack.misses.take(), lambda name: stack.planner.tier(name).medium))
+            return hits
         except Exception:
             log.exception("kvtier: lookup of %d pages failed; answering a miss", len(keys))
             return 0

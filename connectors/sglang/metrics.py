@@ -3,7 +3,8 @@
 SGLang serves Prometheus metrics from every process through prometheus_client's multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, set before its scheduler starts): counters made in the scheduler, where
 the storage backend lives, appear on SGLang's /metrics. kvtier's are the counters it exports under vLLM
-(``connectors/counters.py``), named ``sglang:kvtier_<name>`` and labelled with the TP rank. SGLang's
+(``connectors/counters.py``), named ``sglang:kvtier_<name>`` and labelled with the TP rank (and their
+own labels: hits by tier, misses by reason and tier). SGLang's
 own storage metrics (pages and bandwidth per prefetch and backup call) come from ``take()``, which
 ``get_stats`` hands SGLang when it runs with ``--enable-cache-report``.
 """
@@ -14,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connectors.counters import PROMETHEUS_HELP, hit_media
+from kvtier.connectors.counters import LABELS, PROMETHEUS_HELP, counters
 
 _METRICS: dict[str, Any] = {}
 _METRICS_LOCK = threading.Lock()
@@ -27,8 +28,7 @@ def _prometheus_metrics() -> dict[str, Any]:
             from prometheus_client import Counter
 
             for name, text in PROMETHEUS_HELP.items():
-                labels = ["tp_rank", "tier"] if name == "hit_blocks" else ["tp_rank"]
-                _METRICS[name] = Counter(f"sglang:kvtier_{name}", text, labels)
+                _METRICS[name] = Counter(f"sglang:kvtier_{name}", text, ["tp_rank", *LABELS.get(name, ())])
         return _METRICS
 
 
@@ -43,13 +43,13 @@ class CallFigures:
 
 
 class StorageCounters:
-    """One backend's counters: Prometheus counters for the process, per-call figures for SGLang."""
+    """One backend's counters: Prometheus counters for the process (every series made here, so each one
+    is on /metrics, at 0, before anything is counted), per-call figures for SGLang."""
 
     def __init__(self, tp_rank: int, block_bytes: int) -> None:
         metrics = _prometheus_metrics()
         rank = str(tp_rank)
-        self._hits = {tier: metrics["hit_blocks"].labels(rank, tier) for tier in hit_media()}
-        self._counters = {name: metrics[name].labels(rank) for name in PROMETHEUS_HELP if name != "hit_blocks"}
+        self._counters = {c.name: metrics[c.metric].labels(rank, *c.labels) for c in counters()}
         self._block_bytes = block_bytes
         self._calls = CallFigures()
         self._lock = threading.Lock()
@@ -57,7 +57,7 @@ class StorageCounters:
     def loaded(self, hits: dict[str, int], failed: int, seconds: float) -> None:
         """A load call: blocks that arrived per medium of the tier they came from, those that did not."""
         for medium, blocks in hits.items():
-            self._hits[medium].inc(blocks)
+            self._counters[f"hit_blocks_{medium}"].inc(blocks)
         self._counters["failed_load_blocks"].inc(failed)
         self._call("load", sum(hits.values()), seconds)
 
@@ -65,6 +65,14 @@ class StorageCounters:
         """A store call: the blocks it copied out of SGLang's host pool into kvtier's first tier."""
         self._counters["stored_blocks"].inc(blocks)
         self._call("store", blocks, seconds)
+
+    def missed(self, misses: dict[str, int]) -> None:
+        """Lookups that ended early, by counter name (``counters.miss_counts``); a tier of a medium whose
+        hits are not counted has no series of its own (its lookups are in the totals)."""
+        for name, n in misses.items():
+            counter = self._counters.get(name)
+            if counter is not None:
+                counter.inc(n)
 
     def take(self) -> CallFigures:
         """The per-call figures since the last call, for SGLang's storage metrics."""

@@ -19,6 +19,10 @@ holds a valid header for it, under this engine's namespace and geometry, at the 
 needs every rank's shard. Every other slot is free to the scheduler; the workers clear its old
 header before anything is written there, as they do for every slot whose header they found at open.
 
+Either way the blocks go back into the tier's index in the background (``ChunksBack``, a
+``ChunkedRestore`` that reports each chunk it put back, for the KV events): the scheduler side serves
+at once, a block not back yet being a miss that vLLM recomputes.
+
 Neither is trusting bytes: every load still checks its slot's header (key, namespace, lengths) and
 checksum on every rank, and a block that fails is reported for recomputation, so an index that is
 wrong in any way can only cause misses. Nor is either trusting the directory: the index, a rank
@@ -30,18 +34,20 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import StateError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.tier import Tier
 from kvtier.tiers.disk import rank_directory, rank_slabs_identity, read_block_headers
 from kvtier.tiers.disk_files import SNAPSHOT_NAME, open_directory
+from kvtier.tiers.disk_restore import ChunkedRestore
 from kvtier.tiers.disk_snapshot import Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -51,12 +57,34 @@ HEADERS = "slot headers of every rank"
 _READING = "reading every rank's slot headers"
 
 
-class Kept(NamedTuple):
-    """The blocks a restart took back (as handed to ``Tier.restore``), and where it found them
-    (``INDEX`` or ``HEADERS``)."""
+class ChunksBack(ChunkedRestore):
+    """A disk tier's blocks put back in the background (``ChunkedRestore``), each chunk reported once it
+    is back: the restore's thread puts ``(first, fresh)`` into ``back``, ``first`` the index of the
+    chunk's first block in ``keys`` and ``fresh`` which of its blocks the tier did not hold before
+    (those it put back; a key stored meanwhile keeps the stored block, whose store has its own event).
+    Only the scheduler side's KV events read it, on vLLM's thread (``SchedulerSide.take_events``), which
+    notes in ``left`` the keys the tier dropped since the restore began: the restore's thread never
+    touches what vLLM reads."""
 
-    keys: Sequence[bytes]
-    source: str
+    def __init__(self, tier: Tier, name: str) -> None:
+        super().__init__(tier, name)
+        self.tier = tier
+        self.keys: Sequence[bytes] = []  # the blocks being put back, oldest first (a snapshot's lazy column)
+        self.back: queue.SimpleQueue[tuple[int, np.ndarray]] = queue.SimpleQueue()
+        self.left: set[bytes] = set()  # (vLLM's thread only)
+        self._first = 0
+
+    def start(self, keys: Sequence[bytes], slots: Sequence[int] | np.ndarray) -> None:
+        self.keys, self._first = keys, 0
+        super().start(keys, slots)
+
+    def step(self) -> bool:
+        first = self._first
+        fresh = ~self.tier.holds(self.keys[first : first + self.chunk])
+        more = super().step()
+        self._first = first + len(fresh)
+        self.back.put((first, fresh))
+        return more
 
 
 @dataclass(frozen=True)
@@ -70,22 +98,22 @@ class RankSlabs:
     layout: BlockLayout
     namespace: str
 
-    def recover(self, restore: Callable[[list[bytes], Sequence[int] | np.ndarray], object]) -> Kept:
+    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int] | np.ndarray], object]) -> str:
         """Hand the blocks every rank's slab holds, as keys and slots oldest first, to ``restore``
-        (``Tier.restore``; StateError: it took none): from the index the last clean shutdown left when
-        it describes the slabs as they are, from every rank's slot headers otherwise."""
+        (``ChunksBack.start``; StateError: it took none): from the index the last clean shutdown left
+        when it describes the slabs as they are (its keys a lazy column: made chunk by chunk as they go
+        back), from every rank's slot headers otherwise. Returns where it found them (``INDEX`` or
+        ``HEADERS``)."""
         index = self._take_index()
         if index is not None:
-            keys = index.keys[:]  # (made once: for the restore and the events)
             try:
-                restore(keys, index.slots)
-                return Kept(keys, INDEX)
+                restore(index.keys, index.slots)
+                return INDEX
             except StateError as exc:
                 log.warning("kvtier disk tier %s: index snapshot not used (%s); %s", self._index_path, exc, _READING)
         blocks = self.blocks_on_every_rank()
-        keys = [key for key, _ in blocks]
-        restore(keys, [slot for _, slot in blocks])
-        return Kept(keys, HEADERS)
+        restore([key for key, _ in blocks], [slot for _, slot in blocks])
+        return HEADERS
 
     def save(self, keys: list[bytes], slots: list[int]) -> None:
         """Leave the index of the READY blocks ``keys`` at ``slots`` (oldest first) for the next start,

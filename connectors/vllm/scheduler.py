@@ -19,7 +19,7 @@ vLLM's own offloading connector does it: a running request's blocks are held by 
 still reading blocks that vLLM hands out again (after a finish or a preemption) is flushed by the
 workers before the forward pass. At start, each disk tier takes back the blocks every rank's slab
 still holds, from the index its last clean shutdown left or else from every rank's slot headers
-(``recovery.py``).
+(``recovery.py``), putting them back into its index on a thread while this side already serves.
 
 Hybrid models have several KV cache groups (``geometry.served_groups``): each block of each group is a
 kvtier block of its own, keyed by the chain key tagged with the group, in a GPU slot naming the group
@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import queue
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -56,16 +57,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
+from kvtier.connectors.counters import miss_counts
 from kvtier.connectors.vllm.geometry import ServedGroup, tier_slots
 from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.namespace import request_namespace
-from kvtier.connectors.vllm.recovery import RankSlabs
+from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import DiskTierConfig, StackConfig
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import medium
+from kvtier.core.misses import Misses
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
 from kvtier.tiers.remote.config import remote_config
@@ -85,6 +88,11 @@ LOAD_MEDIUM = "gpu"
 
 RESTORED_PER_EVENT = 65536
 """Keys per BlockStored event for blocks taken back at start (``_restored_events``)."""
+
+RESTORED_PER_STEP = RESTORED_PER_EVENT
+"""Blocks taken back at start announced per step at most (``_announce_restored``): about 3 ms of vLLM's
+thread each (12 ms at worst; 2-core VM, 15.8 M blocks), for a chunk the restore's thread put back in
+80 ms or more (``ChunkedRestore.chunk``)."""
 
 
 class _StoreQuery(NamedTuple):
@@ -121,6 +129,7 @@ class _RequestState:
     reserved: list[bytes] = field(default_factory=list)  # its blocks, pinned until they are planned or the step ends
     jobs: set[int] = field(default_factory=set)  # store and load jobs in flight
     store_query: _StoreQuery | None = None  # the last question to the remote store about its blocks
+    looked_up: bool = False  # a lookup answered (and its miss, if any, counted): vLLM asks again and again
 
 
 class SchedulerSide:
@@ -189,13 +198,15 @@ class SchedulerSide:
             self.tiers.append(self.remote)
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
         self.planner = Planner(self.tiers)
+        self.misses = Misses([t.name for t in self.tiers], self.planner.ghost, [t.why_absent for t in self.tiers])
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Write-through: a store's job also copies on into every tier below, stage after stage.
         self.hops = len(self.tiers) - 1 if config.placement == "write_through" else 0
         self.stats = KVTierConnectorStats()
         self._requests: dict[str, _RequestState] = {}
         self._events: list[KVCacheEvent] = []
-        self._disk_indexes: list[tuple[RankSlabs, Tier]] = []  # disk tiers whose index shutdown leaves
+        self._disk_indexes: list[tuple[RankSlabs, ChunksBack]] = []  # disk tiers whose index shutdown leaves
+        self._restoring: list[ChunksBack] = []  # their restores whose blocks are not all announced yet
         for tier in self.tiers:
             tier_cfg = config.tiers[position[tier.name]]
             if isinstance(tier_cfg, DiskTierConfig):
@@ -209,18 +220,21 @@ class SchedulerSide:
         self._block_pool: BlockPool | None = None
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
-        """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``); the
+        """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``): their
+        slots at once, the blocks into the tier's index on a thread while this side already serves
+        (each a miss until it is back), their KV events as they come (``_announce_restored``). The
         tier's index is left for the next start at ``shutdown``."""
         slabs = RankSlabs(tier_cfg, self.copy_ranks, tier.capacity, layout, self.namespace.hex())
-        kept = slabs.recover(tier.restore)
-        self._restored_events(kept.keys, tier)
+        restore = ChunksBack(tier, tier_cfg.path)
+        source = slabs.recover(restore.start)
         log.info(
-            "kvtier disk tier %s: %d blocks kept from before the restart (from the %s)",
+            "kvtier disk tier %s: %d blocks kept from before the restart (from the %s), going back into its index",
             tier_cfg.path,
             tier.usage().used,
-            kept.source,
+            source,
         )
-        self._disk_indexes.append((slabs, tier))
+        self._disk_indexes.append((slabs, restore))
+        self._restoring.append(restore)
 
     def tier(self, name: str) -> Tier:
         return self.planner.tier(name)
@@ -295,6 +309,9 @@ class SchedulerSide:
             end, found = self._hit(keys, start, limit)  # now with the store's answers
         if end is None or not self._room_to_stage(found.staging):
             return None, False
+        if not state.looked_up:
+            state.looked_up = True
+            self._count_miss(keys, start, end, limit, partial=request.num_tokens % self.block_tokens != 0)
         state.lookup_start = start
         self._release(state)
         state.in_step = self.in_step_host_hits and end > start and not any(found.sources[: end - start])
@@ -303,6 +320,17 @@ class SchedulerSide:
             self.tiers[0].pin(state.reserved, use=False)  # (the load counts as the use, once)
             self._reserving.append(state)
         return (end - start) * self.block_tokens, end > start and not state.in_step
+
+    def _count_miss(self, keys: list[bytes], start: int, end: int, limit: int, partial: bool) -> None:
+        """Count a request's lookup in ``misses`` when it ended early: a hit from ``start`` (past vLLM's own
+        prefix hit) to ``end`` short of ``limit``, the most vLLM can take (the prompt's full blocks, less
+        the one holding its last token when no partial block follows them), or up to it with a
+        ``partial`` block after it (vLLM computes that one itself: ``partial_block``). Explained on the
+        blocks of the first full-attention group, which every hit needs."""
+        group = self.full_groups[0] if self.full_groups else 0
+        looked_up = self._group_keys(keys, start, limit, [group])
+        hits = len(self._group_keys(keys, start, end, [group]))
+        self.misses.count(self.misses.explain(looked_up, hits, partial))
 
     def _release(self, state: _RequestState) -> None:
         """Unpin the blocks the request's last lookup reserved for an in-step load."""
@@ -754,16 +782,17 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Stop asking the remote store (a query in flight ends by its deadline, unread), and leave each
-        disk tier's index of READY blocks for the next start (``RankSlabs.save``; vLLM has stopped the
-        workers by now). Once: a second call leaves nothing, as this side's index may be out of date
-        by then (a new engine may have started on the same directories)."""
+        disk tier's index for the next start (``RankSlabs.save``; vLLM has stopped the workers by now):
+        its READY blocks, then those its restore had not put back yet (stopped here), so a quick
+        restart loses none. Once: a second call leaves nothing, as this side's index may be out of
+        date by then (a new engine may have started on the same directories)."""
         if self._lookups is not None:
             self._lookups.shutdown(wait=False, cancel_futures=True)
         if self.remote is not None:
             self.remote.link.close(timeout=0)
         indexes, self._disk_indexes = self._disk_indexes, []
-        for slabs, tier in indexes:
-            slabs.save(*tier.ready_blocks())
+        for slabs, restore in indexes:
+            slabs.save(*restore.held_blocks())
 
     # --- events, stats, reset ------------------------------------------------------------------
 
@@ -788,12 +817,34 @@ class SchedulerSide:
                 )
             )
 
+    def _announce_restored(self) -> None:
+        """BlockStored events for the blocks the disk tiers' restores have put back since the last call, at
+        most ``RESTORED_PER_STEP`` of them (the rest at the next calls). Runs on vLLM's thread, which
+        alone drops blocks from the tier (``_removed_events`` notes them in ``ChunksBack.left``): a block
+        announced is one the restore put back (not stored meanwhile: that store announced it) and the
+        tier has not dropped since (that BlockRemoved is out already), so every restored block is
+        announced once, before any removal of it."""
+        budget = RESTORED_PER_STEP
+        for restore in list(self._restoring):
+            while budget > 0:
+                try:
+                    first, fresh = restore.back.get_nowait()
+                except queue.Empty:
+                    if restore.done.is_set() and restore.back.empty():  # (no chunk came since get_nowait)
+                        self._restoring.remove(restore)  # (and its keys let go)
+                        restore.keys, restore.left = [], set()
+                    break
+                back = itertools.compress(restore.keys[first : first + len(fresh)], fresh)
+                announced = [k for k in back if k not in restore.left] if restore.left else list(back)
+                self._restored_events(announced, restore.tier)
+                budget -= len(fresh)
+
     def _restored_events(self, keys: Sequence[bytes], tier: Tier) -> None:
         """BlockStored for blocks taken back at start, whose tokens are unknown: many keys per event
         (one event per key costs 3 us, 47 s for the 15.8 M blocks of a 1 TiB disk tier of 64 KiB
         blocks), one block size per event."""
         label = medium(tier.medium).event_medium
-        if label is None:
+        if label is None or not keys:
             return
         by_size: Mapping[int, Sequence[bytes]] = {self.block_tokens: keys}
         if not self.uniform:
@@ -822,11 +873,16 @@ class SchedulerSide:
         return self.block_tokens * self.keys_per_block[int.from_bytes(key[-2:], "big")]
 
     def _removed_events(self, keys: list[bytes], tier: Tier) -> None:
+        for restore in self._restoring:  # (a block dropped after it came back is not announced as back)
+            if restore.tier is tier:
+                restore.left.update(keys)
         label = medium(tier.medium).event_medium
         if keys and label is not None:
             self._events.append(BlockRemoved(block_hashes=list(keys), medium=label))
 
     def take_events(self) -> list[KVCacheEvent]:
+        if self._restoring:
+            self._announce_restored()
         events, self._events = self._events, []
         return events
 
@@ -837,6 +893,8 @@ class SchedulerSide:
         return dict(state.load_sources) if state is not None else {}
 
     def take_stats(self) -> KVTierConnectorStats | None:
+        """The step's counts: loads, stores, and the requests whose lookup ended early (``_count_miss``)."""
+        self.stats.record_misses(miss_counts(self.misses.take(), lambda name: self.tier(name).medium))
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, KVTierConnectorStats()

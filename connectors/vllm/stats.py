@@ -1,6 +1,7 @@
 """Connector statistics in vLLM's ``KVConnectorStats`` form: counters that add up across ranks and steps.
 
-The scheduler side counts blocks (hits per medium: host, disk, remote; failed loads; stored blocks); the
+The scheduler side counts blocks (hits per medium: host, disk, remote; failed loads; stored blocks) and
+requests whose lookup ended early, by reason and tier (``miss_counter``); the
 workers count bytes and seconds per direction (into vLLM's KV blocks: load; out of them: store), and
 what their storages count (``STORAGE_COUNTERS``), which the connector wraps here
 (``WorkerSide.take_stats``). vLLM aggregates both through ``aggregate``, logs
@@ -15,7 +16,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.connectors.counters import PROMETHEUS_HELP, counter_names, hit_media
+from kvtier.connectors.counters import LABELS, PROMETHEUS_HELP, counter_names, counters, hit_media
 
 STORAGE_COUNTERS = ("skipped_existing",)
 """Counted by the workers' storages (``RankRequest.count``), summed over ranks: ``skipped_existing``,
@@ -43,6 +44,11 @@ class KVTierConnectorStats(KVConnectorStats):
     def record_store(self, blocks: int) -> None:
         self.data["stored_blocks"] += blocks
 
+    def record_misses(self, misses: dict[str, int]) -> None:
+        """Lookups that ended early, by counter name (``counters.miss_counts``)."""
+        for name, n in misses.items():
+            self.data[name] = self.data.get(name, 0) + n
+
     def reset(self) -> None:
         self.data = dict.fromkeys(_names(), 0)
 
@@ -52,7 +58,8 @@ class KVTierConnectorStats(KVConnectorStats):
         return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in _names()})
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(self.data)
+        """What vLLM logs: every counter, less the miss counts that are 0 (most of them, most of the time)."""
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if v or not k.startswith("miss_")}
         for direction in ("load", "store"):
             seconds = self.data[f"{direction}_seconds"]
             out[f"{direction}_GBps"] = round(self.data[f"{direction}_bytes"] / seconds / 1e9, 3) if seconds else 0.0
@@ -63,7 +70,9 @@ class KVTierConnectorStats(KVConnectorStats):
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's counters as Prometheus counters with vLLM's engine labels (hits also by ``tier``)."""
+    """kvtier's counters as Prometheus counters with vLLM's engine labels, and their own ``LABELS``
+    (hits by ``tier``, misses by ``reason`` and ``tier``): every series made at start, so each one is on
+    /metrics, at 0, before anything is counted."""
 
     def __init__(
         self,
@@ -75,17 +84,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         metrics = {
             name: self._counter_cls(
-                name=f"vllm:kvtier_{name}",
-                documentation=text,
-                labelnames=labelnames + (["tier"] if name == "hit_blocks" else []),
+                name=f"vllm:kvtier_{name}", documentation=text, labelnames=labelnames + list(LABELS.get(name, ()))
             )
             for name, text in PROMETHEUS_HELP.items()
         }
-        self._per_engine: dict[int, dict[str, Any]] = {}
-        for engine, values in per_engine_labelvalues.items():
-            counters = {f"hit_blocks_{tier}": metrics["hit_blocks"].labels(*values, tier) for tier in hit_media()}
-            counters.update({name: metrics[name].labels(*values) for name in PROMETHEUS_HELP if name != "hit_blocks"})
-            self._per_engine[engine] = counters
+        self._per_engine: dict[int, dict[str, Any]] = {
+            engine: {c.name: metrics[c.metric].labels(*values, *c.labels) for c in counters()}
+            for engine, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, counter in self._per_engine[engine_idx].items():

@@ -210,3 +210,33 @@ def test_counters_add_up_for_sglang_and_prometheus(tmp_path, backends):
         "load_bytes": 6 * block,
         "store_bytes": 6 * block,
     }
+
+
+def test_a_lookup_that_misses_counts_its_reason_on_prometheus(tmp_path, backends):
+    """``batch_exists`` is SGLang's lookup: one that ends before its last page counts once, by why its first
+    missing page is not there, in total and for the tier (``sglang:kvtier_miss_reason_total``)."""
+    pool = mha_host_pool()  # 128 host pages
+    backend = backends(
+        pool,
+        {"tiers": [{"medium": "disk", "path": str(tmp_path / "kv"), "capacity_blocks": 128, "eviction": "lru"}]},
+        tp_rank=0,
+    )
+
+    def counted(reason: str, tier: str) -> float:
+        labels = {"tp_rank": "0", "reason": reason, "tier": tier}
+        return REGISTRY.get_sample_value("sglang:kvtier_miss_reason_total", labels) or 0.0
+
+    rows = [(reason, tier) for reason in ("evicted", "never_stored") for tier in ("all", "disk")]
+    before = {row: counted(*row) for row in rows}
+    fill(pool, 3)
+    assert backend.batch_set_v1(keys(128), indices(range(128))) == [True] * 128
+    assert backend.batch_set_v1(keys(8, "y"), indices(range(8))) == [True] * 8  # evicts the 8 oldest pages
+    assert backend.batch_exists(keys(8, "y")) == 8  # a full hit: no miss
+    assert backend.batch_exists(keys(16)) == 0  # page 0 was evicted
+    assert backend.batch_exists(keys(8, "y") + keys(2, "z")) == 8  # page "z0" was never stored
+    assert {row: counted(*row) - before[row] for row in rows} == {
+        ("evicted", "all"): 1,
+        ("evicted", "disk"): 1,
+        ("never_stored", "all"): 1,
+        ("never_stored", "disk"): 1,
+    }

@@ -50,7 +50,32 @@ def pytest_runtest_makereport(item, call):
 
 
 if HAVE_VLLM:
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
     from helpers.vllm_harness import MODEL_JSON, Engine, Worker, kv_cache_config, make_vllm_config
+
+    @pytest.fixture
+    def prometheus():
+        """``make(vllm_config) -> (registry, prom)``: what vLLM's Prometheus logger registers for the
+        configured connector (vLLM's ``KVConnectorProm``, which finds ``build_prom_metrics``), on a fresh
+        registry (vLLM's global one would refuse the same names twice in one process), under the
+        labels it gives it (model_name "tiny", engine "0"); ``prom.observe(stats, 0)`` feeds it a step's
+        stats as vLLM does."""
+
+        def make(vllm_config) -> tuple[CollectorRegistry, KVConnectorProm]:
+            registry = CollectorRegistry()
+
+            class PromOnTestRegistry(KVConnectorProm):
+                _gauge_cls = partial(Gauge, registry=registry)
+                _counter_cls = partial(Counter, registry=registry)
+                _histogram_cls = partial(Histogram, registry=registry)
+
+            return registry, PromOnTestRegistry(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+        return make
 
     @pytest.fixture(scope="session")
     def model_dir(tmp_path_factory):

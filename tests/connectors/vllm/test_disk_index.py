@@ -5,13 +5,18 @@ both: its scheduler side restores every block from the index (no slot header rea
 take the sequence number (no scan), and the blocks load back bit-exact on every rank. A crash, or an
 index that is stale (a slab written since, workers that closed after the scheduler side), damaged,
 hostile or forged, means one log line and the headers read as before; an index naming the wrong
-slots can only cause misses, which vLLM recomputes."""
+slots can only cause misses, which vLLM recomputes. The blocks go back into the scheduler side's index
+chunk by chunk on a thread while the engine already serves (a block not back yet is a miss), each
+announced once by a KV event as its chunk comes back; a shutdown in the middle loses none of them."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,6 +35,7 @@ from kvtier.connectors.vllm import recovery
 from kvtier.core.keys import chain_hashes
 from kvtier.tiers.disk import PAGE, DiskSlab, rank_directory, rank_slabs_identity, read_block_headers
 from kvtier.tiers.disk_files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk_restore import ChunkedRestore
 from kvtier.tiers.disk_snapshot import write_snapshot
 
 PREFIXES = (1, 2, 3)
@@ -333,3 +339,100 @@ def test_a_worker_takes_its_sequence_from_its_snapshot_and_stores_after_it(make_
         fresh = [h.sequence for h in headers.values() if h.key in new]
         assert len(old) == 12 and len(fresh) == 4
         assert min(fresh) > max(old) == newest
+
+
+def wait_until(condition) -> None:
+    """Wait for the restore's thread to have done what ``condition`` checks (30 s at most: it failed)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the restore never got there"
+        time.sleep(0.001)
+
+
+class Paced:
+    """The scheduler side's restores at the test's pace: one prefix (4 blocks) per chunk, each chunk put
+    back once ``release`` lets it (the restore's thread waits for that, as a slow one would)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self._allowed = threading.Semaphore(0)
+        real = recovery.ChunksBack.step
+
+        def step(restore):
+            self._allowed.acquire(timeout=30)
+            return real(restore)
+
+        monkeypatch.setattr(ChunkedRestore, "chunk", 4)
+        monkeypatch.setattr(recovery.ChunksBack, "step", step)
+
+    def release(self, engine, prefix: int) -> None:
+        """Let one more chunk go back, and wait until it is: the blocks of ``prefix`` (restored oldest first)."""
+        self._allowed.release()
+        wait_until(lambda: engine.kvtier.tier("disk").lookup(prefix_keys(engine, prefix)) == 4)
+
+    def release_all(self) -> None:
+        self._allowed.release(100)
+
+
+@pytest.fixture
+def paced(monkeypatch):
+    paced = Paced(monkeypatch)
+    yield paced
+    paced.release_all()  # (a restore still waiting ends)
+
+
+def announced(engine) -> Counter:
+    """How often a BlockStored event of the engine's disk tier named each key."""
+    return Counter(
+        h for e in engine.events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE" for h in e.block_hashes
+    )
+
+
+def test_a_restart_serves_at_once_and_takes_its_blocks_back_chunk_by_chunk(make_engine, tmp_path, paced):
+    """The engine starts with no block back: prefix 3's request misses and is recomputed right (and stored
+    again, which wins over its old copy), prefix 1 loads from disk once its chunk is back while prefix 2's
+    is still a miss; every block is announced once, as its chunk comes back or by its new store."""
+    config = disk_config(tmp_path / "disk")
+    filled(make_engine, config).shutdown()
+
+    after = make_engine(config, tp=TP)
+    disk = after.kvtier.tier("disk")
+    assert disk.usage().used == 12  # every slot claimed, no block back yet
+    assert all(held_by(after, prefix_keys(after, p)) == [None] * 4 for p in PREFIXES)
+    missed = after.add(prompt(4, 7, seed=20, prefix=3), max_tokens=2)
+    out = step_until_scheduled(after, missed)
+    assert out.num_scheduled_tokens[missed.request_id] == 4 * BLOCK + 7  # all recomputed
+    assert after.blocks_match(missed, range(4))
+    after.run([missed])
+
+    paced.release(after, prefix=1)
+    after.step()  # (its events go out with a step)
+    assert set(announced(after)) == {*prefix_keys(after, 1), *prefix_keys(after, 3)}  # 3: by its store
+    assert held_by(after, prefix_keys(after, 2)) == [None] * 4
+    assert_loads_back(after, prompt(4, 7, seed=21, prefix=1), computed=7, blocks=4)
+
+    paced.release(after, prefix=2)
+    paced.release_all()  # prefix 3's chunk: its blocks are held already, so their old slots are freed
+    wait_until(lambda: disk.usage().used == 12)
+    after.step()
+    counted = announced(after)
+    assert set(counted) == {k for p in PREFIXES for k in prefix_keys(after, p)}
+    assert set(counted.values()) == {1}  # once each
+    for p in (2, 3):
+        assert_loads_back(after, prompt(4, 7, seed=22 + p, prefix=p), computed=7, blocks=4)
+
+
+def test_a_shutdown_in_the_middle_of_the_restore_keeps_every_block(make_engine, tmp_path, paced, header_reads):
+    """The index a shutdown leaves lists the blocks back and those not back yet: the next start has them all."""
+    config = disk_config(tmp_path / "disk")
+    filled(make_engine, config).shutdown()
+    halfway = make_engine(config, tp=TP)
+    paced.release(halfway, prefix=1)
+    halfway.shutdown()  # prefixes 2 and 3 not back
+    assert index_path(tmp_path / "disk").is_file()
+    header_reads.count = 0
+
+    paced.release_all()
+    after = make_engine(config, tp=TP)
+    assert header_reads.count == 0
+    wait_until(lambda: after.kvtier.tier("disk").lookup(prefix_keys(after, 3)) == 4)  # the last chunk
+    assert_all_back(after)

@@ -4,16 +4,11 @@ logger does for /metrics. The counters must equal what the engine's steps report
 
 from __future__ import annotations
 
-from functools import partial
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
-
 from helpers.vllm_helpers import forget_gpu, prompt
 from kvtier.connectors.counters import counter_names
 
 
-def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
+def test_counters_on_metrics_equal_the_reported_stats(make_engine, prometheus, tmp_path):
     engine = make_engine(
         {
             "tiers": [
@@ -31,14 +26,7 @@ def test_counters_on_metrics_equal_the_reported_stats(make_engine, tmp_path):
             engine.add(prompt(4, 9, seed=5, prefix=3), max_tokens=2),
         ]
     )  # from host
-    registry = CollectorRegistry()  # vLLM's global one would refuse the same names twice in one process
-
-    class PromOnTestRegistry(KVConnectorProm):
-        _gauge_cls = partial(Gauge, registry=registry)
-        _counter_cls = partial(Counter, registry=registry)
-        _histogram_cls = partial(Histogram, registry=registry)
-
-    prom = PromOnTestRegistry(engine.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    registry, prom = prometheus(engine.vllm_config)
     for stats in engine.stats:  # the payloads vLLM put into its scheduler stats, step by step
         prom.observe(stats, 0)
 
