@@ -66,6 +66,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-seconds", type=float, default=0.2)
     parser.add_argument("--bandwidth-batch", type=int, default=256)
     parser.add_argument("--pool-bytes", type=int, default=16 * 1024 * MIB, help="GPU buffer and host slab size")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="instead of the table: where the time of a --bandwidth-batch job goes, for first-piece sizes and waits",
+    )
     return parser.parse_args()
 
 
@@ -258,6 +263,79 @@ def interference(rig: Rig, rng) -> dict:
     return result
 
 
+def job_phases(rig: Rig, backend: CUDABackend, transfer, hold) -> dict:
+    """One job's time split (ms): ``submit`` (CPU in submit), ``gpu`` (the copies alone: the job is held
+    back until submit has enqueued all of it), ``to_gpu_done`` (from submit until the GPU finished, not
+    held), ``waits_for_host`` (to_gpu_done - gpu: the GPU idle while Python prepared pieces) and
+    ``hand_off`` (from the GPU finishing until the completion callback ran)."""
+    cupy, torch = rig.cupy, rig.torch
+    lane = backend._lanes["load" if transfer.src.device == "cpu" else "store"].stream
+    marker, held_stream = cupy.cuda.Stream(non_blocking=True), cupy.cuda.ExternalStream(hold.cuda_stream)
+    begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+    done = threading.Event()
+    finished_at = [0.0]
+
+    def finished(failed: set[int]) -> None:
+        finished_at[0] = time.perf_counter()
+        done.set()
+
+    start = time.perf_counter()
+    begin.record(marker)
+    backend.submit(transfer, finished)
+    submitted = time.perf_counter()
+    end.record(lane)
+    done.wait(60)
+    end.synchronize()
+    wall = (finished_at[0] - start) * 1e3
+    to_gpu_done = cupy.cuda.get_elapsed_time(begin, end)
+    done.clear()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(100_000_000)  # ~50 ms: submit enqueues the whole job before any of it runs
+    begin.record(held_stream)
+    backend.submit(transfer, finished)
+    end.record(lane)
+    done.wait(60)
+    end.synchronize()
+    gpu = cupy.cuda.get_elapsed_time(begin, end)
+    return {
+        "wall": wall,
+        "submit": (submitted - start) * 1e3,
+        "gpu": gpu,
+        "to_gpu_done": to_gpu_done,
+        "waits_for_host": to_gpu_done - gpu,
+        "hand_off": wall - to_gpu_done,
+    }
+
+
+def phases(rig: Rig, args, rng) -> list[dict]:
+    """Where the time of a job of ``--bandwidth-batch`` blocks goes, per fragment size, direction and
+    method, for several first-piece sizes and completion waits (the module's knobs, set here in turn)."""
+    import kvtier.transfers.cuda as cuda_transfer
+
+    hold = rig.torch.cuda.Stream()
+    rows = []
+    for fragment in [int(f) for f in args.fragments.split(",")]:
+        for direction in ("store", "load"):
+            _, (transfer,) = make_transfers(rig, fragment, args.bandwidth_batch, direction, rng)
+            reference = statistics.median(rig.reference(transfer.nbytes, direction) for _ in range(7)) * 1e3
+            for first in (64 * MIB, 16 * MIB, 4 * MIB, 1 * MIB):
+                for spin in (8 * MIB, 1 << 40):
+                    cuda_transfer.FIRST_SLICE_BYTES, cuda_transfer.SPIN_BELOW_BYTES = first, spin
+                    for method in args.methods.split(","):
+                        backend = CUDABackend(method, compute_stream=hold)
+                        job_phases(rig, backend, transfer, hold)  # warm-up
+                        runs = [job_phases(rig, backend, transfer, hold) for _ in range(args.repeat)]
+                        backend.close()
+                        row = {"fragment_kib": fragment // KIB, "direction": direction, "method": method}
+                        row |= {"first_piece_mib": first // MIB, "spin": spin > 8 * MIB, "reference": reference}
+                        row |= {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                        row["ratio"] = reference / row["wall"]
+                        rows.append(row)
+                        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    cuda_transfer.FIRST_SLICE_BYTES, cuda_transfer.SPIN_BELOW_BYTES = cuda_transfer.SLICE_BYTES, 8 * MIB
+    return rows
+
+
 def print_table(rows: list[dict], methods: list[str]) -> None:
     header = ["frag KiB", "blocks", "dir", "MiB", "ref GB/s"] + [f"{m} GB/s (ratio)" for m in methods]
     print("  ".join(f"{h:>16}" for h in header))
@@ -284,6 +362,20 @@ def main() -> None:
     import torch
 
     print(f"device: {torch.cuda.get_device_name()}; kvtier CUDABackend vs one cudaMemcpyAsync of the same bytes")
+    if args.phases:
+        rows = phases(rig, args, rng)
+        best = max(rows, key=lambda r: r["ratio"])
+        print(
+            json.dumps(
+                {
+                    "ratio": min(r["ratio"] for r in rows),
+                    "best": best,
+                    "device": torch.cuda.get_device_name(),
+                    "rows": rows,
+                }
+            )
+        )
+        return
     rows = measure(rig, backends, args, rng)
     print_table(rows, methods)
     sm = interference(rig, rng)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import CUDA_DEVICE
 from kvtier.core.misses import MissCounter
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
@@ -126,10 +127,9 @@ def replay_through_stack(
     layout: BlockLayout = stack.tiers[0].storage.layout
     bb = layout.block_bytes
     longest = max((len(r.hash_ids) for r in requests), default=0)
-    loaded_buf = np.empty((max(longest, 1), bb), dtype=np.uint8)
-    computed_buf = np.empty((max(longest, 1), bb), dtype=np.uint8)
-    loaded_into = buffer_storage(loaded_buf, layout, writable=True)
-    computed_from = buffer_storage(computed_buf, layout)
+    engine = EngineBuffers(max(longest, 1), bb, on_cuda=any(t.storage.device == CUDA_DEVICE for t in stack.tiers))
+    loaded_into = buffer_storage(engine.loaded, layout, writable=True)
+    computed_from = buffer_storage(engine.computed, layout)
     dst_medium = "gpu" if any(t.medium == "gpu" for t in stack.tiers) else "host"
     top_capacity = stack.tiers[0].capacity
     every = max(1, -(-len(requests) // max(samples, 1)))
@@ -146,8 +146,9 @@ def replay_through_stack(
             result.loads.add(loaded.sources[0], loaded.loaded * bb, load_seconds)
         good = loaded.failed[0] if loaded.failed else loaded.hits
         result.failed_blocks += len(loaded.failed)
+        arrived = engine.loaded_bytes(good)
         for i in range(good):
-            if not np.array_equal(loaded_buf[i], block_content(ids[i], bb)):
+            if not np.array_equal(arrived[i], block_content(ids[i], bb)):
                 result.corrupt_blocks += 1
                 good = i
                 break
@@ -164,8 +165,7 @@ def replay_through_stack(
         try:
             missing = missing[:top_capacity]
             if missing:
-                for row, (_, block_id) in enumerate(missing):
-                    computed_buf[row] = block_content(block_id, bb)
+                engine.compute([block_id for _, block_id in missing])
                 stored = stack.store([k for k, _ in missing], computed_from, range(len(missing))).result(timeout)
                 result.stored_blocks += stored.stored
         finally:
@@ -180,6 +180,38 @@ def replay_through_stack(
     result.tiers = stack.stats()
     result.misses = misses.stats()
     return result
+
+
+class EngineBuffers:
+    """The engine's memory a replay loads into and stores from: on the GPU where the stack has a CUDA GPU
+    tier (loads end in device memory, stores read it, as under an engine), else host
+    arrays. ``compute`` writes blocks' contents as a prefill would; ``loaded_bytes`` reads loaded ones
+    back to the host for checking."""
+
+    def __init__(self, rows: int, block_bytes: int, on_cuda: bool) -> None:
+        self.block_bytes = block_bytes
+        self._host = np.empty((rows, block_bytes), dtype=np.uint8)
+        if on_cuda:
+            import torch
+
+            self.loaded = torch.empty((rows, block_bytes), dtype=torch.uint8, device="cuda")
+            self.computed = torch.empty((rows, block_bytes), dtype=torch.uint8, device="cuda")
+        else:
+            self.loaded = np.empty((rows, block_bytes), dtype=np.uint8)
+            self.computed = self._host
+
+    def compute(self, block_ids: Sequence[int]) -> None:
+        for row, block_id in enumerate(block_ids):
+            self._host[row] = block_content(block_id, self.block_bytes)
+        if self.computed is not self._host:  # on the current stream, which kvtier's stores order after
+            import torch
+
+            self.computed[: len(block_ids)].copy_(torch.from_numpy(self._host[: len(block_ids)]))
+
+    def loaded_bytes(self, count: int) -> np.ndarray:
+        if isinstance(self.loaded, np.ndarray):
+            return self.loaded[:count]
+        return self.loaded[:count].cpu().numpy()
 
 
 def _reference_rest(

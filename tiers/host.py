@@ -1,4 +1,4 @@
-"""The host-memory tier: one page-aligned slab, registered with CUDA (pinned) when CUDA is present.
+"""The host-memory tier: one page-aligned slab, registered with CUDA (pinned, ``host_pinning``) when CUDA is present.
 
 Pinned memory is what lets a GPU copy engine read and write the slab asynchronously at full PCIe
 speed. Without CUDA the slab is ordinary pageable memory and the tier says so in its description.
@@ -32,6 +32,7 @@ from kvtier.core.storage import BlockStorage, contiguous_storage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
+from kvtier.tiers.host_pinning import pin, unpin
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +78,15 @@ class HostSlab:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.address = self.array.ctypes.data
-        self.pinned = _cuda_register(self.address, self.nbytes)
+        self._pinned = pin(self.address, self.nbytes, layout.block_bytes + header_room)
+        self.pinned = bool(self._pinned)
         self.storage = contiguous_storage(self.address, num_slots, layout, HOST_DEVICE, self, self.close, header_room)
 
     def close(self) -> None:
         if self._map.closed:
             return
-        if self.pinned:
-            _cuda_unregister(self.address)
-            self.pinned = False
+        unpin(self._pinned)
+        self._pinned, self.pinned = [], False
         del self.array
         self._map.close()
         if self._shared_path is not None:  # (gone already once every rank arrived)
@@ -181,28 +182,6 @@ def refuse_more_than_memory(nbytes: int) -> None:
     total = physical_memory()
     if total is not None and nbytes > total:
         raise MemoryError(f"more than the {total / 2**30:.1f} GiB of memory this machine has")
-
-
-def _cuda_register(address: int, nbytes: int) -> bool:
-    """Page-lock the slab with CUDA when CuPy and a GPU are there; False (pageable) otherwise."""
-    try:
-        import cupy
-    except ImportError:
-        return False
-    try:
-        if not cupy.cuda.is_available():
-            return False
-        cupy.cuda.runtime.hostRegister(address, nbytes, 0)
-        return True
-    except Exception as exc:  # a driver that refuses to pin leaves a slower but correct pageable slab
-        log.warning("could not pin %d bytes of host memory with CUDA, using pageable memory: %s", nbytes, exc)
-        return False
-
-
-def _cuda_unregister(address: int) -> None:
-    import cupy
-
-    cupy.cuda.runtime.hostUnregister(address)
 
 
 def host_tier(

@@ -20,6 +20,7 @@ comes from bench/gpu_copy.py on an H100 (see docs/benchmarks.md, "GPU copies").
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import sys
@@ -45,6 +46,8 @@ SLICE_BYTES = 64 * 1024 * 1024
 """Large jobs are enqueued in pieces of about this size (about 1.2 ms of PCIe each). Measured on an
 H100 with 16 KiB fragments: 64 MiB pieces gave 0.91/0.88 of a plain copy (store/load, 2 GiB jobs)
 where 16 MiB pieces gave 0.87/0.83: each piece has a fixed cost."""
+FIRST_SLICE_BYTES = SLICE_BYTES
+"""A job's first piece: its copies start once this much is enqueued (see ``bench/gpu_copy.py --phases``)."""
 SPIN_BELOW_BYTES = 8 * 1024 * 1024
 """Jobs smaller than this (well under a millisecond at PCIe speed) are waited for by spinning."""
 
@@ -188,21 +191,20 @@ class CUDABackend(TransferBackend):
 
     @staticmethod
     def _slices(transfer: Transfer):
-        """(first block, sub-transfer) pieces of about ``SLICE_BYTES``: the GPU copies one piece while
+        """(first block, sub-transfer) pieces: a first one of about ``FIRST_SLICE_BYTES``, so the GPU starts
+        copying soon after submit, then pieces of about ``SLICE_BYTES``; the GPU copies one piece while
         Python prepares the next, instead of idling until the whole job's copy list is built."""
-        step = max(1, SLICE_BYTES // transfer.src.layout.block_bytes)
-        if transfer.num_blocks <= step:
+        block_bytes = transfer.src.layout.block_bytes
+        first_step = max(1, FIRST_SLICE_BYTES // block_bytes)
+        step = max(1, SLICE_BYTES // block_bytes)
+        if transfer.num_blocks <= first_step:
             yield 0, transfer
             return
-        for first in range(0, transfer.num_blocks, step):
+        bounds = [0, *range(first_step, transfer.num_blocks, step), transfer.num_blocks]
+        for first, end in itertools.pairwise(bounds):
             yield (
                 first,
-                Transfer(
-                    transfer.src,
-                    transfer.src_slots[first : first + step],
-                    transfer.dst,
-                    transfer.dst_slots[first : first + step],
-                ),
+                Transfer(transfer.src, transfer.src_slots[first:end], transfer.dst, transfer.dst_slots[first:end]),
             )
 
     def method_for(self, transfer: Transfer, copies: CopyList) -> str:
