@@ -454,6 +454,11 @@ class Planner:
             targets += [i for i, t in enumerate(self.tiers) if t.by_key and not t.takes_demotions and i > index]
         return targets
 
+    def lacking(self, index: int, keys: Sequence[bytes], target: int) -> list[bytes]:
+        """The keys READY in tier ``index`` that tier ``target`` does not hold (what a copy down moves)."""
+        tier, lower = self.tiers[index], self.tiers[target]
+        return [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
+
     def copy_down(self, index: int, keys: Sequence[bytes], target: int | None = None) -> Planned:
         """Copy the READY blocks of tier ``index`` that tier ``target`` (the next one by default) lacks
         into it (a write-through hop of its own, and the copy to disk at close); they stay pinned
@@ -461,7 +466,7 @@ class Planner:
         and the target takes a prefix of the rest when its room runs out."""
         target = index + 1 if target is None else target
         tier, lower = self.tiers[index], self.tiers[target]
-        keys = [k for k in keys if tier.state(k) is BlockState.READY and lower.state(k) is BlockState.FREE]
+        keys = self.lacking(index, keys, target)
         keys = [k for k, ok in zip(keys, self._admits(target, keys), strict=True) if ok]
         room = Room()
         if not keys:

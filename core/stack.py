@@ -396,7 +396,10 @@ class TierStack:
         with self._lock:
             if self._closed and not closing:
                 return
-            self._await_room(target, len(keys))
+            keys = self.planner.lacking(index, keys, target)
+            if not keys:
+                return
+            self._await_room(target, len(keys))  # (room for the blocks it lacks: none for those it holds)
             planned = self.planner.copy_down(index, keys, target)
             self._run_demotions(planned.room)
             if planned.plan.num_blocks:

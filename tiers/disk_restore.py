@@ -79,12 +79,17 @@ class ChunkedRestore:
         start = self._next
         stop = min(start + self.chunk, len(self._slots))
         keys = list(self._keys[start:stop])  # (the key objects are made outside every lock)
+        self._chunk_keys(start, keys)
         with self._lock:
             if self._stopped:
                 return False
             self._restored += self._tier.restore_claimed(keys, self._slots[start:stop])
             self._next = stop
             return stop < len(self._slots)
+
+    def _chunk_keys(self, first: int, keys: list[bytes]) -> None:
+        """Called with each chunk's keys (from ``keys[first]`` on) before they go back, outside every
+        lock: for a subclass that needs them (the key objects are made once per chunk)."""
 
     def stop(self) -> tuple[list[bytes], np.ndarray]:
         """Put back no more blocks from now on; returns the keys and slots of those not back, whose

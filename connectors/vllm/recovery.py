@@ -72,18 +72,20 @@ class ChunksBack(ChunkedRestore):
         self.keys: Sequence[bytes] = []  # the blocks being put back, oldest first (a snapshot's lazy column)
         self.back: queue.SimpleQueue[tuple[int, np.ndarray]] = queue.SimpleQueue()
         self.left: set[bytes] = set()  # (vLLM's thread only)
-        self._first = 0
+        self._fresh: tuple[int, np.ndarray] | None = None  # the chunk going back: its first index, and fresh
 
     def start(self, keys: Sequence[bytes], slots: Sequence[int] | np.ndarray) -> None:
-        self.keys, self._first = keys, 0
+        self.keys = keys
         super().start(keys, slots)
 
+    def _chunk_keys(self, first: int, keys: list[bytes]) -> None:
+        self._fresh = (first, ~self.tier.holds(keys))
+
     def step(self) -> bool:
-        first = self._first
-        fresh = ~self.tier.holds(self.keys[first : first + self.chunk])
         more = super().step()
-        self._first = first + len(fresh)
-        self.back.put((first, fresh))
+        if self._fresh is not None:
+            self.back.put(self._fresh)
+            self._fresh = None
         return more
 
 

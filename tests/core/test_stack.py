@@ -225,6 +225,28 @@ def test_a_load_staged_through_another_tier_caches_it_there():
     stack.close()
 
 
+def test_a_write_through_of_staged_blocks_the_lower_tier_holds_evicts_nothing_there():
+    """Blocks staged through the GPU tier on their way from the host tier are copied down again by
+    write-through: the host tier holds them already, so no room is made there (nothing evicted)."""
+
+    def route_via_gpu(src, dst, caps):
+        return ("host", "gpu", "host") if src == "host" else plan_route(src, dst, caps)
+
+    stack = make_stack(gpu=2, host=4, placement="write_through", route=route_via_gpu)
+    keys = [key(i) for i in range(4)]
+    store(stack, keys[:2])
+    store(stack, keys[2:])  # the host tier is full: all four there, the last two in the GPU tier too
+    stack.wait_idle()
+    assert stack.tiers[1].lookup(keys) == 4
+    loaded, out = load(stack, keys[:2])  # staged through the GPU tier, then copied down by write-through
+    stack.wait_idle()
+    assert loaded.loaded == 2
+    assert_loaded_exact(keys[:2], loaded, out)
+    assert stack.tiers[1].lookup(keys) == 4 and stack.tiers[1].stats.evicted == 0
+    assert_no_leaks(stack)
+    stack.close()
+
+
 def test_concurrent_stores_and_loads_stay_bit_exact():
     stack = make_stack(gpu=16, host=64, gpu_watermark=Watermark(0.9, 0.6))
     errors = []
