@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--phases",
         action="store_true",
-        help="instead of the table: where the time of a --bandwidth-batch job goes, for first-piece sizes and waits",
+        help="instead of the table: where the time of a --bandwidth-batch job goes (submit, GPU, waits, hand-off)",
     )
     return parser.parse_args()
 
@@ -309,30 +309,29 @@ def job_phases(rig: Rig, backend: CUDABackend, transfer, hold) -> dict:
 
 def phases(rig: Rig, args, rng) -> list[dict]:
     """Where the time of a job of ``--bandwidth-batch`` blocks goes, per fragment size, direction and
-    method, for several first-piece sizes and completion waits (the module's knobs, set here in turn)."""
+    method, with the completion waited for by spinning and by sleeping (``SPIN_BELOW_BYTES``, set here)."""
     import kvtier.transfers.cuda as cuda_transfer
 
     hold = rig.torch.cuda.Stream()
+    default_spin = cuda_transfer.SPIN_BELOW_BYTES
     rows = []
     for fragment in [int(f) for f in args.fragments.split(",")]:
         for direction in ("store", "load"):
             _, (transfer,) = make_transfers(rig, fragment, args.bandwidth_batch, direction, rng)
             reference = statistics.median(rig.reference(transfer.nbytes, direction) for _ in range(7)) * 1e3
-            for first in (64 * MIB, 16 * MIB, 4 * MIB, 1 * MIB):
-                for spin in (8 * MIB, 1 << 40):
-                    cuda_transfer.FIRST_SLICE_BYTES, cuda_transfer.SPIN_BELOW_BYTES = first, spin
-                    for method in args.methods.split(","):
-                        backend = CUDABackend(method, compute_stream=hold)
-                        job_phases(rig, backend, transfer, hold)  # warm-up
-                        runs = [job_phases(rig, backend, transfer, hold) for _ in range(args.repeat)]
-                        backend.close()
-                        row = {"fragment_kib": fragment // KIB, "direction": direction, "method": method}
-                        row |= {"first_piece_mib": first // MIB, "spin": spin > 8 * MIB, "reference": reference}
-                        row |= {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                        row["ratio"] = reference / row["wall"]
-                        rows.append(row)
-                        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    cuda_transfer.FIRST_SLICE_BYTES, cuda_transfer.SPIN_BELOW_BYTES = cuda_transfer.SLICE_BYTES, 8 * MIB
+            for spin in (True, False):
+                cuda_transfer.SPIN_BELOW_BYTES = 1 << 50 if spin else 0
+                for method in args.methods.split(","):
+                    backend = CUDABackend(method, compute_stream=hold)
+                    job_phases(rig, backend, transfer, hold)  # warm-up
+                    runs = [job_phases(rig, backend, transfer, hold) for _ in range(args.repeat)]
+                    backend.close()
+                    row = {"fragment_kib": fragment // KIB, "direction": direction, "method": method, "spin": spin}
+                    row |= {"reference": reference} | {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    row["ratio"] = reference / row["wall"]
+                    rows.append(row)
+                    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    cuda_transfer.SPIN_BELOW_BYTES = default_spin
     return rows
 
 

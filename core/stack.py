@@ -373,8 +373,9 @@ class TierStack:
     def _await_room(self, index: int, n: int) -> None:
         """Make ``n`` slots of tier ``index`` free before a plan reserves them, waiting where the
         planner says room is on its way: for the demotions it started (each round reaches one tier
-        further down), and once for copies in flight that pin the victims (a write-through copy, a
-        load). Gives up when no more room comes; the plan then takes what is free."""
+        further down), and once for the copies in flight in this tier and those below it: copies that
+        pin the victims (a write-through copy, a load) and demotions further down that make the room
+        the victims wait for. Gives up when no more room comes; the plan then takes what is free."""
         tier = self.tiers[index]
         n = min(n, tier.capacity)
         flushed = False
@@ -386,7 +387,8 @@ class TierStack:
             if tier.usage().free >= n or (flushed and not demotions):
                 return
             if not demotions:
-                self.jobs.flush(tier.name)
+                for below in self.tiers[index:]:
+                    self.jobs.flush(below.name)
                 flushed = True
 
     def _copy_down(self, index: int, keys: list[bytes], target: int | None = None, closing: bool = False) -> None:

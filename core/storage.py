@@ -18,6 +18,8 @@ from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import HOST_DEVICE
 
+NO_BREAKS = np.empty(0, dtype=np.int64)
+
 
 class BlockStorage:
     """Fragment addresses of ``num_slots`` blocks with one ``layout`` on one ``device`` ("cpu" or "cuda")."""
@@ -34,6 +36,10 @@ class BlockStorage:
         self.num_slots = int(num_slots)
         self.device = device
         self.header_room = 0  # bytes free right before each slot, contiguous with it (``contiguous_storage``)
+        self.breaks = NO_BREAKS
+        """Addresses no single copy may run across: where two separately registered (pinned) pieces of
+        host memory meet (``tiers.host_pinning``). A DMA copy spanning two registrations is refused or
+        goes wrong, so copies of consecutive slots are not merged across them (``Transfer.copies``)."""
         self._keepalive = keepalive
         self._on_close = on_close
 

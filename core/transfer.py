@@ -183,11 +183,20 @@ class Transfer:
         else:
             sizes = src_layout.sizes
         n, f = src.shape
-        return _merge_adjacent(src.reshape(-1), dst.reshape(-1), np.tile(sizes, n), np.repeat(np.arange(n), f))
+        return _merge_adjacent(
+            src.reshape(-1),
+            dst.reshape(-1),
+            np.tile(sizes, n),
+            np.repeat(np.arange(n), f),
+            np.concatenate((self.src.breaks, self.dst.breaks)),
+        )
 
 
-def _merge_adjacent(src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: np.ndarray) -> CopyList:
-    """Merge each copy into the one before it when both its source and destination follow on directly.
+def _merge_adjacent(
+    src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: np.ndarray, breaks: np.ndarray
+) -> CopyList:
+    """Merge each copy into the one before it when both its source and destination follow on directly,
+    unless it starts at one of the ``breaks`` (``BlockStorage.breaks``) on either side.
 
     Copies of different blocks merge too (a run of consecutive slots on both sides becomes one copy);
     the merged copy keeps its first block's index; a failed copy fails every block its byte range
@@ -196,6 +205,8 @@ def _merge_adjacent(src: np.ndarray, dst: np.ndarray, size: np.ndarray, block: n
     if src.size <= 1:
         return CopyList(src, dst, size, block)
     follows = (src[1:] == src[:-1] + size[:-1]) & (dst[1:] == dst[:-1] + size[:-1])
+    if breaks.size:
+        follows &= ~(np.isin(src[1:], breaks) | np.isin(dst[1:], breaks))
     starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
     return CopyList(src[starts], dst[starts], np.add.reduceat(size, starts), block[starts])
 

@@ -61,7 +61,7 @@ for name in "$@"; do
             mkdir -p build/hit-value  # the checkout's disk, not a tmpfs: the disk tier reads with O_DIRECT
             step hit 200 $PY bench/hit_value.py --disk-path build/hit-value ;;
         pool)
-            step pool 90 $PY bench/host_pool.py --gib 64 ;;
+            step pool 150 $PY bench/host_pool.py --gib 64 ;;
         *)
             echo "unknown step $name" ;;
     esac

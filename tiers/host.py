@@ -81,6 +81,7 @@ class HostSlab:
         self._pinned = pin(self.address, self.nbytes, layout.block_bytes + header_room)
         self.pinned = bool(self._pinned)
         self.storage = contiguous_storage(self.address, num_slots, layout, HOST_DEVICE, self, self.close, header_room)
+        self.storage.breaks = np.array([address for address, _ in self._pinned[1:]], dtype=np.int64)
 
     def close(self) -> None:
         if self._map.closed:

@@ -1,17 +1,17 @@
-"""Pinning a large host slab with CUDA: pages first touched in parallel, then registered in chunks.
+"""Pinning a large host slab with CUDA: registered in chunks, its pages optionally populated in parallel first.
 
-Why not one ``cudaHostRegister`` of the whole slab:
-
-- one registration of 512 GiB or more fails whatever memory is free (vLLM issue 51080), and some hosts
-  refuse far smaller ones; chunks of at most ``CHUNK_BYTES`` never meet that ceiling;
-- registering makes the kernel fault in and zero every page on the one calling thread: 64 GiB took
-  seconds of start-up. Populating the pages first with ``MADV_POPULATE_WRITE`` from several threads
-  (ctypes releases the GIL around the call) spreads that work over the cores, and the chunks are then
-  registered from those threads too.
+Why not one ``cudaHostRegister`` of the whole slab: one registration of 512 GiB or more fails whatever
+memory is free (vLLM issue 51080), and some hosts refuse far smaller ones; chunks of at most
+``CHUNK_BYTES`` never meet that ceiling. Registering also faults in and zeroes every page on the
+calling thread (64 GiB: some 15 s on an H200 machine), so the pages can first be populated with
+``MADV_POPULATE_WRITE`` from several threads (ctypes releases the GIL around the call, ``POPULATE_THREADS``) and
+the chunks registered from several threads (``REGISTER_THREADS``); ``bench/host_pool.py`` measures
+each way against one registration and says which is fastest where it runs.
 
 Chunks end on slot boundaries that are also page boundaries, so the driver's rounding to pages never
-makes two registrations overlap. A copy may still cross a chunk boundary (the CUDA backend merges the
-fragments of consecutive slots into one copy); ``bench/host_pool.py`` checks such copies bit for bit.
+makes two registrations overlap, and no block straddles two of them. A DMA copy must not span two
+registrations (the driver refuses or fails it): the slab's storage names the boundaries
+(``BlockStorage.breaks``), and copies of consecutive slots are not merged across them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
@@ -28,6 +27,10 @@ CHUNK_BYTES = 4 * 2**30
 """The most one registration covers: far below the 512 GiB ceiling, many chunks for the threads."""
 PAGE = 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
+POPULATE_THREADS = 0
+"""Threads populating the chunks' pages before any is registered (0: none, registration faults them in)."""
+REGISTER_THREADS = 1
+"""Threads registering chunks at once (1: one chunk after the other)."""
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whichever thread registers
 
 
@@ -40,8 +43,8 @@ def chunks(nbytes: int, slot_bytes: int, limit: int) -> list[tuple[int, int]]:
     return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
-def pin(address: int, nbytes: int, slot_bytes: int, threads: int | None = None) -> list[tuple[int, int]]:
-    """Touch the pages of ``address .. +nbytes`` and register them with CUDA in chunks; returns the
+def pin(address: int, nbytes: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """Register ``address .. +nbytes`` with CUDA in chunks (see the module for how); returns the
     (address, length) chunks registered, or [] where CUDA is missing or refuses (the slab then stays
     pageable: slower, still correct). A refusal part way unregisters the chunks registered before it."""
     try:
@@ -55,19 +58,19 @@ def pin(address: int, nbytes: int, slot_bytes: int, threads: int | None = None) 
     pieces = [(address + offset, length) for offset, length in chunks(nbytes, slot_bytes, CHUNK_BYTES)]
     if not pieces:
         return []
-    workers = threads or min(16, os.cpu_count() or 1, len(pieces))
 
-    def pin_piece(piece: tuple[int, int]) -> tuple[int, int]:
-        _populate(*piece)
+    def register(piece: tuple[int, int]) -> tuple[int, int]:
         cupy.cuda.runtime.setDevice(device)  # this thread's context: the caller's device
         cupy.cuda.runtime.hostRegister(piece[0], piece[1], _REGISTER_PORTABLE)
         return piece
 
     registered: list[tuple[int, int]] = []
-    with ThreadPoolExecutor(workers, thread_name_prefix="kvtier-pin") as pool:
-        futures = [pool.submit(pin_piece, piece) for piece in pieces]
-        errors = []
-        for future in futures:
+    errors: list[Exception] = []
+    if POPULATE_THREADS > 0:
+        with ThreadPoolExecutor(min(POPULATE_THREADS, len(pieces)), thread_name_prefix="kvtier-touch") as pool:
+            list(pool.map(lambda piece: _populate(*piece), pieces))
+    with ThreadPoolExecutor(min(max(REGISTER_THREADS, 1), len(pieces)), thread_name_prefix="kvtier-pin") as pool:
+        for future in [pool.submit(register, piece) for piece in pieces]:
             try:
                 registered.append(future.result())
             except Exception as exc:

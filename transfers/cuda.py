@@ -20,7 +20,6 @@ comes from bench/gpu_copy.py on an H100 (see docs/benchmarks.md, "GPU copies").
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import sys
@@ -46,10 +45,11 @@ SLICE_BYTES = 64 * 1024 * 1024
 """Large jobs are enqueued in pieces of about this size (about 1.2 ms of PCIe each). Measured on an
 H100 with 16 KiB fragments: 64 MiB pieces gave 0.91/0.88 of a plain copy (store/load, 2 GiB jobs)
 where 16 MiB pieces gave 0.87/0.83: each piece has a fixed cost."""
-FIRST_SLICE_BYTES = SLICE_BYTES
-"""A job's first piece: its copies start once this much is enqueued (see ``bench/gpu_copy.py --phases``)."""
-SPIN_BELOW_BYTES = 8 * 1024 * 1024
-"""Jobs smaller than this (well under a millisecond at PCIe speed) are waited for by spinning."""
+SPIN_BELOW_BYTES = 1024 * 1024 * 1024
+"""Jobs smaller than this (under some 20 ms at PCIe speed) are waited for by spinning, which holds a
+core (not the GIL) while they run. Measured on an H200 (``bench/gpu_copy.py --phases``, 256-block jobs
+of 128 and 512 MiB): a sleeping wait handed the completion over 0.15-0.27 ms after the copies ended,
+a spinning one 0.03-0.09 ms, worth 2-7 % of those jobs' bandwidth."""
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 _CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
@@ -183,28 +183,29 @@ class CUDABackend(TransferBackend):
                         break
                     failed.update(first + i for i in part_failed)
                     keep.append(part_keep)
-                # A short job's completion is spun on (a blocking wait adds ~30 us of wake-up); a long
-                # one's thread sleeps, so waiting never holds a core for long.
+                # A job's completion is spun on (a sleeping wait adds 0.1-0.2 ms of wake-up); a very
+                # long one's thread sleeps, so waiting never holds a core for long.
                 done = self._cupy.cuda.Event(block=transfer.nbytes >= SPIN_BELOW_BYTES, disable_timing=True)
                 done.record(lane.stream)
             lane.pending.put(_Pending(done, on_complete, failed, transfer.num_blocks, (transfer, keep)))
 
     @staticmethod
     def _slices(transfer: Transfer):
-        """(first block, sub-transfer) pieces: a first one of about ``FIRST_SLICE_BYTES``, so the GPU starts
-        copying soon after submit, then pieces of about ``SLICE_BYTES``; the GPU copies one piece while
+        """(first block, sub-transfer) pieces of about ``SLICE_BYTES``: the GPU copies one piece while
         Python prepares the next, instead of idling until the whole job's copy list is built."""
-        block_bytes = transfer.src.layout.block_bytes
-        first_step = max(1, FIRST_SLICE_BYTES // block_bytes)
-        step = max(1, SLICE_BYTES // block_bytes)
-        if transfer.num_blocks <= first_step:
+        step = max(1, SLICE_BYTES // transfer.src.layout.block_bytes)
+        if transfer.num_blocks <= step:
             yield 0, transfer
             return
-        bounds = [0, *range(first_step, transfer.num_blocks, step), transfer.num_blocks]
-        for first, end in itertools.pairwise(bounds):
+        for first in range(0, transfer.num_blocks, step):
             yield (
                 first,
-                Transfer(transfer.src, transfer.src_slots[first:end], transfer.dst, transfer.dst_slots[first:end]),
+                Transfer(
+                    transfer.src,
+                    transfer.src_slots[first : first + step],
+                    transfer.dst,
+                    transfer.dst_slots[first : first + step],
+                ),
             )
 
     def method_for(self, transfer: Transfer, copies: CopyList) -> str:

@@ -326,3 +326,33 @@ def test_storing_keys_a_lower_tier_holds_copies_nothing():
     assert (result.stored, result.present) == (0, 8)
     assert stack.tiers[0].stats.committed == committed
     stack.close()
+
+
+def test_a_store_waits_for_room_on_its_way_from_demotions_further_down(tmp_path):
+    """Stores back to back into a full GPU tier over a full host tier over a disk tier with room: each
+    store's room comes from demotions host -> disk still in flight, and the store waits for them
+    rather than dropping its blocks (found by tests/gpu/test_cuda_stack.py on an H200)."""
+    from kvtier import KVTier
+
+    block = 64 * 1024
+    config = {
+        "block_tokens": 16,
+        "block_bytes": block,
+        "fragments": 8,
+        "tiers": [
+            {"medium": "gpu", "capacity_blocks": 32, "watermark": {"high": 0.9, "low": 0.6}},
+            {"medium": "host", "capacity_blocks": 64},
+            {"medium": "disk", "path": str(tmp_path / "disk"), "capacity_blocks": 256},
+        ],
+    }
+    rng = np.random.default_rng(3)
+    prompts = [list(range(p * 10_000, p * 10_000 + 16 * 8)) for p in range(24)]
+    data = [rng.integers(0, 256, (8, block), dtype=np.uint8) for _ in prompts]
+    with KVTier.open(config) as kv:
+        for tokens, blocks in zip(prompts, data, strict=True):
+            assert kv.store(tokens, blocks).result(60).stored == 8  # no waiting in between
+        kv.wait_idle()
+        for tokens, blocks in zip(prompts, data, strict=True):
+            out = np.zeros_like(blocks)
+            assert kv.load(tokens, out).result(60).loaded == 8
+            assert np.array_equal(out, blocks)

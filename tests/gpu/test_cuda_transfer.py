@@ -250,7 +250,6 @@ def test_a_piece_that_cannot_be_enqueued_fails_with_the_rest_once_earlier_pieces
 
     layout, gpu = device_blocks("kv_split", 8, 65536)
     monkeypatch.setattr(cuda_transfer, "SLICE_BYTES", 2 * layout.block_bytes)  # pieces of two blocks
-    monkeypatch.setattr(cuda_transfer, "FIRST_SLICE_BYTES", 2 * layout.block_bytes)
     slab = HostSlab(8, layout)
     real, pieces = backend._enqueue, []
 

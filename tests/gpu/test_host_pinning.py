@@ -1,6 +1,8 @@
-"""A host slab pinned in chunks on a real GPU: every chunk is page-locked, and copies whose merged
-byte range crosses a chunk boundary (consecutive slots on both sides) arrive bit-exact with every copy
-method, both ways. Skipped without CuPy, torch with CUDA and a GPU."""
+"""A host slab pinned in chunks on a real GPU: every chunk is page-locked, and jobs of consecutive slots
+on both sides through chunk boundaries arrive bit-exact with every copy method, both ways: their
+copies end at the boundaries (``BlockStorage.breaks``); one DMA copy across two registrations is
+refused (cuMemcpyBatchAsync: CUresult 1, seen on an H200) or fails. Skipped without CuPy, torch with
+CUDA and a GPU."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def test_copies_across_chunk_boundaries_are_bit_exact(monkeypatch, method):
     layout = BlockLayout.contiguous(BLOCK)
     slab = HostSlab(SLOTS, layout)
     assert slab.pinned and len(slab._pinned) == 4
+    assert slab.storage.breaks.tolist() == [address for address, _ in slab._pinned[1:]]
     for address, length in slab._pinned:
         for inside in (address, address + length - 1):
             assert cupy.cuda.runtime.pointerGetAttributes(inside).type != 0  # page-locked, not pageable

@@ -164,6 +164,20 @@ def test_consecutive_slots_merge_into_one_copy():
     assert copies.block.tolist() == [0]
 
 
+def test_consecutive_slots_do_not_merge_across_a_break_of_either_side():
+    """Where two pinned registrations meet (``BlockStorage.breaks``) a copy ends, on either side."""
+    layout = BlockLayout.contiguous(64)
+    src, dst = np.zeros((8, 64), np.uint8), np.zeros((8, 64), np.uint8)
+    source, target = buffer_storage(src, layout), buffer_storage(dst, layout)
+    source.breaks = np.array([src.ctypes.data + 4 * 64])  # slot 4 starts a registration
+    copies = Transfer(source, [2, 3, 4, 5], target, [0, 1, 2, 3]).copies()
+    assert copies.size.tolist() == [128, 128] and copies.block.tolist() == [0, 2]
+    source.breaks, target.breaks = source.breaks[:0], np.array([dst.ctypes.data + 64])  # slot 1 of dst
+    copies = Transfer(source, [2, 3, 4, 5], target, [0, 1, 2, 3]).copies()
+    assert copies.size.tolist() == [64, 192] and copies.block.tolist() == [0, 1]
+    assert Transfer(source, [2, 3], target, [4, 5]).copies().size.tolist() == [128]  # a break elsewhere: merged
+
+
 def test_scattered_slots_do_not_merge():
     layout = BlockLayout.contiguous(64)
     src, dst = np.zeros((8, 64), np.uint8), np.zeros((8, 64), np.uint8)

@@ -43,23 +43,3 @@ def test_cuda_backend_refuses_to_start_without_cuda():
 def test_cuda_backend_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="mode must be one of"):
         CUDABackend("fast")
-
-
-@pytest.mark.parametrize(
-    ("blocks", "first", "step", "want"), [(10, 2, 3, [2, 3, 3, 2]), (2, 2, 3, [2]), (7, 1, 6, [1, 6])]
-)
-def test_a_job_goes_out_in_a_short_first_piece_then_longer_ones(monkeypatch, blocks, first, step, want):
-    import kvtier.transfers.cuda as cuda_transfer
-    from kvtier.core.layout import BlockLayout
-    from kvtier.core.storage import StridedStorage
-    from kvtier.core.transfer import Transfer
-
-    layout = BlockLayout.contiguous(4096)
-    monkeypatch.setattr(cuda_transfer, "FIRST_SLICE_BYTES", first * 4096)
-    monkeypatch.setattr(cuda_transfer, "SLICE_BYTES", step * 4096)
-    storage = StridedStorage(layout, 16, [1 << 20], [4096])
-    src, dst = list(range(blocks)), list(range(15, 15 - blocks, -1))
-    pieces = list(CUDABackend._slices(Transfer(storage, src, storage, dst)))
-    assert [p.num_blocks for _, p in pieces] == want
-    assert [first for first, _ in pieces] == [sum(want[:i]) for i in range(len(want))]
-    assert [s for _, p in pieces for s in p.src_slots] == src and [s for _, p in pieces for s in p.dst_slots] == dst
