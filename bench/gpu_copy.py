@@ -82,12 +82,14 @@ class Rig:
         import torch
 
         from kvtier.core.layout import BlockLayout
+        from kvtier.tiers import host_pinning
         from kvtier.tiers.host import HostSlab
 
         self.cupy, self.torch = cupy, torch
         self.gpu = torch.empty(pool_bytes, dtype=torch.uint8, device="cuda")
         self.gpu.copy_(torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8, device="cuda"))
-        self.slab = HostSlab(pool_bytes // MIB, BlockLayout.contiguous(MIB))
+        host_pinning.CHUNK_BYTES = max(host_pinning.CHUNK_BYTES, pool_bytes)  # one registration: the
+        self.slab = HostSlab(pool_bytes // MIB, BlockLayout.contiguous(MIB))  # reference copies span it
         if not self.slab.pinned:
             sys.exit("could not pin the host slab")
         self.pool_bytes = pool_bytes
