@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -184,13 +185,15 @@ def replay_through_stack(
 
 class EngineBuffers:
     """The engine's memory a replay loads into and stores from: on the GPU where the stack has a CUDA GPU
-    tier (loads end in device memory, stores read it, as under an engine), else host
-    arrays. ``compute`` writes blocks' contents as a prefill would; ``loaded_bytes`` reads loaded ones
+    tier (loads end in device memory, stores read it, as under an engine), else host arrays.
+    ``compute`` writes blocks' contents as a prefill would; ``loaded_bytes`` reads loaded ones
     back to the host for checking."""
 
     def __init__(self, rows: int, block_bytes: int, on_cuda: bool) -> None:
         self.block_bytes = block_bytes
         self._host = np.empty((rows, block_bytes), dtype=np.uint8)
+        self.loaded: Any  # torch CUDA tensors or numpy arrays
+        self.computed: Any
         if on_cuda:
             import torch
 

@@ -49,7 +49,7 @@ SPIN_BELOW_BYTES = 1024 * 1024 * 1024
 """Jobs smaller than this (under some 20 ms at PCIe speed) are waited for by spinning, which holds a
 core (not the GIL) while they run. Measured on an H200 (``bench/gpu_copy.py --phases``, 256-block jobs
 of 128 and 512 MiB): a sleeping wait handed the completion over 0.15-0.27 ms after the copies ended,
-a spinning one 0.03-0.09 ms, worth 2-7 % of those jobs' bandwidth."""
+a spinning one 0.03-0.09 ms, worth 2-9 % of those jobs' bandwidth."""
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 _CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
