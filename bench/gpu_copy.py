@@ -37,13 +37,22 @@ The last line is one JSON object: ``ratio`` is the smallest one-way kvtier/refer
 fragment sizes at batches of at least ``--bandwidth-batch`` blocks (where bandwidth, not the fixed
 cost of a call, decides), with every row of the table beside it.
 
-Run: ``python bench/gpu_copy.py [--batches 1,16,256,4096] [--repeat 5]`` on a machine with CUDA.
+Where the time goes (``--phases``): for jobs of ``--bandwidth-batch`` blocks, per fragment size,
+direction and method, the CPU time in ``submit``, the copies alone on the GPU (the job held back behind
+a sleeping kernel until all of it is enqueued), the time the GPU waited for the host, and the hand-off
+from the GPU's end to the completion callback, with the completion waited for by spinning and by
+sleeping; and a profile of ``submit``'s own CPU time by function. Its JSON holds those rows.
+
+Run: ``python bench/gpu_copy.py [--batches 1,16,256,4096] [--repeat 5]`` on a machine with CUDA;
+``python bench/gpu_copy.py --phases --fragments 16384,65536 --methods kernel,batch``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import threading
@@ -265,7 +274,7 @@ def interference(rig: Rig, rng) -> dict:
     return result
 
 
-def job_phases(rig: Rig, backend: CUDABackend, transfer, hold) -> dict:
+def job_phases(rig: Rig, backend: CUDABackend, transfer, hold, profile: cProfile.Profile | None = None) -> dict:
     """One job's time split (ms): ``submit`` (CPU in submit), ``gpu`` (the copies alone: the job is held
     back until submit has enqueued all of it), ``to_gpu_done`` (from submit until the GPU finished, not
     held), ``waits_for_host`` (to_gpu_done - gpu: the GPU idle while Python prepared pieces) and
@@ -283,7 +292,11 @@ def job_phases(rig: Rig, backend: CUDABackend, transfer, hold) -> dict:
 
     start = time.perf_counter()
     begin.record(marker)
+    if profile is not None:
+        profile.enable()
     backend.submit(transfer, finished)
+    if profile is not None:
+        profile.disable()
     submitted = time.perf_counter()
     end.record(lane)
     done.wait(60)
@@ -326,8 +339,12 @@ def phases(rig: Rig, args, rng) -> list[dict]:
                 for method in args.methods.split(","):
                     backend = CUDABackend(method, compute_stream=hold)
                     job_phases(rig, backend, transfer, hold)  # warm-up
-                    runs = [job_phases(rig, backend, transfer, hold) for _ in range(args.repeat)]
+                    profile = cProfile.Profile()
+                    runs = [job_phases(rig, backend, transfer, hold, profile) for _ in range(args.repeat)]
                     backend.close()
+                    if spin:  # where submit's CPU time goes, per call
+                        print(f"submit, {fragment // KIB} KiB {direction} {method}, {args.repeat} calls, by own time:")
+                        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(8)
                     row = {"fragment_kib": fragment // KIB, "direction": direction, "method": method, "spin": spin}
                     row |= {"reference": reference} | {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                     row["ratio"] = reference / row["wall"]
