@@ -14,7 +14,6 @@ exit. Until every rank has arrived the name stays; any rank's close removes it (
 from __future__ import annotations
 
 import fcntl
-import logging
 import mmap
 import os
 import stat
@@ -33,9 +32,6 @@ from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.host_pinning import pin, unpin
-
-log = logging.getLogger(__name__)
-
 
 SHARED_DIR = "/dev/shm"
 PAGE = 4096
