@@ -239,9 +239,10 @@ def store_ms(stack: TierStack, keys: list[bytes], source: StridedStorage, proble
     return elapsed
 
 
-def kvtier_times(ids: torch.Tensor, src, dst, runs: int, args: argparse.Namespace, work: str) -> dict:
-    """Store the prefill's KV (``src``) in a fresh stack, then time ``args.repeat`` loads into ``dst``
-    from host memory and ``runs`` from disk; every load is checked against ``src``."""
+def kvtier_times(ids: torch.Tensor, src, dst, kv_bytes: int, runs: int, args: argparse.Namespace, work: str) -> dict:
+    """Store the prefill's KV (``src``, ``kv_bytes`` in all) in a fresh stack, then time ``args.repeat``
+    loads into ``dst`` from host memory and ``runs`` from disk, and ``runs`` raw reads of as many bytes of
+    the disk tier's slab; every load is checked against ``src``."""
     device, bt = args.device, args.block_tokens
     blocks = ids.shape[1] // bt
     copies = [chain_hashes(ids[0].tolist(), bt, NAMESPACE + suffix) for suffix in ("/a", "/b")]
@@ -271,7 +272,6 @@ def kvtier_times(ids: torch.Tensor, src, dst, runs: int, args: argparse.Namespac
         for run in range(runs):
             load(copies[run % 2], "disk")  # each load's staging pushes the other copy out of host
         progress(f"{ids.shape[1]} tokens: load from disk {statistics.median(times['disk']):.1f} ms")
-        kv_bytes = sum(t.numel() * t.element_size() for pair in src for t in pair)
         times["raw_disk"] = [raw_read_ms(os.path.join(disk_dir, SLAB_NAME), kv_bytes) for _ in range(runs)]
     finally:
         stack.close(TIMEOUT_S)
@@ -332,7 +332,7 @@ def measure(model, tokens: int, args: argparse.Namespace, work: str) -> dict:
     loaded_cache = copy.deepcopy(cache)
     src, dst = kv_pairs(cache), kv_pairs(loaded_cache)
     kv_bytes = sum(t.numel() * t.element_size() for pair in src for t in pair)
-    times = kvtier_times(ids, src, dst, runs, args, work)
+    times = kvtier_times(ids, src, dst, kv_bytes, runs, args, work)
     times["problems"] += decode_problems(model, ids[:, -1:], cache, loaded_cache)
     host, disk = statistics.median(times["host"]), statistics.median(times["disk"])
     return {

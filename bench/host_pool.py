@@ -79,13 +79,13 @@ def kvtier_pool(nbytes: int, block_bytes: int, populate_threads: int, register_t
 def warm_up(nbytes: int) -> None:
     """Touch ``nbytes`` of fresh memory once and give it back: in a virtual machine the first touch of
     guest memory costs the host's faults too, which would fall on whichever pool came first."""
-    from kvtier.tiers.host_pinning import CHUNK_BYTES, _populate, chunks
+    from kvtier.tiers.host_pinning import CHUNK_BYTES, chunks, populate
 
     pool = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     anchor = ctypes.c_char.from_buffer(pool)
     address = ctypes.addressof(anchor)
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as threads:
-        list(threads.map(lambda piece: _populate(address + piece[0], piece[1]), chunks(nbytes, 4096, CHUNK_BYTES)))
+        list(threads.map(lambda piece: populate(address + piece[0], piece[1]), chunks(nbytes, 4096, CHUNK_BYTES)))
     del anchor
     pool.close()
 

@@ -135,6 +135,20 @@ def debug_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kvtier.misses"]
 
 
+def missed_as_other_namespace(kv, tokens, caplog, tier: str) -> str:
+    """Look ``tokens`` up: nothing found, counted once as other_namespace in total and in ``tier``
+    (never_stored in the host tier above it); returns the lookup's one DEBUG line."""
+    with caplog.at_level(logging.DEBUG, logger="kvtier.misses"):
+        assert kv.lookup(tokens) == 0
+    assert kv.stack.misses.take() == {
+        (MissReason.OTHER_NAMESPACE, TOTAL): 1,
+        (MissReason.NEVER_STORED, "host"): 1,
+        (MissReason.OTHER_NAMESPACE, tier): 1,
+    }
+    (line,) = debug_lines(caplog)
+    return line
+
+
 @pytest.mark.parametrize(
     ("config", "differing", "said"),
     [
@@ -146,14 +160,7 @@ def debug_lines(caplog) -> list[str]:
 def test_a_block_the_disk_holds_under_another_namespace_is_other_namespace(tmp_path, caplog, config, differing, said):
     tokens = stored_by_another(tmp_path)
     with KVTier.open(on_disk(tmp_path, **config)) as kv:
-        with caplog.at_level(logging.DEBUG, logger="kvtier.misses"):
-            assert kv.lookup(tokens) == 0
-        assert kv.stack.misses.take() == {
-            (MissReason.OTHER_NAMESPACE, TOTAL): 1,
-            (MissReason.NEVER_STORED, "host"): 1,
-            (MissReason.OTHER_NAMESPACE, "disk"): 1,
-        }
-        (line,) = debug_lines(caplog)
+        line = missed_as_other_namespace(kv, tokens, caplog, "disk")
         assert line.endswith(f"disk=other_namespace; namespace differs (here vs there) in: {said}")
         miss = kv.explain(tokens)
         assert (miss.reason, miss.tier, miss.differing) == (MissReason.OTHER_NAMESPACE, "disk", differing)
@@ -218,14 +225,7 @@ def test_a_block_the_remote_store_holds_under_another_block_size_is_other_namesp
         writer.store(tokens, data(4)).result(WAIT)
         writer.wait_idle(WAIT)
     with KVTier.open({**over(server), "block_tokens": 32}) as reader:
-        with caplog.at_level(logging.DEBUG, logger="kvtier.misses"):
-            assert reader.lookup(tokens) == 0
-        assert reader.stack.misses.take() == {
-            (MissReason.OTHER_NAMESPACE, TOTAL): 1,
-            (MissReason.NEVER_STORED, "host"): 1,
-            (MissReason.OTHER_NAMESPACE, "remote"): 1,
-        }
-        (line,) = debug_lines(caplog)
+        line = missed_as_other_namespace(reader, tokens, caplog, "remote")
         assert line.endswith("remote=other_namespace; namespace differs (here vs there) in: block_size 32 vs 16")
         assert reader.explain(tokens).differing == {"block_size": (32, 16)}
         server.kill()  # the search's query fails: a remote error, as the lookup's own

@@ -74,16 +74,20 @@ class HostSlab:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.address = self.array.ctypes.data
-        self._pinned = pin(self.address, self.nbytes, layout.block_bytes + header_room)
-        self.pinned = bool(self._pinned)
+        self.pinned_chunks = pin(self.address, self.nbytes, layout.block_bytes + header_room)
         self.storage = contiguous_storage(self.address, num_slots, layout, HOST_DEVICE, self, self.close, header_room)
-        self.storage.breaks = np.array([address for address, _ in self._pinned[1:]], dtype=np.int64)
+        self.storage.breaks = np.array([address for address, _ in self.pinned_chunks[1:]], dtype=np.int64)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slab is registered with CUDA (``pinned_chunks``: (address, length) per registration)."""
+        return bool(self.pinned_chunks)
 
     def close(self) -> None:
         if self._map.closed:
             return
-        unpin(self._pinned)
-        self._pinned, self.pinned = [], False
+        unpin(self.pinned_chunks)
+        self.pinned_chunks = []
         del self.array
         self._map.close()
         if self._shared_path is not None:  # (gone already once every rank arrived)

@@ -72,7 +72,7 @@ def pin(address: int, nbytes: int, slot_bytes: int) -> list[tuple[int, int]]:
     errors: list[Exception] = []
     if POPULATE_THREADS > 0:
         with ThreadPoolExecutor(min(POPULATE_THREADS, len(pieces)), thread_name_prefix="kvtier-touch") as pool:
-            list(pool.map(lambda piece: _populate(*piece), pieces))
+            list(pool.map(lambda piece: populate(*piece), pieces))
     with ThreadPoolExecutor(min(max(REGISTER_THREADS, 1), len(pieces)), thread_name_prefix="kvtier-pin") as pool:
         for future in [pool.submit(register, piece) for piece in pieces]:
             try:
@@ -100,7 +100,7 @@ _libc = ctypes.CDLL(None)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def _populate(address: int, length: int) -> None:
+def populate(address: int, length: int) -> None:
     """Fault in every page of the range now, on this thread, rather than one page at a time inside the
     driver's registration. The bytes are left as they are (a rank joining a shared slab may find data in
     it). Where the kernel lacks MADV_POPULATE_WRITE nothing is done here: registration faults them in."""

@@ -31,9 +31,9 @@ def test_copies_across_chunk_boundaries_are_bit_exact(monkeypatch, method):
     monkeypatch.setattr(host_pinning, "CHUNK_BYTES", 16 * BLOCK)  # 4 chunks of 16 slots
     layout = BlockLayout.contiguous(BLOCK)
     slab = HostSlab(SLOTS, layout)
-    assert slab.pinned and len(slab._pinned) == 4
-    assert slab.storage.breaks.tolist() == [address for address, _ in slab._pinned[1:]]
-    for address, length in slab._pinned:
+    assert slab.pinned and len(slab.pinned_chunks) == 4
+    assert slab.storage.breaks.tolist() == [address for address, _ in slab.pinned_chunks[1:]]
+    for address, length in slab.pinned_chunks:
         for inside in (address, address + length - 1):
             assert cupy.cuda.runtime.pointerGetAttributes(inside).type != 0  # page-locked, not pageable
     gpu = [torch.randint(0, 256, (SLOTS, BLOCK), dtype=torch.uint8, device="cuda")]
