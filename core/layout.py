@@ -9,6 +9,7 @@ into one contiguous host slot a plain list of copies.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,12 +47,17 @@ class BlockLayout:
     def block_bytes(self) -> int:
         return sum(self.fragment_bytes)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> np.ndarray:
-        """Offset of each fragment inside a contiguous slot."""
-        sizes = np.asarray(self.fragment_bytes, dtype=np.int64)
-        return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        """Offset of each fragment inside a contiguous slot (read-only: computed once, every transfer
+        addressing a slot asks)."""
+        offsets = np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
+        offsets.flags.writeable = False
+        return offsets
 
-    @property
+    @functools.cached_property
     def sizes(self) -> np.ndarray:
-        return np.asarray(self.fragment_bytes, dtype=np.int64)
+        """Each fragment's size (read-only)."""
+        sizes = np.asarray(self.fragment_bytes, dtype=np.int64)
+        sizes.flags.writeable = False
+        return sizes

@@ -19,9 +19,10 @@ answers each request with plain data:
   memory a store call past its deadline may still touch, kept out of use until ``lift``.
 
 A remote tier (``Tier.by_key``: a store shared with other engines, the last tier) has no slots and
-evicts by itself. Its copies name keys; loads from it always stage through the host tier, never into
-the caller's blocks, because a read that outlived its deadline may still write into its destination
-and only a tier's slot can be kept out of use until it no longer can; it never gives up victims, and
+evicts by itself. Its copies name keys; loads from it stage through the host tier, never into the
+caller's blocks, because a read that outlived its deadline may still write into its destination and
+only a tier's slot can be kept out of use until it no longer can, unless the tier ``loads_direct``
+(its clients fetch into memory of their own: Redis in a stack); it never gives up victims, and
 takes demotions only when placed write-back (``Tier.takes_demotions``). Placed write-through, blocks
 reach it from the host tier by a plan of their own once they are there (``copy_targets``): a store's
 job never waits on the network.
@@ -276,7 +277,7 @@ class Planner:
         sources = [0] * (self.tiers[0].lookup(keys) if stage_of[0] is None else 0)
         staging: dict[int, int] = {}
         for key in keys[len(sources) :]:
-            index = next((i for i, t in enumerate(self.tiers) if t.state(key) is BlockState.READY), None)
+            index = self._ready_in(key)
             if index is None:
                 break
             stage = stage_of[index]
@@ -286,6 +287,13 @@ class Planner:
                 staging[stage] = staging.get(stage, 0) + 1
             sources.append(index)
         return Lookup(len(sources), tuple(sources), staging)
+
+    def _ready_in(self, key: bytes) -> int | None:
+        """The index of the fastest tier holding ``key`` READY, or None."""
+        for index, tier in enumerate(self.tiers):
+            if tier.state(key) is BlockState.READY:
+                return index
+        return None
 
     def staging(self, dst_medium: str) -> tuple[int | None, ...]:
         """Per tier, the index of the tier a load into ``dst_medium`` stages through (None: it copies
@@ -300,7 +308,7 @@ class Planner:
         route = self._route(tier.medium, dst_medium, self._capabilities)
         if len(route) > 3:
             raise TransferError(f"route {' -> '.join(route)} has more than one staging hop")
-        if len(route) == 2 and tier.by_key:
+        if len(route) == 2 and tier.by_key and not tier.loads_direct:
             route = (route[0], HOST, route[1])  # into a slot kvtier can keep out of use, never the caller's
         if len(route) == 2:
             return None
@@ -572,11 +580,14 @@ class Planner:
 
     # --- outcomes ------------------------------------------------------------------------------
 
-    def finish(self, plan: Plan, job: Job) -> Outcome:
+    def finish(self, plan: Plan, job: Job, pin_stored: Collection[str] = ()) -> Outcome:
         """Apply a final job's result to the tiers and say what changed.
 
         Every tier a copy wrote commits the blocks that arrived there and aborts the others (naming
-        first those the job reports refused for good, see ``Tier.refuse``). Then the tiers the plan
+        first those the job reports refused for good, see ``Tier.refuse``). In the tiers named in
+        ``pin_stored`` they are committed pinned, in the same step: a caller that copies them on later
+        (``copy_targets``, from another thread) keeps them from being evicted before that copy is
+        planned, and unpins them then. Then the tiers the plan
         read from let go: sources pinned for a store or a load are unpinned, a demotion's victims end
         (``Tier.end_demotion``), and a load drops, from each tier it read, the blocks whose copy out
         of it failed (unreadable: a miss now and later). Bytes read out of a source for blocks that
@@ -598,7 +609,8 @@ class Planner:
             for copy in stage:
                 if copy.dst.tier is not None:
                     held = self._held_by(copy, copy.src.tier, job)
-                    named |= self._land(self.tier(copy.dst.tier), copy, gone, refused, held, outcome)
+                    tier = self.tier(copy.dst.tier)
+                    named |= self._land(tier, copy, gone, refused, held, outcome, tier.name in pin_stored)
                     self._note_landed(plan.kind, copy, gone)
                     written.setdefault(copy.dst.tier, set()).update(copy.blocks)
         for k, stage in enumerate(plan.stages):
@@ -644,16 +656,16 @@ class Planner:
 
     @staticmethod
     def _land(
-        tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int], outcome: Outcome
+        tier: Tier, copy: Copy, gone: set[int], refused: set[int], held: set[int], outcome: Outcome, pin: bool
     ) -> set[bytes]:
-        """Commit the blocks of ``copy`` that arrived in its destination ``tier``, quarantine the slots
-        of those a read may still write into (``held``), abort the others; returns the aborted keys
-        the tier can never hold."""
+        """Commit the blocks of ``copy`` that arrived in its destination ``tier`` (pinned with ``pin``),
+        quarantine the slots of those a read may still write into (``held``), abort the others; returns
+        the aborted keys the tier can never hold."""
         arrived, failed, never = copy.keys_not_in(gone), copy.keys_in(gone - held), copy.keys_in(gone & refused)
         if never:
             tier.refuse(never)
             tier.count(incompressible=len(never))
-        tier.commit(arrived)
+        tier.commit(arrived, pin)
         _add(outcome.stored, tier.name, arrived)
         if held:
             outcome.quarantined.setdefault(tier.name, []).extend(tier.quarantine(copy.keys_in(held)))

@@ -12,8 +12,10 @@ down to the low mark, so foreground stores seldom wait for space.
 
 A remote tier (a store shared with other engines; the last tier) is asked only for the keys past what
 the local tiers hold, in one batched query bounded by its timeout (a dead store answers "miss"); its
-loads stage through host memory, and blocks reach it from the host tier by background copies of their
-own. Slots a store call past its deadline may still touch stay out of use until it has returned.
+loads stage through host memory (Mooncake; a GPU caller's always) or go straight into a host caller's
+memory (Redis: its replies are checked and copied in by a completion that only a call in time runs),
+and blocks reach it from the host tier by background copies of their own, planned before any eviction
+can drop them. Slots a store call past its deadline may still touch stay out of use until it has returned.
 
 What moves where is the planner's (``core/planner.py``), as under vLLM; the stack executes its plans
 in-process: one job per plan, its copies on the stack's transfer backends (``core/stages.py``). Where
@@ -49,7 +51,7 @@ from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, 
 from kvtier.core.keys import check_key
 from kvtier.core.media import HOST, Capabilities, caller_medium, medium
 from kvtier.core.misses import GhostIndex, Misses
-from kvtier.core.planner import ENGINE, Outcome, Plan, Planner, Room
+from kvtier.core.planner import ENGINE, Lookup, Outcome, Plan, Planner, Room
 from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
@@ -136,6 +138,9 @@ class TierStack:
         self.placement = placement
         self.capabilities = capabilities or Capabilities()
         self.planner = Planner(self.tiers, route, self.capabilities, ghost)
+        self._copy_targets = [self.planner.copy_targets(i, placement == "write_through") for i in range(len(tiers))]
+        self._copied_on = frozenset(t.name for t, targets in zip(tiers, self._copy_targets, strict=True) if targets)
+        self._copies_due: collections.deque[tuple[int, list[bytes]]] = collections.deque()  # (tier, keys)
         self.misses = Misses(names, self.planner.ghost, [t.why_absent for t in self.tiers])
         self._index = {t.name: i for i, t in enumerate(self.tiers)}
         self._storages: dict[str | None, BlockStorage] = {t.name: t.storage for t in self.tiers}
@@ -159,11 +164,8 @@ class TierStack:
         A lookup that ends early (before the last key, or, with ``partial``, before a partial block
         the caller has after them) is counted in ``misses`` with its reason, unless ``count`` is False
         (a caller that counts it itself)."""
-        self._ask_remote(keys)
-        with self._lock:
-            self._check_open()
-            found = self.planner.lookup(keys)
-            result = StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
+        found = self._find(keys)
+        result = StackLookup(len(found.sources), tuple(self.tiers[i].name for i in found.sources))
         if count:
             self.misses.count(self.misses.explain(keys, result.hits, partial))
         return result
@@ -221,14 +223,16 @@ class TierStack:
             raise ArgumentError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
         dst_medium = dst_medium or caller_medium(dst.device)
         future: Future[LoadResult] = Future()
-        self._ask_remote(keys)
-        self._await_staging(keys, dst_medium)
+        found = self._find(keys, dst_medium)
+        waited = found.hits != len(keys) and self._await_staging(keys[len(found.sources) :], dst_medium)
         with self._lock:
             self._check_open()
             for index, stage in enumerate(self.planner.staging(dst_medium)):  # refuse before pinning anything
                 last_hop = self.tiers[index if stage is None else stage]
                 self.transfers.backend(last_hop.storage.device, dst.device, f"from tier {last_hop.name!r}")
-            for stage, n in self.planner.lookup(keys, dst_medium).staging.items():
+            if waited or found.hits is None:  # (staging copies landed meanwhile: fewer blocks stage now)
+                found = self.planner.lookup(keys, dst_medium)
+            for stage, n in found.staging.items():
                 self._await_room(stage, n)
             planned = self.planner.load(keys, dst_slots, dst_medium)
             self._run_demotions(planned.room)
@@ -340,26 +344,33 @@ class TierStack:
         if self._closed:
             raise ClosedError("the tier stack is closed")
 
-    def _ask_remote(self, keys: Sequence[bytes]) -> None:
-        """Ask the remote tier, if any, which of the keys past the local hit its store holds (one batched
-        query, outside the stack's lock: it may take up to the tier's timeout); the planner then sees
-        them READY there for a few seconds."""
-        if self._remote is None:
-            return
+    def _find(self, keys: Sequence[bytes], dst_medium: str | None = None) -> Lookup:
+        """The planner's lookup of ``keys`` (with ``dst_medium``: what a load there stages), after asking
+        the remote tier, if any, which of the keys past what the tiers are known to hold its store
+        holds: one batched query, outside the stack's lock (it may take up to the tier's timeout); the
+        planner then sees them READY there for a few seconds. Keys the store was found to hold lately
+        are not asked again."""
         with self._lock:
             self._check_open()
-            start = len(self.planner.lookup(keys).sources)
-        if start < len(keys):
-            self._remote.query(keys[start:])
+            found = self.planner.lookup(keys, dst_medium)
+        start = len(found.sources)
+        if self._remote is None or start == len(keys):
+            return found
+        self._remote.query(keys[start:])
+        with self._lock:
+            self._check_open()
+            return self.planner.lookup(keys, dst_medium)
 
-    def _await_staging(self, keys: Sequence[bytes], dst_medium: str) -> None:
+    def _await_staging(self, keys: Sequence[bytes], dst_medium: str) -> bool:
         """Wait until no block of ``keys`` is being written into a tier that a load into ``dst_medium``
         stages through: another request's load of the same blocks (a hot prefix), or a store of them.
         This load then takes them from there instead of stopping at them, and the store is read once
         per block however many requests want it. Outside the stack's lock (those copies end by their
-        deadlines); not on kvtier's own threads, where a job must not wait for another."""
+        deadlines); not on kvtier's own threads, where a job must not wait for another. Returns whether
+        it waited."""
         if on_kvtier_thread():
-            return
+            return False
+        waited = False
         for stage in {s for s in self.planner.staging(dst_medium) if s is not None}:
             tier = self.tiers[stage]
             slots = []
@@ -369,6 +380,8 @@ class TierStack:
                         slots += tier.slots([key])
             if slots:
                 self.jobs.flush(tier.name, slots)
+                waited = True
+        return waited
 
     def _await_room(self, index: int, n: int) -> None:
         """Make ``n`` slots of tier ``index`` free before a plan reserves them, waiting where the
@@ -379,6 +392,8 @@ class TierStack:
         tier = self.tiers[index]
         n = min(n, tier.capacity)
         flushed = False
+        if tier.usage().free < n:
+            self._plan_copies_due()
         for _ in range(len(self.tiers) + 1):
             room = self.planner.make_room(index, n)
             demotions = self._run_demotions(room)
@@ -421,7 +436,7 @@ class TierStack:
         everything) when the first stage's copies cannot start."""
 
         def finished(job: Job) -> None:
-            outcome = self.planner.finish(plan, job)
+            outcome = self.planner.finish(plan, job, self._copied_on)
             if outcome.holds:
                 self.jobs.when_lifted(job, lambda job: self.planner.lift(outcome))
             if then is not None:
@@ -450,11 +465,34 @@ class TierStack:
 
     def _after_write(self, index: int, keys: list[bytes]) -> None:
         """Called from completions: queue the copies on (the next write-through hop, a remote store's
-        copy from the host tier) and a watermark check."""
-        for target in self.planner.copy_targets(index, self.placement == "write_through") if keys else ():
-            self._work.put(functools.partial(self._copy_down, index, keys, target))
+        copy from the host tier) and a watermark check. Blocks with copies on arrive pinned
+        (``Planner.finish``), so no eviction drops them before those copies are planned."""
+        targets = [self.tiers[t] for t in self._copy_targets[index]]
+        if keys and targets:
+            due = [key for key in keys if any(t.state(key) is BlockState.FREE for t in targets)]
+            if len(due) < len(keys):  # (a staged load's blocks, read from the tier below: nothing to copy)
+                self.tiers[index].unpin(set(keys).difference(due) if due else keys)
+            if due:
+                self._copies_due.append((index, due))
+                self._work.put(self._plan_copies_due)
         if self.tiers[index].excess() > 0:
             self._work.put(lambda: self._enforce_watermark(index))
+
+    def _plan_copies_due(self) -> None:
+        """Plan the copies on of blocks written lately (``_after_write``; their plans pin what they read),
+        then let go of the pins those blocks arrived with. Run by the background thread, and by a
+        request that waits for room (``_await_room``), which holds the lock the background thread
+        would need. A block is not lost to an eviction while its copy waits in line: a host tier
+        smaller than a burst of stores would otherwise drop blocks before they reach the remote store
+        below it, which takes no demotions."""
+        with self._lock:
+            while self._copies_due:
+                index, keys = self._copies_due.popleft()
+                try:
+                    for target in self._copy_targets[index]:
+                        self._copy_down(index, keys, target)
+                finally:
+                    self.tiers[index].unpin(keys)
 
     def _enforce_watermark(self, index: int) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from kvtier.core.config import TransferConfig
 from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE
 from kvtier.core.transfer import TransferBackend
-from kvtier.tiers.remote.config import RemoteTierConfig
+from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.transfers.cpu import CPUBackend
@@ -47,5 +47,6 @@ def backends_for(
     if KEYED_DEVICE in devices:
         if remote is None:
             raise ValueError("a remote store's records need the remote tier's configuration")
-        backends.append(RemoteBackend(StoreLink(connector(remote), remote.timeout, "loads and stores")))
+        link = StoreLink(connector(remote), remote.timeout, "loads and stores")
+        backends.append(RemoteBackend(link, store_backend(remote.backend).fetches))
     return backends

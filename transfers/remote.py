@@ -14,10 +14,14 @@ deadline, never more:
   store did not take; they are counted drops;
 - a load (remote -> host) accepts a block only when its record arrived whole and its header, data
   checksum and (with ``auth_key_env``) MAC say it is exactly that block, checked here before the job
-  reports; every other block fails, and the engine recomputes it (and stores it again: see above);
+  reports; every other block fails, and the engine recomputes it (and stores it again: see above).
+  With ``fetches`` (Redis) a load ``fetch``es the records into the client's own bytes, checks them
+  there and copies in only the good ones, in the completion of a call that returned in time: a bad
+  record or a late reply never reaches the memory, so it may be the caller's own. Loads that want a
+  record another load is fetching right now wait for that fetch instead of reading it again;
 - where a call failed or outlived its deadline and has not settled yet (it may still write into its
   destination slots, or read its source slots), the failed blocks are reported in a ``Quarantine``
-  that the link lifts once nothing of that call can touch them any more.
+  that the link lifts once nothing of that call can touch them any more (never for a fetch).
 
 While the store is down after a failure the link refuses calls at once (reconnecting with backoff),
 so every job in that time fails without waiting.
@@ -26,9 +30,11 @@ so every job in that time fails without waiting.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +42,7 @@ from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
-from kvtier.tiers.remote.client import Piece, StoreClient
+from kvtier.tiers.remote.client import Piece, StoreClient, scatter
 from kvtier.tiers.remote.link import Call, StoreLink
 from kvtier.tiers.remote.record import HEADER_BYTES
 from kvtier.tiers.remote.tier import RemoteStorage
@@ -53,12 +59,14 @@ class RemoteBackend(TransferBackend):
     name = "remote"
     pairs = frozenset({(HOST_DEVICE, KEYED_DEVICE), (KEYED_DEVICE, HOST_DEVICE)})
 
-    def __init__(self, link: StoreLink) -> None:
+    def __init__(self, link: StoreLink, fetches: bool = False) -> None:
         self.link = link
+        self.fetches = fetches  # loads ``fetch`` records and copy the good ones in their completion
         self.refused_records = 0  # records that arrived whole but were not the block asked for
         self._lock = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        self._flights: dict[str, list[tuple[_Job, int]]] = {}  # record fetched now -> other loads waiting for it
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         if not self.can_copy(transfer.src.device, transfer.dst.device):
@@ -79,6 +87,8 @@ class RemoteBackend(TransferBackend):
             self._in_flight += 1
         if storing:
             self.link.start(lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty)
+        elif self.fetches:
+            self._fetch(job)
         else:
             self.link.start(
                 lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
@@ -93,19 +103,37 @@ class RemoteBackend(TransferBackend):
                 self._lock.wait()
         self.link.close(timeout=0)
 
+    def _fetch(self, job: _Job) -> None:
+        """Load ``job`` by ``fetch``: the records no other load is fetching right now by one call of its
+        own, the others from the calls of the loads fetching them (``_flights``): the store is read
+        once per record however many loads want it at once (requests of one engine sharing a prefix)."""
+        mine = []
+        with self._lock:
+            for i, name in enumerate(job.names):
+                waiting = self._flights.get(name)
+                if waiting is None:
+                    self._flights[name] = []
+                    mine.append(i)
+                else:
+                    waiting.append((job, i))
+        if mine:
+            names, size = [job.names[i] for i in mine], HEADER_BYTES + job.records.block_bytes
+            self.link.start(lambda client: client.fetch(names, size), functools.partial(self._fetched, job, mine))
+
     # --- completions (on the link's threads) ---------------------------------------------------
 
     def _completion(
-        self, job: _Job, direction: Callable[[_Job, Call[list[bool]], list[bool]], None]
-    ) -> Callable[[Call[list[bool]]], None]:
-        """The call's ``on_done``: ``direction`` checks what the call did, then the job reports its
+        self, job: _Job, direction: Callable[[_Job, Call, list[Any]], list[bool]]
+    ) -> Callable[[Call], None]:
+        """The call's ``on_done``: ``direction`` checks what the call did (its result per record, None for
+        each when it did not answer in time) and says which records are good, then the job reports its
         failed blocks (a bug fails them all rather than losing the completion)."""
 
-        def done(call: Call[list[bool]]) -> None:
+        def done(call: Call) -> None:
             n = len(job.keys)
-            ok = list(call.result) if call.ok and call.result is not None and len(call.result) == n else [False] * n
+            answers = call.result if call.ok and call.result is not None and len(call.result) == n else [None] * n
             try:
-                direction(job, call, ok)
+                ok = direction(job, call, list(answers))
             except Exception:
                 log.exception("kvtier remote transfer failed")
                 ok = [False] * n
@@ -119,22 +147,77 @@ class RemoteBackend(TransferBackend):
         return done
 
     @staticmethod
-    def _stored(job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
+    def _stored(job: _Job, call: Call, written: list[Any]) -> list[bool]:
+        ok = [answer is True for answer in written]
         if call.ok:
-            written = [key for i, key in enumerate(job.keys) if ok[i] and i not in job.skipped]
-            job.remote.stored(written, len(job.skipped))
+            job.remote.stored(
+                [key for i, key in enumerate(job.keys) if ok[i] and i not in job.skipped], len(job.skipped)
+            )
+        return ok
 
-    def _loaded(self, job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
+    def _loaded(self, job: _Job, call: Call, arrived: list[Any]) -> list[bool]:
+        """A ``get``: the records that arrived whole into the job's memory, checked there."""
+        every = list(range(len(job.keys)))
+        return self._accepted(
+            job, call, every, [answer is True for answer in arrived], lambda i: (job.header(i), job.data(i))
+        )
+
+    def _fetched(self, job: _Job, mine: list[int], call: Call[list[bytes | None]]) -> None:
+        """A ``fetch`` of records ``mine`` of ``job``: each is checked in the client's bytes and only a
+        good one is copied, into ``job``'s memory and that of the loads waiting for it, here, in a
+        completion that runs only for a call that returned in time (one past its deadline writes
+        nowhere: nothing is quarantined). Each load reports once all its records are decided."""
+        values = call.result if call.ok and call.result is not None and len(call.result) == len(mine) else None
+        views = [None if value is None else memoryview(value) for value in values or [None] * len(mine)]
+        try:
+            good = self._accepted(job, call, mine, [view is not None for view in views], lambda k: _split(views[k]))
+        except Exception:
+            log.exception("kvtier remote transfer failed")
+            good = [False] * len(mine)
+        with self._lock:
+            waiting = [self._flights.pop(job.names[i]) for i in mine]
+        decided: dict[int, tuple[_Job, list[tuple[int, bool]]]] = {}
+        for i, view, ok, others in zip(mine, views, good, waiting, strict=True):
+            for load, j in [(job, i), *others]:
+                copied = ok and view is not None and _copied(view, load.pieces[j])
+                decided.setdefault(id(load), (load, []))[1].append((j, copied))
+        for load, records in decided.values():
+            load.failed.update(j for j, copied in records if not copied)
+            with self._lock:
+                load.pending -= len(records)
+                over = load.pending == 0
+            if over:
+                try:
+                    load.on_complete(load.failed)
+                finally:
+                    with self._lock:
+                        self._in_flight -= 1
+                        self._lock.notify_all()
+
+    def _accepted(
+        self,
+        job: _Job,
+        call: Call,
+        asked: list[int],
+        arrived: list[bool],
+        record: Callable[[int], tuple[memoryview, list[memoryview]]],
+    ) -> list[bool]:
+        """Which of the records ``asked`` (indices into ``job``) that ``arrived`` whole are the blocks
+        asked for (``record(k)``: the k-th one's header and data, checked by ``RecordFormat.problem``);
+        what the load found is remembered (``RemoteStorage.loaded``) and refused records are logged,
+        one line per load."""
+        ok = list(arrived)
         refused, damaged = [], []
-        for i, key in enumerate(job.keys):
-            if ok[i]:
-                problem = job.records.problem(job.header(i), key, job.data(i))
+        for k, i in enumerate(asked):
+            if ok[k]:
+                header, data = record(k)
+                problem = job.records.problem(header, job.keys[i], data)
                 if problem is not None:
-                    ok[i] = False
+                    ok[k] = False
                     refused.append(f"{job.names[i]}: {problem}")
-                    damaged.append(key)
+                    damaged.append(job.keys[i])
         if call.ok:
-            job.remote.loaded(job.keys, ok, damaged)
+            job.remote.loaded([job.keys[i] for i in asked], ok, damaged)
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
                 self.refused_records += len(refused)
@@ -145,6 +228,23 @@ class RemoteBackend(TransferBackend):
                 self.link.connector.where,
                 refused[0],
             )
+        return ok
+
+
+def _split(record: memoryview | None) -> tuple[memoryview, list[memoryview]]:
+    """A fetched record's header and data (only asked of one that arrived)."""
+    assert record is not None
+    return record[:HEADER_BYTES], [record[HEADER_BYTES:]]
+
+
+def _copied(record: memoryview, pieces: list[Piece]) -> bool:
+    """Copy a good fetched record into a load's pieces; False (logged) should that fail."""
+    try:
+        scatter(record, pieces)
+    except Exception:
+        log.exception("kvtier remote transfer failed")
+        return False
+    return True
 
 
 def _dirty(ok: list[bool]) -> bool:
@@ -152,7 +252,7 @@ def _dirty(ok: list[bool]) -> bool:
     return not all(ok)
 
 
-def _finish(job: _Job, call: Call[list[bool]], ok: list[bool]) -> None:
+def _finish(job: _Job, call: Call, ok: list[bool]) -> None:
     """Report the failed blocks; those of a call that has not settled yet are quarantined until it has."""
     failed = {i for i, good in enumerate(ok) if not good}
     quarantine = None
@@ -202,6 +302,8 @@ class _Job:
         self.keys = keys
         self.names = [self.records.name(key) for key in keys]
         self.skipped: set[int] = set()  # the records a store found in the store and left as they were
+        self.pending = len(keys)  # a fetched load's records not decided yet
+        self.failed: set[int] = set()  # and those that failed
         self.memory = memory
         self.on_complete = on_complete
         if header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):

@@ -15,8 +15,9 @@ pages (``namespace.py``) into kvtier's keyed block keys.
 The contract SGLang relies on, kept here: a batch call returns per page whether it was stored or
 loaded, never raises, and never returns before kvtier is done with the pages it was given (SGLang reuses
 a page once the call returns): a page that could not be stored or loaded intact is ``False``, and SGLang
-recomputes what it does not get. Every tier bounds its waits (a remote store's calls have a deadline;
-loads from it stage through a kvtier host slot, so a late reply never writes into SGLang's pages).
+recomputes what it does not get. Every tier bounds its waits (a remote store's calls have a deadline; a
+late reply never writes into SGLang's pages: Mooncake's loads stage through a kvtier host slot, and
+Redis's replies are checked and copied in only by a call that returned in time).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ runs that over it too), against a real redis-server: a record is the same bytes 
 in the room before the host slot or apart, a record that is missing or not the block asked for fails
 exactly its block (and counts as refused once it arrived whole), and a call that outlives the deadline
 fails its blocks at the deadline, quarantined until the call has really returned (a hung server resumed),
-while later transfers fail at once during the backoff."""
+while later transfers fail at once during the backoff. Loads that ``fetch`` (Redis's) never write a bad
+record or a late reply into memory, need no quarantine, and loads of the same records at once share
+one read (and its failure)."""
 
 from __future__ import annotations
 
@@ -39,12 +41,13 @@ def server(tmp_path):
 class Rig:
     """A host slab, the store's records and a backend between them."""
 
-    def __init__(self, url: str, header_room: int = 0) -> None:
+    def __init__(self, url: str, header_room: int = 0, fetches: bool = False) -> None:
         self.slab = HostSlab(len(KEYS), LAYOUT, header_room)
         self.records = RecordFormat("t", namespace_digest("m", LAYOUT), LAYOUT.block_bytes)
         self.remote = RemoteStorage(LAYOUT, self.records)
         connect = functools.partial(RedisClient, url, timeout=TIMEOUT)
-        self.backend = RemoteBackend(StoreLink(Connector(connect, 2, "redis"), TIMEOUT, "loads and stores"))
+        link = StoreLink(Connector(connect, 2, "redis"), TIMEOUT, "loads and stores")
+        self.backend = RemoteBackend(link, fetches)
         self.data = np.random.default_rng(7).integers(0, 256, (len(KEYS), LAYOUT.block_bytes), dtype=np.uint8)
 
     def slots(self) -> np.ndarray:
@@ -59,6 +62,10 @@ class Rig:
             if storing
             else Transfer(self.remote, (), self.slab.storage, slots, KEYS)
         )
+        return self.wait(self.start(transfer))
+
+    def start(self, transfer: Transfer) -> tuple[threading.Event, list, float]:
+        """Submit ``transfer``; what ``wait`` needs."""
         done = threading.Event()
         calls: list[tuple[set[int], Quarantine | None]] = []
 
@@ -68,8 +75,14 @@ class Rig:
 
         started = time.monotonic()
         self.backend.submit(transfer, on_complete)
+        return done, calls, started
+
+    @staticmethod
+    def wait(started: tuple[threading.Event, list, float]) -> tuple[set[int], Quarantine | None, float]:
+        """(failed, quarantine, seconds until it completed) of a transfer ``start`` submitted."""
+        done, calls, at = started
         assert done.wait(30), "the transfer never completed"
-        took = time.monotonic() - started
+        took = time.monotonic() - at
         assert len(calls) == 1
         return (*calls[0], took)
 
@@ -86,11 +99,21 @@ class Rig:
         self.slab.close()
 
 
-@pytest.fixture
-def rig(server):
-    rig = Rig(server.url)
+@pytest.fixture(params=["get", "fetch"])
+def rig(server, request):
+    """A rig whose loads ``get`` records into its memory (every store's clients can), or ``fetch`` them
+    (Redis's: checked in the client's bytes, copied in only when good and in time)."""
+    rig = Rig(server.url, fetches=request.param == "fetch")
     yield rig
     rig.close()
+
+
+def settled(backend: RemoteBackend) -> None:
+    """Wait until no call of the backend's link can touch memory any more (a resumed server answered)."""
+    deadline = time.monotonic() + 3 * TIMEOUT
+    while backend.link._unsettled:
+        assert time.monotonic() < deadline, "a call never returned"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -130,21 +153,70 @@ def test_a_missing_damaged_or_foreign_record_fails_exactly_its_block(rig, server
     assert (failed, quarantine) == ({0, 1, 2, 3}, None)
     assert rig.backend.refused_records == 2  # the truncated one never arrived whole
     assert np.array_equal(rig.slots()[4:], rig.data[4:])
+    if rig.backend.fetches:  # checked before it is copied: a bad record never reaches the caller's memory
+        assert not rig.slots()[:4].any()
 
 
-def test_a_hung_store_fails_a_load_at_the_deadline_and_quarantines_its_slots_until_the_call_returns(rig, server):
-    rig.store()
-    server.stop()
-    failed, quarantine, took = rig.load()
-    assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
-    assert quarantine is not None and quarantine.blocks == failed
-    time.sleep(0.3)
-    assert not quarantine.lifted  # the GET is still waiting for its replies
-    lifted = threading.Event()
-    quarantine.when_lifted(lifted.set)
-    resumed = time.monotonic()
-    server.cont()
-    assert lifted.wait(TIMEOUT) and time.monotonic() - resumed < TIMEOUT  # the resumed server answered it
+def test_a_hung_store_fails_a_fetch_at_the_deadline_and_its_late_reply_writes_nowhere(server):
+    rig = Rig(server.url, fetches=True)
+    try:
+        rig.store()
+        server.stop()
+        failed, quarantine, took = rig.load()
+        assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+        assert quarantine is None  # nothing to keep out of use: the memory is free at once
+        rig.slots()[:] = 0xA5  # (the caller reuses it)
+        server.cont()
+        settled(rig.backend)
+        assert (rig.slots() == 0xA5).all()  # the reply came, and was dropped with its call
+    finally:
+        rig.close()
+
+
+def test_loads_fetching_the_same_records_at_once_share_one_read_and_its_failure(server):
+    rig, other = Rig(server.url, fetches=True), HostSlab(len(KEYS), LAYOUT)
+    try:
+        rig.store()
+        rig.slots()[:] = 0
+        reads = server.client().info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+        server.stop()  # the first load's GETs wait; the second load asks while they do
+        first = rig.start(Transfer(rig.remote, (), rig.slab.storage, range(len(KEYS)), KEYS))
+        second = rig.start(Transfer(rig.remote, (), other.storage, [5, 4, 3], KEYS[2:5]))  # some of them, elsewhere
+        time.sleep(0.2)
+        server.cont()
+        assert rig.wait(first)[:2] == (set(), None) and rig.wait(second)[:2] == (set(), None)
+        assert np.array_equal(rig.slots(), rig.data)
+        assert np.array_equal(other.array.reshape(len(KEYS), -1)[[5, 4, 3]], rig.data[2:5])
+        assert server.client().info("commandstats")["cmdstat_get"]["calls"] - reads == len(KEYS)  # one read each
+        server.stop()  # now both wait for a call that outlives its deadline
+        first = rig.start(Transfer(rig.remote, (), rig.slab.storage, range(len(KEYS)), KEYS))
+        second = rig.start(Transfer(rig.remote, (), other.storage, [0], KEYS[1:2]))
+        assert rig.wait(first)[0] == set(range(len(KEYS))) and rig.wait(second)[0] == {0}
+        assert rig.wait(second)[2] < TIMEOUT + 0.5  # failed with the call it waited for
+        server.cont()
+        settled(rig.backend)
+    finally:
+        rig.close()
+        other.close()
+
+
+def test_a_hung_store_fails_a_get_at_the_deadline_and_quarantines_its_slots_until_the_call_returns(server):
+    rig = Rig(server.url)
+    try:
+        rig.store()
+        server.stop()
+        failed, quarantine, took = rig.load()
+        assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+        assert quarantine is not None and quarantine.blocks == failed
+        time.sleep(0.3)
+        assert not quarantine.lifted  # the GET is still waiting for its replies
+        lifted = threading.Event()
+        quarantine.when_lifted(lifted.set)
+        resumed = time.monotonic()
+        server.cont()
+        assert lifted.wait(TIMEOUT) and time.monotonic() - resumed < TIMEOUT  # the resumed server answered it
+    finally:
+        rig.close()
 
 
 def test_after_a_failure_transfers_fail_at_once_until_the_backoff_ends(rig, server):

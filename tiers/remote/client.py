@@ -19,12 +19,21 @@ reused.
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvtier.core.errors import StoreError
 
-__all__ = ["Piece", "Record", "StoreClient", "StoreError"]  # StoreError, what every client raises, with its kin
+__all__ = [
+    "Piece",
+    "Record",
+    "StoreClient",
+    "StoreError",
+    "scatter",
+]  # StoreError, what every client raises, with its kin
 
 Piece = tuple[int, int]
 """(address, size) of a piece of host memory."""
@@ -40,6 +49,13 @@ class StoreClient(ABC):
     late_writes: bool = False
     """True when a read that failed or was abandoned may still write into its buffers after the call
     returned, until ``close()`` (Mooncake's TCP transfer engine). Such buffers stay fenced until then."""
+
+    def fetch(self, names: Sequence[str], size: int) -> list[bytes | None]:
+        """Each named record's bytes, in memory of the client's own (Redis: the reply's bytes), so a read
+        never writes into memory it was given, even past its deadline; None where the record is missing
+        or is not ``size`` bytes long. Raises StoreError when nothing could be asked. Offered where the
+        store's backend says it ``fetches`` (``StoreBackend``)."""
+        raise NotImplementedError(f"the {self.name} client reads only into memory it is given")
 
     def may_write_late(self) -> bool:
         """With ``late_writes``, after a call some of whose records failed: whether a transfer of one of
@@ -70,3 +86,12 @@ class StoreClient(ABC):
     @abstractmethod
     def close(self) -> None:
         """Drop the connection; afterwards no call of this client writes into any buffer."""
+
+
+def scatter(value: bytes | memoryview, record: Record) -> None:
+    """Copy a record's bytes into its pieces, in order (one memmove per piece, outside the GIL)."""
+    source = np.frombuffer(value, np.uint8).ctypes.data
+    at = 0
+    for address, size in record:
+        ctypes.memmove(address, source + at, size)
+        at += size

@@ -34,6 +34,10 @@ class StoreBackend:
     reads_anywhere: bool = True
     """Its clients read into any memory (Redis's); False where they read only into memory registered
     with them (Mooncake's transfer engine): such a store keeps no namespace registry (``RemoteTier``)."""
+    fetches: bool = False
+    """Its clients ``fetch`` records into memory of their own (``StoreClient.fetch``): a load never writes
+    into memory it was given after its deadline, so it may go straight into the caller's blocks (no
+    staging through a host slot that a late write could reach)."""
 
 
 _BACKENDS: dict[str, StoreBackend] = {}

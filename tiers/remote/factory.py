@@ -45,19 +45,26 @@ def remote_tier(
     layout: BlockLayout,
     namespace: str | bytes,
     ranks: Sequence[int | None] = (None,),
+    loads_direct: bool = False,
 ) -> RemoteTier:
     """The tier, with a link of its own for lookups; a block is present when every one of ``ranks``
-    has its record (one rank, None, for a standalone stack)."""
+    has its record (one rank, None, for a standalone stack). With ``loads_direct``, loads from a store
+    whose clients fetch go straight into the caller's memory (``Tier.loads_direct``)."""
     records = [record_format(config, layout, namespace, rank) for rank in ranks]
     wired = connector(config, lends_memory=False)
     link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
-    registry = store_backend(config.backend).reads_anywhere
-    return RemoteTier(name, layout, records, link, config.placement, registry=registry)
+    backend = store_backend(config.backend)
+    direct = loads_direct and backend.fetches
+    return RemoteTier(
+        name, layout, records, link, config.placement, registry=backend.reads_anywhere, loads_direct=direct
+    )
 
 
 def _tier(request: TierRequest) -> RemoteTier:
+    """A stack's remote tier: its loads go straight into the caller's memory where the store allows it
+    (under vLLM they stage through the host tier: its scheduler builds its own, ``remote_tier``)."""
     assert isinstance(request.config, RemoteTierConfig)
-    return remote_tier(request.name, request.config, request.layout, request.stack.namespace)
+    return remote_tier(request.name, request.config, request.layout, request.stack.namespace, loads_direct=True)
 
 
 def _rank_storage(request: RankRequest) -> BlockStorage:

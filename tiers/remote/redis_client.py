@@ -34,14 +34,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
 from kvtier.core.errors import ClosedError, StoreError
-from kvtier.tiers.remote.client import Piece, Record, StoreClient
+from kvtier.tiers.remote.client import Piece, Record, StoreClient, scatter
 
 SOCKET_TIMEOUT_FACTOR = 3
 CLIENT_NAME = "kvtier"
@@ -84,6 +83,13 @@ class PipelinedClient(StoreClient):
 
         replies = self._call(names, [[command(b"GET", name.encode())] for name in names], take)
         return [reply is True for reply in replies]
+
+    def fetch(self, names: Sequence[str], size: int) -> list[bytes | None]:
+        def value(i: int, reply: Any) -> bytes | None:
+            return reply if isinstance(reply, bytes) and len(reply) == size else None
+
+        replies = self._call(names, [[command(b"GET", name.encode())] for name in names], value)
+        return [reply if isinstance(reply, bytes) else None for reply in replies]
 
     def remove(self, names: Sequence[str]) -> None:
         self._call(names, [[command(b"DEL", name.encode())] for name in names])
@@ -258,7 +264,7 @@ def _taken(reply: Any, record: Record) -> bool:
     """Copy a GET's value into the record's pieces if it has exactly their size; whether it had."""
     if not isinstance(reply, bytes) or len(reply) != sum(size for _, size in record):
         return False
-    _scatter(reply, record)
+    scatter(reply, record)
     return True
 
 
@@ -282,12 +288,3 @@ def coalesced(chunks: list[Chunk]) -> list[Chunk]:
     if small:
         out.append(b"".join(small))
     return out
-
-
-def _scatter(value: bytes, record: Record) -> None:
-    """Copy a value into the record's pieces (one memmove per piece, outside the GIL)."""
-    source = np.frombuffer(value, np.uint8).ctypes.data
-    at = 0
-    for address, size in record:
-        ctypes.memmove(address, source + at, size)
-        at += size

@@ -121,4 +121,4 @@ def _password(env_name: str | None) -> str | None:
     return value
 
 
-BACKEND = StoreBackend("redis", RedisConfig, connector)
+BACKEND = StoreBackend("redis", RedisConfig, connector, fetches=True)

@@ -140,6 +140,7 @@ class RemoteTier(Tier):
         placement: str = "write_through",
         known_for: float = KNOWN_FOR_S,
         registry: bool = True,
+        loads_direct: bool = False,
     ) -> None:
         storage = RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n))
         super().__init__(
@@ -152,6 +153,7 @@ class RemoteTier(Tier):
         self.takes_demotions = placement == "write_back"
         self.stats = RemoteStats()
         self.registry = registry  # whether the store keeps the namespace registry (``record_namespace``)
+        self.loads_direct = loads_direct  # (its clients ``fetch``: a late reply writes nowhere)
         self._known_for = known_for
         self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
         self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()  # key -> (expiry, why not)

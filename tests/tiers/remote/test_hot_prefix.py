@@ -3,13 +3,13 @@ prompt every request shares), and several engines storing the same blocks, again
 ``helpers.stores.STORES`` for real (Redis; Mooncake where it is installed).
 
 What it shows: eight requests of one engine looking up one prefix at once, while the store is slow to
-answer (SIGSTOP), cost the store one existence question per block, and all find the whole prefix; a
-query whose answer another query waits for fails both as misses within the timeout; eight requests
-loading one prefix at once make one read per block (the others wait for it being staged in host
-memory and take it from there) and all end up with bit-exact bytes; a second engine storing the prefix the first
-one stored asks once per block and writes nothing (``skipped_existing``); records planted under our
-names (garbage, truncated, another block's record) make a store skip them, but once a load refused them
-the next store of those blocks writes them again, so a hostile record never pins a miss.
+answer (SIGSTOP), cost the store one existence question per block, and all find the whole prefix; a query
+whose answer another query waits for fails both as misses within the timeout; eight requests loading one
+prefix at once make one read per block (the others wait for it: staged in host memory, or fetched by the
+first request's call) and all end up with bit-exact bytes; a second engine storing the prefix the first
+one stored asks once per block and writes nothing (``skipped_existing``); records planted under our names
+(garbage, truncated, another block's record) make a store skip them, but once a load refused them the
+next store of those blocks writes them again, so a hostile record never pins a miss.
 
 What each store is asked is counted by a wrapper around each real client kvtier opens, which counts the
 records every call names and hands the call to the client (``counted``).
@@ -95,8 +95,12 @@ class Counting:
         return self._client.exists(names)
 
     def get(self, names, records):
-        self._count("get", names)
+        self._count("read", names)
         return self._client.get(names, records)
+
+    def fetch(self, names, size):
+        self._count("read", names)
+        return self._client.fetch(names, size)
 
     def put(self, names, records):
         self._count("put", names)
@@ -183,27 +187,32 @@ def test_requests_waiting_for_a_query_that_fails_get_a_miss_within_the_timeout(s
 
 
 def test_requests_loading_one_prefix_at_once_read_each_block_once_and_all_get_its_bytes(store):
+    """A store whose clients read into kvtier's memory (Mooncake) stages loads through host slots: the
+    other requests wait for those and take the blocks from host memory. One whose clients fetch
+    (Redis) loads straight into each request's memory: the others share the first one's reads."""
     tokens, blocks = prompt(), data()
     stored(config(store), tokens, blocks)
     with KVTier.open(config(store)) as kv:
         counts = counted(kv)
+        staged = not remote(kv).loads_direct
         assert kv.lookup(tokens) == BLOCKS
         outs = [np.zeros((BLOCKS, BLOCK), np.uint8) for _ in range(REQUESTS)]
         store.hang()
         timer = threading.Timer(OVERLAP_S, store.resume)
         try:
-            first = kv.load(tokens, outs[0])  # its blocks are staged into host slots reserved now...
-            assert kv.stack.tiers[0].leaks()["writing"] == BLOCKS
+            first = kv.load(tokens, outs[0])  # its reads are in flight now (staged: into host slots reserved)...
+            assert kv.stack.tiers[0].leaks()["writing"] == (BLOCKS if staged else 0)
             timer.start()
             others = at_once(REQUESTS - 1, lambda i: kv.load(tokens, outs[i + 1]).result(WAIT))
         finally:
             timer.cancel()
             store.resume()  # (once more where the timer did: SIGCONT again changes nothing)
         assert first.result(WAIT).loaded == BLOCKS and np.array_equal(outs[0], blocks)
-        for result in others:  # ...which the others wait for, then take from host memory: no second read
-            assert (result.loaded, result.failed, result.per_tier) == (BLOCKS, [], {"host": BLOCKS})
+        for result in others:  # ...which the others wait for and take: no second read
+            sources = {"host": BLOCKS} if staged else {"remote": BLOCKS}
+            assert (result.loaded, result.failed, result.per_tier) == (BLOCKS, [], sources)
         assert all(np.array_equal(out, blocks) for out in outs)
-        assert counts["get"] == BLOCKS  # each block read from the store once, for all the requests
+        assert counts["read"] == BLOCKS  # each block read from the store once, for all the requests
 
 
 # --- several engines --------------------------------------------------------------------------------
