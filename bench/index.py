@@ -27,9 +27,10 @@ What is measured
     * after churn (``--churn-blocks``, one smaller size: churning 10 M blocks takes too long): the
       same tiers kept full while ``--churn`` x n further new keys are stored (``reserve`` evicts
       through the policy, as ``Planner.make_room`` does for the last tier), traced throughout. A
-      filled dict is at 1/3 to 2/3 load; one that deletes and inserts resizes to used x 3 instead,
-      and ``adaptive`` remembers evicted and declined keys (its history keeps their key objects
-      alive), so a serving tier costs more than a freshly filled one.
+      filled dict is at 1/3 to 2/3 load; one that deletes and inserts resizes to used x 3 instead
+      (the tier copies its index back into the least table then: ``Tier._compact``), and
+      ``adaptive``'s miniatures and watched samples keep some evicted keys' objects alive, so a
+      serving tier costs more than a freshly filled one.
 
     Restart: a disk slab (``DiskSlab``) for 2 MiB and for 64 KiB blocks sized for ``--slab-bytes``
     (1 TiB: 523,265 and 15,790,320 slots, each a block and its 4 KiB header page), created in a

@@ -82,18 +82,17 @@ three probes, under 1.7% of the keys it never saw look remembered (a first-seen 
 the filter is on: harmless)."""
 
 
-def _probes(key: Hashable, mask: int) -> tuple[int, int, int]:
-    """Three bit positions for ``key`` in a filter of ``mask`` + 1 bits, from one 128-bit hash that is
-    the same in every process (Python salts ``hash`` of bytes and str per process, and the same
-    traffic must get the same decisions in every run)."""
+def _digest(key: Hashable) -> int:
+    """The 128-bit hash a history's probes come from, the same in every process (Python salts ``hash``
+    of bytes and str per process, and the same traffic must get the same decisions in every run).
+    Computed once per key and call: both generations, and a key remembered when not found, probe with it."""
     if isinstance(key, bytes):
         data = key
     elif isinstance(key, int):
         data = key.to_bytes(16, "little", signed=True)
     else:
         data = repr(key).encode()
-    h = xxhash.xxh3_128_intdigest(data)
-    return h & mask, (h >> 42) & mask, (h >> 84) & mask
+    return xxhash.xxh3_128_intdigest(data)
 
 
 class _History(Generic[K]):
@@ -126,15 +125,31 @@ class _History(Generic[K]):
 
     def take(self, key: K) -> bool:
         """Whether ``key`` was remembered (or is one of the few false positives)."""
+        return self._holds(_digest(key))
+
+    def recall(self, key: K) -> bool:
+        """``take``, and when the key was not remembered, ``add`` it: one hash for both."""
+        h = _digest(key)
+        if self._holds(h):
+            return True
+        self._add(h)
+        return False
+
+    def add(self, key: K) -> None:
+        self._add(_digest(key))
+
+    def _holds(self, h: int) -> bool:
         for bits in (self.new, self.old):
-            a, b, c = _probes(key, len(bits) * 8 - 1)
+            mask = len(bits) * 8 - 1  # three bit positions in a filter of mask + 1 bits
+            a, b, c = h & mask, (h >> 42) & mask, (h >> 84) & mask
             if bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & 1:
                 return True
         return False
 
-    def add(self, key: K) -> None:
+    def _add(self, h: int) -> None:
         bits = self.new
-        a, b, c = _probes(key, len(bits) * 8 - 1)
+        mask = len(bits) * 8 - 1
+        a, b, c = h & mask, (h >> 42) & mask, (h >> 84) & mask
         bits[a >> 3] |= 1 << (a & 7)
         bits[b >> 3] |= 1 << (b & 7)
         bits[c >> 3] |= 1 << (c & 7)
@@ -177,9 +192,7 @@ class _Miniature(Generic[K]):
             elif key in probation:
                 del probation[key]
                 protected[key] = None
-            elif filters and not remembered.take(key):
-                remembered.add(key)
-            else:
+            elif not filters or remembered.recall(key):  # (a first sight is only remembered)
                 probation[key] = None
                 if key == tail:
                     probation.move_to_end(key, last=False)
@@ -263,10 +276,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
             self._sampled.append(key)
         if not self.filtering:
             return True
-        history = self._history
-        if history.take(key):
+        if self._history.recall(key):
             return True
-        history.add(key)
         if len(run) >= self._run_limit:
             self._end_run()  # nothing stored for this long: a run must end somewhere
         return False
@@ -346,12 +357,13 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if not run:
             return
         segments = self._segments
-        for key, inserted in reversed(run.items()):
-            if inserted:
-                segments.push(key, PROBATION)
-            elif inserted is not None and segments.queue_of(key) is not None:  # (None: asked, not stored)
-                segments.move(key, PROTECTED)
-            # else: evicted since it was read
+        if self._inserted:  # (the two segments are apart: inserts and reads can be applied one after the other)
+            segments.extend([key for key, inserted in reversed(run.items()) if inserted], PROBATION)
+        if self._inserted < len(run):
+            for key, inserted in reversed(run.items()):
+                if inserted is False and segments.queue_of(key) is not None:  # (None: asked, not stored)
+                    segments.move(key, PROTECTED)
+                # else: inserted, or evicted since it was read
         tail = next(reversed(run)) if len(run) > 1 else None  # one block alone is no chain: it has no tail
         if tail is not None and not run[tail]:
             tail = None  # the last reference was a read (or a declined block): nothing to queue first

@@ -101,3 +101,27 @@ def test_a_bound_restore_in_numpy_steps_orders_as_pushes_one_by_one(make):
     assert bound.evict(CAPACITY, {keys[0]}) == free.evict(CAPACITY, {keys[0]})
     with pytest.raises(KeyError):
         bound.restore([keys[0]])  # still tracked: it was protected
+
+
+def test_extend_links_keys_as_pushes_one_by_one_and_refuses_without_a_change():
+    """``extend`` (a run's inserts in one loop) orders as ``push`` one by one; a key already tracked
+    or given twice is refused before any queue changes."""
+    tier = Tierlike()
+    bound: SlotQueues[bytes] = SlotQueues(2)
+    bound.bind(tier.index, CAPACITY)
+    free: SlotQueues[bytes] = SlotQueues(2)
+    keys = [b"k%02d" % i for i in (4, 0, 6, 2)]
+    for key in keys:
+        tier.add(key)
+    bound.push(keys[0], 1)
+    free.push(keys[0], 1)
+    bound.extend(keys[1:], 0)
+    for key in keys[1:]:
+        free.push(key, 0)
+    for queues in (bound, free):
+        assert list(queues.oldest_first(0)) == keys[1:] and list(queues.oldest_first(1)) == keys[:1]
+    tier.add(b"new")
+    for bad in ([b"new", keys[2]], [b"new", b"new"]):
+        with pytest.raises(KeyError):
+            bound.extend(bad, 0)
+        assert list(bound.oldest_first(0)) == keys[1:] and bound.queue_of(b"new") is None and len(bound) == 4
