@@ -79,7 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 NAMESPACE = "bench-fleet"
-HOST_BLOCKS_PER_THREAD = 2  # x max-blocks: enough to stage a request, too few to keep the shared prefixes
+HOST_BLOCKS_PER_THREAD = 2  # x max-blocks: enough to stage a request (Mooncake's loads; Redis's go straight
+# into the request's buffer), too few to keep the shared prefixes
 PATHS = ("kvtier", "raw")
 HUNG_FACTOR = 10  # a call that takes this many timeouts hung
 OWNER_SIZE = "1GB"  # each Mooncake segment owner's store memory

@@ -141,6 +141,7 @@ class TierStack:
         self._copy_targets = [self.planner.copy_targets(i, placement == "write_through") for i in range(len(tiers))]
         self._copied_on = frozenset(t.name for t, targets in zip(tiers, self._copy_targets, strict=True) if targets)
         self._copies_due: collections.deque[tuple[int, list[bytes]]] = collections.deque()  # (tier, keys)
+        self._planning_copies = False  # (under the lock: ``_plan_copies_due`` is running)
         self.misses = Misses(names, self.planner.ghost, [t.why_absent for t in self.tiers])
         self._index = {t.name: i for i, t in enumerate(self.tiers)}
         self._storages: dict[str | None, BlockStorage] = {t.name: t.storage for t in self.tiers}
@@ -486,13 +487,19 @@ class TierStack:
         smaller than a burst of stores would otherwise drop blocks before they reach the remote store
         below it, which takes no demotions."""
         with self._lock:
-            while self._copies_due:
-                index, keys = self._copies_due.popleft()
-                try:
-                    for target in self._copy_targets[index]:
-                        self._copy_down(index, keys, target)
-                finally:
-                    self.tiers[index].unpin(keys)
+            if self._planning_copies:  # (a copy's own wait for room, further down: the outer call goes on)
+                return
+            self._planning_copies = True
+            try:
+                while self._copies_due:
+                    index, keys = self._copies_due.popleft()
+                    try:
+                        for target in self._copy_targets[index]:
+                            self._copy_down(index, keys, target)
+                    finally:
+                        self.tiers[index].unpin(keys)
+            finally:
+                self._planning_copies = False
 
     def _enforce_watermark(self, index: int) -> None:
         with self._lock:

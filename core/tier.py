@@ -457,12 +457,16 @@ class Tier:
             np.frombuffer(self._flags, np.uint8)[at] = _RESTORING
             return at
 
-    def restore_claimed(self, keys: list[bytes], slots: np.ndarray) -> int:
+    def restore_claimed(
+        self, keys: list[bytes], slots: np.ndarray, then: Callable[[np.ndarray], None] | None = None
+    ) -> int:
         """Put back READY blocks into slots ``claim`` took, ``keys[i]`` in ``slots[i]`` (each slot once),
         oldest use first, after every block already here. A key the tier holds already (stored again
         while its block was waiting here, or named twice: only a forged snapshot does that) keeps
         what the tier holds, and the slot given for it is freed: a restore can only cause misses.
         Returns how many blocks went back; StateError (nothing changed) for a slot not claimed.
+        ``then(went_in)`` (which keys went back, a bool each) runs under the tier's lock, before any
+        other caller sees them: for one that announces restored blocks (the vLLM scheduler side).
 
         In columns: the usual case (no key here yet) is dict updates and numpy steps, no Python step
         per block; the dict updates are what most of a restore costs (15.8 M blocks, ``bench/index.py``)."""
@@ -473,15 +477,17 @@ class Tier:
             if (flags[slots] != _RESTORING).any():
                 raise StateError(f"restore into slots of tier {self.name!r} that were not claimed for it")
             kept_keys, kept = keys, slots
+            new = np.ones(len(keys), np.bool_)
             fresh = self._index_fresh(keys, slots.tolist())
             if fresh < len(keys):  # a key already here, or given twice
-                new = np.ones(len(keys), np.bool_)
                 new[fresh:] = self._index_new(keys[fresh:], slots[fresh:])
                 kept_keys, kept, dropped = list(compress(keys, new)), slots[new], slots[~new]
                 flags[dropped] = 0
                 self._allocator.free_many(dropped)
             flags[kept] = _READY
             self.policy.restore(kept_keys, kept)
+            if then is not None:
+                then(new)
             return len(kept_keys)
 
     def release(self, slots: np.ndarray) -> None:

@@ -15,7 +15,10 @@ While it runs:
 - eviction only ever sees blocks already back; a tier that needs room meanwhile evicts among those
   or finds none, and the blocks still to come are never cut (they are the tier's oldest, but most of
   them come back within seconds);
-- a chunk restored after new stores sits after them in the eviction order.
+- a chunk restored after new stores sits after them in the eviction order;
+- which blocks of a chunk went in (``_chunk_in``) and how far the restore is (``passed``) are known
+  under the tier's lock in the same step as the chunk goes in: no store or drop comes between, so a
+  subclass announcing the blocks (the vLLM scheduler side's KV events) tells neither twice nor wrong.
 
 ``held_blocks`` is what the slab's close lists in its next snapshot: it stops the restore, then lists
 the blocks the index holds and after them those still to come (less any key stored again
@@ -74,22 +77,34 @@ class ChunkedRestore:
             self.thread = threading.Thread(target=self._run, name=f"kvtier-restore {self._name}", daemon=True)
             self.thread.start()
 
+    @property
+    def passed(self) -> int:
+        """How many blocks, oldest first, the restore is past: each chunk's count grows under the tier's
+        lock in the same step as the chunk goes in, so a caller that sees the tier after a chunk went
+        in (a drop of one of its blocks, say) then reads a count past that chunk."""
+        return self._next
+
     def step(self) -> bool:
         """Put back the next chunk; whether blocks are left to put back (False once stopped)."""
         start = self._next
         stop = min(start + self.chunk, len(self._slots))
         keys = list(self._keys[start:stop])  # (the key objects are made outside every lock)
-        self._chunk_keys(start, keys)
+        slots = self._slots[start:stop]
+
+        def went(went_in: np.ndarray) -> None:  # (under the tier's lock, as the blocks go in)
+            self._next = stop
+            self._chunk_in(start, went_in)
+
         with self._lock:
             if self._stopped:
                 return False
-            self._restored += self._tier.restore_claimed(keys, self._slots[start:stop])
-            self._next = stop
+            self._restored += self._tier.restore_claimed(keys, slots, went)
             return stop < len(self._slots)
 
-    def _chunk_keys(self, first: int, keys: list[bytes]) -> None:
-        """Called with each chunk's keys (from ``keys[first]`` on) before they go back, outside every
-        lock: for a subclass that needs them (the key objects are made once per chunk)."""
+    def _chunk_in(self, first: int, went_in: np.ndarray) -> None:
+        """Called as each chunk goes in, under the tier's lock (cheap work only): which of its blocks,
+        from ``keys[first]`` on, went in (False: a key the tier held already, stored meanwhile or named
+        twice). For a subclass that reports them."""
 
     def stop(self) -> tuple[list[bytes], np.ndarray]:
         """Put back no more blocks from now on; returns the keys and slots of those not back, whose

@@ -32,6 +32,7 @@ configured) is not used, with a warning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -59,34 +60,43 @@ _READING = "reading every rank's slot headers"
 
 class ChunksBack(ChunkedRestore):
     """A disk tier's blocks put back in the background (``ChunkedRestore``), each chunk reported once it
-    is back: the restore's thread puts ``(first, fresh)`` into ``back``, ``first`` the index of the
-    chunk's first block in ``keys`` and ``fresh`` which of its blocks the tier did not hold before
-    (those it put back; a key stored meanwhile keeps the stored block, whose store has its own event).
-    Only the scheduler side's KV events read it, on vLLM's thread (``SchedulerSide.take_events``), which
-    notes in ``left`` the keys the tier dropped since the restore began: the restore's thread never
-    touches what vLLM reads."""
+    is in, for the scheduler side's KV events (``SchedulerSide.take_events``, on vLLM's thread, which
+    alone stores and drops blocks): the restore's thread puts ``(first, went_in)`` into ``back`` in the
+    same step under the tier's lock as the chunk goes in, ``first`` the index of its first block in
+    ``keys`` and ``went_in`` which of its blocks went in (a key stored meanwhile keeps the stored block,
+    whose store has its own event). vLLM's thread tells each drop of the tier (``dropped``), so that a
+    block dropped after it went in is not announced after its BlockRemoved (``announce``)."""
 
     def __init__(self, tier: Tier, name: str) -> None:
         super().__init__(tier, name)
         self.tier = tier
         self.keys: Sequence[bytes] = []  # the blocks being put back, oldest first (a snapshot's lazy column)
         self.back: queue.SimpleQueue[tuple[int, np.ndarray]] = queue.SimpleQueue()
-        self.left: set[bytes] = set()  # (vLLM's thread only)
-        self._fresh: tuple[int, np.ndarray] | None = None  # the chunk going back: its first index, and fresh
+        self.left: dict[bytes, int] = {}  # (vLLM's thread only) key dropped -> ``passed`` when it was
 
     def start(self, keys: Sequence[bytes], slots: Sequence[int] | np.ndarray) -> None:
         self.keys = keys
         super().start(keys, slots)
 
-    def _chunk_keys(self, first: int, keys: list[bytes]) -> None:
-        self._fresh = (first, ~self.tier.holds(keys))
+    def _chunk_in(self, first: int, went_in: np.ndarray) -> None:
+        self.back.put((first, went_in))
 
-    def step(self) -> bool:
-        more = super().step()
-        if self._fresh is not None:
-            self.back.put(self._fresh)
-            self._fresh = None
-        return more
+    def dropped(self, keys: Sequence[bytes]) -> None:
+        """vLLM's thread, once the tier dropped ``keys`` and before it stores any of them again: note
+        those whose restored block may be what left. ``passed`` is read first: a key the tier holds
+        after that went in after its drop (its block is in the tier, to be announced); any other is
+        noted with it, and a chunk counted in it went in before the drop (``announce`` leaves its
+        block out). A chunk not counted goes in after the drop and is announced."""
+        passed = self.passed
+        for key in itertools.compress(keys, ~self.tier.holds(keys)):
+            self.left[key] = passed
+
+    def announce(self, first: int, went_in: np.ndarray) -> list[bytes]:
+        """The keys to announce of a chunk reported in ``back``: those that went in, less those the tier
+        dropped since (noted by ``dropped`` with a ``passed`` past ``first``: this chunk was in then)."""
+        keys = itertools.compress(self.keys[first : first + len(went_in)], went_in)
+        left = self.left
+        return [key for key in keys if left.get(key, first) <= first] if left else list(keys)
 
 
 @dataclass(frozen=True)

@@ -820,24 +820,21 @@ class SchedulerSide:
     def _announce_restored(self) -> None:
         """BlockStored events for the blocks the disk tiers' restores have put back since the last call, at
         most ``RESTORED_PER_STEP`` of them (the rest at the next calls). Runs on vLLM's thread, which
-        alone drops blocks from the tier (``_removed_events`` notes them in ``ChunksBack.left``): a block
-        announced is one the restore put back (not stored meanwhile: that store announced it) and the
-        tier has not dropped since (that BlockRemoved is out already), so every restored block is
-        announced once, before any removal of it."""
+        alone stores and drops blocks: a block announced is one that went into the tier (a key stored
+        meanwhile keeps the stored block, whose store announced it) and that the tier has not dropped
+        since (``ChunksBack.announce``), so every restored block still in the tier is announced once."""
         budget = RESTORED_PER_STEP
         for restore in list(self._restoring):
             while budget > 0:
                 try:
-                    first, fresh = restore.back.get_nowait()
+                    first, went_in = restore.back.get_nowait()
                 except queue.Empty:
                     if restore.done.is_set() and restore.back.empty():  # (no chunk came since get_nowait)
                         self._restoring.remove(restore)  # (and its keys let go)
-                        restore.keys, restore.left = [], set()
+                        restore.keys, restore.left = [], {}
                     break
-                back = itertools.compress(restore.keys[first : first + len(fresh)], fresh)
-                announced = [k for k in back if k not in restore.left] if restore.left else list(back)
-                self._restored_events(announced, restore.tier)
-                budget -= len(fresh)
+                self._restored_events(restore.announce(first, went_in), restore.tier)
+                budget -= len(went_in)
 
     def _restored_events(self, keys: Sequence[bytes], tier: Tier) -> None:
         """BlockStored for blocks taken back at start, whose tokens are unknown: many keys per event
@@ -873,9 +870,9 @@ class SchedulerSide:
         return self.block_tokens * self.keys_per_block[int.from_bytes(key[-2:], "big")]
 
     def _removed_events(self, keys: list[bytes], tier: Tier) -> None:
-        for restore in self._restoring:  # (a block dropped after it came back is not announced as back)
+        for restore in self._restoring:  # (a block dropped after it went back is not announced as back)
             if restore.tier is tier:
-                restore.left.update(keys)
+                restore.dropped(keys)
         label = medium(tier.medium).event_medium
         if keys and label is not None:
             self._events.append(BlockRemoved(block_hashes=list(keys), medium=label))

@@ -618,10 +618,10 @@ def test_a_restore_that_fails_drops_the_blocks_not_back_and_frees_their_slots(tm
     stored_and_closed(tmp_path)
     restore_claimed = Tier.restore_claimed
 
-    def fails_on_the_third_chunk(tier, keys, slots):
+    def fails_on_the_third_chunk(tier, keys, slots, then=None):
         if KEYS[4] in keys:
             raise MemoryError("injected")
-        return restore_claimed(tier, keys, slots)
+        return restore_claimed(tier, keys, slots, then)
 
     monkeypatch.setattr(Tier, "restore_claimed", fails_on_the_third_chunk)
     stack = open_stack(tmp_path, host=0, disk=SLOTS)

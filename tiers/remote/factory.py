@@ -20,7 +20,7 @@ from kvtier.tiers.remote.record import RecordFormat, mac_key, namespace_digest
 from kvtier.tiers.remote.tier import RemoteStorage, RemoteTier
 
 LOOKUP_CLIENTS = 1
-"""Lookups are one batched query each, asked by one executor thread at a time."""
+"""The vLLM scheduler side's lookups are one batched query each, asked by one executor thread at a time."""
 
 
 def connector(config: RemoteTierConfig, lends_memory: bool = True) -> Connector:
@@ -45,26 +45,30 @@ def remote_tier(
     layout: BlockLayout,
     namespace: str | bytes,
     ranks: Sequence[int | None] = (None,),
-    loads_direct: bool = False,
+    in_stack: bool = False,
 ) -> RemoteTier:
     """The tier, with a link of its own for lookups; a block is present when every one of ``ranks``
-    has its record (one rank, None, for a standalone stack). With ``loads_direct``, loads from a store
-    whose clients fetch go straight into the caller's memory (``Tier.loads_direct``)."""
+    has its record (one rank, None, for a standalone stack).
+
+    ``in_stack``: the tier of a ``TierStack``, which any of the engine's threads may ask and load from:
+    its lookups get as many clients as the store's loads and stores (``pool_size``), and its loads go
+    straight into the caller's memory where the store's clients fetch (``Tier.loads_direct``). Else
+    the tier of the vLLM scheduler side: one thread asks (``LOOKUP_CLIENTS``), and the workers' loads
+    stage through host slots (MLA ranks share one staged copy; GPU blocks need it anyway)."""
     records = [record_format(config, layout, namespace, rank) for rank in ranks]
     wired = connector(config, lends_memory=False)
-    link = StoreLink(Connector(wired.connect, LOOKUP_CLIENTS, wired.where), config.timeout, "lookups")
+    clients = wired.clients if in_stack else LOOKUP_CLIENTS
+    link = StoreLink(Connector(wired.connect, clients, wired.where), config.timeout, "lookups")
     backend = store_backend(config.backend)
-    direct = loads_direct and backend.fetches
+    direct = in_stack and backend.fetches
     return RemoteTier(
         name, layout, records, link, config.placement, registry=backend.reads_anywhere, loads_direct=direct
     )
 
 
 def _tier(request: TierRequest) -> RemoteTier:
-    """A stack's remote tier: its loads go straight into the caller's memory where the store allows it
-    (under vLLM they stage through the host tier: its scheduler builds its own, ``remote_tier``)."""
     assert isinstance(request.config, RemoteTierConfig)
-    return remote_tier(request.name, request.config, request.layout, request.stack.namespace, loads_direct=True)
+    return remote_tier(request.name, request.config, request.layout, request.stack.namespace, in_stack=True)
 
 
 def _rank_storage(request: RankRequest) -> BlockStorage:

@@ -355,9 +355,11 @@ class Paced:
 
     def __init__(self, monkeypatch) -> None:
         self._allowed = threading.Semaphore(0)
+        self.restore: recovery.ChunksBack | None = None  # (seen at its first step)
         real = recovery.ChunksBack.step
 
         def step(restore):
+            self.restore = restore
             self._allowed.acquire(timeout=30)
             return real(restore)
 
@@ -371,6 +373,12 @@ class Paced:
 
     def release_all(self) -> None:
         self._allowed.release(100)
+
+    def finish(self, engine) -> None:
+        """Let every chunk go back, wait until the restore has ended, and step: its last events go out."""
+        self.release_all()
+        wait_until(lambda: self.restore is not None and self.restore.done.is_set())
+        engine.step()
 
 
 @pytest.fixture
@@ -436,3 +444,123 @@ def test_a_shutdown_in_the_middle_of_the_restore_keeps_every_block(make_engine, 
     assert header_reads.count == 0
     wait_until(lambda: after.kvtier.tier("disk").lookup(prefix_keys(after, 3)) == 4)  # the last chunk
     assert_all_back(after)
+
+
+# --- the restore's thread against vLLM's: every interleaving gives vLLM the tier as it is --------------
+# Each test runs vLLM's work at one exact point of the restore (a chunk about to go back, a drop not yet
+# told): the restore's thread waits there until vLLM's work is done, so no timing decides the order.
+
+
+def restarted(make_engine, tmp_path):
+    """An engine restarted over a disk tier holding ``PREFIXES`` (one chunk each, none back yet)."""
+    config = disk_config(tmp_path / "disk")
+    filled(make_engine, config).shutdown()
+    return make_engine(config, tp=TP)
+
+
+def store(engine, prefix: int) -> None:
+    """vLLM's thread stores the blocks of ``prefix`` anew (not back yet: a miss, recomputed and stored)."""
+    engine.run([engine.add(prompt(4, 7, seed=30 + prefix, prefix=prefix), max_tokens=2)])
+
+
+def before_put_back(monkeypatch, engine, prefix: int, work) -> None:
+    """Run ``work`` (vLLM's) when the restore's thread is about to put the chunk of ``prefix`` back
+    into the disk tier's index, past every check it makes before: it waits there, running it."""
+    disk, first = engine.kvtier.tier("disk"), prefix_keys(engine, prefix)[0]
+    real = disk.restore_claimed
+
+    def put_back(keys, slots, then=None):
+        if keys[0] == first:
+            work()
+        return real(keys, slots, then)
+
+    monkeypatch.setattr(disk, "restore_claimed", put_back)
+
+
+def told(events) -> set[bytes]:
+    """The disk tier's blocks as vLLM's KV events tell them, in order; a BlockStored of a block they
+    hold already (two without a BlockRemoved between them) fails."""
+    held: set[bytes] = set()
+    for event in events:
+        if event.medium != "STORAGE":
+            continue
+        if type(event).__name__ == "BlockStored":
+            twice = held.intersection(event.block_hashes)
+            assert not twice, f"{len(twice)} blocks announced twice without a removal between"
+            held.update(event.block_hashes)
+        else:
+            held.difference_update(event.block_hashes)
+    return held
+
+
+def assert_told_as_held(engine, paced) -> None:
+    """Once the restore has ended and its events are out: they name exactly the blocks the tier holds,
+    none twice, and those load back."""
+    paced.finish(engine)
+    disk = engine.kvtier.tier("disk")
+    assert told(engine.events) == set(disk.ready_keys())
+    engine.assert_no_leaks()
+    for p in PREFIXES:
+        if held_by(engine, prefix_keys(engine, p)) == ["disk"] * 4:
+            assert_loads_back(engine, prompt(4, 7, seed=40 + p, prefix=p), computed=7, blocks=4)
+
+
+def test_a_store_landing_just_before_its_chunk_goes_back_is_announced_once(make_engine, tmp_path, paced, monkeypatch):
+    """Prefix 3 is stored (its own BlockStored) after the restore looked at its chunk, before the chunk
+    goes in: the tier keeps the stored blocks, and the chunk announces none of them again."""
+    engine = restarted(make_engine, tmp_path)
+    before_put_back(monkeypatch, engine, 3, lambda: store(engine, 3))
+    assert_told_as_held(engine, paced)
+    assert Counter(told(engine.events)) == Counter(k for p in PREFIXES for k in prefix_keys(engine, p))
+
+
+def test_a_stored_block_dropped_just_before_its_chunk_goes_back_is_announced_back(
+    make_engine, tmp_path, paced, monkeypatch
+):
+    """Prefix 3 stored anew, then dropped (BlockRemoved) after the restore looked at its chunk, before the
+    chunk goes in: the chunk's blocks go in, and vLLM hears of them."""
+    engine = restarted(make_engine, tmp_path)
+    store(engine, 3)
+    before_put_back(monkeypatch, engine, 3, engine.connector.reset_cache)
+    assert_told_as_held(engine, paced)
+    assert engine.kvtier.tier("disk").lookup(prefix_keys(engine, 3)) == 4  # the old blocks, back
+
+
+def test_a_stored_block_dropped_before_its_chunk_comes_back_is_announced_back(make_engine, tmp_path, paced):
+    """Prefix 3 stored anew and dropped (BlockRemoved) while its chunk waits: the chunk brings the old
+    blocks back, and vLLM hears of them."""
+    engine = restarted(make_engine, tmp_path)
+    store(engine, 3)
+    engine.connector.reset_cache()
+    assert_told_as_held(engine, paced)
+    assert engine.kvtier.tier("disk").lookup(prefix_keys(engine, 3)) == 4  # the old blocks, back
+
+
+def test_a_chunk_going_back_between_a_drop_and_its_event_is_announced(make_engine, tmp_path, paced, monkeypatch):
+    """Prefix 3 stored anew; vLLM's thread drops it, and before it tells the drop, every chunk goes back:
+    the old blocks are in the tier after the BlockRemoved, so vLLM must hear of them after it."""
+    engine = restarted(make_engine, tmp_path)
+    store(engine, 3)
+    disk = engine.kvtier.tier("disk")
+    real = disk.evict
+
+    def evict(n):
+        dropped = real(n)
+        for p in PREFIXES:
+            paced.release(engine, p)
+        return dropped
+
+    monkeypatch.setattr(disk, "evict", evict)
+    engine.connector.reset_cache()
+    assert_told_as_held(engine, paced)
+    assert engine.kvtier.tier("disk").lookup(prefix_keys(engine, 3)) == 4  # the old blocks, back
+
+
+def test_a_block_dropped_after_it_went_back_and_before_its_event_is_not_announced(make_engine, tmp_path, paced):
+    """Prefix 1 goes back, then vLLM drops it (BlockRemoved) before any step announced it, then stores it
+    again (BlockStored): the restore's announcement of the dropped blocks never comes."""
+    engine = restarted(make_engine, tmp_path)
+    paced.release(engine, prefix=1)
+    engine.connector.reset_cache()
+    store(engine, 1)
+    assert_told_as_held(engine, paced)

@@ -5,7 +5,9 @@ A second engine finds the first one's blocks in the store: its lookup answers "a
 while the one batched existence query is in flight and the hit once it is in; the load stages the
 records through its host tier into vLLM's blocks bit-exact. Under tensor parallelism each rank's
 shard is a record of its own and a block is a hit only when every rank's record exists. A store
-that is down answers "miss" within the tier's timeout, and a load it fails is recomputed by vLLM.
+that is down answers "miss" within the tier's timeout, and a load it fails is recomputed by vLLM; a
+Redis reply that comes after the deadline writes nowhere (its records are fetched into the client's own
+bytes), while host blocks a hung store call may still read stay out of use until the worker lifts them.
 """
 
 from __future__ import annotations
@@ -267,29 +269,48 @@ def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_e
     reader.assert_no_leaks()
 
 
-def test_host_slots_a_hung_load_may_write_stay_out_of_use_until_the_worker_lifts_them(make_engine, redis):
+def test_a_hung_load_fails_at_its_deadline_and_its_late_reply_writes_nowhere(make_engine, redis):
     reader, again = second_engine(make_engine, redis_config(redis))
     assert answer(reader, again) == (4 * BLOCK, True)
     host = reader.kvtier.tier("host")
-    redis.stop()  # the load's GET hangs past its deadline: it could still write into its staging slots
+    redis.stop()  # the load's GET hangs past its deadline
     try:
         out = step_until_scheduled(reader, again)
         assert out.num_scheduled_tokens[again.request_id] == 4 * BLOCK + 9  # failed: vLLM computes it all
         assert reader.blocks_match(again, range(4))
-        assert [job.kind for job in reader.kvtier.jobs.held()] == ["load"]
-        assert host.leaks()["writing"] == 4  # the 4 staging slots, quarantined
+        assert reader.kvtier.jobs.held() == []  # a fetch writes only in time: nothing to keep out of use
+        assert host.leaks()["writing"] == 0
+    finally:
+        redis.cont()
+    reader.run([again])  # (the GET's late reply is dropped with its call: tests/transfers/test_remote.py)
+    reader.assert_no_leaks()
+
+
+def test_host_blocks_a_hung_store_may_read_stay_out_of_use_until_the_worker_lifts_them(make_engine, redis):
+    writer = make_engine(redis_config(redis))
+    request = writer.add(prompt(4, 5, seed=3), max_tokens=2)
+    host = writer.kvtier.tier("host")
+    redis.stop()  # the copy of its blocks to the store hangs past its deadline: the SET may still read them
+    try:
+        writer.run([request])
+        deadline = time.monotonic() + WAIT
+        while not writer.kvtier.jobs.held():  # the copy fails at its deadline, its sources held
+            assert time.monotonic() < deadline, "the copy to the store never failed"
+            writer.step()
+            time.sleep(0.01)
+        assert [job.kind for job in writer.kvtier.jobs.held()] == ["store"]
+        assert host.leaks()["pinned"] == 4  # the 4 blocks the stuck SET may still read, kept in place
         for _ in range(5):  # steps while the server hangs lift nothing
-            reader.step()
-        assert host.leaks()["writing"] == 4
+            writer.step()
+        assert host.leaks()["pinned"] == 4
     finally:
         redis.cont()
     deadline = time.monotonic() + WAIT
-    while reader.kvtier.jobs.held():  # the GET returns, its client is closed: the next steps report the lift
-        assert time.monotonic() < deadline, "the quarantine was never lifted"
-        reader.step()
+    while writer.kvtier.jobs.held():  # the SET returns, its client is closed: the next steps report the lift
+        assert time.monotonic() < deadline, "the hold was never lifted"
+        writer.step()
         time.sleep(0.01)
-    reader.run([again])
-    reader.assert_no_leaks()
+    writer.assert_no_leaks()
 
 
 def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, redis):
