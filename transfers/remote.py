@@ -85,14 +85,19 @@ class RemoteBackend(TransferBackend):
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
             self._in_flight += 1
-        if storing:
-            self.link.start(lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty)
-        elif self.fetches:
+        if self.fetches and not storing:
             self._fetch(job)
-        else:
-            self.link.start(
-                lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
-            )
+            return
+        try:
+            if storing:
+                self.link.start(lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty)
+            else:
+                self.link.start(
+                    lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
+                )
+        except BaseException:  # (not started: it never completes)
+            self._ended()
+            raise
 
     def close(self) -> None:
         """Wait for the transfers in flight (each ends by its deadline), then close the link's clients;
@@ -116,9 +121,14 @@ class RemoteBackend(TransferBackend):
                     mine.append(i)
                 else:
                     waiting.append((job, i))
-        if mine:
-            names, size = [job.names[i] for i in mine], HEADER_BYTES + job.records.block_bytes
+        if not mine:
+            return
+        names, size = [job.names[i] for i in mine], HEADER_BYTES + job.records.block_bytes
+        try:
             self.link.start(lambda client: client.fetch(names, size), functools.partial(self._fetched, job, mine))
+        except Exception as exc:  # (not started: its records fail, for the loads waiting for them too)
+            log.exception("kvtier remote transfer failed to start")
+            self._fetched(job, mine, Call.failed(exc))
 
     # --- completions (on the link's threads) ---------------------------------------------------
 
@@ -140,9 +150,7 @@ class RemoteBackend(TransferBackend):
             try:
                 _finish(job, call, ok)
             finally:
-                with self._lock:
-                    self._in_flight -= 1
-                    self._lock.notify_all()
+                self._ended()
 
         return done
 
@@ -190,9 +198,13 @@ class RemoteBackend(TransferBackend):
                 try:
                     load.on_complete(load.failed)
                 finally:
-                    with self._lock:
-                        self._in_flight -= 1
-                        self._lock.notify_all()
+                    self._ended()
+
+    def _ended(self) -> None:
+        """A transfer submitted is over: reported, or not started."""
+        with self._lock:
+            self._in_flight -= 1
+            self._lock.notify_all()
 
     def _accepted(
         self,

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 from kvtier.core.errors import ClosedError, StoreError
 from kvtier.core.jobs import mark_kvtier_thread
@@ -80,6 +80,14 @@ class Call(Generic[T]):
         self._decided = False
         self._in_time = False
         self._settled = Latch()
+
+    @staticmethod
+    def failed(error: BaseException) -> Call[Any]:
+        """A call that never ran, failed with ``error`` (settled: it touches nothing)."""
+        call: Call[Any] = Call(lambda client: None, lambda result: False, lambda call: None, 0.0)
+        call.error, call._decided = error, True
+        call._settled.fire()
+        return call
 
     @property
     def ok(self) -> bool:
