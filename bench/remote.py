@@ -10,11 +10,12 @@ What is measured
       header room before each slot that a host tier above a remote one keeps) and the store's
       records (``RemoteStorage``), from ``submit`` until ``on_complete``: a store is each record's
       header (its checksum; the MAC when on) and one batched put through the link's deadline-bound
-      thread; a load is one batched get, then each header, checksum (and MAC) checked.
+      thread; a load is one batched get into the slots (Redis: one batched fetch into the client's
+      bytes, copied into the slots once checked), then each header, checksum (and MAC) checked.
     - stack: the same through ``KVTier`` (a host tier with the store below it, write-through): one
       stack stores the blocks (``store`` until ``wait_idle``: caller -> host -> store), a second one,
-      whose host tier does not hold them, loads them (store -> host -> caller: one more memcpy than
-      the backend's load). Reported apart.
+      whose host tier does not hold them, loads them (Mooncake: store -> host -> caller, one more
+      memcpy than the backend's load; Redis: store -> caller, fetched). Reported apart.
     - lookups: one batched existence query of 64 keys, through ``RemoteTier.query`` and through the
       client's own call; p50 and p99 latency.
     - the MAC (``auth_key_env`` set to a 32-byte secret): the same kvtier store and load with it.
@@ -66,7 +67,7 @@ from kvtier import KVTier
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.host import HostSlab
-from kvtier.tiers.remote.config import HEADER_ROOM, RemoteTierConfig
+from kvtier.tiers.remote.config import HEADER_ROOM, RemoteTierConfig, store_backend
 from kvtier.tiers.remote.factory import connector, record_format, remote_tier
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.tier import RemoteStorage
@@ -240,7 +241,8 @@ class Rig:
             )
             for mac in (False, True)
         }
-        self.backend = RemoteBackend(StoreLink(connector(plain), TIMEOUT, "loads and stores"))
+        link = StoreLink(connector(plain), TIMEOUT, "loads and stores")
+        self.backend = RemoteBackend(link, store_backend(backend).fetches)  # (as a stack's: Redis fetches)
         self.tier = remote_tier("remote", plain, self.layout, NAMESPACE)
         stack = stack_config(tier_config(backend, options, mac=False), block_bytes, blocks)
         self.writer, self.reader = KVTier.open(stack), KVTier.open(stack)
