@@ -451,6 +451,7 @@ def bench_backend(backend: str, args) -> dict[str, dict]:
 
 def print_backend(backend: str, results: dict[str, dict], blocks: int) -> None:
     print(f"{backend}: {blocks} blocks per batch, median GB/s (kvtier / reference)")
+    route = "fetched into the caller" if store_backend(backend).fetches else "+ a memcpy host -> caller"
     for size in (f"{size // KiB}KiB" for size in SIZES):
         r = results[size]
         g = r["gbps"]
@@ -460,7 +461,7 @@ def print_backend(backend: str, results: dict[str, dict], blocks: int) -> None:
         )
         print(
             f"           stack store {g['stack_store']:6.2f} = {r['stack_store_ratio']:.2f} of the client's"
-            f"   stack load {g['stack_load']:6.2f} = {r['stack_load_ratio']:.2f} (+ a memcpy host -> caller)"
+            f"   stack load {g['stack_load']:6.2f} = {r['stack_load_ratio']:.2f} ({route})"
         )
         print(
             f"           MAC on: store {g['mac_store']:6.2f} (+{r['mac_cost_ms']['store']} ms per batch)"

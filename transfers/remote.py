@@ -124,8 +124,9 @@ class RemoteBackend(TransferBackend):
         if not mine:
             return
         names, size = [job.names[i] for i in mine], HEADER_BYTES + job.records.block_bytes
+        take = functools.partial(self._take, job, mine)
         try:
-            self.link.start(lambda client: client.fetch(names, size), functools.partial(self._fetched, job, mine))
+            self.link.start(lambda client: client.fetch(names, size, take), functools.partial(self._fetched, job, mine))
         except Exception as exc:  # (not started: its records fail, for the loads waiting for them too)
             log.exception("kvtier remote transfer failed to start")
             self._fetched(job, mine, Call.failed(exc))
@@ -165,30 +166,53 @@ class RemoteBackend(TransferBackend):
 
     def _loaded(self, job: _Job, call: Call, arrived: list[Any]) -> list[bool]:
         """A ``get``: the records that arrived whole into the job's memory, checked there."""
-        every = list(range(len(job.keys)))
-        return self._accepted(
-            job, call, every, [answer is True for answer in arrived], lambda i: (job.header(i), job.data(i))
-        )
+        problems = [
+            _MISSING if answer is not True else job.records.problem(job.header(i), key, job.data(i))
+            for i, (key, answer) in enumerate(zip(job.keys, arrived, strict=True))
+        ]
+        return self._checked(job, call, list(range(len(job.keys))), problems)
 
-    def _fetched(self, job: _Job, mine: list[int], call: Call[list[bytes | None]]) -> None:
-        """A ``fetch`` of records ``mine`` of ``job``: each is checked in the client's bytes and only a
-        good one is copied, into ``job``'s memory and that of the loads waiting for it, here, in a
-        completion that runs only for a call that returned in time (one past its deadline writes
-        nowhere: nothing is quarantined). Each load reports once all its records are decided."""
-        values = call.result if call.ok and call.result is not None and len(call.result) == len(mine) else None
-        views = [None if value is None else memoryview(value) for value in values or [None] * len(mine)]
+    def _take(self, job: _Job, mine: list[int], k: int, value: bytes | None) -> bool:
+        """Record ``mine[k]`` of ``job`` as its fetch brings it (on the call's worker): checked in the
+        client's bytes, and a good one copied into ``job``'s memory and that of the loads waiting for it,
+        unless the call's completion has run (``job.gate``: past its deadline nothing is written).
+        Its flight ends here: a load that wants the record from now on reads it again."""
+        i = mine[k]
+        problem = _MISSING if value is None else job.records.problem(*_header_and_key(value, job.keys[i]))
+        with job.gate:
+            if not job.open:
+                return False
+            with self._lock:
+                loads = [(job, i), *self._flights.pop(job.names[i])]
+            good = value if problem is None else None
+            copies = [(load, j, good is not None and _copied(good, load.pieces[j])) for load, j in loads]
+            job.taken[k] = (problem, copies)
+            return copies[0][2]
+
+    def _fetched(self, job: _Job, mine: list[int], call: Call[list[bool]]) -> None:
+        """The end of a ``fetch`` of records ``mine`` of ``job`` (on the call's worker, or on the
+        watchdog at its deadline): no record is written into memory from now on; a call that returned in
+        time keeps what its records' ``_take`` did, one past its deadline fails them all (nothing to
+        quarantine: it writes nowhere). Records that never came end their flights failed. Each load
+        reports once all its records are decided."""
+        with job.gate:
+            job.open = False
+        in_time = call.ok and call.result is not None and len(call.result) == len(mine)
+        problems: list[str | None] = []
+        decided: dict[int, tuple[_Job, list[tuple[int, bool]]]] = {}
+        for k, i in enumerate(mine):
+            taken = job.taken.get(k)
+            if taken is None:  # (no reply, or an error reply)
+                with self._lock:
+                    taken = (_MISSING, [(load, j, False) for load, j in [(job, i), *self._flights.pop(job.names[i])]])
+            problem, copies = taken
+            problems.append(problem)
+            for load, j, copied in copies:
+                decided.setdefault(id(load), (load, []))[1].append((j, copied and in_time))
         try:
-            good = self._accepted(job, call, mine, [view is not None for view in views], lambda k: _split(views[k]))
+            self._checked(job, call, mine, problems)
         except Exception:
             log.exception("kvtier remote transfer failed")
-            good = [False] * len(mine)
-        with self._lock:
-            waiting = [self._flights.pop(job.names[i]) for i in mine]
-        decided: dict[int, tuple[_Job, list[tuple[int, bool]]]] = {}
-        for i, view, ok, others in zip(mine, views, good, waiting, strict=True):
-            for load, j in [(job, i), *others]:
-                copied = ok and view is not None and _copied(view, load.pieces[j])
-                decided.setdefault(id(load), (load, []))[1].append((j, copied))
         for load, records in decided.values():
             load.failed.update(j for j, copied in records if not copied)
             with self._lock:
@@ -206,50 +230,40 @@ class RemoteBackend(TransferBackend):
             self._in_flight -= 1
             self._lock.notify_all()
 
-    def _accepted(
-        self,
-        job: _Job,
-        call: Call,
-        asked: list[int],
-        arrived: list[bool],
-        record: Callable[[int], tuple[memoryview, list[memoryview]]],
-    ) -> list[bool]:
-        """Which of the records ``asked`` (indices into ``job``) that ``arrived`` whole are the blocks
-        asked for (``record(k)``: the k-th one's header and data, checked by ``RecordFormat.problem``);
-        what the load found is remembered (``RemoteStorage.loaded``) and refused records are logged,
-        one line per load."""
-        ok = list(arrived)
-        refused, damaged = [], []
-        for k, i in enumerate(asked):
-            if ok[k]:
-                header, data = record(k)
-                problem = job.records.problem(header, job.keys[i], data)
-                if problem is not None:
-                    ok[k] = False
-                    refused.append(f"{job.names[i]}: {problem}")
-                    damaged.append(job.keys[i])
+    def _checked(self, job: _Job, call: Call, asked: list[int], problems: list[str | None]) -> list[bool]:
+        """Which of the records ``asked`` (indices into ``job``) are the blocks asked for: ``problems[k]``
+        says why the k-th is not (``_MISSING``: it did not arrive whole; else ``RecordFormat.problem``'s
+        answer). What the load found is remembered (``RemoteStorage.loaded``) and refused records are
+        logged, one line per load."""
+        ok = [problem is None for problem in problems]
+        bad = [(i, problem) for i, problem in zip(asked, problems, strict=True) if problem not in (None, _MISSING)]
         if call.ok:
-            job.remote.loaded([job.keys[i] for i in asked], ok, damaged)
+            job.remote.loaded([job.keys[i] for i in asked], ok, [job.keys[i] for i, _ in bad])
+        refused = [(job.names[i], problem) for i, problem in bad]
         if refused:  # one line per load: a store full of foreign records (a wrong MAC key) must not flood the log
             with self._lock:
                 self.refused_records += len(refused)
             log.warning(
-                "kvtier refused %d of %d records from %s, e.g. %s",
+                "kvtier refused %d of %d records from %s, e.g. %s: %s",
                 len(refused),
                 len(job.keys),
                 self.link.connector.where,
-                refused[0],
+                *refused[0],
             )
         return ok
 
 
-def _split(record: memoryview | None) -> tuple[memoryview, list[memoryview]]:
-    """A fetched record's header and data (only asked of one that arrived)."""
-    assert record is not None
-    return record[:HEADER_BYTES], [record[HEADER_BYTES:]]
+_MISSING = "it did not arrive whole"
+"""The problem of a record that did not come, or not at the size asked: a miss, not a refused record."""
 
 
-def _copied(record: memoryview, pieces: list[Piece]) -> bool:
+def _header_and_key(record: bytes, key: bytes) -> tuple[memoryview, bytes, list[memoryview]]:
+    """``RecordFormat.problem``'s arguments for a fetched record: its header, the key asked for, its data."""
+    view = memoryview(record)
+    return view[:HEADER_BYTES], key, [view[HEADER_BYTES:]]
+
+
+def _copied(record: bytes, pieces: list[Piece]) -> bool:
     """Copy a good fetched record into a load's pieces; False (logged) should that fail."""
     try:
         scatter(record, pieces)
@@ -316,6 +330,9 @@ class _Job:
         self.skipped: set[int] = set()  # the records a store found in the store and left as they were
         self.pending = len(keys)  # a fetched load's records not decided yet
         self.failed: set[int] = set()  # and those that failed
+        self.taken: dict[int, tuple[str | None, list[tuple[_Job, int, bool]]]] = {}  # its fetch's records so far
+        self.gate = threading.Lock()  # held while a fetched record is written into memory
+        self.open = True  # (under ``gate``) records may be written: the fetch's completion has not run
         self.memory = memory
         self.on_complete = on_complete
         if header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -50,11 +50,13 @@ class StoreClient(ABC):
     """True when a read that failed or was abandoned may still write into its buffers after the call
     returned, until ``close()`` (Mooncake's TCP transfer engine). Such buffers stay fenced until then."""
 
-    def fetch(self, names: Sequence[str], size: int) -> list[bytes | None]:
-        """Each named record's bytes, in memory of the client's own (Redis: the reply's bytes), so a read
-        never writes into memory it was given, even past its deadline; None where the record is missing
-        or is not ``size`` bytes long. Raises StoreError when nothing could be asked. Offered where the
-        store's backend says it ``fetches`` (``StoreBackend``)."""
+    def fetch(self, names: Sequence[str], size: int, take: Callable[[int, bytes | None], bool]) -> list[bool]:
+        """Read each named record into memory of the client's own (Redis: the reply's bytes) and hand it
+        to ``take(i, value)`` as it arrives (None where the record is missing or is not ``size`` bytes
+        long), which says whether it was taken; the client never writes into memory it was given, so
+        ``take`` decides what is copied where, and when it no longer may. Per record, what ``take``
+        said (False where no reply came). Raises StoreError when nothing could be asked. Offered where
+        the store's backend says it ``fetches`` (``StoreBackend``)."""
         raise NotImplementedError(f"the {self.name} client reads only into memory it is given")
 
     def may_write_late(self) -> bool:

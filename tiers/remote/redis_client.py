@@ -84,12 +84,12 @@ class PipelinedClient(StoreClient):
         replies = self._call(names, [[command(b"GET", name.encode())] for name in names], take)
         return [reply is True for reply in replies]
 
-    def fetch(self, names: Sequence[str], size: int) -> list[bytes | None]:
-        def value(i: int, reply: Any) -> bytes | None:
-            return reply if isinstance(reply, bytes) and len(reply) == size else None
+    def fetch(self, names: Sequence[str], size: int, take: Callable[[int, bytes | None], bool]) -> list[bool]:
+        def value(i: int, reply: Any) -> bool:
+            return take(i, reply if isinstance(reply, bytes) and len(reply) == size else None)
 
         replies = self._call(names, [[command(b"GET", name.encode())] for name in names], value)
-        return [reply if isinstance(reply, bytes) else None for reply in replies]
+        return [reply is True for reply in replies]
 
     def remove(self, names: Sequence[str]) -> None:
         self._call(names, [[command(b"DEL", name.encode())] for name in names])

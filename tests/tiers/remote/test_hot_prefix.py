@@ -98,9 +98,9 @@ class Counting:
         self._count("read", names)
         return self._client.get(names, records)
 
-    def fetch(self, names, size):
+    def fetch(self, names, size, take):
         self._count("read", names)
-        return self._client.fetch(names, size)
+        return self._client.fetch(names, size, take)
 
     def put(self, names, records):
         self._count("put", names)
