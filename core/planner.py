@@ -587,11 +587,11 @@ class Planner:
         first those the job reports refused for good, see ``Tier.refuse``). In the tiers named in
         ``pin_stored`` they are committed pinned, in the same step: a caller that copies them on later
         (``copy_targets``, from another thread) keeps them from being evicted before that copy is
-        planned, and unpins them then. Then the tiers the plan
-        read from let go: sources pinned for a store or a load are unpinned, a demotion's victims end
-        (``Tier.end_demotion``), and a load drops, from each tier it read, the blocks whose copy out
-        of it failed (unreadable: a miss now and later). Bytes read out of a source for blocks that
-        reached the end count as ``bytes_out``; for a load, also as ``hits``.
+        planned, and unpins them then. Then the tiers the plan read from let go: sources pinned for
+        a store or a load are unpinned, a demotion's victims end (``Tier.end_demotion``), and a load
+        drops, from each tier it read, the blocks whose copy out of it failed (unreadable: a miss now
+        and later). Bytes read out of a source for blocks that reached the end count as
+        ``bytes_out``; for a load, also as ``hits``.
 
         A block arrived at stage k unless it was lost by then: the job's first-stage failures tell
         the first stage of a staged job apart; later stages count every failure (exact for the two

@@ -27,13 +27,8 @@ import numpy as np
 
 from kvtier.core.errors import StoreError
 
-__all__ = [
-    "Piece",
-    "Record",
-    "StoreClient",
-    "StoreError",
-    "scatter",
-]  # StoreError, what every client raises, with its kin
+# StoreError, what every client raises, with its kin
+__all__ = ["Piece", "Record", "StoreClient", "StoreError", "scatter"]
 
 Piece = tuple[int, int]
 """(address, size) of a piece of host memory."""

@@ -11,7 +11,9 @@ its commands are packed here and sent back to back, then the replies read in ord
   the way out. redis-py's own command packing would copy a value twice (``bytes()`` of the buffer,
   then hiredis' packer).
 - Reads get each value as ``bytes`` from hiredis and copy it once into the record's pieces, only when
-  it has exactly the record's size. redis-py cannot read into a buffer it did not allocate.
+  it has exactly the record's size (``get``), or hand it, as it arrives, to the caller's ``take``
+  (``fetch``: the caller checks it and copies it, and stops when the call's deadline has passed).
+  redis-py cannot read into a buffer it did not allocate.
 - RESP2 on purpose: every Redis and Valkey version speaks it, and it needs no ``HELLO`` round trip.
 - No retries and no pooling inside: kvtier's link (``link.py``) runs each call with its deadline on a
   thread of its own, drops a client whose call failed and reconnects with backoff. The one exception:
