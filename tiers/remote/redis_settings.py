@@ -28,7 +28,7 @@ class RedisConfig(ConfigModel):
 
     url: str = Field(pattern=f"^{URL.pattern}$", description=URL_HINT)
     password_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_REDIS_PASSWORD"))
-    pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores (calls in parallel)
+    pool_size: int = Field(4, ge=1)  # connections open at once for loads and stores, and for a stack's lookups
     ca_file: str | None = Field(None, min_length=1)  # the CA that signs a rediss:// server's certificate
     cluster: bool = False  # url is one node of a Redis Cluster; records spread over its hash slots
     seeds: list[str] = []  # more nodes' URLs, asked for the cluster's topology when url's node is down
