@@ -13,7 +13,7 @@ down to the low mark, so foreground stores seldom wait for space.
 A remote tier (a store shared with other engines; the last tier) is asked only for the keys past what
 the local tiers hold, in one batched query bounded by its timeout (a dead store answers "miss"); its
 loads stage through host memory (Mooncake; a GPU caller's always) or go straight into a host caller's
-memory (Redis: its replies are checked and copied in by a completion that only a call in time runs),
+memory (Redis: each reply is checked and copied in as it arrives, never after the call's deadline),
 and blocks reach it from the host tier by background copies of their own, planned before any eviction
 can drop them. Slots a store call past its deadline may still touch stay out of use until it has returned.
 

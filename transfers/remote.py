@@ -15,9 +15,10 @@ deadline, never more:
 - a load (remote -> host) accepts a block only when its record arrived whole and its header, data
   checksum and (with ``auth_key_env``) MAC say it is exactly that block, checked here before the job
   reports; every other block fails, and the engine recomputes it (and stores it again: see above).
-  With ``fetches`` (Redis) a load ``fetch``es the records into the client's own bytes, checks them
-  there and copies in only the good ones, in the completion of a call that returned in time: a bad
-  record or a late reply never reaches the memory, so it may be the caller's own. Loads that want a
+  With ``fetches`` (Redis) a load ``fetch``es the records into the client's own bytes, checks each
+  there as it arrives and copies in only a good one, until the call's completion closes the load's
+  write gate (a call past its deadline writes nothing from then on, and fails): a bad record or a
+  late reply never reaches the memory, so it may be the caller's own. Loads that want a
   record another load is fetching right now wait for that fetch instead of reading it again;
 - where a call failed or outlived its deadline and has not settled yet (it may still write into its
   destination slots, or read its source slots), the failed blocks are reported in a ``Quarantine``
@@ -61,7 +62,7 @@ class RemoteBackend(TransferBackend):
 
     def __init__(self, link: StoreLink, fetches: bool = False) -> None:
         self.link = link
-        self.fetches = fetches  # loads ``fetch`` records and copy the good ones in their completion
+        self.fetches = fetches  # loads ``fetch`` records and copy each good one as it arrives (``_take``)
         self.refused_records = 0  # records that arrived whole but were not the block asked for
         self._lock = threading.Condition()
         self._in_flight = 0

@@ -17,7 +17,7 @@ loaded, never raises, and never returns before kvtier is done with the pages it 
 a page once the call returns): a page that could not be stored or loaded intact is ``False``, and SGLang
 recomputes what it does not get. Every tier bounds its waits (a remote store's calls have a deadline; a
 late reply never writes into SGLang's pages: Mooncake's loads stage through a kvtier host slot, and
-Redis's replies are checked and copied in only by a call that returned in time).
+Redis's replies are checked and copied in as they arrive, never after the call's deadline).
 """
 
 from __future__ import annotations
