@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kvtier.core.caller_runs import CallerRunsFuture, offering
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
@@ -223,7 +224,7 @@ class TierStack:
         if len(keys) != len(dst_slots):
             raise ArgumentError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
         dst_medium = dst_medium or caller_medium(dst.device)
-        future: Future[LoadResult] = Future()
+        future: Future[LoadResult] = CallerRunsFuture()
         found = self._find(keys, dst_medium)
         waited = found.hits != len(keys) and self._await_staging(keys[len(found.sources) :], dst_medium)
         with self._lock:
@@ -248,7 +249,8 @@ class TierStack:
                 result.loaded = plan.num_blocks - len(outcome.lost)
                 future.set_result(result)
 
-            self._execute(plan, loaded, caller=dst)
+            with offering(future):  # its result() runs the store calls no worker has begun
+                self._execute(plan, loaded, caller=dst)
         return future
 
     # --- lifecycle -----------------------------------------------------------------------------

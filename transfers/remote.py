@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.caller_runs import offer
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
@@ -55,7 +56,8 @@ class RemoteBackend(TransferBackend):
     """Stores and loads blocks between host memory ("cpu") and a shared store, through ``link``: as many
     transfers at once as the link has clients. A transfer is prepared on the caller's thread, run on a
     link worker and completed there (record checks, ``on_complete``): one hand-off between threads each
-    way, however busy the interpreter."""
+    way, however busy the interpreter; none where the caller waiting for its request's future runs the
+    call itself (``caller_runs``: the call is offered to it)."""
 
     name = "remote"
     pairs = frozenset({(HOST_DEVICE, KEYED_DEVICE), (KEYED_DEVICE, HOST_DEVICE)})
@@ -91,14 +93,17 @@ class RemoteBackend(TransferBackend):
             return
         try:
             if storing:
-                self.link.start(lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty)
+                call = self.link.start(
+                    lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty
+                )
             else:
-                self.link.start(
+                call = self.link.start(
                     lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
                 )
         except BaseException:  # (not started: it never completes)
             self._ended()
             raise
+        offer(functools.partial(self.link.run_here, call))
 
     def close(self) -> None:
         """Wait for the transfers in flight (each ends by its deadline), then close the link's clients;
@@ -127,10 +132,14 @@ class RemoteBackend(TransferBackend):
         names, size = [job.names[i] for i in mine], HEADER_BYTES + job.records.block_bytes
         take = functools.partial(self._take, job, mine)
         try:
-            self.link.start(lambda client: client.fetch(names, size, take), functools.partial(self._fetched, job, mine))
+            call = self.link.start(
+                lambda client: client.fetch(names, size, take), functools.partial(self._fetched, job, mine)
+            )
         except Exception as exc:  # (not started: its records fail, for the loads waiting for them too)
             log.exception("kvtier remote transfer failed to start")
             self._fetched(job, mine, Call.failed(exc))
+            return
+        offer(functools.partial(self.link.run_here, call))
 
     # --- completions (on the link's threads) ---------------------------------------------------
 

@@ -2,14 +2,17 @@
 runs that over it too), against a real redis-server: a record is the same bytes whether its header travels
 in the room before the host slot or apart, a record that is missing or not the block asked for fails
 exactly its block (and counts as refused once it arrived whole), and a call that outlives the deadline
-fails its blocks at the deadline, quarantined until the call has really returned (a hung server resumed),
-while later transfers fail at once during the backoff. Loads that ``fetch`` (Redis's) never write a bad
+fails its blocks at the deadline, quarantined until the call has really returned (a hung server resumed,
+or at once where the link interrupts the call: Redis's clients), while later transfers fail at once during
+the backoff. Loads that ``fetch`` (Redis's) never write a bad
 record or a late reply into memory, need no quarantine, and loads of the same records at once share
-one read (and its failure)."""
+one read (and its failure). A caller waiting for its request's future runs the load's call on its own
+thread."""
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import redis_server
+from kvtier.core.caller_runs import CallerRunsFuture, offering
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Quarantine, Transfer
 from kvtier.tiers.host import HostSlab
@@ -41,11 +45,13 @@ def server(tmp_path):
 class Rig:
     """A host slab, the store's records and a backend between them."""
 
-    def __init__(self, url: str, header_room: int = 0, fetches: bool = False) -> None:
+    def __init__(
+        self, url: str, header_room: int = 0, fetches: bool = False, client_class: type[RedisClient] = RedisClient
+    ) -> None:
         self.slab = HostSlab(len(KEYS), LAYOUT, header_room)
         self.records = RecordFormat("t", namespace_digest("m", LAYOUT), LAYOUT.block_bytes)
         self.remote = RemoteStorage(LAYOUT, self.records)
-        connect = functools.partial(RedisClient, url, timeout=TIMEOUT)
+        connect = functools.partial(client_class, url, timeout=TIMEOUT)
         link = StoreLink(Connector(connect, 2, "redis"), TIMEOUT, "loads and stores")
         self.backend = RemoteBackend(link, fetches)
         self.data = np.random.default_rng(7).integers(0, 256, (len(KEYS), LAYOUT.block_bytes), dtype=np.uint8)
@@ -97,6 +103,13 @@ class Rig:
     def close(self) -> None:
         self.backend.close()
         self.slab.close()
+
+
+class Uninterruptible(RedisClient):
+    """A real Redis client whose calls the link cannot interrupt (as Mooncake's): a hung one ends only when
+    the server answers (or its socket times out)."""
+
+    interruptible = False
 
 
 @pytest.fixture(params=["get", "fetch"])
@@ -201,7 +214,7 @@ def test_loads_fetching_the_same_records_at_once_share_one_read_and_its_failure(
 
 
 def test_a_hung_store_fails_a_get_at_the_deadline_and_quarantines_its_slots_until_the_call_returns(server):
-    rig = Rig(server.url)
+    rig = Rig(server.url, client_class=Uninterruptible)
     try:
         rig.store()
         server.stop()
@@ -229,13 +242,71 @@ def test_after_a_failure_transfers_fail_at_once_until_the_backoff_ends(rig, serv
     assert rig.backend.link.failures >= 1
 
 
-def test_a_hung_store_fails_a_store_at_the_deadline_and_keeps_its_sources_until_the_call_returns(rig, server):
-    rig.store()
-    server.stop()
-    failed, quarantine, took = rig.store()
-    assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
-    assert quarantine is not None and not quarantine.lifted
-    lifted = threading.Event()
-    quarantine.when_lifted(lifted.set)
-    server.cont()
-    assert lifted.wait(TIMEOUT)
+def test_a_hung_store_fails_a_store_at_the_deadline_and_keeps_its_sources_until_the_call_returns(server):
+    rig = Rig(server.url, client_class=Uninterruptible)
+    try:
+        rig.store()
+        server.stop()
+        failed, quarantine, took = rig.store()
+        assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+        assert quarantine is not None and not quarantine.lifted
+        lifted = threading.Event()
+        quarantine.when_lifted(lifted.set)
+        server.cont()
+        assert lifted.wait(TIMEOUT)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("storing", [True, False], ids=["store", "get"])
+def test_a_hung_call_the_link_interrupts_frees_its_memory_right_after_the_deadline(server, storing):
+    rig = Rig(server.url)
+    try:
+        rig.store()
+        server.stop()
+        failed, quarantine, took = rig.store() if storing else rig.load()
+        assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
+        lifted = threading.Event()
+        assert quarantine is not None
+        quarantine.when_lifted(lifted.set)
+        assert lifted.wait(0.5)  # the server still stopped: its socket was shut down under the call
+    finally:
+        server.cont()
+        rig.close()
+
+
+class Recording(RedisClient):
+    """A real Redis client that notes the thread each of its loads ran on."""
+
+    threads: list[threading.Thread] = []
+
+    def fetch(self, names, size, take):
+        Recording.threads.append(threading.current_thread())
+        return super().fetch(names, size, take)
+
+    def get(self, names, records):
+        Recording.threads.append(threading.current_thread())
+        return super().get(names, records)
+
+
+@pytest.mark.parametrize("fetches", [True, False], ids=["fetch", "get"])
+def test_a_caller_waiting_for_its_future_runs_the_load_on_its_own_thread(server, fetches):
+    rig = Rig(server.url, fetches=fetches, client_class=Recording)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # the worker woken for the call gets the GIL only once the caller waits (or runs it)
+    try:
+        rig.store()
+        Recording.threads = []
+        for timeout, here in ((None, True), (0.5 * TIMEOUT, False)):  # not where it may outlast the caller's wait
+            rig.slots()[:] = 0
+            future: CallerRunsFuture[set[int]] = CallerRunsFuture()
+            with offering(future):
+                rig.backend.submit(
+                    Transfer(rig.remote, (), rig.slab.storage, range(len(KEYS)), KEYS),
+                    lambda failed, quarantine=None, future=future: future.set_result(set(failed)),
+                )
+            assert future.result(timeout) == set() and np.array_equal(rig.slots(), rig.data)
+            assert (Recording.threads[-1] is threading.current_thread()) is here
+    finally:
+        sys.setswitchinterval(switch)
+        rig.close()

@@ -44,6 +44,9 @@ class StoreClient(ABC):
     late_writes: bool = False
     """True when a read that failed or was abandoned may still write into its buffers after the call
     returned, until ``close()`` (Mooncake's TCP transfer engine). Such buffers stay fenced until then."""
+    interruptible: bool = False
+    """True when ``interrupt`` can end a call in progress at once: the link then lets a caller that
+    waits for the call run it on its own thread, and ends it there at its deadline."""
 
     def fetch(self, names: Sequence[str], size: int, take: Callable[[int, bytes | None], bool]) -> list[bool]:
         """Read each named record into memory of the client's own (Redis: the reply's bytes) and hand it
@@ -53,6 +56,11 @@ class StoreClient(ABC):
         said (False where no reply came). Raises StoreError when nothing could be asked. Offered where
         the store's backend says it ``fetches`` (``StoreBackend``)."""
         raise NotImplementedError(f"the {self.name} client reads only into memory it is given")
+
+    def interrupt(self) -> None:
+        """From another thread: make the call in progress (and any this client would start after it)
+        fail at once; the client is dropped afterwards. Offered where ``interruptible``."""
+        raise NotImplementedError(f"a call of the {self.name} client ends only by its own timeouts")
 
     def may_write_late(self) -> bool:
         """With ``late_writes``, after a call some of whose records failed: whether a transfer of one of

@@ -9,6 +9,12 @@ interpreter every hand-off waits for the GIL); past its deadline the link's watc
 ``on_done`` runs at once, as failed, while its worker keeps waiting for the client to return (the
 link starts another worker for the calls that follow). ``run`` is ``start`` for a caller that waits.
 
+A caller that waits for a call may run it on its own thread instead (``run_here``; ``run`` does): a call
+on a worker costs two hand-offs between threads, the worker's wake-up and then the caller's, and under
+CPU contention (engines beside each other on few cores) each waits for a core. That is offered only for
+a client that is idle and ``interruptible``: at the deadline the watchdog interrupts the call, so the
+caller is back by then, as it would be from a worker.
+
 - A client whose call raised or was abandoned is dropped: closed once the call returned, never handed
   another call. So is a client with ``late_writes`` whose result says some records failed (``dirty``):
   its transfer engine may still write into their buffers until it is closed.
@@ -75,8 +81,10 @@ class Call(Generic[T]):
         self._fn = fn
         self._dirty = dirty
         self._on_done = on_done
-        self._client: StoreClient | None = None  # the idle client it was given, None: connect a new one
-        self._running = False  # a worker has it (else it waits in line for a client)
+        self._client: StoreClient | None = None  # the client it was given or connected, None: connect a new one
+        self._running = False  # it has a client (else it waits in line for one)
+        self._taken = False  # a thread has begun it: a worker, or its caller (run_here)
+        self._here = False  # its caller runs it (run): no worker is woken for it while a client is idle
         self._decided = False
         self._in_time = False
         self._settled = Latch()
@@ -139,13 +147,16 @@ class StoreLink:
         fn: Callable[[StoreClient], T],
         on_done: Callable[[Call[T]], None],
         dirty: Callable[[T], bool] = lambda result: False,
+        here: bool = False,
     ) -> Call[T]:
         """Run ``fn(client)`` on a worker within ``timeout``; ``on_done(call)`` runs exactly once, on
         another thread: on the worker once the call returned in time, on the watchdog when it did not
         (abandoned), or at once when the link refused it (down after a failure, or closed: ``error``
-        says which). ``dirty(result)`` says whether a client with ``late_writes`` must be dropped
-        after this result."""
+        says which); on the caller's own when it ran the call (``run_here``). ``dirty(result)`` says
+        whether a client with ``late_writes`` must be dropped after this result. With ``here`` the
+        caller calls ``run_here`` next: no worker is woken for the call while it can run there."""
         call: Call[T] = Call(fn, dirty, on_done, time.monotonic() + self.timeout)
+        call._here = here
         with self._cond:
             try:
                 self._check_up()
@@ -169,9 +180,23 @@ class StoreLink:
         with self._cond:
             self._check_up()
         done = threading.Event()
-        call = self.start(fn, lambda call: done.set(), dirty)
-        done.wait()
+        call = self.start(fn, lambda call: done.set(), dirty, here=True)
+        self.run_here(call)
+        done.wait()  # (an abandoned call's on_done runs on the watchdog)
         return call
+
+    def run_here(self, call: Call, until: float = float("inf")) -> bool:
+        """Run ``call`` on this thread unless a thread has begun it already, it has no idle client, the
+        client is not ``interruptible``, or its deadline comes after ``until`` (a ``monotonic`` time the
+        caller must be back by); True when it ran here (completed, or abandoned at its deadline)."""
+        with self._cond:
+            client = call._client
+            if call._taken or call._decided or client is None or not client.interruptible or call.deadline > until:
+                call._here = False  # (in line for a client: a worker runs it once one comes free)
+                return False
+            call._taken = True
+        self._execute(call)
+        return True
 
     def ask(self, fn: Callable[[StoreClient], T]) -> T:
         """``run`` for a call that writes no buffer: its result, or StoreError when it failed."""
@@ -234,6 +259,8 @@ class StoreLink:
             else:
                 self._open += 1
             call._running = True
+            if call._here and call._client is not None and call._client.interruptible:
+                continue  # its caller runs it (run_here)
             if self._idle_workers:
                 self._idle_workers -= 1
                 self._work.put(call)
@@ -252,7 +279,10 @@ class StoreLink:
     def _worker(self, call: Call | None) -> None:
         mark_kvtier_thread()
         while call is not None:
-            self._execute(call)
+            with self._cond:
+                taken, call._taken = call._taken, True
+            if not taken:  # (else its caller runs it)
+                self._execute(call)
             with self._cond:
                 self._idle_workers += 1
             try:
@@ -273,7 +303,7 @@ class StoreLink:
         late = False  # a late_writes client whose result says it may still write into buffers
         try:
             if client is None:
-                client = self.connector.connect()
+                client = call._client = self.connector.connect()
             call.result = call._fn(client)
             late = client.late_writes and call._dirty(call.result) and client.may_write_late()
         except Exception as exc:
@@ -333,6 +363,7 @@ class StoreLink:
                     continue
             for call in late:
                 if call._running:
+                    _interrupt(call._client)
                     self._failed(f"no answer within {self.timeout:g} s")
                 else:
                     self._settle(call)
@@ -375,6 +406,17 @@ class StoreLink:
                 log.info("kvtier's remote store (%s) answers %s again", self.connector.where, self.purpose)
             self._backoff = 0.0
             self._down_until = 0.0
+
+
+def _interrupt(client: StoreClient | None) -> None:
+    """End an abandoned call at once where its client can: its thread (the caller's, with ``run_here``)
+    is back at the deadline, not after the socket's timeout."""
+    if client is None or not client.interruptible:
+        return
+    try:
+        client.interrupt()
+    except Exception:  # best effort: the call still ends by its own timeouts
+        log.exception("interrupting a %s call failed", client.name)
 
 
 def _close(client: StoreClient) -> None:

@@ -22,14 +22,18 @@ its commands are packed here and sent back to back, then the replies read in ord
 - ``close()`` is final: every later call raises ClosedError instead of connecting again (redis-py
   would reconnect on the next command), so no call writes into a buffer after it. Calls and ``close()``
   share a lock: a close racing a call waits for it to return (bounded by the socket timeouts).
-- The socket timeout is a backstop, ``SOCKET_TIMEOUT_FACTOR`` times the tier's timeout: the link's
-  deadline is what the engine sees; the socket timeout ends the abandoned call later, so a stalled
-  server takes one path (the deadline), not whichever of two equal timers fires first.
+- The link's deadline is what the engine sees: at the deadline the link ``interrupt``s an abandoned
+  call (its sockets are shut down under it, and it sends nothing more), so the thread in it, perhaps
+  the engine's own (``StoreLink.run_here``), is back at once. The socket timeout,
+  ``SOCKET_TIMEOUT_FACTOR`` times the tier's timeout, is a backstop behind it, so a stalled server
+  takes one path (the deadline), not whichever of two equal timers fires first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import socket
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
@@ -65,11 +69,13 @@ class PipelinedClient(StoreClient):
     lock, and ``close()`` is final (module docstring)."""
 
     name = "redis"
+    interruptible = True
     where: str
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # held by a call and by close(), so neither runs under the other
         self._closed = False
+        self._stop = threading.Event()  # interrupted: no pipe sends again
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         replies = self._call(names, [[command(b"EXISTS", name.encode())] for name in names])
@@ -105,6 +111,13 @@ class PipelinedClient(StoreClient):
             self._closed = True
             self._disconnect()
 
+    def interrupt(self) -> None:
+        """Shut the sockets down under the call in progress (its read or write fails at once) and make
+        every later send fail; not under the lock, which that call holds."""
+        self._stop.set()
+        for pipe in self._pipes():
+            pipe.shutdown()
+
     def _call(self, names: Sequence[str], commands: list[list[Chunk]], on_reply: OnReply | None = None) -> list[Any]:
         """Each record's reply, in order (``_exchange``); raises ClosedError after ``close()``."""
         with self._lock:
@@ -121,6 +134,10 @@ class PipelinedClient(StoreClient):
     @abstractmethod
     def _disconnect(self) -> None: ...
 
+    @abstractmethod
+    def _pipes(self) -> list[Pipe]:
+        """The connections open now (for ``interrupt``, from another thread)."""
+
 
 class RedisClient(PipelinedClient):
     """One connection to the Redis/Valkey server at ``url``; ``password`` is the secret itself (read from
@@ -129,7 +146,7 @@ class RedisClient(PipelinedClient):
     def __init__(self, url: str, *, timeout: float, password: str | None = None, ca_file: str | None = None) -> None:
         super().__init__()
         options = connection_options(url, timeout=timeout, password=password, ca_file=ca_file)
-        self._pipe = Pipe(options)
+        self._pipe = Pipe(options, self._stop)
         self.where = self._pipe.where
 
     def _exchange(self, names: Sequence[str], commands: list[list[Chunk]], on_reply: OnReply | None) -> list[Any]:
@@ -150,6 +167,9 @@ class RedisClient(PipelinedClient):
 
     def _disconnect(self) -> None:
         self._pipe.disconnect()
+
+    def _pipes(self) -> list[Pipe]:
+        return [self._pipe]
 
 
 def connection_options(url: str, *, timeout: float, password: str | None, ca_file: str | None) -> dict[str, Any]:
@@ -188,18 +208,23 @@ class Replies:
 class Pipe:
     """Pipelined exchanges over one redis-py connection, opened on the first send: ``send`` packed
     commands in one go, then ``receive`` their replies in order. Split in two so that a client of several
-    servers sends to all of them before it reads any (their round trips overlap)."""
+    servers sends to all of them before it reads any (their round trips overlap). Once ``stop`` is set
+    (its client interrupted) every send fails."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], stop: threading.Event) -> None:
         options = dict(options)
         connection_class = options.pop("connection_class", Connection)
         self.where = f"redis at {options.get('host', '?')}:{options.get('port', 6379)}"
         self._connection = connection_class(**options)
         self._used = False  # a reply came back on the current connection
         self._failure: redis.RedisError | None = None  # what broke the last send
+        self._stop = stop
 
     def send(self, chunks: list[Chunk]) -> None:
         """Send ``chunks`` (whole commands); a failure is kept for ``receive`` to report."""
+        if self._stop.is_set():
+            self._failure = redis.ConnectionError(f"the call on {self.where} was interrupted")
+            return
         try:
             self._connection.send_packed_command(chunks, check_health=False)
             self._failure = None
@@ -244,6 +269,15 @@ class Pipe:
 
     def disconnect(self) -> None:
         self._connection.disconnect()
+
+    def shutdown(self) -> None:
+        """From another thread: end a read or write in progress on this connection (it fails at once).
+        The plain socket's shutdown, also under TLS: ``SSLSocket.shutdown`` would drop its TLS state
+        under the reading thread."""
+        sock = self._connection._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def command(*args: bytes) -> bytes:

@@ -24,6 +24,7 @@ over one connection per master node, the records spread over the cluster's 16384
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -63,8 +64,8 @@ Route = list[tuple[int, bool]]
 class _Node:
     """One node as this client sees it: its connection (opened on first use) and its backoff."""
 
-    def __init__(self, address: Address, options: dict[str, Any]) -> None:
-        self.pipe = Pipe({**options, "host": address[0], "port": address[1]})
+    def __init__(self, address: Address, options: dict[str, Any], stop: threading.Event) -> None:
+        self.pipe = Pipe({**options, "host": address[0], "port": address[1]}, stop)
         self.backoff = 0.0
         self.down_until = 0.0
         self.answered_at = -ALIVE_FOR_S  # when it last answered
@@ -235,12 +236,15 @@ class RedisClusterClient(PipelinedClient):
     def _node(self, address: Address) -> _Node:
         node = self._nodes.get(address)
         if node is None:
-            node = self._nodes[address] = _Node(address, self._options)
+            node = self._nodes[address] = _Node(address, self._options, self._stop)
         return node
 
     def _disconnect(self) -> None:
         for node in self._nodes.values():
             node.pipe.disconnect()
+
+    def _pipes(self) -> list[Pipe]:
+        return [node.pipe for node in list(self._nodes.values())]  # (list(): one step under the GIL)
 
 
 def _address(url: str) -> Address:

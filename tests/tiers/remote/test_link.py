@@ -1,5 +1,6 @@
 """The link's rules, on real Redis clients against a real server: calls return in time or are abandoned
-at the deadline; an abandoned call settles only once it has really returned; a failure makes the link
+at the deadline; an abandoned call settles only once it has really returned (a call the link can interrupt
+returns at the deadline, also one its caller runs on its own thread); a failure makes the link
 refuse calls at once for a backoff, then reconnect; clients are reused, at most ``clients`` open, and a
 client whose result says it may still write late (``late_writes``) is closed before its call settles."""
 
@@ -75,8 +76,14 @@ def test_calls_reuse_their_clients_and_open_at_most_the_limit(server):
         link.ask(lambda c: c.exists(["a"]))
 
 
+class Uninterruptible(RedisClient):
+    """A real Redis client whose calls the link cannot interrupt (as Mooncake's): they end by their own timeouts."""
+
+    interruptible = False
+
+
 def test_a_hung_call_is_abandoned_at_the_deadline_and_settles_when_it_returns(server):
-    link = make_link(server)
+    link = make_link(server, client_class=Uninterruptible)
     link.ask(lambda c: c.exists(["a"]))
     server.stop()
     started = time.monotonic()
@@ -92,6 +99,35 @@ def test_a_hung_call_is_abandoned_at_the_deadline_and_settles_when_it_returns(se
     time.sleep(link_module.FIRST_BACKOFF_S)
     assert link.ask(lambda c: c.exists(["a"])) == [False]  # reconnected after the backoff
     assert link.failures == 1
+
+
+def test_a_waiting_caller_runs_the_call_itself_and_is_interrupted_at_the_deadline(server):
+    link = make_link(server)
+    link.ask(lambda c: c.exists(["a"]))  # one idle client
+    ran_on: list[threading.Thread] = []
+
+    def exists(client):
+        ran_on.append(threading.current_thread())
+        return client.exists(["a"])
+
+    assert link.run(exists).ok and ran_on == [threading.current_thread()]
+    done = threading.Event()
+    call = link.start(exists, lambda call: done.set())
+    if link.run_here(call):  # (unless the worker woken for it began it first)
+        assert ran_on[-1] is threading.current_thread()
+    assert done.wait(5) and call.ok and not link.run_here(call)  # (run once)
+    assert link.ask(lambda c: c.exists(["a"])) == [False]
+    server.stop()  # a hung call run here comes back at its deadline: the watchdog interrupts it
+    started = time.monotonic()
+    call = link.run(exists)
+    assert ran_on[-1] is threading.current_thread()
+    assert call.abandoned and not call.ok and TIMEOUT - 0.05 < time.monotonic() - started < TIMEOUT + 0.3
+    settled = threading.Event()
+    call.when_settled(settled.set)
+    assert settled.wait(1) and link._open == 0  # its client was dropped (the stopped server cannot list them)
+    server.cont()
+    time.sleep(link_module.FIRST_BACKOFF_S)
+    assert link.ask(lambda c: c.exists(["a"])) == [False]
 
 
 def test_the_backoff_doubles_while_the_store_stays_down_and_ends_with_a_success(server):
