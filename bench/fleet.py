@@ -6,8 +6,9 @@ What is measured
     the Mooncake trace in ``--trace`` (the shared data set: requests whose ``hash_ids`` repeat across
     requests are shared prefixes, and every engine sees some of every prefix), each request capped
     at ``--max-blocks`` blocks of ``--block-bytes``. A request is what an engine does with a prompt:
-    look its blocks up, load the leading ones found (checking every byte: a block's content is its key
-    repeated, so a block under the wrong name is caught), and store the rest. The store is started by
+    look its blocks up, load the leading ones found (``load_now``: the load's store calls run on the
+    request's thread; checking every byte: a block's content is its key repeated, so a block under the
+    wrong name is caught), and store the rest. The store is started by
     this script on loopback: ``redis``, a Redis Cluster of 3 masters with a replica each
     (``tests/helpers/redis_cluster.py``); ``mooncake``, a mooncake_master with two segment owners
     (``tests/helpers/mooncake_server.py``). Every engine runs for ``--duration`` seconds (60) from a
@@ -232,7 +233,7 @@ def request(kv: KVTier, raw, path: str, ids, out: np.ndarray, data: np.ndarray, 
         start = time.perf_counter()
         if path == "kvtier":
             try:
-                result = kv.load(keys[:hits], out[:hits]).result(limit)
+                result = kv.load_now(keys[:hits], out[:hits], limit)
                 ok = [i not in result.failed for i in range(result.hits)] + [False] * (hits - result.hits)
             except TimeoutError:
                 record["hung"] += 1

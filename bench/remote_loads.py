@@ -7,7 +7,8 @@ What is measured
     and, under names of their own, through the raw client. Then ``--threads`` request threads load
     whole prompts in turn (each looks its prompt up, then loads every block into a buffer of its own),
     for ``--seconds`` per path, two rounds per path, kvtier and the raw client alternating. Loads are
-    the stack's ``load`` (Redis records fetched, checked, copied into the buffer) and the raw client's
+    the stack's ``load_now`` (Redis records fetched on the request's thread, checked, copied into the
+    buffer) and the raw client's
     pipelined ``EXISTS`` and ``GET`` with each value copied into the buffer (``bench/fleet.py``'s
     ``RawRedis``). Every request checks that all its blocks were found and loaded.
 
@@ -85,7 +86,7 @@ def measure(args: argparse.Namespace, kv: KVTier, raw: RawRedis, prompts: list[l
                 hits = present.index(False) if False in present else len(keys)
             found = time.perf_counter()
             if path == "kvtier":
-                ok = not kv.load(keys[:hits], out[:hits]).result(30).failed
+                ok = not kv.load_now(keys[:hits], out[:hits], 30).failed
             else:
                 ok = all(raw.get(names[:hits], out[:hits]))
             loaded = time.perf_counter()

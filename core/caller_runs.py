@@ -6,7 +6,10 @@ each is some microseconds; with engines beside each other on few cores each wait
 the fleet's loads took 1.5x the raw client's time on the same batches (bench/fleet.py). So a request's
 transfers *offer* their calls while the request is being set up (``offering``), and the future it
 returns (``CallerRunsFuture``) runs the ones no worker has begun when the caller asks for its result.
-A caller that never asks (asyncio, callbacks) loses nothing: the workers run the calls as before.
+A caller that never asks (asyncio, ``concurrent.futures.wait``, callbacks) loses nothing: the workers
+run the calls as before. That still wakes a worker per call, which finds it taken; a caller that asks
+at once (``TierStack.load_now``) says so (``here``), and no worker is woken unless the call cannot
+run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ _collecting = threading.local()
 class CallerRunsFuture(Future[T]):
     """A ``concurrent.futures.Future`` whose ``result()`` and ``exception()`` first run, on the caller's
     thread, the calls offered while its request was set up (each at most once, and only where it ends
-    within the ``timeout`` given)."""
+    within the ``timeout`` given). ``here``: its caller asks for the result as soon as the request is
+    set up, so the calls need no worker woken for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, here: bool = False) -> None:
         super().__init__()
+        self.here = here
         self._offers: list[Offer] = []
 
     def result(self, timeout: float | None = None) -> T:
@@ -44,12 +49,14 @@ class CallerRunsFuture(Future[T]):
         self._run_offers(timeout)
         return super().exception(timeout)
 
+    def release(self) -> None:
+        """Leave the calls offered to workers (the caller will not ask for the result)."""
+        self._run_offers(-1.0)
+
     def _run_offers(self, timeout: float | None) -> None:
         until = float("inf") if timeout is None else time.monotonic() + timeout
         offers, self._offers = self._offers, []
-        for run in offers:
-            if self.done():
-                return
+        for run in offers:  # (every one, also once done: one left to this caller goes to a worker if not run)
             run(until)
 
 
@@ -70,3 +77,9 @@ def offer(run: Offer) -> None:
     future = getattr(_collecting, "future", None)
     if isinstance(future, CallerRunsFuture):
         future._offers.append(run)
+
+
+def caller_runs_here() -> bool:
+    """Whether the caller whose request is being set up on this thread runs its calls at once (``here``)."""
+    future = getattr(_collecting, "future", None)
+    return isinstance(future, CallerRunsFuture) and future.here

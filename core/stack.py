@@ -221,10 +221,39 @@ class TierStack:
         is and which of them failed (the caller recomputes those). ``dst_medium`` defaults to "gpu"
         for CUDA memory and "host" otherwise.
         """
+        future: CallerRunsFuture[LoadResult] = CallerRunsFuture()
+        self._load(future, keys, dst, dst_slots, dst_medium)
+        return future
+
+    def load_now(
+        self,
+        keys: Sequence[bytes],
+        dst: BlockStorage,
+        dst_slots: Sequence[int],
+        dst_medium: str | None = None,
+        timeout: float | None = None,
+    ) -> LoadResult:
+        """``load(...).result(timeout)``, for a caller that waits anyway: the load's store calls run on
+        this thread with no worker woken for them (``caller_runs``); TimeoutError as ``result`` raises it."""
+        future: CallerRunsFuture[LoadResult] = CallerRunsFuture(here=True)
+        try:
+            self._load(future, keys, dst, dst_slots, dst_medium)
+        except BaseException:
+            future.release()  # (calls it started before it failed go to workers)
+            raise
+        return future.result(timeout)
+
+    def _load(
+        self,
+        future: CallerRunsFuture[LoadResult],
+        keys: Sequence[bytes],
+        dst: BlockStorage,
+        dst_slots: Sequence[int],
+        dst_medium: str | None,
+    ) -> None:
         if len(keys) != len(dst_slots):
             raise ArgumentError(f"{len(keys)} keys but {len(dst_slots)} destination slots")
         dst_medium = dst_medium or caller_medium(dst.device)
-        future: Future[LoadResult] = CallerRunsFuture()
         found = self._find(keys, dst_medium)
         waited = found.hits != len(keys) and self._await_staging(keys[len(found.sources) :], dst_medium)
         with self._lock:
@@ -242,7 +271,7 @@ class TierStack:
             result = LoadResult(len(keys), plan.num_blocks, sources=tuple(self.tiers[i].name for i in planned.sources))
             if not plan.num_blocks:
                 future.set_result(result)
-                return future
+                return
 
             def loaded(outcome: Outcome) -> None:
                 result.failed = sorted(outcome.lost)
@@ -251,7 +280,6 @@ class TierStack:
 
             with offering(future):  # its result() runs the store calls no worker has begun
                 self._execute(plan, loaded, caller=dst)
-        return future
 
     # --- lifecycle -----------------------------------------------------------------------------
 

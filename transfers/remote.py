@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core.caller_runs import offer
+from kvtier.core.caller_runs import caller_runs_here, offer
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
@@ -98,7 +98,10 @@ class RemoteBackend(TransferBackend):
                 )
             else:
                 call = self.link.start(
-                    lambda client: client.get(job.names, job.pieces), self._completion(job, self._loaded), _dirty
+                    lambda client: client.get(job.names, job.pieces),
+                    self._completion(job, self._loaded),
+                    _dirty,
+                    caller_runs_here(),
                 )
         except BaseException:  # (not started: it never completes)
             self._ended()
@@ -133,7 +136,9 @@ class RemoteBackend(TransferBackend):
         take = functools.partial(self._take, job, mine)
         try:
             call = self.link.start(
-                lambda client: client.fetch(names, size, take), functools.partial(self._fetched, job, mine)
+                lambda client: client.fetch(names, size, take),
+                functools.partial(self._fetched, job, mine),
+                here=caller_runs_here(),
             )
         except Exception as exc:  # (not started: its records fail, for the loads waiting for them too)
             log.exception("kvtier remote transfer failed to start")

@@ -202,7 +202,7 @@ class KVTierStorage(HiCacheStorage):
         """Load the leading pages some tier holds into ``slots`` of ``dst``; per key, whether it arrived intact."""
         stack, _, counters = self._opened()
         started = time.perf_counter()
-        result = stack.load(self._keys(keys), dst, slots, "host").result()
+        result = stack.load_now(self._keys(keys), dst, slots, "host")
         failed = set(result.failed)
         ok = [i < result.hits and i not in failed for i in range(len(keys))]
         hits: dict[str, int] = {}

@@ -290,7 +290,10 @@ class Recording(RedisClient):
 
 
 @pytest.mark.parametrize("fetches", [True, False], ids=["fetch", "get"])
-def test_a_caller_waiting_for_its_future_runs_the_load_on_its_own_thread(server, fetches):
+@pytest.mark.parametrize("at_once", [False, True], ids=["load", "load_now"])
+def test_a_caller_waiting_for_its_future_runs_the_load_on_its_own_thread(server, fetches, at_once):
+    """``at_once`` (``load_now``): no worker is woken for the call; else one is, and the caller, asking
+    for the result first, takes the call from it."""
     rig = Rig(server.url, fetches=fetches, client_class=Recording)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1.0)  # the worker woken for the call gets the GIL only once the caller waits (or runs it)
@@ -299,7 +302,7 @@ def test_a_caller_waiting_for_its_future_runs_the_load_on_its_own_thread(server,
         Recording.threads = []
         for timeout, here in ((None, True), (0.5 * TIMEOUT, False)):  # not where it may outlast the caller's wait
             rig.slots()[:] = 0
-            future: CallerRunsFuture[set[int]] = CallerRunsFuture()
+            future: CallerRunsFuture[set[int]] = CallerRunsFuture(here=at_once)
             with offering(future):
                 rig.backend.submit(
                     Transfer(rig.remote, (), rig.slab.storage, range(len(KEYS)), KEYS),

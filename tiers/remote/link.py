@@ -154,7 +154,8 @@ class StoreLink:
         (abandoned), or at once when the link refused it (down after a failure, or closed: ``error``
         says which); on the caller's own when it ran the call (``run_here``). ``dirty(result)`` says
         whether a client with ``late_writes`` must be dropped after this result. With ``here`` the
-        caller calls ``run_here`` next: no worker is woken for the call while it can run there."""
+        caller promises to call ``run_here`` next: no worker is woken for the call unless it cannot
+        run there."""
         call: Call[T] = Call(fn, dirty, on_done, time.monotonic() + self.timeout)
         call._here = here
         with self._cond:
@@ -191,8 +192,12 @@ class StoreLink:
         caller must be back by); True when it ran here (completed, or abandoned at its deadline)."""
         with self._cond:
             client = call._client
-            if call._taken or call._decided or client is None or not client.interruptible or call.deadline > until:
-                call._here = False  # (in line for a client: a worker runs it once one comes free)
+            interruptible = client is not None and client.interruptible
+            left_here = call._here and call._running and interruptible  # _dispatch woke no worker for it
+            call._here = False  # (one still in line for a client goes to a worker once one comes free)
+            if call._taken or call._decided or not interruptible or call.deadline > until:
+                if left_here and not call._taken:
+                    self._to_worker(call)  # (abandoned meanwhile: the worker drops its client and settles it)
                 return False
             call._taken = True
         self._execute(call)
@@ -259,13 +264,15 @@ class StoreLink:
             else:
                 self._open += 1
             call._running = True
-            if call._here and call._client is not None and call._client.interruptible:
-                continue  # its caller runs it (run_here)
-            if self._idle_workers:
-                self._idle_workers -= 1
-                self._work.put(call)
-            else:
-                threading.Thread(target=self._worker, args=(call,), name="kvtier-store-call", daemon=True).start()
+            if not (call._here and call._client is not None and call._client.interruptible):
+                self._to_worker(call)  # (else its caller runs it: run_here)
+
+    def _to_worker(self, call: Call) -> None:
+        if self._idle_workers:
+            self._idle_workers -= 1
+            self._work.put(call)
+        else:
+            threading.Thread(target=self._worker, args=(call,), name="kvtier-store-call", daemon=True).start()
 
     def _wake_watchdog(self, at: float) -> None:
         if self._watchdog is None:

@@ -4,7 +4,8 @@ against a real redis-server that the tests stop (SIGSTOP: a hung server), kill a
 What it shows: a server killed while a load waits on it fails exactly the blocks it was serving, at once,
 and local hits go on; a hung server fails a load at the deadline, and the stuck read's reply, when it
 comes, writes nowhere (Redis loads go straight into the caller's blocks: no host slot is staged or held);
-a burst of stores bigger than the host tier reaches the store whole (no block evicted before its copy
+a load waited for on the caller's thread (``load_now``) is back at the deadline too; a burst of stores
+bigger than the host tier reaches the store whole (no block evicted before its copy
 to the store was planned); a hung server answers lookups within the timeout and stores become counted
 drops, the engine never waiting; the server's password comes from the environment.
 """
@@ -125,6 +126,25 @@ def test_a_hung_server_fails_a_load_at_the_deadline_and_its_late_reply_writes_no
         wait_until(lambda: kv.lookup(tokens) == 8, within=10 * TIMEOUT)  # once the link's backoff is over
         result, out = load(kv, tokens, 8)
         assert result.loaded == 8 and np.array_equal(out, blocks)
+
+
+def test_a_load_waited_for_on_the_callers_thread_is_back_at_the_deadline_from_a_hung_server(config, server):
+    tokens, blocks = prompt(8), data(8)
+    stored(config(), tokens, blocks)
+    with KVTier.open(config()) as kv:
+        out = np.zeros((8, BLOCK), np.uint8)
+        result = kv.load_now(tokens, out, 30)
+        assert (result.hits, result.loaded) == (8, 8) and np.array_equal(out, blocks)
+        server.stop()
+        started = time.monotonic()
+        result = kv.load_now(tokens, np.zeros((8, BLOCK), np.uint8), 30)  # its fetch runs here, and hangs...
+        took = time.monotonic() - started
+        assert result.failed == list(range(8)) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5  # ...until interrupted
+        server.cont()
+        assert_clean(kv)
+        wait_until(lambda: kv.lookup(tokens) == 8, within=10 * TIMEOUT)  # once the link's backoff is over
+        out[:] = 0
+        assert kv.load_now(tokens, out, 30).loaded == 8 and np.array_equal(out, blocks)
 
 
 def test_a_burst_of_stores_larger_than_the_host_tier_reaches_the_store_whole(config, server):
