@@ -94,7 +94,10 @@ class RemoteBackend(TransferBackend):
         try:
             if storing:
                 call = self.link.start(
-                    lambda client: _put_missing(client, job), self._completion(job, self._stored), _dirty
+                    lambda client: _put_missing(client, job),
+                    self._completion(job, self._stored),
+                    _dirty,
+                    caller_runs_here(),
                 )
             else:
                 call = self.link.start(

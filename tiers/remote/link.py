@@ -6,8 +6,9 @@ server holds a read until the socket times out, a stalled Mooncake segment owner
 (``start``), each with a deadline of ``timeout``: a call that returns in time is completed by the
 worker that ran it (``on_done`` runs there, with no further hand-off between threads: under a busy
 interpreter every hand-off waits for the GIL); past its deadline the link's watchdog abandons it: its
-``on_done`` runs at once, as failed, while its worker keeps waiting for the client to return (the
-link starts another worker for the calls that follow). ``run`` is ``start`` for a caller that waits.
+``on_done`` runs at once, as failed, and the call is interrupted where its client can be (Redis's: it
+returns at once), else its worker keeps waiting for the client to return (the link starts another
+worker for the calls that follow). ``run`` is ``start`` for a caller that waits.
 
 A caller that waits for a call may run it on its own thread instead (``run_here``; ``run`` does): a call
 on a worker costs two hand-offs between threads, the worker's wake-up and then the caller's, and under
