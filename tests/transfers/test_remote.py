@@ -213,16 +213,18 @@ def test_loads_fetching_the_same_records_at_once_share_one_read_and_its_failure(
         other.close()
 
 
-def test_a_hung_store_fails_a_get_at_the_deadline_and_quarantines_its_slots_until_the_call_returns(server):
+@pytest.mark.parametrize("storing", [True, False], ids=["store", "get"])
+def test_a_hung_store_fails_a_call_at_the_deadline_and_quarantines_its_memory_until_the_call_returns(server, storing):
+    """A store's sources (the call may still read them) or a get's slots (it may still write them)."""
     rig = Rig(server.url, client_class=Uninterruptible)
     try:
         rig.store()
         server.stop()
-        failed, quarantine, took = rig.load()
+        failed, quarantine, took = rig.store() if storing else rig.load()
         assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
         assert quarantine is not None and quarantine.blocks == failed
         time.sleep(0.3)
-        assert not quarantine.lifted  # the GET is still waiting for its replies
+        assert not quarantine.lifted  # the call is still waiting for its replies
         lifted = threading.Event()
         quarantine.when_lifted(lifted.set)
         resumed = time.monotonic()
@@ -240,22 +242,6 @@ def test_after_a_failure_transfers_fail_at_once_until_the_backoff_ends(rig, serv
     failed, quarantine, took = rig.store()
     assert failed == set(range(len(KEYS))) and quarantine is None and took < 0.05  # refused by the link itself
     assert rig.backend.link.failures >= 1
-
-
-def test_a_hung_store_fails_a_store_at_the_deadline_and_keeps_its_sources_until_the_call_returns(server):
-    rig = Rig(server.url, client_class=Uninterruptible)
-    try:
-        rig.store()
-        server.stop()
-        failed, quarantine, took = rig.store()
-        assert failed == set(range(len(KEYS))) and TIMEOUT - 0.05 < took < TIMEOUT + 0.5
-        assert quarantine is not None and not quarantine.lifted
-        lifted = threading.Event()
-        quarantine.when_lifted(lifted.set)
-        server.cont()
-        assert lifted.wait(TIMEOUT)
-    finally:
-        rig.close()
 
 
 @pytest.mark.parametrize("storing", [True, False], ids=["store", "get"])
