@@ -40,7 +40,11 @@ How
       "Cache modeling and optimization using miniature simulations", USENIX ATC 2017). They see
       only the keys whose hash is a multiple of ``sample_every`` and hold capacity /
       ``sample_every`` keys each (the first byte of a ``bytes`` key picks them, so runs repeat),
-      so they cost O(1) per reference and a fraction of the tier's memory. Each run's sampled keys
+      so they cost O(1) per reference and a fraction of the tier's memory. Above ``SAMPLE_CAP`` keys
+      (tiers of more than ~128 K blocks) a miniature sees a further sample of the sampled keys (by
+      their next bytes), so its size stops growing with the tier: a fixed number of sampled keys models
+      a cache of any size about as well (Waldspurger et al., "Efficient MRC construction with SHARDS",
+      FAST 2015), and a tier of 10 M blocks keeps ~16 K keys per miniature, not 1.25 M. Each run's sampled keys
       score as a request does: its prefix hits (hits before the first sampled miss). A counter
       moves by the filtering miniature's prefix hits less the plain one's, within
       +-``score_limit`` (so it can turn within a bounded number of references when the traffic
@@ -75,6 +79,9 @@ K = TypeVar("K", bound=Hashable)
 
 PROBATION, PROTECTED = 0, 1  # the segments' queues
 
+SAMPLE_CAP = 1 << 14
+"""The most keys a miniature holds, and a generation of watched keys takes, before they see only a further
+sample of the sampled keys (``_thinning``): their memory and time per reference stop growing with the tier."""
 
 BITS_PER_KEY = 10
 """Bloom filter bits per key a history remembers (at least: a filter's size is a power of two): with
@@ -93,6 +100,18 @@ def _digest(key: Hashable) -> int:
     else:
         data = repr(key).encode()
     return xxhash.xxh3_128_intdigest(data)
+
+
+def _thinning(count: int) -> int:
+    """The mask of the further sample (``_thinned``) that keeps ``count`` sampled keys at most ``SAMPLE_CAP``."""
+    return (1 << ((count - 1) // SAMPLE_CAP).bit_length()) - 1 if count > SAMPLE_CAP else 0
+
+
+def _thinned(key: Hashable, mask: int) -> bool:
+    """Whether a sampled key is in the further sample of 1 in ``mask`` + 1: by the key's second to fourth
+    bytes (its first picked it for the sample), the same in every process, as the first sample."""
+    bits = int.from_bytes(key[1:4], "little") if isinstance(key, bytes) else _digest(key) >> 64
+    return not bits & mask
 
 
 class _History(Generic[K]):
@@ -241,6 +260,8 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._run_limit = 1  # a run ends at this many references (the history's size)
         self._protected_limit = 0
         self._mini_sizes = (1, 0, 1)  # a miniature's capacity, protected segment's limit and history generation
+        self._mini_mask = 0  # the miniatures' further sample (``_thinned``): 0 while they see every sampled key
+        self._watch_mask = 0  # the same for the keys watched
         # The two segments, oldest use first: PROBATION (evicted first), PROTECTED (read while resident).
         self._segments: SlotQueues[Key] = SlotQueues(2)
         self._run: dict[Key, bool | None] = {}  # the current run: key -> inserted, touched (False) or asked (None)
@@ -336,9 +357,13 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         limit = max(1, int(capacity * self._history_factor))
         self._run_limit = limit
         self._history.resize(max(1, limit // 2))
-        self._watch_half = max(1, limit // self._sample_every // 2)
+        watch_half = max(1, limit // self._sample_every // 2)
+        self._watch_mask = _thinning(watch_half)
+        self._watch_half = max(1, watch_half // (self._watch_mask + 1))
         self._protected_limit = int(capacity * self._protected_share)
         mini = max(1, capacity // self._sample_every)
+        self._mini_mask = _thinning(mini)
+        mini = max(1, mini // (self._mini_mask + 1))
         self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor) // 2))
 
     def _note_size(self) -> None:
@@ -375,10 +400,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         sampled = self._sampled
         if sampled:
             self._watch(sampled, tail)
+            mask = self._mini_mask
+            seen = [key for key in sampled if _thinned(key, mask)] if mask else sampled
             mini_tail = tail if self.tail_first else None
             capacity, protected_limit, history = self._mini_sizes
-            gain = self._filtering.run(sampled, mini_tail, capacity, protected_limit, history) - self._plain.run(
-                sampled, mini_tail, capacity, protected_limit, history
+            gain = self._filtering.run(seen, mini_tail, capacity, protected_limit, history) - self._plain.run(
+                seen, mini_tail, capacity, protected_limit, history
             )
             if gain:
                 limit = self._limit
@@ -393,13 +420,14 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         not), watch those this run inserted, and set ``tail_first``: on while the tails' share
         referenced again is at most half the others' (with no evidence, on)."""
         run, watched, old, seen, reused = self._run, self._watched, self._watched_old, self._seen, self._reused
+        mask = self._watch_mask
         for key in sampled:
             kind = watched.pop(key, None)
             if kind is None:
                 kind = old.pop(key, None)
             if kind is not None:
                 reused[kind] += 1
-            if run[key]:
+            if run[key] and (not mask or _thinned(key, mask)):
                 is_tail = key == tail
                 watched[key] = is_tail
                 seen[is_tail] += 1

@@ -17,9 +17,12 @@ Invariants checked:
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kvtier.policies import AdaptivePolicy, LRUPolicy
+from kvtier.policies import adaptive as adaptive_module
 from kvtier.replay.cache import replay
 from kvtier.replay.trace import Request
 
@@ -138,17 +141,44 @@ def two_block_requests(chains: list[tuple[int, int]]) -> list[Request]:
     return [Request(0, 1024, 1, chain) for chain in chains]
 
 
-def test_the_last_block_rule_holds_while_run_tails_are_not_read_again_and_stops_when_they_are():
+@pytest.mark.parametrize("sample_cap", [None, 64], ids=["every-sampled-key", "a-further-sample"])
+def test_the_last_block_rule_holds_while_run_tails_are_not_read_again_and_stops_when_they_are(monkeypatch, sample_cap):
     # Each request is a chain of two blocks, so its last inserted block is the run's tail. In the
     # first stream a chain's head comes back under another tail and no tail ever does (a prompt's
     # partial last block): the rule stays. In the second every chain comes back whole, tails
-    # included, as often as heads (a demotion batch's youngest victim): the rule is dropped.
-    tails_never_back = two_block_requests([pair for k in range(20) for pair in ((k, 100 + k), (k, 200 + k))])
-    tails_back = two_block_requests([(k, 100 + k) for k in range(20) for _ in range(2)])
+    # included, as often as heads (a demotion batch's youngest victim): the rule is dropped. With a
+    # sample cap of 64 the watch sees 1 in 4 of the 200 x 4 x 1 sampled keys' window, the
+    # miniatures 1 in 2: the evidence is thinner, the decisions the same.
+    if sample_cap:
+        monkeypatch.setattr(adaptive_module, "SAMPLE_CAP", sample_cap)
+    tails_never_back = two_block_requests([pair for k in range(200) for pair in ((k, 1000 + k), (k, 2000 + k))])
+    tails_back = two_block_requests([(k, 1000 + k) for k in range(200) for _ in range(2)])
     for stream, kept in ((tails_never_back, True), (tails_back, False)):
         policy = AdaptivePolicy(capacity=100, sample_every=1)
+        assert (policy._watch_mask, policy._mini_mask) == ((3, 1) if sample_cap else (0, 0))
         replay(stream, 100, policy)
         assert policy.tail_first is kept
+
+
+def test_above_the_sample_cap_the_miniatures_and_the_watch_keep_a_fixed_number_of_keys(monkeypatch):
+    """What a tier of 10 M blocks gets (~16 K keys per miniature and watch generation), scaled down: a cap of
+    16 keys, a tier of 1,000 blocks taking 20,000 one-off keys. Each structure holds only keys of its further
+    sample, and at most the cap (the miniatures' segments together; a watch generation: it rolls over there)."""
+    monkeypatch.setattr(adaptive_module, "SAMPLE_CAP", 16)
+    policy = AdaptivePolicy(capacity=1000, sample_every=1)
+    for start in range(0, 20_000, 5):  # runs of five new blocks
+        keys = [hashlib.blake2b(b"%d" % i, digest_size=16).digest() for i in range(start, start + 5)]  # as a tier's
+        for key in keys:
+            assert policy.admit(key)
+        for key in keys:
+            policy.insert(key)
+        policy.evict(max(0, len(policy) - 1000), ())
+    for mini in (policy._plain, policy._filtering):
+        held = [*mini._probation, *mini._protected]
+        assert len(held) <= 16 and all(adaptive_module._thinned(key, policy._mini_mask) for key in held)
+    assert len(policy._plain._probation) > 8  # it did fill (with one-off keys: the plain one admits them)
+    for watched in (policy._watched, policy._watched_old):
+        assert 0 < len(watched) <= 16 and all(adaptive_module._thinned(key, policy._watch_mask) for key in watched)
 
 
 def test_a_history_resized_for_more_keys_does_not_say_it_saw_every_key():
