@@ -27,7 +27,9 @@ caller is back by then, as it would be from a worker.
   first call after the backoff reconnects (a new client); a success ends the backoff.
 
 At most ``clients`` clients are open at once (a client is not shared by concurrent calls); a call
-waits in line for a free one within its own deadline.
+waits in line for a free one within its own deadline. A ``background`` call (a write-through copy
+into the store, which no engine call waits for) waits behind every other: a burst of copies on a busy
+machine must not hold a load some request waits for (nor make it miss its deadline in line).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Call(Generic[T]):
         self._running = False  # it has a client (else it waits in line for one)
         self._taken = False  # a thread has begun it: a worker, or its caller (run_here)
         self._here = False  # its caller runs it (run): no worker is woken for it while a client is idle
+        self._background = False  # nobody waits for it: in line behind every other call
         self._decided = False
         self._in_time = False
         self._settled = Latch()
@@ -128,7 +131,8 @@ class StoreLink:
         self.failures = 0  # calls that raised or outlived the deadline
         self._idle: list[StoreClient] = []
         self._open = 0  # clients idle or in a call that is not abandoned
-        self._in_line: deque[Call] = deque()  # calls waiting for a client
+        self._in_line: deque[Call] = deque()  # calls waiting for a client, somebody waiting for them
+        self._behind: deque[Call] = deque()  # background calls waiting for a client, after those
         self._by_deadline: deque[Call] = deque()  # undecided calls (and some decided), oldest first
         self._refused: deque[Call] = deque()  # calls refused at once, for the watchdog to complete
         self._unsettled: set[Call] = set()
@@ -149,6 +153,7 @@ class StoreLink:
         on_done: Callable[[Call[T]], None],
         dirty: Callable[[T], bool] = lambda result: False,
         here: bool = False,
+        background: bool = False,
     ) -> Call[T]:
         """Run ``fn(client)`` on a worker within ``timeout``; ``on_done(call)`` runs exactly once, on
         another thread: on the worker once the call returned in time, on the watchdog when it did not
@@ -156,9 +161,9 @@ class StoreLink:
         says which); on the caller's own when it ran the call (``run_here``). ``dirty(result)`` says
         whether a client with ``late_writes`` must be dropped after this result. With ``here`` the
         caller promises to call ``run_here`` next: no worker is woken for the call unless it cannot
-        run there."""
+        run there. A ``background`` call waits in line behind every other (see the module's docstring)."""
         call: Call[T] = Call(fn, dirty, on_done, time.monotonic() + self.timeout)
-        call._here = here
+        call._here, call._background = here, background
         with self._cond:
             try:
                 self._check_up()
@@ -170,7 +175,7 @@ class StoreLink:
                 self._wake_watchdog(0.0)
             else:
                 self._unsettled.add(call)
-                self._in_line.append(call)
+                (self._behind if background else self._in_line).append(call)
                 self._by_deadline.append(call)
                 self._wake_watchdog(call.deadline)
                 self._dispatch()
@@ -223,8 +228,8 @@ class StoreLink:
             self._closed = True
             idle, self._idle = self._idle, []
             self._open -= len(idle)
-            while self._in_line:
-                call = self._in_line.popleft()
+            while self._in_line or self._behind:
+                call = (self._in_line or self._behind).popleft()
                 call.error = ClosedError(f"the {self.purpose} link to {self.connector.where} is closed")
                 call._decided = True
                 call._settled.fire()  # nothing started
@@ -258,8 +263,8 @@ class StoreLink:
 
     def _dispatch(self) -> None:
         """Hand calls in line to workers while there is a client for them: an idle one, or room to open one."""
-        while self._in_line and (self._idle or self._open < self.connector.clients):
-            call = self._in_line.popleft()
+        while (self._in_line or self._behind) and (self._idle or self._open < self.connector.clients):
+            call = (self._in_line or self._behind).popleft()
             if self._idle:
                 call._client = self._idle.pop()
             else:
@@ -387,7 +392,7 @@ class StoreLink:
             self._open -= 1
             self._dispatch()
         else:
-            self._in_line.remove(call)
+            (self._behind if call._background else self._in_line).remove(call)
             call.error = StoreError(
                 f"no {self.connector.where} client came free for {self.purpose} within {self.timeout:g} s"
             )

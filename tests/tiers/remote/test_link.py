@@ -76,6 +76,29 @@ def test_calls_reuse_their_clients_and_open_at_most_the_limit(server):
         link.ask(lambda c: c.exists(["a"]))
 
 
+def test_a_call_somebody_waits_for_goes_ahead_of_background_calls_in_line(server):
+    """With the only client busy, background calls (write-through copies) and then a load wait in line:
+    the load gets the client first, the background calls after it in their order."""
+    link = make_link(server, clients=1, timeout=10)
+    release = threading.Event()
+    order: list[str] = []
+    done = threading.Semaphore(0)
+
+    def call(name, client):
+        order.append(name)
+        if name == "holding":
+            release.wait(10)
+        return client.exists([name])
+
+    for name, background in (("holding", False), ("copy 1", True), ("copy 2", True), ("load", False)):
+        link.start(functools.partial(call, name), lambda call: done.release(), background=background)
+    release.set()
+    for _ in range(4):
+        assert done.acquire(timeout=10)
+    assert order == ["holding", "load", "copy 1", "copy 2"]
+    assert link.close(timeout=5)
+
+
 class Uninterruptible(RedisClient):
     """A real Redis client whose calls the link cannot interrupt (as Mooncake's): they end by their own timeouts."""
 
