@@ -34,8 +34,9 @@ Figures, per path (kvtier, raw)
     delivered GB/s: bytes loaded / the seconds that path ran (hits and load speed together: the two
     paths replay different requests in their windows, so their hit ratios differ). Store, load and
     lookup latency p50/p99 (a store returns once kvtier's host tier, or the raw path's staging memory,
-    holds the blocks; the copy to the store follows in the background). Hit ratio (blocks found / blocks asked) of the requests started before the kill and of
-    those started at least ``--settle`` seconds (2) after it. Requests that hung (a call that did not
+    holds the blocks; the copy to the store follows in the background). Hit ratio (blocks found /
+    blocks asked) of the requests started before the kill and of those started at least ``--settle``
+    seconds (2) after it. Requests that hung (a call that did not
     return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected), calls that
     raised (``errors``: the raw client's while a node is gone; kvtier's do not raise). For kvtier,
     ``store_reads_per_block``: records the engines read from the store / blocks their requests found
@@ -467,7 +468,8 @@ def same_batches(
     path's mean load time, weighted by how many loads of that size kvtier made; sizes only one path
     loaded are left out (``sizes_left_out``: kvtier's loads of them). The paths replay other requests in
     their windows and find other prefixes, so their plain GB/s compare loads of other sizes, and a
-    small load costs more per byte. ``took``: a request's seconds that count (its load's, or its lookup's and load's)."""
+    small load costs more per byte. ``took``: a request's seconds that count (its load's, or its
+    lookup's and load's)."""
     times: dict[str, dict[int, list[float]]] = {path: {} for path in PATHS}
     for r in records:
         if "load_s" in r:

@@ -21,8 +21,7 @@ import hashlib
 
 import pytest
 
-from kvtier.policies import AdaptivePolicy, LRUPolicy
-from kvtier.policies import adaptive as adaptive_module
+from kvtier.policies import AdaptivePolicy, LRUPolicy, adaptive as adaptive_module
 from kvtier.replay.cache import replay
 from kvtier.replay.trace import Request
 
