@@ -18,16 +18,16 @@ caller is back by then, as it would be from a worker.
 
 - A client whose call raised or was abandoned is dropped: closed once the call returned, never handed
   another call. So is a client with ``late_writes`` whose result says some records failed (``dirty``):
-  its transfer engine may still write into their buffers until it is closed.
+  its transfer engine may still write into their buffers until it is closed. But an abandoned call's
+  client that was not interrupted (Mooncake's) and returned cleanly after all (the call was only slow,
+  on a busy machine) is kept while the link has room for it: Mooncake's ``close()`` stops every thread
+  of the process for most of a second.
 - A call has *settled* once nothing it started can touch its buffers any more: it returned and, when
   its client was dropped, that client's ``close()`` returned. Until then the caller must keep the
   buffers from being reused (``Call.when_settled``; kvtier quarantines those host slots).
 - After a failure the link is down for a backoff that doubles up to ``MAX_BACKOFF_S``: calls then fail
   at once (a lookup is a miss, a store a counted drop) instead of each waiting for the deadline. The
-  first call after the backoff reconnects (a new client); a success ends the backoff. Only a failure
-  with no success since the failed call began does this: where other calls get through, the store is
-  alive and only part of it is lost (a dead Redis master, a dead Mooncake segment owner), so the
-  failed call's records fail and the rest of the store stays in use.
+  first call after the backoff reconnects (a new client); a success ends the backoff.
 
 At most ``clients`` clients are open at once (a client is not shared by concurrent calls); a call
 waits in line for a free one within its own deadline. A ``background`` call (a write-through copy
@@ -145,7 +145,6 @@ class StoreLink:
         self._watching_until = float("inf")  # when the watchdog wakes next
         self._backoff = 0.0
         self._down_until = 0.0
-        self._answered_at = float("-inf")  # when a call last returned in time without error
         self._closed = False
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # calls settling, for close()
@@ -328,7 +327,13 @@ class StoreLink:
         with self._cond:
             in_time = call._in_time = not call._decided
             call._decided = True
-            keep = client if in_time and call.error is None and not late and not self._closed else None
+            keep = None
+            if client is not None and call.error is None and not late and not self._closed:
+                if in_time:
+                    keep = client
+                elif not client.interruptible and self._open < self.connector.clients:
+                    keep = client
+                    self._open += 1  # (counted out when its call was abandoned)
             if keep is not None:
                 self._idle.append(keep)
             elif in_time:
@@ -338,7 +343,7 @@ class StoreLink:
             if call.error is None:
                 self._succeeded()
             else:
-                self._failed(str(call.error), call)
+                self._failed(str(call.error))
         if keep is not None:
             self._settle(call)
         if in_time:
@@ -381,7 +386,7 @@ class StoreLink:
             for call in late:
                 if call._running:
                     _interrupt(call._client)
-                    self._failed(f"no answer within {self.timeout:g} s", call)
+                    self._failed(f"no answer within {self.timeout:g} s")
                 else:
                     self._settle(call)
                 call._done()
@@ -403,16 +408,9 @@ class StoreLink:
 
     # --- backoff -------------------------------------------------------------------------------
 
-    def _failed(self, why: str, call: Call) -> None:
-        """``call`` raised or outlived its deadline: down for the backoff, unless a call returned in time
-        since ``call`` began (the store answers: see the module's docstring)."""
+    def _failed(self, why: str) -> None:
         with self._cond:
             self.failures += 1
-            if self._answered_at > call.deadline - self.timeout:
-                log.debug(
-                    "kvtier's remote store (%s) failed a call for %s: %s", self.connector.where, self.purpose, why
-                )
-                return
             first = self._backoff == 0.0
             self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
             self._down_until = time.monotonic() + self._backoff
@@ -426,7 +424,6 @@ class StoreLink:
 
     def _succeeded(self) -> None:
         with self._cond:
-            self._answered_at = time.monotonic()
             if self._backoff:
                 log.info("kvtier's remote store (%s) answers %s again", self.connector.where, self.purpose)
             self._backoff = 0.0
