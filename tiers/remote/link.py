@@ -25,9 +25,10 @@ caller is back by then, as it would be from a worker.
 - A call has *settled* once nothing it started can touch its buffers any more: it returned and, when
   its client was dropped, that client's ``close()`` returned. Until then the caller must keep the
   buffers from being reused (``Call.when_settled``; kvtier quarantines those host slots).
-- After a failure the link is down for a backoff that doubles up to ``MAX_BACKOFF_S``: calls then fail
-  at once (a lookup is a miss, a store a counted drop) instead of each waiting for the deadline. The
-  first call after the backoff reconnects (a new client); a success ends the backoff.
+- After a failure (other than a background call's missed deadline: ``_failed``) the link is down for a
+  backoff that doubles up to ``MAX_BACKOFF_S``: calls then fail at once (a lookup is a miss, a store a
+  counted drop) instead of each waiting for the deadline. The first call after the backoff reconnects
+  (a new client); a success ends the backoff.
 
 At most ``clients`` clients are open at once (a client is not shared by concurrent calls); a call
 waits in line for a free one within its own deadline. A ``background`` call (a write-through copy
@@ -386,7 +387,7 @@ class StoreLink:
             for call in late:
                 if call._running:
                     _interrupt(call._client)
-                    self._failed(f"no answer within {self.timeout:g} s")
+                    self._failed(f"no answer within {self.timeout:g} s", down=not call._background)
                 else:
                     self._settle(call)
                 call._done()
@@ -408,9 +409,15 @@ class StoreLink:
 
     # --- backoff -------------------------------------------------------------------------------
 
-    def _failed(self, why: str) -> None:
+    def _failed(self, why: str, down: bool = True) -> None:
+        """Count a failed call and, when ``down``, take the link down for the backoff. A background call
+        past its deadline does not: nobody waits for it, and on a busy machine a large copy may just be
+        slow, where refusing every load for the backoff would cost hits (a store that really hangs makes
+        the loads miss their deadlines too, and they take the link down)."""
         with self._cond:
             self.failures += 1
+            if not down:
+                return
             first = self._backoff == 0.0
             self._backoff = min(MAX_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
             self._down_until = time.monotonic() + self._backoff

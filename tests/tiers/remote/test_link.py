@@ -180,6 +180,27 @@ def test_the_backoff_doubles_while_the_store_stays_down_and_ends_with_a_success(
     assert link.ask(lambda c: c.exists(["a"])) == [False]  # no backoff left after a success
 
 
+def test_a_background_call_past_its_deadline_fails_alone_and_leaves_the_link_up(server):
+    """A write-through copy that is only slow (a large one on a busy machine) fails its records at the
+    deadline, but does not refuse every load for the backoff; a load past its deadline does (above)."""
+    link = make_link(server, clients=2)
+    release = threading.Event()
+    abandoned = threading.Event()
+
+    def slow(client):
+        release.wait(10)
+        return client.exists(["a"])
+
+    link.start(slow, lambda call: call.abandoned and abandoned.set(), background=True)
+    try:
+        assert abandoned.wait(2 * TIMEOUT)
+        assert link.ask(lambda c: c.exists(["a"])) == [False]  # not refused: the link is up
+        assert link.failures == 1
+    finally:
+        release.set()
+        assert link.close(timeout=5)
+
+
 def test_a_late_writing_client_with_failed_records_is_closed_before_its_call_settles(server):
     LateWriting.closed = []
     link = make_link(server, client_class=LateWriting)
