@@ -98,7 +98,7 @@ class RemoteBackend(TransferBackend):
                     self._completion(job, self._stored),
                     _dirty,
                     caller_runs_here(),
-                    background=True,  # (the remote tier is written by the stack's background copies)
+                    background=True,  # (write-through copies; a stack of the remote tier alone waits behind loads)
                 )
             else:
                 call = self.link.start(
