@@ -93,6 +93,7 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
     result: dict = {
         "tokens": tokens,
         "groups": [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups],
+        "block_tokens": [g.kv_cache_spec.block_size for g in scheduler.kv_cache_config.kv_cache_groups],
     }
     if mode != "none":
         side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side

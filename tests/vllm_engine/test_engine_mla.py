@@ -2,7 +2,9 @@
 LoRA, 512-dim latent KV + 64-dim rope key: the sizes vLLM's CPU MLA kernel compiles for), whose one
 KV cache group is ``MLAAttentionSpec``. With kvtier it generates exactly the tokens it generates
 without, loading every prefix after its first from host memory; a control run that scrambles kvtier's
-host memory changes them. vLLM's CPU MLA backend runs 16-token blocks whatever ``--block-size`` says.
+host memory changes them. vLLM's CPU MLA backend runs 16-token blocks whatever ``--block-size`` says,
+except on a processor with AMX (its ``AMX_MLA`` backend), which runs the 128 asked for: hits are
+counted in tokens.
 One rank only: the CPU engine runs no tensor parallelism here (two ranks are covered at the scheduler
 level, tests/connectors/vllm/test_mla.py, with each rank in a process of its own)."""
 
@@ -18,7 +20,7 @@ from vllm_engine.test_engine import (  # noqa: F401 (pytestmark: skipped where v
     run,
 )
 
-MLA_BLOCK = 16  # tokens per block of vLLM's CPU MLA backend
+MLA_BLOCKS = (16, 128)  # tokens per block of vLLM's CPU MLA backends: without AMX, with AMX (the asked BLOCK)
 PREFIX_TOKENS = PREFIX_BLOCKS * 128  # engine_run.py's prefixes
 HOST = {"tiers": [{"medium": "host", "capacity_blocks": 64}]}
 
@@ -68,8 +70,10 @@ def test_same_tokens_with_the_latent_kv_loaded_from_host(mla_model, mla_referenc
     result = run(mla_model, "kvtier", HOST)
     assert result["groups"] == ["MLAAttentionSpec"]
     assert result["tokens"] == mla_reference
+    (block,) = result["block_tokens"]
+    assert block in MLA_BLOCKS
     # every prompt after each prefix's first finds its whole prefix
-    assert result["hits"] == {"host": (PROMPTS - 2) * PREFIX_TOKENS // MLA_BLOCK}
+    assert result["hits"] == {"host": (PROMPTS - 2) * PREFIX_TOKENS // block}
     assert result["leaks"] == NO_LEAKS
 
 
