@@ -102,9 +102,11 @@ def _digest(key: Hashable) -> int:
     return xxhash.xxh3_128_intdigest(data)
 
 
-def _thinning(count: int) -> int:
-    """The mask of the further sample (``_thinned``) that keeps ``count`` sampled keys at most ``SAMPLE_CAP``."""
-    return (1 << ((count - 1) // SAMPLE_CAP).bit_length()) - 1 if count > SAMPLE_CAP else 0
+def _thinning(count: int) -> tuple[int, int]:
+    """The mask of the further sample (``_thinned``) that keeps ``count`` sampled keys at most ``SAMPLE_CAP``,
+    and how many of them it keeps."""
+    mask = (1 << ((count - 1) // SAMPLE_CAP).bit_length()) - 1 if count > SAMPLE_CAP else 0
+    return mask, max(1, count // (mask + 1))
 
 
 def _thinned(key: Hashable, mask: int) -> bool:
@@ -357,13 +359,9 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         limit = max(1, int(capacity * self._history_factor))
         self._run_limit = limit
         self._history.resize(max(1, limit // 2))
-        watch_half = max(1, limit // self._sample_every // 2)
-        self._watch_mask = _thinning(watch_half)
-        self._watch_half = max(1, watch_half // (self._watch_mask + 1))
+        self._watch_mask, self._watch_half = _thinning(max(1, limit // self._sample_every // 2))
         self._protected_limit = int(capacity * self._protected_share)
-        mini = max(1, capacity // self._sample_every)
-        self._mini_mask = _thinning(mini)
-        mini = max(1, mini // (self._mini_mask + 1))
+        self._mini_mask, mini = _thinning(max(1, capacity // self._sample_every))
         self._mini_sizes = (mini, int(mini * self._protected_share), max(1, int(mini * self._history_factor) // 2))
 
     def _note_size(self) -> None:

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers.redis_clients import Uninterruptible
 from helpers.redis_server import redis_server
 from kvtier.core.caller_runs import CallerRunsFuture, offering
 from kvtier.core.layout import BlockLayout
@@ -103,13 +104,6 @@ class Rig:
     def close(self) -> None:
         self.backend.close()
         self.slab.close()
-
-
-class Uninterruptible(RedisClient):
-    """A real Redis client whose calls the link cannot interrupt (as Mooncake's): a hung one ends only when
-    the server answers (or its socket times out)."""
-
-    interruptible = False
 
 
 @pytest.fixture(params=["get", "fetch"])

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers.redis_clients import Uninterruptible
 from kvtier.core.errors import ClosedError
 from kvtier.tiers.remote import link as link_module
 from kvtier.tiers.remote.client import StoreError
@@ -97,17 +98,6 @@ def test_a_call_somebody_waits_for_goes_ahead_of_background_calls_in_line(server
         assert done.acquire(timeout=10)
     assert order == ["holding", "load", "copy 1", "copy 2"]
     assert link.close(timeout=5)
-
-
-class Uninterruptible(RedisClient):
-    """A real Redis client whose calls the link cannot interrupt (as Mooncake's): they end by their own timeouts."""
-
-    interruptible = False
-    closed: list[Uninterruptible] = []
-
-    def close(self) -> None:
-        super().close()
-        Uninterruptible.closed.append(self)
 
 
 def test_a_hung_call_is_abandoned_at_the_deadline_and_settles_when_it_returns(server):
