@@ -1,16 +1,19 @@
-"""One engine's loads from a Redis Cluster: kvtier's stack against redis-py's cluster client, same batches.
+"""One engine's loads from a shared store: kvtier's stack against the store's own client, same batches.
 
 What is measured
     One process, one kvtier stack (a host tier of 2 x ``--blocks`` blocks per thread over the remote
-    tier) on a 3-master Redis Cluster this script starts on loopback (``tests/helpers/redis_cluster.py``).
+    tier) on a store this script starts on loopback: ``--store redis``, a 3-master Redis Cluster
+    (``tests/helpers/redis_cluster.py``); ``--store mooncake``, a mooncake_master with one segment owner
+    (``tests/helpers/mooncake_server.py``; kvtier with ``pool_size`` 4, as in ``bench/fleet.py``).
     ``--requests`` prompts of ``--blocks`` blocks of ``--block-bytes`` are stored once, through kvtier
     and, under names of their own, through the raw client. Then ``--threads`` request threads load
     whole prompts in turn (each looks its prompt up, then loads every block into a buffer of its own),
     for ``--seconds`` per path, two rounds per path, kvtier and the raw client alternating. Loads are
     the stack's ``load_now`` (Redis records fetched on the request's thread, checked, copied into the
-    buffer) and the raw client's
-    pipelined ``EXISTS`` and ``GET`` with each value copied into the buffer (``bench/fleet.py``'s
-    ``RawRedis``). Every request checks that all its blocks were found and loaded.
+    buffer; Mooncake records read into host slots, checked, copied into the buffer) and the raw
+    client's: ``bench/fleet.py``'s ``RawRedis`` (pipelined ``EXISTS`` and ``GET`` with each value copied
+    into the buffer) or ``RawMooncake`` (``batch_is_exist``, ``batch_get_into`` straight into the
+    buffer, registered with it). Every request checks that all its blocks were found and loaded.
 
     With ``--busy N``, N processes spin on the CPU meanwhile: a machine whose cores are all taken,
     where a thread woken by another waits for a core (``bench/fleet.py`` runs 8 engines on 2 cores).
@@ -21,12 +24,13 @@ Figures, per path
 
 The last line printed is one JSON object: ``ratio`` = kvtier's load GB/s / the raw client's.
 
-Run: ``.venv/bin/python bench/remote_loads.py [--threads 2] [--busy 0] [--seconds 4]``
+Run: ``.venv/bin/python bench/remote_loads.py [--store redis|mooncake] [--threads 2] [--busy 0] [--seconds 4]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import statistics
@@ -43,13 +47,14 @@ from kvtier import KVTier
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the servers of the tests' helpers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet import RawRedis, block_key, content  # noqa: E402
+from fleet import POOL_SIZE, RawMooncake, RawRedis, block_key, content  # noqa: E402
 
 PATHS = ("kvtier", "raw")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--store", choices=["redis", "mooncake"], default="redis")
     p.add_argument("--threads", type=int, default=2, help="request threads (default 2)")
     p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU meanwhile (default 0)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per path and round (default 4)")
@@ -64,15 +69,18 @@ def spin() -> None:
         pass
 
 
-def measure(args: argparse.Namespace, kv: KVTier, raw: RawRedis, prompts: list[list[bytes]]) -> dict:
-    """Two rounds per path, alternating; per path the latencies and the CPU per request."""
+def measure(
+    args: argparse.Namespace, kv: KVTier, raw: RawRedis | RawMooncake, prompts: list[list[bytes]], outs: list[np.ndarray]
+) -> dict:
+    """Two rounds per path, alternating, each thread loading into its buffer in ``outs``; per path the
+    latencies and the CPU per request."""
     times: dict[str, dict[str, list[float]]] = {path: {"lookup": [], "load": []} for path in PATHS}
     cpu = dict.fromkeys(PATHS, 0.0)
     size = args.block_bytes
     checked: set[tuple[str, int]] = set()
 
     def caller(t: int, path: str, until: float) -> None:
-        out = np.zeros((args.blocks, size), np.uint8)
+        out = outs[t]
         i = t
         while time.monotonic() < until:
             keys = prompts[i % len(prompts)]
@@ -123,27 +131,37 @@ def measure(args: argparse.Namespace, kv: KVTier, raw: RawRedis, prompts: list[l
     return figures
 
 
+@contextlib.contextmanager
+def store(name: str, outs: list[np.ndarray], data: np.ndarray):
+    """Start the store; its remote tier and a raw client (Mooncake's registers ``outs`` and ``data``)."""
+    if name == "redis":
+        from helpers.redis_cluster import redis_cluster
+
+        with (
+            tempfile.TemporaryDirectory() as work,
+            redis_cluster(Path(work) / "redis", masters=3, replicas=0, maxmemory="1gb") as cluster,
+        ):
+            redis = {"url": cluster.url, "cluster": True, "seeds": cluster.seeds[1:]}
+            yield {"medium": "remote", "backend": "redis", "timeout": 1.0, "redis": redis}, RawRedis(cluster.seeds, 1.0)
+    else:
+        from helpers.mooncake_server import mooncake_store
+
+        with mooncake_store(1, "2GB") as (master, _):
+            tier = master.tier(1.0)
+            tier["mooncake"]["pool_size"] = POOL_SIZE
+            yield tier, RawMooncake(master.address, master.metadata_url, [*outs, data])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from helpers.redis_cluster import redis_cluster
-
     prompts = [[block_key(r * 1000 + i) for i in range(args.blocks)] for r in range(args.requests)]
     spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
-    with (
-        tempfile.TemporaryDirectory() as work,
-        redis_cluster(Path(work) / "redis", masters=3, replicas=0, maxmemory="1gb") as cluster,
-    ):
-        tier = {
-            "medium": "remote",
-            "backend": "redis",
-            "timeout": 1.0,
-            "redis": {"url": cluster.url, "cluster": True, "seeds": cluster.seeds[1:]},
-        }
+    outs = [np.zeros((args.blocks, args.block_bytes), np.uint8) for _ in range(args.threads)]
+    data = np.zeros((args.blocks, args.block_bytes), np.uint8)
+    with store(args.store, outs, data) as (tier, raw):
         host = {"medium": "host", "capacity_blocks": 2 * args.blocks * args.threads}
         kv = KVTier.open({"block_bytes": args.block_bytes, "namespace": "bench-loads", "tiers": [host, tier]})
-        raw = RawRedis(cluster.seeds, 1.0)
         try:
-            data = np.zeros((args.blocks, args.block_bytes), np.uint8)
             for keys in prompts:
                 for j, key in enumerate(keys):
                     data[j] = np.frombuffer(content(key, args.block_bytes), np.uint8)
@@ -152,14 +170,17 @@ def main(argv: list[str] | None = None) -> int:
             kv.wait_idle()
             for spinner in spinners:
                 spinner.start()
-            figures = measure(args, kv, raw, prompts)
+            figures = measure(args, kv, raw, prompts, outs)
         finally:
             for spinner in spinners:
                 spinner.kill()
             kv.close()
             raw.close()
     ratio = figures["kvtier"]["load_gbps"] / figures["raw"]["load_gbps"]
-    print(f"{args.threads} threads, {args.busy} busy processes, {args.blocks} x {args.block_bytes // 1024} KiB loads")
+    print(
+        f"{args.store}: {args.threads} threads, {args.busy} busy processes, "
+        f"{args.blocks} x {args.block_bytes // 1024} KiB loads"
+    )
     for path in PATHS:
         f = figures[path]
         print(
@@ -168,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         json.dumps(
-            {"bench": "remote_loads", "ratio": round(ratio, 3), "threads": args.threads, "busy": args.busy, **figures}
+            {"bench": "remote_loads", "store": args.store, "ratio": round(ratio, 3), "threads": args.threads, "busy": args.busy, **figures}
         )
     )
     return 0

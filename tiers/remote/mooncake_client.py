@@ -17,15 +17,20 @@ What the wheel (mooncake-transfer-engine 0.3.13) does that shapes this client, m
   60 s transfer limit. kvtier's deadline is therefore the transfer backend's (it runs these calls on
   threads of its own), never this client's.
 - A read abandoned by that limit may still write into its buffers afterwards, until ``close()``
-  (``late_writes``). ``close()`` while another thread is inside a call crashes the process, so calls
+  (``late_writes``). A call that failed sooner did so once each of its transfers had failed or was
+  never posted: a refused put (no room, -200), a missing record, an owner that refused the connection
+  or sent no status frame within ``MC_TCP_STATUS_TIMEOUT_SEC`` (measured: a get stalled on a stopped
+  owner fails in 2 s, one stopped mid-payload in 36 s, and neither writes anything once the owner
+  resumes). ``close()`` while another thread is inside a call crashes the process, so calls
   and ``close()`` share a lock: ``close()`` waits for a call in flight to return.
 - The calls release the GIL, with two exceptions that would stop every thread of the engine.
   ``setup()`` holds it against a master that does not answer: the first one in a process for all of
   its 4.4 s against a dead master, every one for the RPC timeout against a hung master. So the master's
   port and an HTTP metadata server are tried first, in Python, which releases it. And ``close()`` holds
   it for most of a second (0.81 s measured for a fresh client with nothing registered), so the link
-  drops a client only when a failed read may have started a transfer (``may_write_late``): a record
-  that does not exist (a store that evicts, all the time) costs no close.
+  drops a client only when a failed call may have left a transfer running (``may_write_late``): one
+  that lasted long enough for Mooncake's limit to abandon a transfer. A full store refuses puts and
+  misses reads all the time; closing a client for each stopped a fleet's engines for half of a run.
 - ``batch_put_from_multi_buffers`` keeps the old bytes when the name exists, and this wheel has no
   multi-buffer upsert, so ``put`` removes the names first (forced: every lookup or read grants a record
   a 10 s lease that a plain remove respects). A reader never sees half a record either way; one that
@@ -38,6 +43,7 @@ import math
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -46,13 +52,21 @@ from typing import Any
 from kvtier.core.errors import ClosedError, ConfigError, StoreError
 from kvtier.tiers.remote.client import Record, StoreClient
 
+NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 _UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
 """Codes that say the master could not be asked, as opposed to an answer about one record."""
-_NO_TRANSFER = (OBJECT_NOT_FOUND, *_UNREACHABLE)
-"""A read failed with one of these started no transfer: nothing of it can write late."""
+_NO_TRANSFER = (NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS, *_UNREACHABLE)
+"""A record failed with one of these started no transfer: nothing of it can write late."""
+TRANSFER_LIMIT_S = 60.0
+"""Mooncake gives up on a transfer batch this long after posting it (on the wall clock), without
+cancelling it: only then may a transfer outlive its call."""
+LATE_AFTER_S = TRANSFER_LIMIT_S / 2
+"""A failed call that lasted this long may have met that limit (half of it: room for the wall clock
+to step); a shorter one cannot have."""
 
 SETUP_RETRIES = 1
 """Mooncake retries setup 20 times by default: about 90 s against a dead master, 4.4 s with 1."""
@@ -140,6 +154,7 @@ class MooncakeClient(StoreClient):
         self._lock = threading.Lock()
         self._closed = False
         self._transfer_failed = False  # the last call failed a record whose transfer may have started
+        self._last_call_s = 0.0  # how long the last call took
         # local_buffer_size 0: only the zero-copy calls are used, which need no staging buffer.
         code = self._store.setup(local_hostname, metadata_server, segment_size, 0, protocol, "", master)
         if code != 0:
@@ -175,7 +190,7 @@ class MooncakeClient(StoreClient):
         )
         # A name whose old record could not be removed may still hold it: the put "succeeds" without storing.
         ok = [code == 0 and gone in (0, OBJECT_NOT_FOUND) for code, gone in zip(codes, removed, strict=True)]
-        self._transfer_failed = not all(ok)
+        self._transfer_failed = any(code not in (0, *_NO_TRANSFER) for code in codes)
         return ok
 
     def get(self, names: Sequence[str], records: Sequence[Record]) -> list[bool]:
@@ -191,10 +206,10 @@ class MooncakeClient(StoreClient):
         return [code == total for code, total in zip(codes, totals, strict=True)]
 
     def may_write_late(self) -> bool:
-        """Whether the last call failed a record whose transfer may have started: a record that does
-        not exist, or one the master could not be asked about, started none (a full store evicts
-        all the time, and Mooncake's ``close()`` stops every thread of the engine for most of a second)."""
-        return self._transfer_failed
+        """Whether the last call may have left a transfer running: it failed a record whose transfer
+        may have started (not refused for room, missing, already there, or unasked) and lasted at least
+        ``LATE_AFTER_S``. Mooncake's ``close()`` stops every thread of the engine for most of a second."""
+        return self._transfer_failed and self._last_call_s >= LATE_AFTER_S
 
     def remove(self, names: Sequence[str]) -> None:
         if names:
@@ -214,7 +229,11 @@ class MooncakeClient(StoreClient):
         with self._lock:
             if self._closed:
                 raise ClosedError("the Mooncake client was closed")
-            return method(*args)
+            start = time.monotonic()
+            try:
+                return method(*args)
+            finally:
+                self._last_call_s = time.monotonic() - start
 
     @staticmethod
     def _answered(codes: list[int], what: str) -> list[int]:

@@ -6,7 +6,9 @@ stalled one fails within the timeout, a missing wheel names the install line (th
 calls with ClosedError is the contract suite's ``CLOSED_CALLS_RAISE``). Its transfers: records are a small
 header piece and a block slot from two registered arrays, as the remote tier stores them; a segment owner
 killed under a read fails exactly the blocks not yet moved, and ``close()`` waits for a read stuck on a
-stopped owner, after which nothing lands in its buffers (``late_writes``). Every call runs under
+stopped owner, after which nothing lands in its buffers (``late_writes``); a call that failed before
+Mooncake's transfer limit (a stopped or dead owner, a put refused for room) leaves nothing running and
+keeps its client. Every call runs under
 ``bounded()``, so a hung server fails the test instead of hanging it.
 """
 
@@ -27,6 +29,7 @@ from helpers.mooncake_server import MooncakeMaster, SegmentOwner, free_port, req
 from helpers.stores import bounded
 from kvtier.core.errors import ConfigError
 from kvtier.tiers.remote.client import StoreError
+from kvtier.tiers.remote import mooncake_client
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.mooncake_client import MooncakeClient
 
@@ -166,7 +169,7 @@ def test_killed_owner_fails_exactly_the_blocks_not_yet_moved(rng):
         loaded, seconds = result["returned"]
         assert 0 < sum(loaded) < count, f"the kill landed outside the get: {sum(loaded)} of {count} loaded"
         assert seconds < 5.0
-        assert client.may_write_late()  # transfers started and failed: the link closes this client
+        assert not client.may_write_late()  # its transfers failed well before Mooncake's limit: none runs on
         assert all(target.record(i) == source.record(i) for i in range(count) if loaded[i])
         # later reads of the dead owner's records fail fast too (until the master drops its segment)
         assert bounded(client.get, keys[:4], target.pieces(range(4)), limit=5.0)[0] == [False] * 4
@@ -192,6 +195,59 @@ def test_a_read_of_records_that_do_not_exist_keeps_the_client(rng):
         assert not opened[0].may_write_late()
         assert link.ask(lambda c: c.exists(["here"])) == [True]
         assert len(opened) == 1, "the client was dropped after a miss"
+        assert link.close(timeout=10)
+
+
+def test_a_get_failed_on_a_stopped_owner_leaves_nothing_running(rng, monkeypatch):
+    """A stopped owner sends no status frame: the get fails within seconds, before Mooncake's transfer
+    limit, so the client may be kept (``may_write_late`` False): once the owner resumes nothing lands in
+    the buffers, and the same client then reads the records bit-exact. A call that lasted as long as
+    the limit would count as maybe still running."""
+    with MooncakeMaster() as master, SegmentOwner(master) as owner:
+        client = make_client(master, timeout=1.0)
+        source, target = Records(client, 4, 64 << 10), Records(client, 4, 64 << 10)
+        source.fill(rng)
+        keys = [f"k{i}" for i in range(4)]
+        assert bounded(client.put, keys, source.pieces())[0] == [True] * 4
+        owner.stop()
+        try:
+            loaded, seconds = bounded(client.get, keys, target.pieces(), limit=10.0)
+            assert loaded == [False] * 4 and seconds < 10.0
+            assert not client.may_write_late()
+            monkeypatch.setattr(mooncake_client, "LATE_AFTER_S", seconds / 2)
+            assert client.may_write_late()
+            monkeypatch.undo()
+            target.headers[:] = 0xAB
+            target.slots[:] = 0xAB
+        finally:
+            owner.cont()
+        time.sleep(2.0)
+        assert (target.headers == 0xAB).all() and (target.slots == 0xAB).all()
+        # the client still reads (the lanes the stall broke may fail the first tries while they reconnect)
+        assert any(bounded(client.get, keys, target.pieces())[0] == [True] * 4 for _ in range(5))
+        assert all(target.record(i) == source.record(i) for i in range(4))
+        bounded(client.close)
+
+
+def test_a_put_refused_for_room_keeps_the_client(rng):
+    """A full store refuses puts (no room) all the time: that started no transfer, so the link keeps
+    the client rather than closing it (which stops every thread of the engine for most of a second)."""
+    with MooncakeMaster() as master, SegmentOwner(master, "16MB"):
+        opened: list[MooncakeClient] = []
+
+        def connect() -> MooncakeClient:
+            opened.append(make_client(master))
+            return opened[-1]
+
+        link = StoreLink(Connector(connect, 1, "test"), 5.0, "loads and stores")
+        records = Records(make_client(master), 32, 1 << 20)
+        records.fill(rng)
+        keys = [f"k{i}" for i in range(32)]
+        call = link.run(lambda c: c.put(keys, records.pieces()), dirty=lambda ok: not all(ok))
+        assert call.ok and not all(call.result), "a 16 MB owner took 32 MB"
+        assert not opened[0].may_write_late()
+        assert link.ask(lambda c: c.exists(keys[:1])) in ([True], [False])
+        assert len(opened) == 1, "the client was dropped after a put refused for room"
         assert link.close(timeout=10)
 
 
