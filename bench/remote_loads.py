@@ -70,7 +70,11 @@ def spin() -> None:
 
 
 def measure(
-    args: argparse.Namespace, kv: KVTier, raw: RawRedis | RawMooncake, prompts: list[list[bytes]], outs: list[np.ndarray]
+    args: argparse.Namespace,
+    kv: KVTier,
+    raw: RawRedis | RawMooncake,
+    prompts: list[list[bytes]],
+    outs: list[np.ndarray],
 ) -> dict:
     """Two rounds per path, alternating, each thread loading into its buffer in ``outs``; per path the
     latencies and the CPU per request."""
@@ -189,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         json.dumps(
-            {"bench": "remote_loads", "store": args.store, "ratio": round(ratio, 3), "threads": args.threads, "busy": args.busy, **figures}
+            {
+                "bench": "remote_loads",
+                "store": args.store,
+                "ratio": round(ratio, 3),
+                "threads": args.threads,
+                "busy": args.busy,
+                **figures,
+            }
         )
     )
     return 0

@@ -65,8 +65,9 @@ class StoreClient(ABC):
     def may_write_late(self) -> bool:
         """With ``late_writes``, after a call some of whose records failed: whether a transfer of one of
         them may still touch its buffers (the client is then closed before they are reused). True
-        unless the client can tell that every failure started no transfer (a record that does not
-        exist): closing a client can cost a second, and a full store misses all the time."""
+        unless the client can tell that no failed transfer is still running (none started: a record
+        that does not exist; or each ended with its call): closing a client can cost a second, and a
+        full store misses all the time."""
         return True
 
     @abstractmethod
