@@ -38,12 +38,16 @@ Figures, per path (kvtier, raw)
     blocks asked) of the requests started before the kill and of those started at least ``--settle``
     seconds (2) after it. Requests that hung (a call that did not
     return within 10 x the timeout: 0 expected), blocks that came back wrong (0 expected), calls that
-    raised (``errors``: the raw client's while a node is gone; kvtier's do not raise). For kvtier,
+    raised (``errors``: the raw client's while a node is gone; kvtier's do not raise). CPU ms per
+    request: the engines' CPU time in the path's windows (every thread of the process; copies still
+    running when a window ends count in the next) / the path's requests: with 8 engines on 2 cores the
+    loads of the path whose requests take less CPU are faster. For kvtier,
     ``store_reads_per_block``: records the engines read from the store / blocks their requests found
     only there (below 1 where requests of one engine waiting for the same block share one read), and
     the remote tiers' counters summed (``remote_tier``: stores committed, dropped (``aborted``: the
-    store did not take them within the timeout) and skipped as already there, loads, errors); for the
-    raw client, its background puts (``puts``: batches put, dropped, failed).
+    store did not take them within the timeout, or refused them) and skipped as already there, loads,
+    errors); for the raw client, its background puts (``puts``: batches put, dropped, failed, and the
+    records the store refused in the batches put).
 
 Ratio, over the same batches
     The paths replay other requests in their windows and so load prefixes of other lengths, and a
@@ -138,8 +142,10 @@ class RawRedis:
             ok.append(good)
         return ok
 
-    def put(self, names: list[str], blocks: np.ndarray) -> None:
-        self._pipe([("SET", name, memoryview(block)) for name, block in zip(names, blocks, strict=True)])
+    def put(self, names: list[str], blocks: np.ndarray) -> int:
+        """Records the store refused (an error reply: a master gone, out of memory)."""
+        replies = self._pipe([("SET", name, memoryview(block)) for name, block in zip(names, blocks, strict=True)])
+        return sum(isinstance(reply, Exception) for reply in replies)
 
     def close(self) -> None:
         self.client.close()
@@ -165,9 +171,13 @@ class RawMooncake:
         codes = self.store.batch_get_into(names, [out[i].ctypes.data for i in range(len(names))], [size] * len(names))
         return [code == size for code in codes]
 
-    def put(self, names: list[str], blocks: np.ndarray) -> None:
+    def put(self, names: list[str], blocks: np.ndarray) -> int:
+        """Records the store refused (a negative code: no room, an owner gone)."""
         size = blocks.shape[1]
-        self.store.batch_put_from(names, [blocks[i].ctypes.data for i in range(len(names))], [size] * len(names))
+        codes = self.store.batch_put_from(
+            names, [blocks[i].ctypes.data for i in range(len(names))], [size] * len(names)
+        )
+        return sum(code < 0 for code in codes)
 
     def close(self) -> None:
         self.store.close()
@@ -178,16 +188,18 @@ class BackgroundPuts:
     goes on. They are copied into one of ``staging``'s buffers (as many blocks as kvtier's host tier; a
     request waits up to ``timeout`` for a free one, else its put is dropped, as kvtier's store waits for
     room) and put by ``workers`` threads (kvtier's clients per engine); a put that waited more than
-    ``timeout`` for a thread is dropped, as kvtier drops a copy no client took within its deadline."""
+    ``timeout`` for a thread is dropped, as kvtier drops a copy no client took within its deadline.
+    ``counts``: batches put, dropped and failed (raised), and records the store refused in batches put
+    (as kvtier counts a refused record among its dropped copies, ``aborted``)."""
 
     def __init__(
-        self, put: Callable[[list[str], np.ndarray], None], staging: list[np.ndarray], workers: int, timeout: float
+        self, put: Callable[[list[str], np.ndarray], int], staging: list[np.ndarray], workers: int, timeout: float
     ) -> None:
         self._put, self._timeout = put, timeout
         self._free = list(staging)
         self._room = threading.Condition()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="raw-put")
-        self.counts = {"put": 0, "dropped": 0, "failed": 0}
+        self.counts = {"put": 0, "dropped": 0, "failed": 0, "refused_records": 0}
 
     def put(self, names: list[str], blocks: np.ndarray) -> None:
         if not names:
@@ -201,15 +213,16 @@ class BackgroundPuts:
         self._pool.submit(self._run, time.monotonic(), names, buffer)
 
     def _run(self, queued: float, names: list[str], buffer: np.ndarray) -> None:
-        outcome = "dropped"
+        outcome, refused = "dropped", 0
         try:
             if time.monotonic() - queued <= self._timeout:
-                self._put(names, buffer[: len(names)])
+                refused = self._put(names, buffer[: len(names)])
                 outcome = "put"
         except Exception:
             outcome = "failed"
         with self._room:
             self.counts[outcome] += 1
+            self.counts["refused_records"] += refused
             self._free.append(buffer)
             self._room.notify()
 
@@ -253,6 +266,7 @@ def engine(rank: int, spec: dict) -> dict:
     workers = [threading.Thread(target=caller, args=(t,)) for t in range(threads)]
     for worker in workers:
         worker.start()
+    cpu = cpu_by_path(spec["start"], stop, spec["window"])
     for worker in workers:
         worker.join()
     stats = kv.stats()
@@ -261,7 +275,22 @@ def engine(rank: int, spec: dict) -> dict:
         kv.close()
     with contextlib.suppress(Exception):
         raw.close()
-    return {"records": records, "stats": stats, "raw_puts": puts.counts}
+    return {"records": records, "stats": stats, "raw_puts": puts.counts, "cpu_s": cpu}
+
+
+def cpu_by_path(start: float, stop: float, window: float) -> dict[str, float]:
+    """This process's CPU seconds (every thread: the stack's, the clients' own) in each path's windows,
+    read at every window's end until ``stop``: on a machine whose cores are all taken, a path's loads
+    are as fast as its work per request is small. Copies still running when a window ends count in
+    the next one."""
+    cpu = dict.fromkeys(PATHS, 0.0)
+    turn, before = 0, time.process_time()
+    while (end := min(stop, start + (turn + 1) * window)) > start + turn * window:
+        time.sleep(max(0.0, end - time.time()))
+        now = time.process_time()
+        cpu[PATHS[turn % 2]] += now - before
+        turn, before = turn + 1, now
+    return cpu
 
 
 def request(
@@ -436,6 +465,7 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> d
             "lookup": percentiles([r["lookup_s"] for r in mine]),
             "hit_ratio_before_kill": sum(r["hits"] for r in before) / max(1, sum(r["blocks"] for r in before)),
             "hit_ratio_after_kill": sum(r["hits"] for r in after) / max(1, sum(r["blocks"] for r in after)),
+            "cpu_ms_per_request": 1e3 * sum(result["cpu_s"][path] for result in results) / max(1, len(mine)),
             "hung": sum(r["hung"] for r in mine),
             "wrong_blocks": sum(r["wrong"] for r in mine),
             "errors": sum(r["errors"] for r in mine),
@@ -445,7 +475,7 @@ def summarize(results: list[dict], args: argparse.Namespace, killed: float) -> d
         name: sum(stats.get(name, 0) for stats in remote)
         for name in ("committed", "aborted", "skipped_existing", "hits", "read_errors", "lookup_errors")
     }
-    out["raw"]["puts"] = {name: sum(r["raw_puts"][name] for r in results) for name in ("put", "dropped", "failed")}
+    out["raw"]["puts"] = {name: sum(r["raw_puts"][name] for r in results) for name in results[0]["raw_puts"]}
     reads = out["kvtier"]["remote_tier"]["hits"]
     needed = sum(r["remote"] for r in records if r["path"] == "kvtier")
     out["kvtier"]["store_reads_per_block"] = reads / needed if needed else float("nan")
@@ -496,7 +526,7 @@ def print_store(store: str, figures: dict) -> None:
     print(
         f"  {'path':7} {'load GB/s':>9} {'delivered':>9} {'load p50/p99 ms':>16} {'lookup p50/p99':>15} "
         f"{'store p50/p99':>15} "
-        f"{'hits before/after':>18} {'hung':>5} {'wrong':>6} {'errors':>7}"
+        f"{'hits before/after':>18} {'CPU ms/req':>10} {'hung':>5} {'wrong':>6} {'errors':>7}"
     )
     for path in ("kvtier", "raw"):
         f = figures[path]
@@ -505,7 +535,7 @@ def print_store(store: str, figures: dict) -> None:
             f"{f['load']['p50_ms']:7.1f}/{f['load']['p99_ms']:<8.1f} "
             f"{f['lookup']['p50_ms']:6.1f}/{f['lookup']['p99_ms']:<8.1f} {f['store']['p50_ms']:6.1f}/"
             f"{f['store']['p99_ms']:<8.1f} {f['hit_ratio_before_kill']:8.3f}/{f['hit_ratio_after_kill']:<9.3f} "
-            f"{f['hung']:5d} {f['wrong_blocks']:6d} {f['errors']:7d}"
+            f"{f['cpu_ms_per_request']:10.1f} {f['hung']:5d} {f['wrong_blocks']:6d} {f['errors']:7d}"
         )
     print(f"  kvtier store reads per block found only there: {figures['kvtier']['store_reads_per_block']:.3f}")
     print(f"  kvtier's remote tiers, summed: {figures['kvtier']['remote_tier']}")
