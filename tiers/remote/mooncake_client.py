@@ -4,8 +4,9 @@
 Mooncake keeps records in memory segments that its clients contribute (a long-lived standalone
 ``mooncake_client`` in a deployment; an engine may contribute ``segment_size`` of its own, which leaves
 with the process); its master only places them. Records move with the zero-copy multi-buffer calls
-straight between the registered host slab and the owners' segments: a record is its header piece and
-the slot, one Mooncake object, no staging copy.
+straight between the host slab and the owners' segments: a record is its header piece and the slot,
+one Mooncake object, no staging copy. Over TCP that memory need not be registered (kvtier registers
+none; a get into unregistered memory is bit-exact); RDMA would need ``register``, and is untried.
 
 What the wheel (mooncake-transfer-engine 0.3.13) does that shapes this client, measured on loopback:
 
@@ -166,8 +167,9 @@ class MooncakeClient(StoreClient):
 
     def register(self, address: int, size: int) -> None:
         """Register host memory that records' pieces will lie in (the host slab, once: Mooncake refuses a
-        range that overlaps one registered before). RDMA moves only registered memory, and TCP takes the
-        same path. The registration ends with the client (``close()``)."""
+        range that overlaps one registered before). RDMA moves only registered memory; TCP moves any,
+        so kvtier registers nothing yet (the tests register theirs). The registration ends with the
+        client (``close()``)."""
         code = self._call(self._store.register_buffer, address, size)
         if code != 0:
             raise StoreError(f"Mooncake could not register {size} bytes at {address:#x} (code {code})")
