@@ -140,8 +140,10 @@ class StoreLink:
         self._by_deadline: deque[Call] = deque()  # undecided calls (and some decided), oldest first
         self._refused: deque[Call] = deque()  # calls refused at once, for the watchdog to complete
         self._unsettled: set[Call] = set()
-        self._work: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
-        self._idle_workers = 0  # workers waiting on _work, less the calls put there for them
+        # Idle workers' mailboxes, the most recently idle last: a call goes to that one (``_to_worker``).
+        # Mooncake's get took 2.5 ms where the same client's took 1.6 from one thread, when two workers
+        # took a lone caller's calls in turn (16 x 256 KiB records); the others end after WORKER_IDLE_S.
+        self._idle_workers: list[queue.SimpleQueue[Call | None]] = []
         self._watchdog: threading.Thread | None = None
         self._watching_until = float("inf")  # when the watchdog wakes next
         self._backoff = 0.0
@@ -239,9 +241,9 @@ class StoreLink:
                 call._settled.fire()  # nothing started
                 self._unsettled.discard(call)
                 self._refused.append(call)
-            for _ in range(self._idle_workers):
-                self._work.put(None)
-            self._idle_workers = 0
+            for mailbox in self._idle_workers:
+                mailbox.put(None)
+            self._idle_workers = []
             self._wake_watchdog(0.0)
         for client in idle:
             _close(client)
@@ -279,8 +281,7 @@ class StoreLink:
 
     def _to_worker(self, call: Call) -> None:
         if self._idle_workers:
-            self._idle_workers -= 1
-            self._work.put(call)
+            self._idle_workers.pop().put(call)
         else:
             threading.Thread(target=self._worker, args=(call,), name="kvtier-store-call", daemon=True).start()
 
@@ -295,21 +296,22 @@ class StoreLink:
 
     def _worker(self, call: Call | None) -> None:
         mark_kvtier_thread()
+        mailbox: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
         while call is not None:
             with self._cond:
                 taken, call._taken = call._taken, True
             if not taken:  # (else its caller runs it)
                 self._execute(call)
             with self._cond:
-                self._idle_workers += 1
+                self._idle_workers.append(mailbox)
             try:
-                call = self._work.get(timeout=WORKER_IDLE_S)
+                call = mailbox.get(timeout=WORKER_IDLE_S)
             except queue.Empty:
                 with self._cond:
-                    if self._idle_workers > 0:  # no call was put there for this worker: end it
-                        self._idle_workers -= 1
+                    if mailbox in self._idle_workers:  # no call was put there for this worker: end it
+                        self._idle_workers.remove(mailbox)
                         return
-                call = self._work.get()
+                call = mailbox.get()
 
     def _execute(self, call: Call) -> None:
         """Connect if needed and call; then keep the client, or drop it (closed) when the call raised,
