@@ -19,7 +19,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,47 @@ class Records:
     def record(self, i: int) -> bytes:
         header = self.headers[i * HEADER : (i + 1) * HEADER]
         return header.tobytes() + self.slots[i * self.block : (i + 1) * self.block].tobytes()
+
+
+def counting_link(master: MooncakeMaster, timeout: float) -> tuple[StoreLink, list[MooncakeClient]]:
+    """A link of one client at a time to ``master``, and every client it opened, in order."""
+    opened: list[MooncakeClient] = []
+
+    def connect() -> MooncakeClient:
+        opened.append(make_client(master))
+        return opened[-1]
+
+    return StoreLink(Connector(connect, 1, "test"), timeout, "loads and stores"), opened
+
+
+@contextmanager
+def four_records(
+    rng: np.random.Generator,
+) -> Iterator[tuple[SegmentOwner, MooncakeClient, list[str], Records, Records]]:
+    """An owner holding four 64 KiB records stored through a client (1 s timeout), and a target to read
+    them into."""
+    with MooncakeMaster() as master, SegmentOwner(master) as owner:
+        client = make_client(master, timeout=1.0)
+        source, target = Records(client, 4, 64 << 10), Records(client, 4, 64 << 10)
+        source.fill(rng)
+        keys = [f"k{i}" for i in range(4)]
+        assert bounded(client.put, keys, source.pieces())[0] == [True] * 4
+        yield owner, client, keys, source, target
+
+
+@contextmanager
+def stopped(owner: SegmentOwner, target: Records) -> Iterator[None]:
+    """``owner`` stopped while the block runs (whose reads into ``target`` must have returned by its
+    end); then ``target`` is overwritten, the owner resumed, and 2 s later nothing may have landed."""
+    owner.stop()
+    try:
+        yield
+        target.headers[:] = 0xAB
+        target.slots[:] = 0xAB
+    finally:
+        owner.cont()
+    time.sleep(2.0)
+    assert (target.headers == 0xAB).all() and (target.slots == 0xAB).all()
 
 
 def test_setup_against_no_master_fails_at_once():
@@ -180,13 +222,7 @@ def test_a_read_of_records_that_do_not_exist_keeps_the_client(rng):
     """A miss started no transfer: the link keeps the client (no close, which stops every thread of the
     engine for most of a second) and the call settles at once; a hit among misses changes nothing."""
     with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
-        opened: list[MooncakeClient] = []
-
-        def connect() -> MooncakeClient:
-            opened.append(make_client(master))
-            return opened[-1]
-
-        link = StoreLink(Connector(connect, 1, "test"), 2.0, "loads and stores")
+        link, opened = counting_link(master, 2.0)
         records = Records(make_client(master), 2, 4096)
         records.fill(rng)
         assert link.ask(lambda c: c.put(["here"], records.pieces([0]))) == [True]
@@ -203,26 +239,14 @@ def test_a_get_failed_on_a_stopped_owner_leaves_nothing_running(rng, monkeypatch
     limit, so the client may be kept (``may_write_late`` False): once the owner resumes nothing lands in
     the buffers, and the same client then reads the records bit-exact. A call that lasted as long as
     the limit would count as maybe still running."""
-    with MooncakeMaster() as master, SegmentOwner(master) as owner:
-        client = make_client(master, timeout=1.0)
-        source, target = Records(client, 4, 64 << 10), Records(client, 4, 64 << 10)
-        source.fill(rng)
-        keys = [f"k{i}" for i in range(4)]
-        assert bounded(client.put, keys, source.pieces())[0] == [True] * 4
-        owner.stop()
-        try:
+    with four_records(rng) as (owner, client, keys, source, target):
+        with stopped(owner, target):
             loaded, seconds = bounded(client.get, keys, target.pieces(), limit=10.0)
             assert loaded == [False] * 4 and seconds < 10.0
             assert not client.may_write_late()
             monkeypatch.setattr(mooncake_client, "LATE_AFTER_S", seconds / 2)
             assert client.may_write_late()
             monkeypatch.undo()
-            target.headers[:] = 0xAB
-            target.slots[:] = 0xAB
-        finally:
-            owner.cont()
-        time.sleep(2.0)
-        assert (target.headers == 0xAB).all() and (target.slots == 0xAB).all()
         # the client still reads (the lanes the stall broke may fail the first tries while they reconnect)
         assert any(bounded(client.get, keys, target.pieces())[0] == [True] * 4 for _ in range(5))
         assert all(target.record(i) == source.record(i) for i in range(4))
@@ -233,13 +257,7 @@ def test_a_put_refused_for_room_keeps_the_client(rng):
     """A full store refuses puts (no room) all the time: that started no transfer, so the link keeps
     the client rather than closing it (which stops every thread of the engine for most of a second)."""
     with MooncakeMaster() as master, SegmentOwner(master, "16MB"):
-        opened: list[MooncakeClient] = []
-
-        def connect() -> MooncakeClient:
-            opened.append(make_client(master))
-            return opened[-1]
-
-        link = StoreLink(Connector(connect, 1, "test"), 5.0, "loads and stores")
+        link, opened = counting_link(master, 5.0)
         records = Records(make_client(master), 32, 1 << 20)
         records.fill(rng)
         keys = [f"k{i}" for i in range(32)]
@@ -255,24 +273,11 @@ def test_close_waits_for_a_call_stuck_on_a_stopped_owner_and_nothing_lands_after
     """A stopped owner holds a get (here about the 1 s status timeout per round of blocks; up to
     Mooncake's 60 s for a transfer stopped mid-payload). close() under it would crash the process, so it
     waits for the call; once it returned, a resumed owner writes nothing into the buffers."""
-    with MooncakeMaster() as master, SegmentOwner(master) as owner:
-        client = make_client(master, timeout=1.0)
-        source, target = Records(client, 4, 64 << 10), Records(client, 4, 64 << 10)
-        source.fill(rng)
-        keys = [f"k{i}" for i in range(4)]
-        assert bounded(client.put, keys, source.pieces())[0] == [True] * 4
-        owner.stop()
-        try:
-            reader, result = in_background(client.get, keys, target.pieces())
-            time.sleep(0.3)
-            assert reader.is_alive()
-            _, closing = bounded(client.close)
-            reader.join(1.0)
-            loaded, seconds = result["returned"]
-            assert loaded == [False] * 4 and seconds < 10.0 and closing >= seconds - 0.3, (loaded, seconds, closing)
-            target.headers[:] = 0xAB
-            target.slots[:] = 0xAB
-        finally:
-            owner.cont()
-        time.sleep(2.0)
-        assert (target.headers == 0xAB).all() and (target.slots == 0xAB).all()
+    with four_records(rng) as (owner, client, keys, _, target), stopped(owner, target):
+        reader, result = in_background(client.get, keys, target.pieces())
+        time.sleep(0.3)
+        assert reader.is_alive()
+        _, closing = bounded(client.close)
+        reader.join(1.0)
+        loaded, seconds = result["returned"]
+        assert loaded == [False] * 4 and seconds < 10.0 and closing >= seconds - 0.3, (loaded, seconds, closing)
