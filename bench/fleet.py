@@ -27,6 +27,11 @@ Reference, in the same run, by the same processes and threads
     kvtier has clients): with the puts on the request's thread, the raw path's windows held less
     concurrent work than kvtier's, and its loads were faster for that alone (2026-11-27: kvtier's
     ratio 0.61 that way; 0.92 with kvtier's requests waiting for their copies instead).
+    With ``--raw-checked`` the raw client also does the work kvtier's guarantees cost it: it hashes
+    every record it reads (xxh3, as kvtier checks a record's data before serving it) and Mooncake's
+    reads land in registered memory of its own, copied into the request's buffer from there (kvtier
+    stages through its host tier, where a read abandoned at its deadline may still land without
+    touching memory the engine uses). What is left between the paths then is kvtier's own code.
 
 Figures, per path (kvtier, raw)
     load GB/s: bytes loaded bit-exact / the seconds spent in load calls, times the callers (engines x
@@ -62,7 +67,8 @@ Ratio, over the same batches
 The last line printed is one JSON object: ``ratio`` = the worse over the stores run of kvtier's load
 GB/s / the raw client's over the same batches, then every figure per store.
 
-Run: ``.venv/bin/python bench/fleet.py [--store both|redis|mooncake] [--engines 8] [--duration 60]``
+Run: ``.venv/bin/python bench/fleet.py [--store both|redis|mooncake] [--engines 8] [--duration 60]
+[--raw-checked]``
 (about 2 x (duration + 20) s on two cores; ``--engines 2 --duration 10`` for a quick check).
 """
 
@@ -84,6 +90,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
+import xxhash
 
 from kvtier import KVTier
 from kvtier.replay.trace import load_trace
@@ -115,12 +122,14 @@ def content(key: bytes, block_bytes: int) -> bytes:
 
 
 class RawRedis:
-    """redis-py's cluster client: pipelines grouped by node, as an engine author would write it."""
+    """redis-py's cluster client: pipelines grouped by node, as an engine author would write it. With
+    ``checked`` it hashes each record it reads before copying it out (``--raw-checked``)."""
 
-    def __init__(self, seeds: list[str], timeout: float) -> None:
+    def __init__(self, seeds: list[str], timeout: float, checked: bool = False) -> None:
         import redis
         from redis.cluster import ClusterNode
 
+        self.checked = checked
         nodes = [ClusterNode(urlsplit(seed).hostname, urlsplit(seed).port) for seed in seeds]
         self.client = redis.RedisCluster(startup_nodes=nodes, socket_timeout=timeout, socket_connect_timeout=timeout)
 
@@ -138,6 +147,8 @@ class RawRedis:
         for i, value in enumerate(self._pipe([("GET", name) for name in names])):
             good = isinstance(value, bytes) and len(value) == out.shape[1]
             if good:
+                if self.checked:
+                    xxhash.xxh3_64_intdigest(value)
                 out[i] = np.frombuffer(value, np.uint8)
             ok.append(good)
         return ok
@@ -152,24 +163,36 @@ class RawRedis:
 
 
 class RawMooncake:
-    """A ``MooncakeDistributedStore`` of its own, reading into and writing from registered buffers."""
+    """A ``MooncakeDistributedStore`` of its own, reading into and writing from registered buffers.
+    ``landings`` (``--raw-checked``): per request buffer (by its address) registered memory of its own
+    that a get reads into first; each record is hashed there, then copied into the request's buffer."""
 
-    def __init__(self, master: str, metadata: str, buffers: list[np.ndarray]) -> None:
+    def __init__(
+        self, master: str, metadata: str, buffers: list[np.ndarray], landings: dict[int, np.ndarray] | None = None
+    ) -> None:
         from mooncake.store import MooncakeDistributedStore
 
         self.store = MooncakeDistributedStore()
         if self.store.setup("127.0.0.1", metadata, 0, 0, "tcp", "", master) != 0:
             raise RuntimeError("Mooncake setup failed")
-        for buffer in buffers:
+        self.landings = landings or {}
+        for buffer in [*buffers, *self.landings.values()]:
             self.store.register_buffer(buffer.ctypes.data, buffer.nbytes)
 
     def exists(self, names: list[str]) -> list[bool]:
         return [code == 1 for code in self.store.batch_is_exist(names)]
 
     def get(self, names: list[str], out: np.ndarray) -> list[bool]:
-        size = out.shape[1]
-        codes = self.store.batch_get_into(names, [out[i].ctypes.data for i in range(len(names))], [size] * len(names))
-        return [code == size for code in codes]
+        size, landing = out.shape[1], self.landings.get(out.ctypes.data)
+        into = out if landing is None else landing[: len(names)]
+        codes = self.store.batch_get_into(names, [into[i].ctypes.data for i in range(len(names))], [size] * len(names))
+        ok = [code == size for code in codes]
+        if landing is not None:
+            for i in range(len(names)):
+                if ok[i]:
+                    xxhash.xxh3_64_intdigest(into[i])
+            out[: len(names)] = into
+        return ok
 
     def put(self, names: list[str], blocks: np.ndarray) -> int:
         """Records the store refused (a negative code: no room, an owner gone)."""
@@ -243,9 +266,11 @@ def engine(rank: int, spec: dict) -> dict:
     buffers = [np.zeros((spec["max_blocks"], block), np.uint8) for _ in range(2 * threads)]
     staging = [np.zeros((spec["max_blocks"], block), np.uint8) for _ in range(HOST_BLOCKS_PER_THREAD * threads)]
     if spec["store"] == "redis":
-        raw = RawRedis(spec["seeds"], timeout)
+        raw = RawRedis(spec["seeds"], timeout, spec["raw_checked"])
     else:
-        raw = RawMooncake(spec["master"], spec["metadata"], buffers + staging)
+        outs = buffers[::2] if spec["raw_checked"] else []  # (each request thread's ``out``)
+        landings = {out.ctypes.data: np.zeros_like(out) for out in outs}
+        raw = RawMooncake(spec["master"], spec["metadata"], buffers + staging, landings)
     puts = BackgroundPuts(raw.put, staging, POOL_SIZE, timeout)
     requests = spec["requests"][rank]
     time.sleep(max(0.0, spec["start"] - time.time()))
@@ -408,6 +433,7 @@ def run_store(store: str, args: argparse.Namespace, chains: list[list[int]]) -> 
                 "max_blocks": args.max_blocks,
                 "duration": args.duration,
                 "window": args.window,
+                "raw_checked": args.raw_checked,
                 "requests": [chains[e :: args.engines] for e in range(args.engines)],
                 "start": time.time() + args.warmup,
                 **raw,
@@ -564,6 +590,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1.0, help="the remote tier's timeout, s")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--requests", type=int, default=4000, help="trace requests replayed (cycled)")
+    p.add_argument(
+        "--raw-checked",
+        action="store_true",
+        help="the raw client also hashes every record it reads and (Mooncake) reads into memory of its own first",
+    )
     return p.parse_args(argv)
 
 
@@ -585,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "duration_s": args.duration,
         "block_bytes": args.block_bytes,
+        "raw_checked": args.raw_checked,
         **figures,
     }
     print(json.dumps(summary))
