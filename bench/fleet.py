@@ -8,7 +8,8 @@ What is measured
     at ``--max-blocks`` blocks of ``--block-bytes``. A request is what an engine does with a prompt:
     look its blocks up, load the leading ones found (``load_now``: the load's store calls run on the
     request's thread; checking every byte: a block's content is its key repeated, so a block under the
-    wrong name is caught), and store the rest. The store is started by
+    wrong name is caught), and store the rest (``store_now``: the copy into the host tier runs on the
+    request's thread, as the raw path copies into its staging memory there). The store is started by
     this script on loopback: ``redis``, a Redis Cluster of 3 masters with a replica each
     (``tests/helpers/redis_cluster.py``); ``mooncake``, a mooncake_master with two segment owners
     (``tests/helpers/mooncake_server.py``). Every engine runs for ``--duration`` seconds (60) from a
@@ -361,7 +362,7 @@ def request(
     start = time.perf_counter()
     if path == "kvtier":
         try:
-            kv.store(keys, data[:n]).result(limit)
+            kv.store_now(keys, data[:n], limit)
         except TimeoutError:
             record["hung"] += 1
     else:

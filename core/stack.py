@@ -57,15 +57,16 @@ from kvtier.core.routes import plan_route
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
-from kvtier.core.transfer import CopiesHere, TransferBackend, TransferRegistry
+from kvtier.core.transfer import CopiesHere, CopiesOffered, TransferBackend, TransferRegistry
 
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("write_through", "write_back")
 LATER_COPIES_HERE_BYTES = 16 * 2**20
 """A later stage's copy (a staged load's copy from host memory into the caller's blocks) of at most this
-much runs on the thread that completed the stage before it (``CopiesHere``): in a busy process the
-hand-off to the copy pool and back cost more than a copy of this size on one thread."""
+much runs on the thread that completed the stage before it (``CopiesHere``), and a first stage's on the
+caller's own thread where it waits (``store_now``, ``load_now``: ``CopiesOffered``): in a busy process
+the hand-off to the copy pool and back cost more than a copy of this size on one thread."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class TierStack:
             raise ArgumentError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
         self._later_copies = CopiesHere(self.transfers, LATER_COPIES_HERE_BYTES)
+        self._copies_offered = CopiesOffered(self._later_copies, self.transfers)
         for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
                 self.transfers.backend(
@@ -180,11 +182,31 @@ class TierStack:
         further down continue afterwards.
         Raises CapacityError when the new blocks outnumber the first tier.
         """
+        future: Future[StoreResult] = Future()
+        self._store(future, keys, src, src_slots)
+        return future
+
+    def store_now(
+        self, keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int], timeout: float | None = None
+    ) -> StoreResult:
+        """``store(...).result(timeout)``, for a caller that waits anyway: the copy into the first tier runs
+        on this thread (a memmove of at most ``LATER_COPIES_HERE_BYTES``; ``CopiesOffered``) with no copy
+        thread woken for it; TimeoutError as ``result`` raises it."""
+        future: CallerRunsFuture[StoreResult] = CallerRunsFuture(here=True)
+        try:
+            self._store(future, keys, src, src_slots)
+        except BaseException:
+            future.release()  # (copies it offered before it failed go to their backends)
+            raise
+        return future.result(timeout)
+
+    def _store(
+        self, future: Future[StoreResult], keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]
+    ) -> None:
         if len(keys) != len(src_slots):
             raise ArgumentError(f"{len(keys)} keys but {len(src_slots)} source slots")
         for key in keys:  # before any room is made: a key no tier can hold is refused with nothing moved
             check_key(key)
-        future: Future[StoreResult] = Future()
         with self._lock:
             self._check_open()
             top = self.tiers[0]
@@ -202,15 +224,15 @@ class TierStack:
             result.dropped = len(new) - plan.num_blocks
             if not plan.num_blocks:
                 future.set_result(result)
-                return future
+                return
 
             def landed(outcome: Outcome) -> None:
                 result.stored = len(outcome.stored.get(top.name, ()))
                 result.failed = [plan.keys[i] for i in sorted(outcome.lost)]
                 future.set_result(result)
 
-            self._execute(plan, landed, caller=src)
-        return future
+            with offering(future):  # (store_now's result() runs the copy)
+                self._execute(plan, landed, caller=src)
 
     def load(
         self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int], dst_medium: str | None = None
@@ -233,8 +255,9 @@ class TierStack:
         dst_medium: str | None = None,
         timeout: float | None = None,
     ) -> LoadResult:
-        """``load(...).result(timeout)``, for a caller that waits anyway: the load's store calls run on
-        this thread with no worker woken for them (``caller_runs``); TimeoutError as ``result`` raises it."""
+        """``load(...).result(timeout)``, for a caller that waits anyway: the load's store calls, and the
+        memmoves of a load from the first tier, run on this thread with no worker woken for them
+        (``caller_runs``); TimeoutError as ``result`` raises it."""
         future: CallerRunsFuture[LoadResult] = CallerRunsFuture(here=True)
         try:
             self._load(future, keys, dst, dst_slots, dst_medium)
@@ -483,7 +506,7 @@ class TierStack:
             plan.stages,
             plan.num_blocks,
             storages,
-            self.transfers,
+            self._copies_offered,  # (a caller that waits runs the first stage's memmoves: caller_runs)
             functools.partial(_report, self.jobs, job.id),
             later=self._later_copies,
         )

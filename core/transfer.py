@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kvtier.core.errors import TransferError
+from kvtier.core.caller_runs import caller_runs_here, offer
+from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
 
@@ -228,10 +230,14 @@ class TransferBackend(ABC):
         another thread. Raises TransferError or ClosedError (and never calls ``on_complete``) when the
         transfer cannot be started."""
 
-    def copy_now(self, transfer: Transfer) -> set[int] | None:
-        """Run ``transfer`` on the calling thread and return the blocks that failed, where this backend
-        can (a memmove); None where it copies only asynchronously, through ``submit``."""
-        return None
+    copies_now: bool = False
+    """Whether ``copy_now`` runs a transfer on the calling thread (a memmove); else it copies only
+    asynchronously, through ``submit``."""
+
+    def copy_now(self, transfer: Transfer) -> set[int]:
+        """Run ``transfer`` on the calling thread and return the blocks that failed (only where
+        ``copies_now``)."""
+        raise NotImplementedError(f"the {self.name} backend copies only through submit")
 
     @abstractmethod
     def close(self) -> None:
@@ -292,9 +298,46 @@ class CopiesHere:
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
-        too_large = self._max_bytes is not None and transfer.nbytes > self._max_bytes
-        failed = None if too_large else backend.copy_now(transfer)
-        if failed is None:
-            backend.submit(transfer, on_complete)
+        if self.runs_here(backend, transfer):
+            on_complete(backend.copy_now(transfer))
         else:
+            backend.submit(transfer, on_complete)
+
+    def runs_here(self, backend: TransferBackend, transfer: Transfer) -> bool:
+        """Whether ``transfer`` on ``backend`` is one this runs on the submitting thread."""
+        return backend.copies_now and (self._max_bytes is None or transfer.nbytes <= self._max_bytes)
+
+
+class CopiesOffered:
+    """Where a caller that will wait for the copies (``TierStack.store_now``, ``load_now``) runs those
+    that ``here`` would run on the submitting thread on its own, once it asks for its future's result
+    (``caller_runs``): the copy's ``submit`` only offers it, no copy thread is woken, and neither the
+    pool's hand-off nor the caller's wake-up is paid. Other copies (a remote store's calls, which offer
+    themselves; a disk's) go to their backends at once; so does every copy where nobody collects offers.
+    A copy offered to a future that is released instead (its caller will not wait after all) goes to
+    its backend then."""
+
+    def __init__(self, here: CopiesHere, transfers: TransferRegistry) -> None:
+        self._here = here
+        self._transfers = transfers
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
+        if not (caller_runs_here() and self._here.runs_here(backend, transfer)):
+            backend.submit(transfer, on_complete)
+            return
+
+        def run(until: float) -> bool:
+            here = until > time.monotonic()  # (else released, or no time given: to the backend)
+            try:
+                if not here:
+                    backend.submit(transfer, on_complete)
+                    return False
+                failed = backend.copy_now(transfer)
+            except (TransferError, ClosedError):  # (it could not start: every block failed)
+                log.exception("a kvtier copy failed to start")
+                failed = set(range(transfer.num_blocks))
             on_complete(failed)
+            return here
+
+        offer(run)

@@ -2,6 +2,7 @@
 
     with KVTier.open("kvtier.yaml") as kv:
         kv.store(token_ids, blocks).result()       # blocks: one array of n blocks, or a list of n arrays
+        kv.store_now(token_ids, blocks)            # the same, copying on this thread (quicker)
         n = kv.lookup(token_ids)                   # leading blocks present in some tier
         kv.load(token_ids, out).result()           # fills out[:n], bit-exact
         kv.load_now(token_ids, out)                # the same, waiting on this thread (quicker from a store)
@@ -113,11 +114,21 @@ class KVTier:
 
         The future resolves to a StoreResult once ``blocks`` may be reused.
         """
+        keys, storage = self._source(tokens_or_keys, blocks)
+        return self.stack.store(keys, storage, range(len(keys)))
+
+    def store_now(self, tokens_or_keys: TokensOrKeys, blocks: Blocks, timeout: float | None = None) -> StoreResult:
+        """``store(...).result(timeout)``, quicker: the copy into the first tier runs on this thread,
+        where ``store`` wakes a copy thread for it (see ``TierStack.store_now``)."""
+        keys, storage = self._source(tokens_or_keys, blocks)
+        return self.stack.store_now(keys, storage, range(len(keys)), timeout=timeout)
+
+    def _source(self, tokens_or_keys: TokensOrKeys, blocks: Blocks) -> tuple[list[bytes], BlockStorage]:
         keys = self.keys(tokens_or_keys)
         storage = buffer_storage(blocks, self.layout)
         if storage.num_slots < len(keys):
             raise ArgumentError(f"{len(keys)} keys but only {storage.num_slots} blocks given")
-        return self.stack.store(keys, storage, range(len(keys)))
+        return keys, storage
 
     def load(self, tokens_or_keys: TokensOrKeys, out: Blocks):
         """Copy the longest present prefix of blocks into ``out`` (block i into out's block i).

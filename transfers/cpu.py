@@ -58,6 +58,7 @@ class CPUBackend(TransferBackend):
 
     name = "cpu"
     pairs = frozenset({(HOST_DEVICE, HOST_DEVICE)})
+    copies_now = True
 
     def __init__(self, threads: int = 2) -> None:
         if threads < 1:

@@ -219,7 +219,7 @@ class KVTierStorage(HiCacheStorage):
         stack, _, counters = self._opened()
         started = time.perf_counter()
         kv_keys = self._keys(keys)
-        result = stack.store(kv_keys, src, slots).result()
+        result = stack.store_now(kv_keys, src, slots)
         failed = set(result.failed)
         ok = [key not in failed and not stack.planner.is_new(key) for key in kv_keys]
         counters.stored(result.stored, time.perf_counter() - started)

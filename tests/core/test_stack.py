@@ -19,10 +19,12 @@ from helpers.stack_helpers import (
     make_stack,
     store,
 )
+from kvtier.core.caller_runs import CallerRunsFuture, offering
 from kvtier.core.errors import CapacityError, ClosedError, TransferError
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
+from kvtier.core.transfer import CopiesHere, CopiesOffered, Transfer, TransferRegistry
 from kvtier.policies import Watermark
 from kvtier.transfers.cpu import CPUBackend
 
@@ -187,6 +189,87 @@ def test_failed_store_copies_commit_only_what_landed():
     assert stack.lookup(keys).hits == 2
     assert_no_leaks(stack)
     stack.close()
+
+
+class RecordingBackend(CPUBackend):
+    """A real CPU backend that records the names of the threads its copies ran on."""
+
+    def __init__(self):
+        super().__init__(threads=2)
+        self.ran_on: set[str] = set()
+
+    def _copy(self, copies, lo, hi):
+        self.ran_on.add(threading.current_thread().name)
+        super()._copy(copies, lo, hi)
+
+
+def test_store_now_and_load_now_copy_on_the_calling_thread():
+    """A caller that waits anyway runs the first tier's memmoves itself; ``store().result()`` and
+    ``load().result()`` leave them to the copy threads."""
+    backend = RecordingBackend()
+    stack = make_stack(gpu=8, backend=backend)
+    keys = [key(i) for i in range(6)]
+    result = stack.store_now(keys[:3], buffer_storage(blocks_for(keys[:3]), LAYOUT), range(3), timeout=30)
+    assert (result.stored, result.present, result.failed) == (3, 0, [])
+    here = threading.current_thread().name
+    assert backend.ran_on == {here}
+    out = np.zeros((3, LAYOUT.block_bytes), np.uint8)
+    loaded = stack.load_now(keys[:3], buffer_storage(out, LAYOUT, writable=True), range(3), timeout=30)
+    assert (loaded.hits, loaded.loaded, loaded.failed) == (3, 3, [])
+    assert_loaded_exact(keys, loaded, out)
+    assert backend.ran_on == {here}
+    backend.ran_on.clear()
+    store(stack, keys[3:])
+    load(stack, keys[3:])
+    assert backend.ran_on and here not in backend.ran_on, (
+        "store().result() and load().result() leave them to copy threads"
+    )
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_failed_copy_of_store_now_commits_only_what_landed():
+    keys = [key(i) for i in range(4)]
+    src = blocks_for(keys)
+    bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
+    stack = make_stack(gpu=8, backend=FailingBackend(bad))
+    result = stack.store_now(keys, buffer_storage(src, LAYOUT), range(4), timeout=10)
+    assert result.stored == 3 and result.failed == [keys[2]]
+    assert stack.tiers[0].state(keys[2]) is BlockState.FREE and stack.tiers[0].stats.aborted == 1
+    assert stack.lookup(keys).hits == 2
+    assert_no_leaks(stack)
+    stack.close()
+
+
+def test_a_copy_offered_to_a_caller_that_lets_go_runs_on_the_copy_threads():
+    """``CopiesOffered``: a memmove offered to a waiting caller runs when it asks for the result, and on
+    a copy thread once its future is released instead; where nobody collects offers, at once."""
+    backend = RecordingBackend()
+    transfers = TransferRegistry([backend])
+    offered = CopiesOffered(CopiesHere(transfers), transfers)
+    src = blocks_for([key(1), key(2)])
+    done: list[set[int]] = []
+    landed = threading.Event()
+
+    def copy_into(dst):
+        transfer = Transfer(buffer_storage(src, LAYOUT), [0, 1], buffer_storage(dst, LAYOUT, writable=True), [0, 1])
+        offered.submit(transfer, lambda failed, quarantine=None: (done.append(failed), landed.set()))
+
+    future = CallerRunsFuture(here=True)
+    dst = np.zeros_like(src)
+    with offering(future):
+        copy_into(dst)
+    assert not dst.any() and not done, "offered, not copied yet"
+    future.release()
+    assert landed.wait(10) and done == [set()] and np.array_equal(dst, src)
+    assert backend.ran_on and threading.current_thread().name not in backend.ran_on
+    landed.clear()
+    backend.ran_on.clear()
+    dst = np.zeros_like(src)
+    copy_into(dst)  # (no future collects offers: straight to the backend)
+    assert landed.wait(10) and np.array_equal(dst, src)
+    assert backend.ran_on and threading.current_thread().name not in backend.ran_on
+    backend.close()
 
 
 def test_failed_load_reports_exactly_the_failed_blocks_and_releases_pins():
