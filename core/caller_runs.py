@@ -1,4 +1,5 @@
-"""Work a waiting caller runs on its own thread: a future whose ``result()`` first runs its store calls.
+"""Work a waiting caller runs on its own thread: a future whose ``result()`` first runs its store calls
+(and, with ``here``, its memmoves: ``CopiesOffered``).
 
 A load from a remote store is one client call. Run on a link worker, it costs two hand-offs between
 threads: the worker's wake-up, then the caller's once the worker completed the future. On an idle machine
@@ -8,8 +9,9 @@ transfers *offer* their calls while the request is being set up (``offering``), 
 returns (``CallerRunsFuture``) runs the ones no worker has begun when the caller asks for its result.
 A caller that never asks (asyncio, ``concurrent.futures.wait``, callbacks) loses nothing: the workers
 run the calls as before. That still wakes a worker per call, which finds it taken; a caller that asks
-at once (``TierStack.load_now``) says so (``here``), and no worker is woken unless the call cannot
-run on the caller's thread.
+at once (``TierStack.load_now``, ``store_now``) says so (``here``), and no worker is woken unless the
+call cannot run on the caller's thread; its copies from or into its own memory that a copy thread
+would run (a memmove) wait for it too, and run on its thread.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class TierStack:
             raise ArgumentError(f"tiers disagree on the block size: {sorted(block_bytes)}")
         self.transfers = TransferRegistry(backends)
         self._later_copies = CopiesHere(self.transfers, LATER_COPIES_HERE_BYTES)
-        self._copies_offered = CopiesOffered(self._later_copies, self.transfers)
+        self._copies_offered = CopiesOffered(self._later_copies)
         for upper, lower in _neighbours(tiers):
             for src, dst in ((upper, lower), (lower, upper)):
                 self.transfers.backend(

@@ -293,11 +293,11 @@ class CopiesHere:
     """
 
     def __init__(self, transfers: TransferRegistry, max_bytes: int | None = None) -> None:
-        self._transfers = transfers
+        self.transfers = transfers
         self._max_bytes = max_bytes
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
-        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
+        backend = self.transfers.backend(transfer.src.device, transfer.dst.device)
         if self.runs_here(backend, transfer):
             on_complete(backend.copy_now(transfer))
         else:
@@ -317,12 +317,11 @@ class CopiesOffered:
     A copy offered to a future that is released instead (its caller will not wait after all) goes to
     its backend then."""
 
-    def __init__(self, here: CopiesHere, transfers: TransferRegistry) -> None:
+    def __init__(self, here: CopiesHere) -> None:
         self._here = here
-        self._transfers = transfers
 
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
-        backend = self._transfers.backend(transfer.src.device, transfer.dst.device)
+        backend = self._here.transfers.backend(transfer.src.device, transfer.dst.device)
         if not (caller_runs_here() and self._here.runs_here(backend, transfer)):
             backend.submit(transfer, on_complete)
             return

@@ -246,7 +246,7 @@ def test_a_copy_offered_to_a_caller_that_lets_go_runs_on_the_copy_threads():
     a copy thread once its future is released instead; where nobody collects offers, at once."""
     backend = RecordingBackend()
     transfers = TransferRegistry([backend])
-    offered = CopiesOffered(CopiesHere(transfers), transfers)
+    offered = CopiesOffered(CopiesHere(transfers))
     src = blocks_for([key(1), key(2)])
     done: list[set[int]] = []
     landed = threading.Event()
