@@ -177,12 +177,14 @@ def test_a_full_tier_of_pinned_blocks_stores_less_and_does_not_crash():
     stack.close()
 
 
-def test_failed_store_copies_commit_only_what_landed():
+@pytest.mark.parametrize("now", [False, True], ids=["store", "store_now"])
+def test_failed_store_copies_commit_only_what_landed(now):
     keys = [key(i) for i in range(4)]
     src = blocks_for(keys)
     bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
     stack = make_stack(gpu=8, backend=FailingBackend(bad))
-    result = stack.store(keys, buffer_storage(src, LAYOUT), range(4)).result(timeout=10)
+    source = buffer_storage(src, LAYOUT)
+    result = stack.store_now(keys, source, range(4), 10) if now else stack.store(keys, source, range(4)).result(10)
     assert result.stored == 3 and result.failed == [keys[2]]
     gpu = stack.tiers[0]
     assert gpu.state(keys[2]) is BlockState.FREE and gpu.stats.aborted == 1
@@ -224,19 +226,6 @@ def test_store_now_and_load_now_copy_on_the_calling_thread():
     assert backend.ran_on and here not in backend.ran_on, (
         "store().result() and load().result() leave them to copy threads"
     )
-    assert_no_leaks(stack)
-    stack.close()
-
-
-def test_a_failed_copy_of_store_now_commits_only_what_landed():
-    keys = [key(i) for i in range(4)]
-    src = blocks_for(keys)
-    bad = {int(buffer_storage(src, LAYOUT).fragment_addresses([2])[0, 0])}
-    stack = make_stack(gpu=8, backend=FailingBackend(bad))
-    result = stack.store_now(keys, buffer_storage(src, LAYOUT), range(4), timeout=10)
-    assert result.stored == 3 and result.failed == [keys[2]]
-    assert stack.tiers[0].state(keys[2]) is BlockState.FREE and stack.tiers[0].stats.aborted == 1
-    assert stack.lookup(keys).hits == 2
     assert_no_leaks(stack)
     stack.close()
 
