@@ -81,6 +81,18 @@ def offer(run: Offer) -> None:
         future._offers.append(run)
 
 
+def wait_here(set_up: Callable[[CallerRunsFuture[T]], None], timeout: float | None) -> T:
+    """Set a request up with a ``here`` future (``set_up(future)``) and wait on this thread for its result,
+    running what it offered; where setting up raised, what it offered before goes to workers."""
+    future: CallerRunsFuture[T] = CallerRunsFuture(here=True)
+    try:
+        set_up(future)
+    except BaseException:
+        future.release()
+        raise
+    return future.result(timeout)
+
+
 def caller_runs_here() -> bool:
     """Whether the caller whose request is being set up on this thread runs its calls at once (``here``)."""
     future = getattr(_collecting, "future", None)

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvtier.core.caller_runs import CallerRunsFuture, offering
+from kvtier.core.caller_runs import CallerRunsFuture, offering, wait_here
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
@@ -192,13 +192,7 @@ class TierStack:
         """``store(...).result(timeout)``, for a caller that waits anyway: the copy into the first tier runs
         on this thread (a memmove of at most ``LATER_COPIES_HERE_BYTES``; ``CopiesOffered``) with no copy
         thread woken for it; TimeoutError as ``result`` raises it."""
-        future: CallerRunsFuture[StoreResult] = CallerRunsFuture(here=True)
-        try:
-            self._store(future, keys, src, src_slots)
-        except BaseException:
-            future.release()  # (copies it offered before it failed go to their backends)
-            raise
-        return future.result(timeout)
+        return wait_here(lambda future: self._store(future, keys, src, src_slots), timeout)
 
     def _store(
         self, future: Future[StoreResult], keys: Sequence[bytes], src: BlockStorage, src_slots: Sequence[int]
@@ -258,13 +252,7 @@ class TierStack:
         """``load(...).result(timeout)``, for a caller that waits anyway: the load's store calls, and the
         memmoves of a load from the first tier, run on this thread with no worker woken for them
         (``caller_runs``); TimeoutError as ``result`` raises it."""
-        future: CallerRunsFuture[LoadResult] = CallerRunsFuture(here=True)
-        try:
-            self._load(future, keys, dst, dst_slots, dst_medium)
-        except BaseException:
-            future.release()  # (calls it started before it failed go to workers)
-            raise
-        return future.result(timeout)
+        return wait_here(lambda future: self._load(future, keys, dst, dst_slots, dst_medium), timeout)
 
     def _load(
         self,
