@@ -24,6 +24,10 @@ NO_BREAKS = np.empty(0, dtype=np.int64)
 class BlockStorage:
     """Fragment addresses of ``num_slots`` blocks with one ``layout`` on one ``device`` ("cpu" or "cuda")."""
 
+    by_key = False
+    """True for a storage whose blocks are named by key, not slot (a remote store's records, a node
+    daemon's slab): it has no slots and no addresses, and a copy to or from it names the blocks' keys."""
+
     def __init__(
         self,
         layout: BlockLayout,
@@ -181,3 +185,23 @@ def buffer_storage(blocks: Any, layout: BlockLayout, writable: bool = False) -> 
     if nbytes % layout.block_bytes:
         raise TransferError(f"a buffer of {nbytes} bytes is not a whole number of {layout.block_bytes}-byte blocks")
     return contiguous_storage(address, nbytes // layout.block_bytes, layout, device, blocks)
+
+
+Piece = tuple[int, int]
+"""(address, size) of a run of a block's bytes in memory."""
+
+
+def block_pieces(storage: BlockStorage, slots: Sequence[int]) -> list[list[Piece]]:
+    """Each slot's bytes as (address, size) pieces in layout order, fragments that follow on in memory
+    merged (a host slot is one piece): what a copy to or from memory addressed by key moves per block."""
+    sizes = storage.layout.fragment_bytes
+    out = []
+    for row in storage.fragment_addresses(slots).tolist():
+        pieces: list[Piece] = []
+        for address, size in zip(row, sizes, strict=True):
+            if pieces and sum(pieces[-1]) == address:
+                pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
+            else:
+                pieces.append((address, size))
+        out.append(pieces)
+    return out

@@ -25,10 +25,7 @@ import numpy as np
 
 from kvtier.core.caller_runs import caller_runs_here, offer
 from kvtier.core.errors import ClosedError, TransferError
-from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.storage import BlockStorage
-
-"""The device of a storage addressed by key alone (a remote store's records): it has no slots."""
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +133,8 @@ class CopyList:
 class Transfer:
     """Copy block ``src_slots[i]`` of ``src`` to block ``dst_slots[i]`` of ``dst`` for every i.
 
-    A side whose storage is addressed by key (a remote store: its device is ``KEYED_DEVICE``) has no
-    slots; ``keys`` then name the blocks."""
+    A side whose storage is addressed by key (``BlockStorage.by_key``: a remote store, a node daemon's
+    slab) has no slots; ``keys`` then name the blocks."""
 
     src: BlockStorage
     src_slots: Sequence[int]
@@ -147,7 +144,7 @@ class Transfer:
 
     def __post_init__(self) -> None:
         for side, slots, what in ((self.src, self.src_slots, "source"), (self.dst, self.dst_slots, "destination")):
-            if side.device == KEYED_DEVICE:
+            if side.by_key:
                 if slots:
                     raise TransferError(f"{len(slots)} {what} slots for a storage addressed by key")
                 if self.keys is None:
@@ -163,7 +160,7 @@ class Transfer:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.src_slots if self.src.device != KEYED_DEVICE else self.dst_slots)
+        return len(self.dst_slots if self.src.by_key else self.src_slots)
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ deadline, never more:
 
 - a store (host -> remote) first asks which records the store holds already (one batched existence
   query, in the same call as the put) and writes only the others: a block another engine stored is
-  not sent again, and counts as stored (``RemoteStats.skipped_existing``). A record that failed to load
+  not sent again, and counts as stored (``KeyedStats.skipped_existing``). A record that failed to load
   here is written without asking (``RemoteStorage.unreadable``): one that merely exists under our name
   may be foreign garbage, and skipping it would pin a miss on its block. It reports the blocks the
   store did not take; they are counted drops;
@@ -34,7 +34,7 @@ import ctypes
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ import numpy as np
 from kvtier.core.caller_runs import caller_runs_here, offer
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
-from kvtier.core.storage import BlockStorage
+from kvtier.core.storage import block_pieces
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
 from kvtier.tiers.remote.client import Piece, StoreClient, scatter
 from kvtier.tiers.remote.link import Call, StoreLink
@@ -374,19 +374,3 @@ class _Job:
 
 def _view(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-
-
-def block_pieces(storage: BlockStorage, slots: Sequence[int]) -> list[list[Piece]]:
-    """Each slot's bytes as (address, size) pieces in layout order, fragments that follow on in memory
-    merged (a host slot is one piece)."""
-    sizes = storage.layout.fragment_bytes
-    out = []
-    for row in storage.fragment_addresses(slots).tolist():
-        pieces: list[Piece] = []
-        for address, size in zip(row, sizes, strict=True):
-            if pieces and sum(pieces[-1]) == address:
-                pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
-            else:
-                pieces.append((address, size))
-        out.append(pieces)
-    return out

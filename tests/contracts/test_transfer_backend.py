@@ -37,7 +37,8 @@ from helpers.stores import RedisStore
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
-from kvtier.core.transfer import KEYED_DEVICE, Transfer, TransferBackend
+from kvtier.core.media import KEYED_DEVICE
+from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
@@ -195,7 +196,7 @@ def transfer(src: BlockStorage, src_slots, dst: BlockStorage, dst_slots, far_slo
     """A transfer naming the blocks by the far slots they live in; a side addressed by key gets no slots."""
 
     def slots(side, given):
-        return () if side.device == KEYED_DEVICE else list(given)
+        return () if side.by_key else list(given)
 
     return Transfer(src, slots(src, src_slots), dst, slots(dst, dst_slots), keys_of(far_slots))
 

@@ -26,12 +26,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.core.errors import StoreError
+from kvtier.core.storage import Piece
 
-# StoreError, what every client raises, with its kin
+# StoreError, what every client raises, with its kin; Piece: (address, size) of a piece of host memory
 __all__ = ["Piece", "Record", "StoreClient", "StoreError", "scatter"]
-
-Piece = tuple[int, int]
-"""(address, size) of a piece of host memory."""
 
 Record = Sequence[Piece]
 """One record's bytes: its pieces, in order."""

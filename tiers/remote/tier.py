@@ -1,15 +1,9 @@
-"""The remote tier as the planner sees it: a ``Tier`` whose index is the shared store itself.
+"""The remote tier as the planner sees it: a ``KeyedTier`` whose owner is the shared store itself.
 
 The store is not ours: another engine adds records, the store evicts or loses any of them at any
-moment, a restart empties it. So this tier keeps no mirror of it. A key is READY only for a few
-seconds after the store said it holds the record (``query``, one batched existence query) or after
-this process stored it; WRITING while this process puts it; FREE otherwise. A key whose load failed
-(missing by then, damaged, foreign, unsigned) is FREE for those few seconds whatever the store says,
-so lookups stop promising a record that cannot be read, until this process stores the block again.
-Concurrent queries share what they ask (``query``): many requests of one engine that want the same
-prefix at once (a shared system prompt) cost the store one question per block.
-It has no slots (``by_key``: copies name keys), no pins (a record may vanish under a load anyway:
-that load then fails exactly that block) and no eviction (the store evicts by itself).
+moment, a restart empties it. So this tier keeps no mirror of it (``kvtier.tiers.keyed``: a key is
+READY for a few seconds after the store said it holds the record, or after this process stored it),
+and asks the store which records it holds in one batched existence query over every rank's records.
 
 ``RemoteStorage`` is what transfers see: the store's records for one stack, or for one rank of one
 (``RecordFormat``: names, headers, MAC), and which of them failed to load here. Bytes move through
@@ -21,25 +15,18 @@ one, and skipping its rewrite would pin a miss on that block.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
-from kvtier.core.errors import StateError, StoreError, TransferError
-from kvtier.core.keys import check_key
+from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import KEYED_DEVICE
-from kvtier.core.metrics import TierStats
 from kvtier.core.misses import MissReason
 from kvtier.core.namespaces import ENTRY_BYTES, MAX_NAMESPACES, KnownNamespace, decode_entry, encode_entry
 from kvtier.core.storage import BlockStorage
-from kvtier.core.tier import BlockState, Tier, Usage
-from kvtier.policies import LRUPolicy
+from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.remote.client import StoreClient
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat
@@ -64,14 +51,15 @@ class RemoteStorage(BlockStorage):
     the store holds a record under its name. ``on_skipped`` counts the records a store left as the store
     held them (the tier's ``skipped_existing``); a storage without a tier (a vLLM worker's) counts none."""
 
+    by_key = True
+
     def __init__(
         self, layout: BlockLayout, records: RecordFormat, on_skipped: Callable[[int], None] | None = None
     ) -> None:
         super().__init__(layout, 0, KEYED_DEVICE)
         self.records = records
         self._on_skipped = on_skipped
-        self._unreadable: OrderedDict[bytes, MissReason] = OrderedDict()  # key -> why its record failed
-        self._lock = threading.Lock()
+        self._unreadable = RecentFailures(UNREADABLE_KEPT)  # key -> why its record failed to load here
 
     def _addresses(self, slots):
         raise TransferError("a remote store's records have no addresses: they are named by key")
@@ -81,55 +69,33 @@ class RemoteStorage(BlockStorage):
         checks are readable; the others are not: ``refused`` ones arrived and failed a check (damaged,
         foreign, unsigned), the rest were missing (the store lost them since it said it held them)."""
         damaged = set(refused)
-        with self._lock:
-            for key, good in zip(keys, ok, strict=True):
-                if good:
-                    self._unreadable.pop(key, None)
-                else:
-                    self._unreadable[key] = MissReason.DAMAGED if key in damaged else MissReason.EVICTED
-                    self._unreadable.move_to_end(key)
-            while len(self._unreadable) > UNREADABLE_KEPT:
-                self._unreadable.popitem(last=False)
+        for key, good in zip(keys, ok, strict=True):
+            why = None if good else MissReason.DAMAGED if key in damaged else MissReason.EVICTED
+            self._unreadable.note(key, why)
 
     def unreadable(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether its record failed to load here since this process last wrote it."""
-        with self._lock:
-            return [key in self._unreadable for key in keys]
+        return [key in self._unreadable for key in keys]
 
     def failure(self, key: bytes) -> MissReason | None:
         """Why the record of ``key`` failed to load here (``loaded``); None when it did not, or when no
         store answered (the call failed or timed out)."""
-        with self._lock:
-            return self._unreadable.get(key)
+        return self._unreadable.get(key)
 
     def stored(self, written: Iterable[bytes], skipped: int) -> None:
         """What a store did: the records of ``written`` are this process's own now; ``skipped`` more
         were found in the store and left as they were."""
-        with self._lock:
-            for key in written:
-                self._unreadable.pop(key, None)
+        for key in written:
+            self._unreadable.note(key, None)
         if skipped and self._on_skipped is not None:
             self._on_skipped(skipped)
 
 
-@dataclass
-class RemoteStats(TierStats):
-    """A remote tier's counters: those of every tier (``aborted``: stores that did not land, counted
-    drops; ``read_errors``: loads that failed; ``committed``: stores that landed, skipped ones too), the
-    lookups the store could not answer, and the stores skipped because the store already held a
-    record of the block (another engine stored it): asked about, not written again."""
-
-    lookup_errors: int = 0
-    skipped_existing: int = 0
-
-
-class RemoteTier(Tier):
+class RemoteTier(KeyedTier):
     """The shared store behind ``records`` (one per tensor-parallel rank whose shard a block needs: a
     block is present only when every rank's record is), asked through ``link``. ``placement`` is
     the tier's own: ``write_through`` (the host tier copies every block on) or ``write_back`` (it
     takes the host tier's victims)."""
-
-    by_key = True
 
     def __init__(
         self,
@@ -144,21 +110,19 @@ class RemoteTier(Tier):
     ) -> None:
         storage = RemoteStorage(layout, records[0], lambda n: self.count(skipped_existing=n))
         super().__init__(
-            name, "remote", storage, LRUPolicy(), note=f"{link.connector.where}, timeout {link.timeout:g} s"
+            name,
+            "remote",
+            storage,
+            f"{link.connector.where}, timeout {link.timeout:g} s",
+            known_for,
+            loads_direct,  # (its clients ``fetch``: a late reply writes nowhere)
+            takes_demotions=placement == "write_back",
         )
         self._remote_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
         self.records = list(records)
         self.link = link
         self.placement = placement
-        self.takes_demotions = placement == "write_back"
-        self.stats = RemoteStats()
         self.registry = registry  # whether the store keeps the namespace registry (``record_namespace``)
-        self.loads_direct = loads_direct  # (its clients ``fetch``: a late reply writes nowhere)
-        self._known_for = known_for
-        self._answers: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()  # key -> (expiry, readable)
-        self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()  # key -> (expiry, why not)
-        self._writing: set[bytes] = set()
-        self._asking: dict[bytes, threading.Event] = {}  # key -> set once the query asking for it is over
 
     def __repr__(self) -> str:
         return (
@@ -166,77 +130,19 @@ class RemoteTier(Tier):
             f"{len(self._writing)} block(s) being stored)"
         )
 
-    # --- what the store holds ------------------------------------------------------------------
+    @property
+    def timeout(self) -> float:
+        return self.link.timeout
 
-    def query(self, keys: Sequence[bytes]) -> int:
-        """Ask the store which keys it holds, in one batched query bounded by the link's timeout; each
-        key present (for every rank) is READY here for a while. Returns how many leading keys are
-        present; 0 when the store could not answer (counted in ``lookup_errors``): a miss, never a wait
-        past the timeout.
-
-        A key that another query is asking the store right now is not asked again: this query asks
-        only the others, then waits for that answer (within its own timeout; without one in time, the
-        key is a miss)."""
-        if not keys:
-            return 0
-        deadline = time.monotonic() + self.link.timeout
-        asked = threading.Event()
-        with self._lock:
-            theirs = {self._asking[key] for key in keys if key in self._asking}
-            mine = [key for key in dict.fromkeys(keys) if key not in self._asking]
-            self._asking.update(dict.fromkeys(mine, asked))
-        answered = self._ask(mine, asked) if mine else True
-        for other in theirs:
-            other.wait(max(0.0, deadline - time.monotonic()))
-        return self.lookup(keys) if answered else 0
-
-    def _ask(self, keys: list[bytes], asked: threading.Event) -> bool:
-        """Ask the store for ``keys`` (this query's in ``_asking``), remember those present, then let the
-        queries waiting for them go on; False (counted) when the store could not answer."""
+    def _present(self, keys: list[bytes]) -> list[bool]:
+        """One batched existence query of every rank's record of each key: present when all are."""
         names = [fmt.name(key) for key in keys for fmt in self.records]
-        found: list[bool] | None = None
-        try:
-            found = self.link.ask(lambda client: client.exists(names))
-        except StoreError:
-            self.count(lookup_errors=1)
-        finally:
-            ranks = len(self.records)
-            with self._lock:
-                now = time.monotonic()
-                for i, key in enumerate(keys):
-                    del self._asking[key]
-                    here = found is not None and all(found[i * ranks : (i + 1) * ranks])
-                    if here and self._answer(key, now) is not False:  # not after a failed load of it
-                        self._remember(key, True, now)
-                    if found is None:
-                        self._fail(key, MissReason.REMOTE_ERROR, now)
-                    elif self._failed.get(key, (0.0, None))[1] is MissReason.REMOTE_ERROR:
-                        del self._failed[key]  # answered now
-            asked.set()
-        return found is not None
+        found = self.link.ask(lambda client: client.exists(names))
+        ranks = len(self.records)
+        return [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys the store was found to hold recently (no network)."""
-        with self._lock:
-            now = time.monotonic()
-            return next((i for i, key in enumerate(keys) if not self._answer(key, now)), len(keys))
-
-    def state(self, key: bytes) -> BlockState:
-        with self._lock:
-            if key in self._writing:
-                return BlockState.WRITING
-            return BlockState.READY if self._answer(key, time.monotonic()) else BlockState.FREE
-
-    def try_pin(self, key: bytes) -> bool:
-        """Whether the key is READY; nothing is pinned: a record may vanish under a load anyway."""
-        return self.state(key) is BlockState.READY
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        """Nothing to release (see ``try_pin``)."""
-
-    def ready_keys(self) -> list[bytes]:
-        """None: what the store holds is not listed, it is asked for."""
-        return []
+    def _failure(self, key: bytes) -> MissReason | None:
+        return self._remote_storage.failure(key)
 
     # --- the namespaces that use the store (``core/namespaces.py``) -----------------------------
 
@@ -297,110 +203,10 @@ class RemoteTier(Tier):
         held = iter([all(found[i * ranks : (i + 1) * ranks]) for i in range(len(asked))])
         return [entry.records is not None and next(held) for entry, _ in keys]
 
-    # --- stores --------------------------------------------------------------------------------
-
-    def reserve(self, keys: Sequence[bytes], allow_evict: bool = True) -> list[int] | None:
-        """Mark keys as being stored by this process; there are no slots to claim (an empty list).
-        Raises StateError for a key reserved twice."""
-        for key in keys:
-            check_key(key)
-        with self._lock:
-            if len(set(keys)) != len(keys) or not self._writing.isdisjoint(keys):
-                raise StateError(f"a block is reserved twice in tier {self.name!r}")
-            self._writing.update(keys)
-            return []
-
-    def commit(self, keys: Iterable[bytes], pin: bool = False) -> None:
-        """Stored: the store holds them now, as far as anyone can tell for a while."""
-        with self._lock:
-            keys = self._end_writing(keys, "commit")
-            now = time.monotonic()
-            for key in keys:
-                self._remember(key, True, now)
-            self.stats.committed += len(keys)
-            self.stats.bytes_in += len(keys) * self.block_bytes
-
-    def abort(self, keys: Iterable[bytes]) -> list[bytes]:
-        """Not stored (a counted drop); the store can hold any block, so none is refused for good."""
-        with self._lock:
-            keys = self._end_writing(keys, "abort")
-            self.stats.aborted += len(keys)
-            return []
-
-    def discard(self, keys: Iterable[bytes]) -> list[bytes]:
-        """A load of these failed: a miss for a while, whatever the store says (see the module doc).
-        Returns no keys: nothing of kvtier's left any tier."""
-        with self._lock:
-            keys = list(keys)
-            now = time.monotonic()
-            for key in keys:
-                self._remember(key, False, now)
-                self._fail(key, self._remote_storage.failure(key) or MissReason.REMOTE_ERROR, now)
-            self.stats.read_errors += len(keys)
-            return []
-
-    def why_absent(self, key: bytes) -> MissReason | None:
-        """Why ``key`` was not readable here lately: the store did not answer a query of it, or a load of
-        it failed (its record damaged or missing, the call failed); None otherwise."""
-        with self._lock:
-            failed = self._failed.get(key)
-            return failed[1] if failed is not None and failed[0] > time.monotonic() else None
-
-    # --- accounting ----------------------------------------------------------------------------
-
-    def usage(self) -> Usage:
-        """Nothing of kvtier's: the store's memory is the store's."""
-        return Usage(0, 0)
-
-    def leaks(self) -> dict[str, int]:
-        with self._lock:
-            return {"pinned": 0, "writing": len(self._writing)}
-
     def close(self) -> None:
         """Close the link for lookups. Raises StateError while blocks are still being stored."""
-        if self._writing:
-            raise StateError(f"tier {self.name!r} closed with {len(self._writing)} block(s) being stored")
+        super().close()
         self.link.close(timeout=0)
-        self.storage.close()
-
-    # --- helpers (under self._lock) ------------------------------------------------------------
-
-    def _answer(self, key: bytes, now: float) -> bool | None:
-        """Whether ``key`` is readable as far as a recent answer says; None when there is none."""
-        answer = self._answers.get(key)
-        return None if answer is None or answer[0] <= now else answer[1]
-
-    def _remember(self, key: bytes, readable: bool, now: float) -> None:
-        """Remember an answer for ``key`` for a while, forgetting those that have expired (the oldest
-        first: every answer lives equally long)."""
-        self._answers[key] = (now + self._known_for, readable)
-        _expire(self._answers, key, now)
-
-    def _fail(self, key: bytes, why: MissReason, now: float) -> None:
-        """Remember for a while why ``key`` was not readable (``why_absent``), forgetting expired reasons."""
-        self._failed[key] = (now + self._known_for, why)
-        _expire(self._failed, key, now)
-
-    def _end_writing(self, keys: Iterable[bytes], what: str) -> list[bytes]:
-        keys = list(keys)
-        missing = [key for key in keys if key not in self._writing]
-        if missing or len(set(keys)) != len(keys):
-            raise StateError(
-                f"{what} of block {(missing or keys)[0].hex()[:16]} which was not reserved in tier {self.name!r}"
-            )
-        self._writing.difference_update(keys)
-        return keys
-
-
-def _expire(answers: OrderedDict[bytes, tuple[float, Any]], key: bytes, now: float) -> None:
-    """Move ``key``, just answered, to the end of ``answers`` (key -> (expiry, answer)) and forget the
-    answers that have expired, the oldest first: every answer lives equally long."""
-    answers.move_to_end(key)
-    while answers:
-        oldest, (until, _) = next(iter(answers.items()))
-        if until > now:
-            break
-        del answers[oldest]
 
 
 def _record_namespace(
