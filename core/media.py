@@ -5,7 +5,8 @@ A medium is what configuration, routes, eviction and an engine's counters speak 
 medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an engine,
 which media it copies to without staging, its labels), so a new medium is its tier module and one
 ``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
-medium every route passes through.
+medium every route passes through. A medium whose copies no backend of ``kvtier.transfers`` runs (the
+``node`` medium's) names its own (``Medium.backend``).
 
 A device is a storage's own, what a transfer backend serves: ``cuda`` memory, ``cpu`` memory, a
 ``file``, or a store whose records are named by key (``remote``). They differ where it matters: a GPU
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (config.py imports this module: the registry is what its tier union is built from)
-    from kvtier.core.config import StackConfig, TierConfigBase
+    from kvtier.core.config import StackConfig, TierConfigBase, TransferConfig
     from kvtier.core.layout import BlockLayout
     from kvtier.core.storage import BlockStorage
     from kvtier.core.tier import Tier
+    from kvtier.core.transfer import TransferBackend
     from kvtier.policies import EvictionPolicy, Watermark
 
 HOST = "host"
@@ -108,6 +110,8 @@ class Medium:
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
+    # the transfer backend that copies to and from its storage, where kvtier.transfers has none for it
+    backend: Callable[[TransferConfig], TransferBackend] | None = None
 
 
 _MEDIA: dict[str, Medium] = {}

@@ -207,7 +207,7 @@ class TierStack:
             result = StoreResult(len(keys))
             new = {k: s for k, s in dict(zip(keys, src_slots, strict=True)).items() if self.planner.is_new(k)}
             result.present = len(keys) - len(new)
-            if len(new) > top.capacity:
+            if len(new) > top.capacity and not top.by_key:  # (a tier by key has no slots: its owner makes room)
                 raise CapacityError(
                     f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks"
                 )
@@ -432,6 +432,8 @@ class TierStack:
         pin the victims (a write-through copy, a load) and demotions further down that make the room
         the victims wait for. Gives up when no more room comes; the plan then takes what is free."""
         tier = self.tiers[index]
+        if tier.by_key:
+            return  # (its owner makes room by itself)
         n = min(n, tier.capacity)
         flushed = False
         if tier.usage().free < n:
@@ -566,11 +568,12 @@ def _lifted(jobs: JobManager, job_id: int) -> None:
 
 
 def _neighbours(tiers: Sequence[Tier]) -> list[tuple[Tier, Tier]]:
-    """The pairs of tiers blocks move between: each local tier and the next, and a remote tier (by
-    key) and the host tier its blocks come from and stage through."""
+    """The pairs of tiers blocks move between: each local tier and the next, and a tier addressed by key
+    and the host tier its blocks come from (or the last local tier, where there is no host tier; a tier
+    by key alone has none: its blocks come from the caller)."""
     local = [t for t in tiers if not t.by_key]
-    host = next((t for t in local if t.medium == HOST), None)
-    return list(itertools.pairwise(local)) + [(host or t, t) for t in tiers if t.by_key]
+    above = next((t for t in local if t.medium == HOST), local[-1] if local else None)
+    return list(itertools.pairwise(local)) + [(above, t) for t in tiers if t.by_key and above is not None]
 
 
 class _Resources:

@@ -18,7 +18,6 @@ from kvtier.core.media import TierRequest, medium
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend
-from kvtier.tiers.remote.config import remote_config
 from kvtier.transfers import backends_for
 
 
@@ -41,7 +40,7 @@ def build_stack(
         for i in range(len(config.tiers)):
             tiers.append(_build_tier(config, i, layout, jobs))
         if backends is None:
-            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, remote_config(config))
+            backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, config.tiers)
         return TierStack(tiers, backends, jobs, config.placement)
     except BaseException:
         for backend in made:

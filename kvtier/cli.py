@@ -1,6 +1,6 @@
 """The ``kvtier`` command: ``replay`` (the main job; ``demo`` is its alias), ``inspect`` (what a disk
-tier directory holds) and ``doctor`` (what would fail at an engine's start, or silently not share, on a
-config: ``kvtier.doctor``).
+tier directory holds), ``doctor`` (what would fail at an engine's start, or silently not share, on a
+config: ``kvtier.doctor``) and ``node serve`` (the machine's node daemon: ``kvtier.node_cli``).
 
 ``kvtier replay`` runs a Mooncake trace, or without one a generated chat workload (shared system
 prompts, multi-turn conversations), through a real tier stack: every hit is loaded back and checked
@@ -25,6 +25,7 @@ except ImportError as exc:  # the command's own dependencies are an extra: engin
 from kvtier.core.errors import ArgumentError, ConfigError
 from kvtier.doctor import diagnose
 from kvtier.doctor_sharing import VllmEngine, differences, other_sharing, recorded_report, verdict, vllm_dtype
+from kvtier.node_cli import add_node_parser, run_node
 from kvtier.tiers.disk import DiskTierError, inspect_slab
 
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept a directory or slab of another owner, or group-writable (the tier's shared_directory: true)",
     )
     add_doctor_parser(commands)
+    add_node_parser(commands)
     return parser
 
 
@@ -178,7 +180,8 @@ def print_doctor(report: dict, console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-
+    if args.command == "node":
+        return run_node(args)
     console = Console()
     if args.command == "doctor":
         return run_doctor(args, console)

@@ -2,13 +2,14 @@
 naming its registry entry (``MEDIUM``, a ``kvtier.core.media.Medium``): host memory (``host``), GPU
 memory (``gpu``), a local disk slab that survives restarts (``disk``, with ``disk_files`` opening it
 without trusting the directory and ``compression`` packing its slots), a store shared with other
-engines (``remote``). The bytes between tiers move through ``kvtier.transfers``."""
+engines (``remote``), the machine's node daemon's shared slab (``node``). The bytes between tiers move
+through ``kvtier.transfers``, and a node slab's through its own backend (``kvtier.tiers.node.transfer``)."""
 
 from kvtier.core.media import register_medium
-from kvtier.tiers import disk, gpu, host
+from kvtier.tiers import disk, gpu, host, node
 from kvtier.tiers.remote import factory
 
 # Every import of kvtier registers the built-in media (the package root builds stacks), so a config that
 # names them always validates; fastest first, the order error messages list them in.
-for _medium in (gpu.MEDIUM, host.MEDIUM, disk.MEDIUM, factory.MEDIUM):
+for _medium in (gpu.MEDIUM, host.MEDIUM, node.MEDIUM, disk.MEDIUM, factory.MEDIUM):
     register_medium(_medium)

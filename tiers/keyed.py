@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.config import ProblemList, TierConfigBase
 from kvtier.core.errors import StateError
 from kvtier.core.keys import check_key
 from kvtier.core.metrics import TierStats
@@ -38,6 +39,21 @@ class KeyedStats(TierStats):
 
     lookup_errors: int = 0
     skipped_existing: int = 0
+
+
+def sized_by_owner(config: TierConfigBase, tier: str, owner: str) -> ProblemList:
+    """The keys a keyed tier's config may not set, since its owner sizes and evicts: one problem each,
+    saying that ``tier`` ("a remote tier") has none because ``owner`` (what does it instead)."""
+    problems: ProblemList = []
+    for key, what in (
+        ("capacity", "capacity"),
+        ("capacity_blocks", "capacity"),
+        ("eviction", "eviction policy"),
+        ("watermark", "watermark"),
+    ):
+        if getattr(config, key) is not None:
+            problems.append(((key,), f"{tier} has no {what}: {owner}; remove {key}"))
+    return problems
 
 
 class RecentFailures:

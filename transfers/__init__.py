@@ -12,10 +12,10 @@ that decides which backends a set of storages needs, for a standalone stack and 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from kvtier.core.config import TransferConfig
-from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE
+from kvtier.core.config import TierConfigBase, TransferConfig
+from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE, medium
 from kvtier.core.transfer import TransferBackend
 from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.factory import connector
@@ -27,13 +27,14 @@ from kvtier.transfers.remote import RemoteBackend
 
 
 def backends_for(
-    transfer: TransferConfig, devices: Collection[str], remote: RemoteTierConfig | None = None
+    transfer: TransferConfig, devices: Collection[str], tiers: Sequence[TierConfigBase] = ()
 ) -> list[TransferBackend]:
     """The backends that copies between storages on ``devices`` ("cpu", "cuda", "file", "remote") need,
     configured by ``transfer``: the CUDA backend where a storage is on a CUDA device, the CPU backend
-    always (host memory is every route's middle), the disk backend where one is a slab file, and the
-    remote backend, with a link of its own to the store ``remote`` configures, where one is a store's
-    records.
+    always (host memory is every route's middle), the disk backend where one is a slab file, the
+    remote backend, with a link of its own to the store that the remote tier among ``tiers`` configures,
+    where one is a store's records, and the backend each medium of ``tiers`` names for itself
+    (``Medium.backend``).
 
     The CUDA backend is built first: it is the one that can fail (no CuPy, no device), and then no
     other backend has started threads that would have to be stopped again.
@@ -45,8 +46,13 @@ def backends_for(
     if FILE_DEVICE in devices:
         backends.append(DiskBackend(transfer.io_threads))
     if KEYED_DEVICE in devices:
+        remote = next((tier for tier in tiers if isinstance(tier, RemoteTierConfig)), None)
         if remote is None:
             raise ValueError("a remote store's records need the remote tier's configuration")
         link = StoreLink(connector(remote), remote.timeout, "loads and stores")
         backends.append(RemoteBackend(link, store_backend(remote.backend).fetches))
+    for name in dict.fromkeys(tier.medium for tier in tiers):
+        own = medium(name).backend
+        if own is not None:
+            backends.append(own(transfer))
     return backends

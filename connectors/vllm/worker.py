@@ -49,7 +49,6 @@ from kvtier.core.media import HOST_DEVICE, RankRequest, medium
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopiesHere, TransferRegistry
-from kvtier.tiers.remote.config import remote_config
 from kvtier.transfers import backends_for
 
 if TYPE_CHECKING:
@@ -103,7 +102,7 @@ class WorkerSide:
         slab where their KV is the same: MLA)."""
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
-        self.remote = remote_config(config)
+        self.tier_configs = config.tiers
         self.layout = block_layout(kv_cache_config)
         # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
         self.per_request_errors = len(served_groups(kv_cache_config)) > 1
@@ -155,7 +154,7 @@ class WorkerSide:
         transfer backend reaches from host memory."""
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
         devices = {gpu.device, *(storage.device for storage in self.storages.values())}
-        self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.remote))
+        self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.tier_configs))
         for src, dst in ((gpu.device, HOST_DEVICE), (HOST_DEVICE, gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu

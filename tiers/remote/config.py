@@ -16,6 +16,7 @@ from kvtier.core.config import ConfigModel, EnvName, ProblemList, StackConfig, T
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import shown
 from kvtier.core.media import HOST
+from kvtier.tiers.keyed import sized_by_owner
 from kvtier.tiers.remote.link import Connector
 
 INSTALL = "pip install 'kvtier[remote]'"
@@ -117,21 +118,9 @@ class RemoteTierConfig(TierConfigBase):
 
     @model_validator(mode="after")
     def _store_owns_its_memory(self) -> RemoteTierConfig:
-        problems: ProblemList = []
-        for key, what in (
-            ("capacity", "capacity"),
-            ("capacity_blocks", "capacity"),
-            ("eviction", "eviction policy"),
-            ("watermark", "watermark"),
-        ):
-            if getattr(self, key) is not None:
-                problems.append(
-                    (
-                        (key,),
-                        f"a remote tier has no {what}: the store manages its own memory and "
-                        f"evicts by itself (size it on the server); remove {key}",
-                    )
-                )
+        problems = sized_by_owner(
+            self, "a remote tier", "the store manages its own memory and evicts by itself (size it on the server)"
+        )
         problems.extend(self._backend_problems())
         if problems:
             raise Problems(problems)

@@ -1,0 +1,494 @@
+"""The node daemon (``kvtier node serve CONFIG``): one cache per machine. It owns the slab (shared memory
+every engine process on the machine maps, ``kvtier.tiers.node.slab``), the index of the blocks in it and
+its eviction policy, and answers engines' control messages on a Unix socket (``kvtier.tiers.node.protocol``);
+engines copy the bytes themselves.
+
+What it guarantees, whatever engines do:
+
+- a block is visible (LOOKUP, PIN) only once its writer committed it, and a slot goes to a new writer only
+  with a new generation in its header (before the writer hears of it), so a reader that checks the
+  generation never takes another writer's bytes for its block;
+- pins and reservations belong to a connection: when it closes (the engine exited, was killed, or its
+  call timed out) they are given back, and a connection that holds one longer than ``lease`` seconds (a
+  stopped engine) is closed; one connection holds at most ``max_held`` of the slots;
+- only processes of allowed users connect (the kernel's peer credentials); a malformed, oversized or
+  unknown message closes that connection with one log line and touches nothing else;
+- a restarted daemon finds its slab (same path and geometry) and restores the index from the slot
+  headers, newest copy of a key first: a restart keeps the cache warm.
+
+One thread per connection; every change to the index and the headers happens under one lock (each is a
+few microseconds of work: the bytes never pass through the daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import socket
+import stat
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from kvtier.core.errors import ConfigError, StateError
+from kvtier.core.layout import BlockLayout
+from kvtier.core.media import HOST, HOST_DEVICE
+from kvtier.core.storage import contiguous_storage
+from kvtier.core.tier import BlockState, Tier
+from kvtier.node_config import NodeConfig
+from kvtier.tiers.node.protocol import (
+    BUSY,
+    ERROR,
+    FULL,
+    HELD,
+    OK,
+    POSTED,
+    VERSION,
+    Op,
+    ProtocolError,
+    frame,
+    peer_credentials,
+    read_frame,
+    request,
+)
+from kvtier.tiers.node.slab import FREE, READY, WRITING, Geometry, SlabFile
+
+log = logging.getLogger("kvtier.node")
+
+ACCEPT_POLL_S = 0.2
+"""How often the accepting thread looks up from ``accept`` to end leases past due and to stop."""
+
+SESSION_COUNTS = ("lookups", "found", "hits", "misses", "stores", "held", "busy", "full", "aborted", "dropped")
+"""What is counted per connection, and summed over all of them for the daemon (``NodeDaemon.stats``)."""
+
+
+class Session:
+    """One engine connection: its peer, what it holds (pins, reservations, each since when), its counts."""
+
+    def __init__(self, daemon: NodeDaemon, sock: socket.socket, pid: int, uid: int) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.pid = pid
+        self.uid = uid
+        self.name = f"pid {pid} (uid {uid})"
+        self.pins: dict[bytes, tuple[int, float]] = {}  # node key -> (pin count, since)
+        self.reserved: dict[bytes, tuple[int, int, float]] = {}  # node key -> (slot, generation, since)
+        self.counts: Counter[str] = Counter()
+        self.revoked = False
+        self.thread = threading.Thread(target=self.run, name=f"kvtier-node-{pid}", daemon=True)
+
+    @property
+    def held(self) -> int:
+        return len(self.pins) + len(self.reserved)
+
+    def oldest_hold(self) -> float | None:
+        """When the oldest pin or reservation this connection holds was taken (None: it holds none)."""
+        times = [since for _, since in self.pins.values()] + [since for _, _, since in self.reserved.values()]
+        return min(times, default=None)
+
+    def run(self) -> None:
+        try:
+            self._hello()
+            while True:
+                op, args = request(read_frame(self.sock))
+                reply = self.daemon.handle(self, op, args)
+                if op not in POSTED:
+                    self.sock.sendall(frame([OK, *reply]))
+        except EOFError:
+            pass
+        except ProtocolError as exc:
+            self.daemon.count("protocol_errors")
+            log.warning("node: closed the connection of %s: %s", self.name, exc)
+        except OSError as exc:
+            if not self.revoked:
+                log.info("node: the connection of %s ended: %s", self.name, exc)
+        finally:
+            self.daemon.end(self)
+
+    def _hello(self) -> None:
+        op, args = request(read_frame(self.sock))
+        if op is not Op.HELLO:
+            raise ProtocolError(f"the first message must be HELLO, got {op.name}")
+        version, pid = args
+        if version != VERSION:
+            self.sock.sendall(frame([ERROR, f"protocol version {version}, this daemon speaks {VERSION}"]))
+            raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
+        slab = self.daemon.slab
+        hello = [OK, VERSION, *slab.geometry, slab.view.id, self.daemon.node_id]
+        socket.send_fds(self.sock, [frame(hello)], [slab.fd])
+        self.name = f"pid {self.pid} (uid {self.uid})"
+
+
+class NodeDaemon:
+    """The daemon ``config`` describes, serving from construction on (``serve`` accepts connections)."""
+
+    def __init__(self, config: NodeConfig, node_id: str | None = None) -> None:
+        self.config = config
+        self.settings = config.node
+        self.node_id = node_id or socket.gethostname()
+        tier_cfg = config.stack.tiers[0]
+        geometry = Geometry.for_blocks(1, config.block_bytes)
+        slots = tier_cfg.capacity_blocks or (tier_cfg.capacity or 0) // geometry.slot_bytes
+        if slots < 1:
+            raise ConfigError(f"tiers[0]: the slab holds no slot of {geometry.slot_bytes} bytes; raise its capacity")
+        self.slab = SlabFile(self.settings.slab, Geometry(slots, geometry.slot_bytes), self.settings.hugepages)
+        try:
+            view = self.slab.view
+            storage = contiguous_storage(view.base, slots, BlockLayout((geometry.slot_bytes,)), HOST_DEVICE, view)
+            policy, watermark = config.stack.tier_policy(0)
+            self.tier = Tier(config.stack.tier_name(0), HOST, storage, policy, watermark, note=self.settings.slab)
+            self.headers = view.headers
+            self._lock = threading.Lock()
+            self._seq = int(self.headers["seq"].max())
+            self.restored = self._restore()
+            self._counts: Counter[str] = Counter()
+            self._sessions: set[Session] = set()
+            self._stopping = threading.Event()
+            self.listener = _listen(self.settings.socket, self.settings.others_allowed)
+        except BaseException:
+            self.slab.close()
+            raise
+        log.info(
+            "node: serving %d slots of %d bytes from %s on %s (%d blocks restored)",
+            slots,
+            geometry.slot_bytes,
+            self.settings.slab,
+            self.settings.socket,
+            self.restored,
+        )
+
+    # --- the slab's index at start -------------------------------------------------------------
+
+    def _restore(self) -> int:
+        """Index the READY blocks the slab's headers name, newest copy of each key (by commit count) only,
+        oldest first; an older copy's slot is freed. Returns how many blocks came back."""
+        h = self.headers
+        ready = np.flatnonzero(
+            (h["state"] == READY) & (h["length"] > 0) & (h["length"] <= self.slab.geometry.slot_bytes)
+        )
+        newest_first = ready[np.argsort(h["seq"][ready], kind="stable")[::-1]]
+        seen: set[bytes] = set()
+        keep = []
+        for slot in newest_first.tolist():
+            key = bytes(h["key"][slot])
+            if key in seen:
+                h["state"][slot] = FREE
+            else:
+                seen.add(key)
+                keep.append(slot)
+        keep.reverse()
+        return self.tier.restore([bytes(h["key"][slot]) for slot in keep], keep)
+
+    # --- serving -------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Make ``serve`` return (from a signal handler: it only sets a flag)."""
+        self._stopping.set()
+
+    def serve(self) -> None:
+        """Accept connections until ``request_stop`` or ``stop``; ends leases past due between accepts."""
+        self.listener.settimeout(ACCEPT_POLL_S)
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                self._end_overdue_leases()
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    break
+                raise
+            self._admit(sock)
+            self._end_overdue_leases()
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Start a session for an allowed peer; refuse (one log line) a user not allowed or one too many."""
+        pid, uid, gid = peer_credentials(sock)
+        if not self._allowed(uid, gid):
+            self.count("refused")
+            log.warning("node: refused a connection of pid %d: uid %d is not allowed (node.allow_users)", pid, uid)
+            sock.close()
+            return
+        with self._lock:
+            full = len(self._sessions) >= self.settings.max_connections
+            if not full:
+                session = Session(self, sock, pid, uid)
+                self._sessions.add(session)
+        if full:
+            self.count("refused")
+            log.warning("node: refused a connection of pid %d: %d connections already", pid, len(self._sessions))
+            sock.close()
+            return
+        sock.settimeout(None)
+        self.count("connections")
+        session.thread.start()
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        if uid in self.settings.allowed_uids:
+            return True
+        groups = self.settings.allowed_gids
+        if not groups:
+            return False
+        try:
+            member_of = set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+        except KeyError:
+            member_of = {gid}
+        return not groups.isdisjoint(member_of)
+
+    def _end_overdue_leases(self) -> None:
+        """Close the connections holding a pin or a reservation longer than the lease (a stopped engine):
+        what they hold is given back as their threads end."""
+        limit = time.monotonic() - self.settings.lease
+        with self._lock:
+            overdue = [s for s in self._sessions if not s.revoked and (s.oldest_hold() or limit + 1) < limit]
+            for session in overdue:
+                session.revoked = True
+        for session in overdue:
+            self.count("revoked")
+            log.warning(
+                "node: closed the connection of %s: it held blocks over the %g s lease",
+                session.name,
+                self.settings.lease,
+            )
+            _shut(session.sock)
+
+    def end(self, session: Session) -> None:
+        """A connection is over: give back what it held."""
+        with self._lock:
+            for key, (slot, _, _) in session.reserved.items():
+                self.headers["state"][slot] = FREE
+                self.tier.abort([key])
+            for key, (count, _) in session.pins.items():
+                self.tier.unpin([key] * count)
+            session.reserved.clear()
+            session.pins.clear()
+            self._sessions.discard(session)
+            self._counts.update(session.counts)
+        session.sock.close()
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection (their holds are given back), close the slab (it stays,
+        for the next daemon) and remove the socket."""
+        self._stopping.set()
+        self.listener.close()
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:
+            _shut(session.sock)
+        for session in sessions:
+            session.thread.join(timeout=5)
+        try:
+            os.unlink(self.settings.socket)
+        except FileNotFoundError:
+            pass
+        self.slab.close()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def handle(self, session: Session, op: Op, args: list[Any]) -> list[Any]:
+        """Answer one request of ``session`` (checked by ``protocol.request``); the reply's results."""
+        with self._lock:
+            if op is Op.LOOKUP:
+                return [self._lookup(session, *args)]
+            if op is Op.PIN:
+                return [self._pin(session, *args)]
+            if op is Op.RELEASE:
+                self._release(session, *args)
+            elif op is Op.RESERVE:
+                return [self._reserve(session, *args)]
+            elif op is Op.COMMIT:
+                return [self._commit(session, *args)]
+            elif op is Op.ABORT:
+                self._abort(session, *args)
+            elif op is Op.DROP:
+                self._drop(session, *args)
+            elif op is Op.STATS:
+                return [self._stats_of(session)]
+            else:
+                raise ProtocolError(f"{op.name} is not a request after HELLO")
+            return []
+
+    def _lookup(self, session: Session, keys: list[bytes]) -> list[bool]:
+        found = [self.tier.state(key) is BlockState.READY for key in keys]
+        session.counts["lookups"] += len(keys)
+        session.counts["found"] += sum(found)
+        return found
+
+    def _pin(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
+        out: list[list[int] | None] = []
+        room = self._room(session)
+        now = time.monotonic()
+        for key in keys:
+            slot = self._try_pin(key) if room > 0 else None
+            if slot is None:
+                out.append(None)
+                continue
+            count, since = session.pins.get(key, (0, now))
+            session.pins[key] = (count + 1, since)
+            room -= count == 0
+            out.append([slot, int(self.headers["gen"][slot])])
+        hits = sum(entry is not None for entry in out)
+        session.counts["hits"] += hits
+        session.counts["misses"] += len(keys) - hits
+        return out
+
+    def _try_pin(self, key: bytes) -> int | None:
+        try:
+            return self.tier.pin([key])[0]
+        except StateError:
+            return None
+
+    def _release(self, session: Session, keys: list[bytes]) -> None:
+        for key in keys:
+            held = session.pins.get(key)
+            if held is None:
+                continue  # (not this connection's: nothing to give back)
+            count, since = held
+            self.tier.unpin([key])
+            if count > 1:
+                session.pins[key] = (count - 1, since)
+            else:
+                del session.pins[key]
+
+    def _reserve(self, session: Session, keys: list[bytes], lengths: list[int]) -> list[Any]:
+        out: list[Any] = []
+        room = self._room(session)
+        headers, now = self.headers, time.monotonic()
+        for key, length in zip(keys, lengths, strict=True):
+            state = self.tier.state(key)
+            if state is not BlockState.FREE:
+                out.append(HELD if state is BlockState.READY else BUSY)
+                continue
+            slots = self.tier.reserve([key]) if room > 0 and length <= self.slab.geometry.slot_bytes else None
+            if slots is None:
+                out.append(FULL)
+                continue
+            slot = slots[0]
+            gen = int(headers["gen"][slot]) + 1
+            headers[slot] = (gen, WRITING, length, key, 0, 0, session.pid, b"")
+            session.reserved[key] = (slot, gen, now)
+            room -= 1
+            out.append([slot, gen])
+        for outcome, name in ((HELD, "held"), (BUSY, "busy"), (FULL, "full")):
+            session.counts[name] += out.count(outcome)
+        return out
+
+    def _commit(self, session: Session, keys: list[bytes]) -> list[bool]:
+        out = []
+        headers = self.headers
+        for key in keys:
+            held = session.reserved.pop(key, None)
+            if held is None:
+                out.append(False)
+                continue
+            slot, gen, _ = held
+            if int(headers["gen"][slot]) != gen:  # (somebody wrote into the header: the slot is not the writer's)
+                self.tier.abort([key])
+                out.append(False)
+                continue
+            self._seq += 1
+            headers["seq"][slot] = self._seq
+            headers["state"][slot] = READY
+            self.tier.commit([key])
+            out.append(True)
+        session.counts["stores"] += sum(out)
+        excess = self.tier.excess()
+        if excess:
+            self.tier.evict(excess)
+        return out
+
+    def _abort(self, session: Session, keys: list[bytes]) -> None:
+        for key in keys:
+            held = session.reserved.pop(key, None)
+            if held is not None:
+                self.headers["state"][held[0]] = FREE
+                self.tier.abort([key])
+                session.counts["aborted"] += 1
+
+    def _drop(self, session: Session, pairs: list[tuple[bytes, int]]) -> None:
+        """Blocks a load found damaged: unreadable for everyone from now on (unless pinned by another
+        reader, or stored anew since: its generation moved)."""
+        for key, gen in pairs:
+            if self.tier.state(key) is not BlockState.READY:
+                continue
+            slot = self.tier.slots([key])[0]
+            if int(self.headers["gen"][slot]) == gen and self.tier.discard([key]):
+                self.headers["state"][slot] = FREE
+                session.counts["dropped"] += 1
+
+    def _room(self, session: Session) -> int:
+        """How many more blocks ``session`` may pin or reserve (``max_held`` of the slots)."""
+        return max(0, int(self.settings.max_held * self.tier.capacity) - session.held)
+
+    # --- counts --------------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counts (every connection's, ended ones too), the slab's use, and per connection
+        its counts (``engines``)."""
+        with self._lock:
+            return {**self._totals(), "engines": {s.name: dict(s.counts, held=s.held) for s in self._sessions}}
+
+    def _stats_of(self, session: Session) -> dict[str, Any]:
+        """What STATS answers (under the lock): the daemon's numbers and this connection's own."""
+        return {**self._totals(), "this_connection": dict(session.counts, held=session.held)}
+
+    def _totals(self) -> dict[str, Any]:
+        """The daemon's counts and the slab's use (under the lock)."""
+        totals = Counter(self._counts)
+        for session in self._sessions:
+            totals.update(session.counts)
+        usage = self.tier.usage()
+        return {
+            **{
+                name: totals[name] for name in (*SESSION_COUNTS, "connections", "refused", "revoked", "protocol_errors")
+            },
+            "evicted": self.tier.stats.evicted,
+            "used_slots": usage.used,
+            "slots": usage.capacity,
+            "slot_bytes": self.slab.geometry.slot_bytes,
+            "connected": len(self._sessions),
+        }
+
+
+def _listen(path: str, others_allowed: bool) -> socket.socket:
+    """A listening socket at ``path``, 0600 (0666 where other users are allowed: their peer credentials
+    decide). A stale socket there (nobody answers) is replaced; a live one or anything else is an error."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"node.socket: {path} exists and is not a socket: refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise ConfigError(f"node.socket: another daemon listens at {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"node.socket: cannot listen at {path}: {exc.strerror}") from None
+    finally:
+        os.umask(umask)
+    if others_allowed:
+        os.chmod(path, 0o666)
+    sock.listen(128)
+    return sock
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

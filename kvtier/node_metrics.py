@@ -1,0 +1,66 @@
+"""The node daemon's Prometheus endpoint (``kvtier node serve --metrics-port``): the daemon's counts, the
+slab's use and, per connected engine, its own counts, read from ``NodeDaemon.stats`` at every scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.node_daemon import SESSION_COUNTS, NodeDaemon
+
+DAEMON_COUNTS = ("connections", "refused", "revoked", "protocol_errors", "evicted")
+GAUGES = {
+    "used_slots": "slots holding a block or being written",
+    "slots": "slots in the slab",
+    "slot_bytes": "bytes per slot",
+    "connected": "engine connections open now",
+}
+HELP = {
+    "lookups": "keys engines asked about",
+    "found": "keys asked about that the slab held",
+    "hits": "blocks pinned for a load",
+    "misses": "blocks a load asked for that the slab did not hold",
+    "stores": "blocks committed",
+    "held": "blocks a store skipped: the slab held them already",
+    "busy": "blocks a store skipped: another engine was writing them",
+    "full": "blocks a store could not place: no room, or the engine held its share",
+    "aborted": "reservations given back unwritten",
+    "dropped": "blocks a load found damaged, dropped",
+    "connections": "engine connections accepted",
+    "refused": "connections refused (user not allowed, too many)",
+    "revoked": "connections closed for holding blocks past the lease",
+    "protocol_errors": "connections closed for a malformed message",
+    "evicted": "blocks evicted from the slab",
+}
+
+
+class NodeCollector:
+    """Reads the daemon's numbers at each scrape (nothing is kept between scrapes)."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.daemon.stats()
+        for name in (*SESSION_COUNTS, *DAEMON_COUNTS):
+            yield CounterMetricFamily(f"kvtier_node_{name}", HELP[name], value=stats[name])
+        for name, text in GAUGES.items():
+            yield GaugeMetricFamily(f"kvtier_node_{name}", text, value=stats[name])
+        held = GaugeMetricFamily("kvtier_node_engine_held", "blocks an engine holds pinned or reserved now", labels=["engine"])
+        for engine, counts in stats["engines"].items():
+            held.add_metric([engine], counts["held"])
+        yield held
+        for name in SESSION_COUNTS:
+            family = CounterMetricFamily(f"kvtier_node_engine_{name}", f"{HELP[name]}, per engine", labels=["engine"])
+            for engine, counts in stats["engines"].items():
+                family.add_metric([engine], counts.get(name, 0))
+            yield family
+
+
+def serve_metrics(daemon: NodeDaemon, port: int, address: str = "127.0.0.1") -> None:
+    """Serve /metrics on ``address``:``port`` from a thread of prometheus_client's."""
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(daemon))  # type: ignore[arg-type]
+    start_http_server(port, address, registry)

@@ -1,0 +1,63 @@
+"""The node tier: one slab of shared memory per machine, owned by the node daemon (``kvtier node serve``)
+and mapped by every engine process on the machine, so a block one engine computed is a hit for all of
+them, copied by each engine itself between its own memory and the slab, with only control messages on
+the daemon's socket.
+
+- ``slab``: the slab's format (superblock, slot headers, data) and the daemon's file of it;
+- ``protocol``: the control messages, and the checks every message from a peer passes;
+- ``client``: an engine's connection to the daemon (timeouts, reconnection, the daemon's user checked);
+- ``config``: the tier's YAML schema (``medium: node``);
+- ``tier``: the tier an engine's stack plans with (``NodeTier``) over the slab (``NodeStorage``);
+- ``transfer``: the copies in and out, checked against the slot headers (``NodeBackend``).
+
+This module builds the medium's registry entry (``MEDIUM``); the daemon itself is ``kvtier.node_daemon``.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.config import TransferConfig
+from kvtier.core.errors import ConfigError
+from kvtier.core.layout import BlockLayout
+from kvtier.core.media import Medium, RankRequest, TierRequest
+from kvtier.tiers.node.client import NodeClient
+from kvtier.tiers.node.config import NodeTierConfig
+from kvtier.tiers.node.tier import NodeStorage, NodeTier
+from kvtier.tiers.node.transfer import NodeBackend
+from kvtier.tiers.remote.record import namespace_digest
+
+
+def node_storage(config: NodeTierConfig, layout: BlockLayout, namespace: str | bytes, rank: int | None = None):
+    """A connection to the daemon ``config`` names, made now (a daemon that is not there, speaks another
+    protocol, runs as an untrusted user or has slots too small for ``layout``'s blocks is a ConfigError),
+    for blocks of ``namespace`` (and of one tensor-parallel ``rank`` where the ranks' KV differs)."""
+    trusted = [] if config.daemon_uid is None else [config.daemon_uid]
+    client = NodeClient(config.socket, config.timeout, trusted)
+    client.open()
+    assert client.geometry is not None
+    if layout.block_bytes > client.geometry.slot_bytes:
+        client.close()
+        raise ConfigError(
+            f"node tier: blocks of {layout.block_bytes} bytes do not fit the daemon's slots of "
+            f"{client.geometry.slot_bytes} bytes at {config.socket}: raise block_bytes in the daemon's YAML"
+        )
+    return NodeStorage(layout, client, namespace_digest(namespace, layout, rank))
+
+
+def _tier(request: TierRequest) -> NodeTier:
+    assert isinstance(request.config, NodeTierConfig)
+    return NodeTier(request.name, node_storage(request.config, request.layout, request.stack.namespace))
+
+
+def _rank_storage(request: RankRequest) -> NodeStorage:
+    assert isinstance(request.config, NodeTierConfig)
+    rank = None if request.replicated else request.rank
+    storage = node_storage(request.config, request.layout, request.namespace, rank)
+    storage.on_skipped = lambda n: request.count(skipped_existing=n)
+    return storage
+
+
+def _backend(transfer: TransferConfig) -> NodeBackend:
+    return NodeBackend(transfer.threads)
+
+
+MEDIUM = Medium("node", NodeTierConfig, _tier, _rank_storage, direct=lambda other, caps: True, backend=_backend)

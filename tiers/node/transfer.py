@@ -1,0 +1,226 @@
+"""Copies between an engine's memory and the node daemon's slab, made by the engine itself: the daemon is
+asked for slots (one round trip per copy), the bytes move by memmove between this process's memory and
+the mapped slab, and the daemon hears what happened.
+
+- a store reserves a slot per block (RESERVE: blocks the daemon holds already are skipped and count as
+  stored, ``skipped_existing``; blocks another engine is writing, or without room, fail: counted drops),
+  hashes each block as it copies it in (``slab.checksum``: key, bytes, the slot's generation), writes
+  the checksum into the slot header, then commits
+  (COMMIT): a block is visible to nobody before, and a reservation the daemon took back (the connection
+  closed meanwhile) commits nothing;
+- a load pins the blocks (PIN), copies each one out, then checks that the slot header still names the
+  block at the generation the pin gave (``state``, ``key``, ``length``), that the bytes that arrived hash to
+  the writer's checksum, and that the generation did not move during the copy (the daemon hands a slot
+  to a new writer only with a new generation, also after a restart). A block failing any of it fails the
+  load of that block (the engine recomputes it) and is dropped at the daemon (DROP) so nobody reads it
+  again; the pins are released without waiting (RELEASE).
+
+A copy runs on the backend's threads, or on the caller's own where it waits for it at once
+(``caller_runs``: ``TierStack.load_now``/``store_now``), with no thread woken.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier.core.caller_runs import caller_runs_here, offer
+from kvtier.core.errors import ClosedError, StoreError, TransferError
+from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.media import HOST_DEVICE
+from kvtier.core.misses import MissReason
+from kvtier.core.storage import Piece, block_pieces
+from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
+from kvtier.tiers.node.protocol import HELD, Op
+from kvtier.tiers.node.slab import READY, WRITING, SlabView, checksum, memory_view
+from kvtier.tiers.node.tier import NODE_DEVICE, NodeStorage
+
+log = logging.getLogger(__name__)
+
+
+class NodeBackend(TransferBackend):
+    """Loads and stores between host memory ("cpu") and node slabs, ``threads`` copies at once."""
+
+    name = "node"
+    pairs = frozenset({(HOST_DEVICE, NODE_DEVICE), (NODE_DEVICE, HOST_DEVICE)})
+
+    def __init__(self, threads: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-node", initializer=mark_kvtier_thread)
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+
+    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
+        if not self.can_copy(transfer.src.device, transfer.dst.device):
+            raise TransferError(f"the node backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
+        storing = transfer.dst.device == NODE_DEVICE
+        node, memory, slots = (
+            (transfer.dst, transfer.src, transfer.src_slots)
+            if storing
+            else (transfer.src, transfer.dst, transfer.dst_slots)
+        )
+        if not isinstance(node, NodeStorage):
+            raise TransferError(f"a node transfer needs a NodeStorage, got {type(node).__name__}")
+        assert transfer.keys is not None  # (Transfer requires keys for a side addressed by key)
+        copy = _store if storing else _load
+        run = functools.partial(self._run, copy, node, list(transfer.keys), block_pieces(memory, slots), on_complete)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the node transfer backend is closed")
+            self._in_flight += 1
+        if not caller_runs_here():
+            self._pool.submit(run, transfer)
+            return
+
+        def here(until: float) -> bool:
+            """Run on the waiting caller's thread, or (released: it will not wait) on the pool."""
+            if until <= time.monotonic():
+                self._pool.submit(run, transfer)
+                return False
+            run(transfer)
+            return True
+
+        offer(here)
+
+    def _run(self, copy, node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]], on_complete, keep) -> None:
+        """Copy, then report; ``keep`` holds the transfer, and so both storages' memory, until then."""
+        try:
+            failed = copy(node, keys, pieces)
+        except Exception:
+            log.exception("a kvtier node copy failed")
+            failed = set(range(len(keys)))
+        try:
+            on_complete(failed)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        """Wait for the copies in flight (each ends by the tier's timeout), then refuse new ones."""
+        with self._lock:
+            self._closed = True
+            while self._in_flight:
+                self._lock.wait()
+        self._pool.shutdown(wait=True)
+
+
+def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> set[int]:
+    """Reserve, copy and hash in, commit; the blocks that did not land."""
+    names = node.node_keys(keys)
+    length = node.layout.block_bytes
+    try:
+        (given,), epoch, view = node.client.call(Op.RESERVE, names, [length] * len(names))
+    except StoreError:
+        return set(range(len(keys)))
+    failed: set[int] = set()
+    written: list[int] = []
+    skipped = 0
+    try:
+        for i, slot_gen in enumerate(given):
+            if slot_gen == HELD:
+                skipped += 1
+            elif isinstance(slot_gen, list) and _write(view, *slot_gen, names[i], pieces[i]):
+                written.append(i)
+            else:
+                failed.add(i)
+        landed = _commit(node, [names[i] for i in written], epoch)
+    except BaseException:
+        node.client.post(Op.ABORT, epoch, [names[i] for i in written])
+        raise
+    failed.update(i for i, ok in zip(written, landed, strict=True) if not ok)
+    if skipped and node.on_skipped is not None:
+        node.on_skipped(skipped)
+    return failed
+
+
+def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
+    """Copy a block into ``slot`` reserved for it at ``gen``, hashing it on the way, and put the checksum
+    in the slot header; False (nothing written) where the slot is not the one the daemon said."""
+    if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, WRITING):
+        return False
+    h = checksum(gen, name)
+    address = view.address(slot)
+    for source, size in pieces:
+        h.update(memory_view(source, size))  # (hashed first: then the copy reads it from cache)
+        ctypes.memmove(address, source, size)
+        address += size
+    view.headers["checksum"][slot] = h.intdigest()
+    view.headers["writer"][slot] = os.getpid()
+    return True
+
+
+def _commit(node: NodeStorage, names: list[bytes], epoch: int) -> list[bool]:
+    """COMMIT on the connection that reserved them; per block whether it is visible now."""
+    if not names:
+        return []
+    try:
+        (committed,), answered_on, _ = node.client.call(Op.COMMIT, names)
+    except StoreError:
+        return [False] * len(names)
+    if answered_on != epoch or not isinstance(committed, list) or len(committed) != len(names):
+        return [False] * len(names)  # (another connection holds no reservation of these)
+    return [flag is True for flag in committed]
+
+
+def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> set[int]:
+    """Pin, copy out and check, release; the blocks that did not arrive good."""
+    names = node.node_keys(keys)
+    try:
+        (pinned,), epoch, view = node.client.call(Op.PIN, names)
+    except StoreError:
+        for key in keys:
+            node.failures.note(key, MissReason.REMOTE_ERROR)
+        return set(range(len(keys)))
+    failed: set[int] = set()
+    held: list[bytes] = []
+    damaged: list[list[object]] = []
+    for i, slot_gen in enumerate(pinned):
+        if not isinstance(slot_gen, list):
+            node.failures.note(keys[i], MissReason.EVICTED)
+            failed.add(i)
+            continue
+        held.append(names[i])
+        slot, gen = slot_gen
+        if _read(view, slot, gen, names[i], pieces[i]):
+            node.failures.note(keys[i], None)
+        else:
+            node.failures.note(keys[i], MissReason.DAMAGED)
+            damaged.append([names[i], gen])
+            failed.add(i)
+    node.client.post(Op.RELEASE, epoch, held)
+    if damaged:
+        log.warning("kvtier node tier: %d of %d blocks failed their checks and were dropped", len(damaged), len(keys))
+        node.client.post(Op.DROP, epoch, damaged)
+    return failed
+
+
+def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
+    """Copy the block in ``slot`` (pinned at ``gen``) out into ``pieces``; whether what arrived is it."""
+    length = sum(size for _, size in pieces)
+    if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, READY, length):
+        return False
+    expected = int(view.headers["checksum"][slot])
+    h = checksum(gen, name)
+    address = view.address(slot)
+    for target, size in pieces:
+        ctypes.memmove(target, address, size)
+        h.update(memory_view(target, size))  # (the bytes the caller got, still in cache)
+        address += size
+    return h.intdigest() == expected and int(view.headers["gen"][slot]) == gen
+
+
+def _header_is(view: SlabView, slot: int, gen: int, name: bytes, state: int, length: int | None = None) -> bool:
+    """Whether slot ``slot``'s header says: generation ``gen``, ``state``, key ``name`` (and ``length``)."""
+    header = view.headers[slot]
+    return (
+        int(header["gen"]) == gen
+        and int(header["state"]) == state
+        and bytes(header["key"]) == name
+        and (length is None or int(header["length"]) == length)
+    )
