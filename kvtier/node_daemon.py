@@ -62,7 +62,7 @@ log = logging.getLogger("kvtier.node")
 ACCEPT_POLL_S = 0.2
 """How often the accepting thread looks up from ``accept`` to end leases past due and to stop."""
 
-SESSION_COUNTS = ("lookups", "found", "hits", "misses", "stores", "held", "busy", "full", "aborted", "dropped")
+SESSION_COUNTS = ("lookups", "found", "hits", "misses", "stores", "skipped", "busy", "full", "aborted", "dropped")
 """What is counted per connection, and summed over all of them for the daemon (``NodeDaemon.stats``)."""
 
 
@@ -119,7 +119,7 @@ class Session:
             raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
         slab = self.daemon.slab
         hello = [OK, VERSION, *slab.geometry, slab.view.id, self.daemon.node_id]
-        socket.send_fds(self.sock, [frame(hello)], [slab.fd])
+        socket.send_fds(self.sock, [frame(hello)], [slab.shared_fd])
         self.name = f"pid {self.pid} (uid {self.uid})"
 
 
@@ -373,7 +373,7 @@ class NodeDaemon:
             session.reserved[key] = (slot, gen, now)
             room -= 1
             out.append([slot, gen])
-        for outcome, name in ((HELD, "held"), (BUSY, "busy"), (FULL, "full")):
+        for outcome, name in ((HELD, "skipped"), (BUSY, "busy"), (FULL, "full")):
             session.counts[name] += out.count(outcome)
         return out
 
@@ -455,6 +455,7 @@ class NodeDaemon:
             "slots": usage.capacity,
             "slot_bytes": self.slab.geometry.slot_bytes,
             "connected": len(self._sessions),
+            "held": sum(session.held for session in self._sessions),
         }
 
 

@@ -16,6 +16,7 @@ GAUGES = {
     "slots": "slots in the slab",
     "slot_bytes": "bytes per slot",
     "connected": "engine connections open now",
+    "held": "blocks pinned or reserved by engines now",
 }
 HELP = {
     "lookups": "keys engines asked about",
@@ -23,7 +24,7 @@ HELP = {
     "hits": "blocks pinned for a load",
     "misses": "blocks a load asked for that the slab did not hold",
     "stores": "blocks committed",
-    "held": "blocks a store skipped: the slab held them already",
+    "skipped": "blocks a store skipped: the slab held them already",
     "busy": "blocks a store skipped: another engine was writing them",
     "full": "blocks a store could not place: no room, or the engine held its share",
     "aborted": "reservations given back unwritten",

@@ -139,7 +139,11 @@ def memory_view(address: int, size: int) -> memoryview:
 
 class SlabFile:
     """The slab file a daemon owns: created (0600, exclusively) or reopened, locked against a second
-    daemon, mapped. ``reused`` says whether it was found with this geometry (its blocks can be restored)."""
+    daemon, mapped. ``reused`` says whether it was found with this geometry (its blocks can be restored).
+
+    Engines get ``shared_fd``, a second open of the same file: a lock belongs to the open file, and an
+    engine's mapping keeps the file it was mapped from open, so engines mapping the locked one would keep
+    a restarted daemon from locking the slab for as long as they run."""
 
     def __init__(self, path: str, geometry: Geometry, hugepages: bool = False) -> None:
         self.path = path
@@ -147,6 +151,7 @@ class SlabFile:
         self.fd, self.reused = _open(path, geometry)
         try:
             self._lock()
+            self.shared_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
             if not self.reused:
                 os.ftruncate(self.fd, 0)  # (a kvtier slab of another geometry, or a new file: zeros)
                 os.ftruncate(self.fd, geometry.nbytes)
@@ -157,7 +162,7 @@ class SlabFile:
                 _SUPER.pack_into(mapping, 0, MAGIC, FORMAT_VERSION, *geometry, secrets.token_bytes(ID_BYTES))
             self.view = SlabView(mapping, geometry)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
 
     def _lock(self) -> None:
@@ -168,7 +173,9 @@ class SlabFile:
 
     def close(self) -> None:
         """Unlock and close the file; the slab stays for the next daemon (a restart keeps the cache)."""
-        os.close(self.fd)
+        for fd in (self.fd, getattr(self, "shared_fd", -1)):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _open(path: str, geometry: Geometry) -> tuple[int, bool]:

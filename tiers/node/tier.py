@@ -71,10 +71,10 @@ class NodeTier(KeyedTier):
     """The daemon behind ``storage``: asked which blocks it holds (one LOOKUP per query), loaded from and
     stored into by ``NodeBackend`` (straight between the caller's memory and the slab)."""
 
-    def __init__(self, name: str, storage: NodeStorage, known_for: float = KNOWN_FOR_S) -> None:
+    def __init__(self, name: str, storage: NodeStorage, known_for: float | None = None) -> None:
         client = storage.client
         note = f"node daemon at {client.path} ({client.node_id or 'not connected'}), timeout {client.timeout:g} s"
-        super().__init__(name, "node", storage, note, known_for, loads_direct=True)
+        super().__init__(name, "node", storage, note, KNOWN_FOR_S if known_for is None else known_for, loads_direct=True)
         self._node_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
         storage.on_skipped = lambda n: self.count(skipped_existing=n)
 
