@@ -143,11 +143,18 @@ class NodeClient:
                     f"the node daemon at {self.path} runs as uid {uid}, which this engine does not trust "
                     f"(its own user, root, or the tier's daemon_user)"
                 )
-            sock.sendall(frame([Op.HELLO, VERSION, os.getpid()]))
-            head, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            hung_up = StoreError(
+                f"the node daemon at {self.path} closed the connection at hello: is this engine's user (uid "
+                f"{os.geteuid()}) allowed (node.allow_users in the daemon's YAML)?"
+            )
+            try:
+                sock.sendall(frame([Op.HELLO, VERSION, os.getpid()]))
+                head, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            except (ConnectionResetError, BrokenPipeError):
+                raise hung_up from None
             try:
                 if not head:
-                    raise StoreError(f"the node daemon at {self.path} closed the connection at hello")
+                    raise hung_up
                 reply = read_frame(sock, head)
                 self._hello(reply, fds)
             finally:

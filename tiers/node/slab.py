@@ -141,9 +141,10 @@ class SlabFile:
     """The slab file a daemon owns: created (0600, exclusively) or reopened, locked against a second
     daemon, mapped. ``reused`` says whether it was found with this geometry (its blocks can be restored).
 
-    Engines get ``shared_fd``, a second open of the same file: a lock belongs to the open file, and an
-    engine's mapping keeps the file it was mapped from open, so engines mapping the locked one would keep
-    a restarted daemon from locking the slab for as long as they run."""
+    The lock is on ``fd``, which nothing maps; the daemon and the engines map ``shared_fd``, a second
+    open of the same file: a lock belongs to the open file, and a mapping keeps the file it was made from
+    open, so mappings of the locked one would keep a restarted daemon from locking the slab for as long
+    as any engine (or the daemon's own index) ran."""
 
     def __init__(self, path: str, geometry: Geometry, hugepages: bool = False) -> None:
         self.path = path
@@ -155,7 +156,7 @@ class SlabFile:
             if not self.reused:
                 os.ftruncate(self.fd, 0)  # (a kvtier slab of another geometry, or a new file: zeros)
                 os.ftruncate(self.fd, geometry.nbytes)
-            mapping = mmap.mmap(self.fd, geometry.nbytes, mmap.MAP_SHARED)
+            mapping = mmap.mmap(self.shared_fd, geometry.nbytes, mmap.MAP_SHARED)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
                 mapping.madvise(mmap.MADV_HUGEPAGE)  # shmem gets them where shmem_enabled allows
             if not self.reused:
