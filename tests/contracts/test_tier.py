@@ -1,7 +1,8 @@
 """The ``Tier`` contract (kvtier.core.tier), run over every kind of tier: host memory, a GPU tier on CPU
 tensors, a disk tier's slab file; and, for the block life they share (reserve, commit, abort, pins that
-hold nothing, leaks, keys), the remote tier, whose index is a shared store's answers (by design it has no
-slots, pins or eviction, and a present key may be stored again: the store replaces it). The hypothesis
+hold nothing, leaks, keys), the tiers addressed by key, whose index is their owner's answers (a shared
+store's, a node daemon's: by design they have no slots, pins or eviction, and a present key may be
+stored again: the owner decides). The hypothesis
 state machine at the end drives every local kind through random sequences against a model.
 
 To add a kind of tier: add a factory to ``LOCAL_TIERS`` (a tier with slots; give ``SLOT_IO`` a way to
@@ -56,6 +57,8 @@ from kvtier.policies import LRUPolicy, Watermark
 from kvtier.tiers.disk import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
+from kvtier.tiers.node.client import NodeClient
+from kvtier.tiers.node.tier import NodeStorage, NodeTier
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import RemoteTier
@@ -87,7 +90,12 @@ LOCAL_TIERS = {
     "disk": _disk,
 }
 """Tiers with slots: ``factory(name, capacity, policy, watermark, is_fenced, directory)``."""
-KEYED_TIERS = {"remote": _remote}
+def _node(name: str) -> Tier:
+    client = NodeClient("/nonexistent/node.sock", 1.0)  # (never connected: the suite asks no daemon)
+    return NodeTier(name, NodeStorage(LAYOUT, client, namespace_digest("contract", LAYOUT)))
+
+
+KEYED_TIERS = {"remote": _remote, "node": _node}
 """Tiers addressed by key alone: ``factory(name)``."""
 
 

@@ -1,6 +1,6 @@
 """The ``TransferBackend`` contract (kvtier.core.transfer), run over every backend that runs without a GPU:
 CPU memmove between host memory and per-layer arrays, disk I/O to a slab file, a shared store's records
-(over a real Redis server). The CUDA backend's tests stay in tests/gpu, which skip without CUDA.
+(over a real Redis server), a node daemon's slab (over a real daemon). The CUDA backend's tests stay in tests/gpu, which skip without CUDA.
 
 To add a backend: write a ``Rig`` for it below (its backend, the storage it moves blocks to and from, how
 to make a block there unreadable) and add it to ``RIGS``; every test here then runs over it, and a test
@@ -32,14 +32,20 @@ import numpy as np
 import pytest
 
 import kvtier.transfers as transfers
+from helpers.node_daemon import node_daemon
 from helpers.stack_helpers import flip
 from helpers.stores import RedisStore
+from kvtier.core.config import TransferConfig
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
+from kvtier.core.media import KEYED_DEVICE, media
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
-from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.tiers.disk import DiskSlab, FileStorage
+from kvtier.tiers.node.client import NodeClient
+from kvtier.tiers.node.protocol import Op
+from kvtier.tiers.node.tier import NODE_DEVICE, NodeStorage
+from kvtier.tiers.node.transfer import NodeBackend
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import RemoteStorage
@@ -50,7 +56,7 @@ from kvtier.transfers.remote import RemoteBackend
 
 LAYOUTS = {"paged": BlockLayout((4096,) * 4), "odd": BlockLayout((1000, 24, 3077))}
 SLOTS = 12
-DEVICES = ("cpu", "cuda", "file", KEYED_DEVICE)
+DEVICES = ("cpu", "cuda", "file", KEYED_DEVICE, NODE_DEVICE)
 
 
 def keys_of(slots) -> list[bytes]:
@@ -158,9 +164,40 @@ class RemoteRig(Rig):
             self.store.write(far.records.name(key), b"not a record")
 
 
+class NodeRig(Rig):
+    """Host memory to a node daemon's slab (a real daemon process): copies checked against the slot headers."""
+
+    BACKEND = NodeBackend
+
+    def __init__(self, request) -> None:
+        self.daemon = request.getfixturevalue("node")
+        self.backend = NodeBackend(threads=2)
+        self.storages: list[NodeStorage] = []
+
+    def far(self, layout: BlockLayout) -> BlockStorage:
+        client = NodeClient(self.daemon.socket, 2.0)
+        client.open()
+        storage = NodeStorage(layout, client, b"contract-%d" % next(_rig_numbers))
+        self.storages.append(storage)
+        return storage
+
+    def make_unreadable(self, far: BlockStorage, slots: list[int]) -> None:
+        assert isinstance(far, NodeStorage)
+        names = far.node_keys(keys_of(slots))
+        (pinned,), epoch, view = far.client.call(Op.PIN, names)
+        for slot, _ in pinned:
+            view.block(slot, 32)[17] ^= 0xFF  # a byte of the block: its checksum no longer matches
+        far.client.post(Op.RELEASE, epoch, names)
+
+    def close(self) -> None:
+        super().close()
+        for storage in self.storages:
+            storage.close()
+
+
 _rig_numbers = itertools.count()
 
-RIGS = {"cpu": CPURig, "disk": DiskRig, "remote": RemoteRig}
+RIGS = {"cpu": CPURig, "disk": DiskRig, "remote": RemoteRig, "node": NodeRig}
 """Every backend the suite runs over, by the id its tests carry."""
 
 
@@ -169,6 +206,13 @@ def redis_store(tmp_path_factory):
     """The store under the remote backend's rig (its client is the store contract's business)."""
     with RedisStore(tmp_path_factory.mktemp("redis")) as store:
         yield store
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """The daemon under the node backend's rig."""
+    with node_daemon(tmp_path_factory.mktemp("node"), capacity="32MiB", block_bytes="16KiB") as daemon:
+        yield daemon
 
 
 @pytest.fixture(params=sorted(RIGS))
@@ -343,11 +387,16 @@ def test_close_waits_for_transfers_in_flight_then_refuses_new_ones(rig, layout, 
 
 
 def test_every_backend_but_cudas_has_a_rig():
-    """A backend added to kvtier.transfers without a rig here would go untested by this suite (CUDA's are
-    in tests/gpu)."""
+    """A backend added to kvtier.transfers, or named by a medium of the registry, without a rig here would
+    go untested by this suite (CUDA's are in tests/gpu)."""
     backends = {
         value
         for value in vars(transfers).values()
         if isinstance(value, type) and issubclass(value, TransferBackend) and value is not TransferBackend
     }
+    for medium in media():
+        if medium.backend is not None:
+            backend = medium.backend(TransferConfig())
+            backends.add(type(backend))
+            backend.close()
     assert backends == {rig.BACKEND for rig in RIGS.values()} | {CUDABackend}
