@@ -236,7 +236,7 @@ def test_missing_tiers_and_empty_tiers():
 
 def test_unknown_medium_lists_allowed_media():
     msg = error_of({"tiers": [{"medium": "host", "capacity": "1GiB"}, {"medium": "tape", "path": "/tmp"}]})
-    assert "tiers[1].medium: 'tape' is not a medium; allowed: gpu, host, disk" in msg
+    assert "tiers[1].medium: 'tape' is not a medium; allowed: gpu, host, node, disk" in msg
 
 
 def test_missing_medium():
