@@ -5,7 +5,8 @@ What is measured
     ``--procs`` (1, 2, 4, 8) engine processes, each a standalone ``KVTier`` with one tier: the node tier
     of a daemon this script starts (``kvtier node serve``, its own process), or a private host tier
     (the reference), for ``--block-bytes`` of 256 KiB and 2 MiB. Every process works on the same
-    prefix set (``--prefixes`` requests of 16 blocks, the same tokens everywhere) and runs, in step
+    prefix set (``--prefixes`` requests of 16 blocks, the same tokens everywhere; both tiers evict by LRU,
+    which stores every block at first sight) and runs, in step
     with the others, ``--seconds`` of loads (``load_now`` of the set's requests in turn, every byte
     checked against what was stored) then as long of stores (``store_now`` of 16 fresh blocks, another
     prompt every time: the tiers fill and evict). The node and private runs of a configuration follow
@@ -183,7 +184,7 @@ def main() -> None:
         held = args.prefixes * BLOCKS * block_bytes
         capacity = 2 * held + 4 * BLOCKS * block_bytes * max(procs)  # the set, and room for stores to churn
         with tempfile.TemporaryDirectory() as directory, node_daemon(
-            Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), max_held=1.0
+            Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), eviction="lru", max_held=1.0
         ) as daemon:
             assert daemon.process is not None
             figures[f"control_us_{block_bytes}"] = control_us(daemon.socket, block_bytes)
@@ -191,7 +192,7 @@ def main() -> None:
                 base = {"block_tokens": TOKENS, "block_bytes": block_bytes}
                 paths = {
                     "node": (base | {"tiers": [daemon.tier(timeout=5.0)]}, daemon.process.pid),
-                    "private": (base | {"tiers": [{"medium": "host", "capacity": capacity}]}, None),
+                    "private": (base | {"tiers": [{"medium": "host", "capacity": capacity, "eviction": "lru"}]}, None),
                 }
                 row = {}
                 for path, (config, pid) in paths.items():

@@ -42,6 +42,7 @@ from kvtier.core.tier import BlockState, Tier
 from kvtier.node_config import NodeConfig
 from kvtier.tiers.node.protocol import (
     BUSY,
+    DECLINED,
     ERROR,
     FULL,
     HELD,
@@ -62,7 +63,9 @@ log = logging.getLogger("kvtier.node")
 ACCEPT_POLL_S = 0.2
 """How often the accepting thread looks up from ``accept`` to end leases past due and to stop."""
 
-SESSION_COUNTS = ("lookups", "found", "hits", "misses", "stores", "skipped", "busy", "full", "aborted", "dropped")
+SESSION_COUNTS = (
+    *("lookups", "found", "hits", "misses", "stores", "skipped", "busy", "full", "declined", "aborted", "dropped"),
+)
 """What is counted per connection, and summed over all of them for the daemon (``NodeDaemon.stats``)."""
 
 
@@ -142,8 +145,9 @@ class NodeDaemon:
             policy, watermark = config.stack.tier_policy(0)
             self.tier = Tier(config.stack.tier_name(0), HOST, storage, policy, watermark, note=self.settings.slab)
             self.headers = view.headers
+            self.view = view
             self._lock = threading.Lock()
-            self._seq = int(self.headers["seq"].max())
+            self._seq = int(view.seq.max())
             self.restored = self._restore()
             self._counts: Counter[str] = Counter()
             self._sessions: set[Session] = set()
@@ -260,7 +264,7 @@ class NodeDaemon:
         """A connection is over: give back what it held."""
         with self._lock:
             for key, (slot, _, _) in session.reserved.items():
-                self.headers["state"][slot] = FREE
+                self.view.state[slot] = FREE
                 self.tier.abort([key])
             for key, (count, _) in session.pins.items():
                 self.tier.unpin([key] * count)
@@ -319,19 +323,23 @@ class NodeDaemon:
         return found
 
     def _pin(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
-        out: list[list[int] | None] = []
+        """Pin what is READY (the leading run in one call: loads ask for prefixes), at most the
+        connection's room; per key its [slot, generation], or None."""
         room = self._room(session)
-        now = time.monotonic()
-        for key in keys:
-            slot = self._try_pin(key) if room > 0 else None
+        slots: list[int | None] = list(self.tier.pin_leading(keys[:room]))
+        for key in keys[len(slots) : room]:
+            slots.append(self._try_pin(key))
+        pins, now, gen = session.pins, time.monotonic(), self.view.gen
+        out: list[list[int] | None] = []
+        for key, slot in zip(keys, slots, strict=False):
             if slot is None:
                 out.append(None)
                 continue
-            count, since = session.pins.get(key, (0, now))
-            session.pins[key] = (count + 1, since)
-            room -= count == 0
-            out.append([slot, int(self.headers["gen"][slot])])
-        hits = sum(entry is not None for entry in out)
+            count, since = pins.get(key, (0, now))
+            pins[key] = (count + 1, since)
+            out.append([slot, int(gen[slot])])
+        out += [None] * (len(keys) - len(out))
+        hits = len(keys) - out.count(None)
         session.counts["hits"] += hits
         session.counts["misses"] += len(keys) - hits
         return out
@@ -343,56 +351,62 @@ class NodeDaemon:
             return None
 
     def _release(self, session: Session, keys: list[bytes]) -> None:
-        for key in keys:
-            held = session.pins.get(key)
-            if held is None:
-                continue  # (not this connection's: nothing to give back)
-            count, since = held
-            self.tier.unpin([key])
+        pins = session.pins
+        mine = [key for key in keys if key in pins]  # (others are not this connection's: nothing to give back)
+        self.tier.unpin(mine)
+        for key in mine:
+            count, since = pins[key]
             if count > 1:
-                session.pins[key] = (count - 1, since)
+                pins[key] = (count - 1, since)
             else:
-                del session.pins[key]
+                del pins[key]
 
     def _reserve(self, session: Session, keys: list[bytes], lengths: list[int]) -> list[Any]:
+        """A slot per key that no writer has yet, that the slab's policy admits and that fits, at most
+        the connection's room (evicting through the policy); per key [slot, generation] or why not."""
         out: list[Any] = []
         room = self._room(session)
-        headers, now = self.headers, time.monotonic()
-        for key, length in zip(keys, lengths, strict=True):
-            state = self.tier.state(key)
+        view, now, tier = self.view, time.monotonic(), self.tier
+        states = [tier.state(key) for key in keys]
+        fresh = [key for key, state in zip(keys, states, strict=True) if state is BlockState.FREE]
+        admitted = dict(zip(fresh, tier.admit(fresh), strict=True))
+        for key, length, state in zip(keys, lengths, states, strict=True):
             if state is not BlockState.FREE:
                 out.append(HELD if state is BlockState.READY else BUSY)
                 continue
-            slots = self.tier.reserve([key]) if room > 0 and length <= self.slab.geometry.slot_bytes else None
+            if not admitted[key]:
+                out.append(DECLINED)
+                continue
+            slots = tier.reserve([key]) if room > 0 and length <= self.slab.geometry.slot_bytes else None
             if slots is None:
                 out.append(FULL)
                 continue
             slot = slots[0]
-            gen = int(headers["gen"][slot]) + 1
-            headers[slot] = (gen, WRITING, length, key, 0, 0, session.pid, b"")
+            gen = int(view.gen[slot]) + 1
+            self.headers[slot] = (gen, WRITING, length, key, 0, 0, session.pid, b"")
             session.reserved[key] = (slot, gen, now)
             room -= 1
             out.append([slot, gen])
-        for outcome, name in ((HELD, "skipped"), (BUSY, "busy"), (FULL, "full")):
+        for outcome, name in ((HELD, "skipped"), (BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
             session.counts[name] += out.count(outcome)
         return out
 
     def _commit(self, session: Session, keys: list[bytes]) -> list[bool]:
         out = []
-        headers = self.headers
+        view = self.view
         for key in keys:
             held = session.reserved.pop(key, None)
             if held is None:
                 out.append(False)
                 continue
             slot, gen, _ = held
-            if int(headers["gen"][slot]) != gen:  # (somebody wrote into the header: the slot is not the writer's)
+            if int(view.gen[slot]) != gen:  # (somebody wrote into the header: the slot is not the writer's)
                 self.tier.abort([key])
                 out.append(False)
                 continue
             self._seq += 1
-            headers["seq"][slot] = self._seq
-            headers["state"][slot] = READY
+            view.seq[slot] = self._seq
+            view.state[slot] = READY
             self.tier.commit([key])
             out.append(True)
         session.counts["stores"] += sum(out)
@@ -405,7 +419,7 @@ class NodeDaemon:
         for key in keys:
             held = session.reserved.pop(key, None)
             if held is not None:
-                self.headers["state"][held[0]] = FREE
+                self.view.state[held[0]] = FREE
                 self.tier.abort([key])
                 session.counts["aborted"] += 1
 
@@ -416,8 +430,8 @@ class NodeDaemon:
             if self.tier.state(key) is not BlockState.READY:
                 continue
             slot = self.tier.slots([key])[0]
-            if int(self.headers["gen"][slot]) == gen and self.tier.discard([key]):
-                self.headers["state"][slot] = FREE
+            if int(self.view.gen[slot]) == gen and self.tier.discard([key]):
+                self.view.state[slot] = FREE
                 session.counts["dropped"] += 1
 
     def _room(self, session: Session) -> int:

@@ -27,6 +27,7 @@ HELP = {
     "skipped": "blocks a store skipped: the slab held them already",
     "busy": "blocks a store skipped: another engine was writing them",
     "full": "blocks a store could not place: no room, or the engine held its share",
+    "declined": "blocks a store offered that the slab's policy did not admit (seen once: adaptive)",
     "aborted": "reservations given back unwritten",
     "dropped": "blocks a load found damaged, dropped",
     "connections": "engine connections accepted",

@@ -36,7 +36,9 @@ READY_WITHIN_S = 30.0
 class NodeDaemonProcess:
     """One daemon's config, and the process serving it (None while stopped)."""
 
-    def __init__(self, directory: Path, settings: dict[str, Any], capacity: str, block_bytes: str) -> None:
+    def __init__(
+        self, directory: Path, settings: dict[str, Any], capacity: str, block_bytes: str, eviction: str | None = None
+    ) -> None:
         self.directory = directory
         self.socket = str(Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp")) / "node.sock")
         self.slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
@@ -45,7 +47,7 @@ class NodeDaemonProcess:
         document = {
             "node": {"socket": self.socket, "slab": self.slab, **settings},
             "block_bytes": block_bytes,
-            "tiers": [{"medium": "host", "capacity": capacity}],
+            "tiers": [{"medium": "host", "capacity": capacity, **({"eviction": eviction} if eviction else {})}],
         }
         directory.mkdir(parents=True, exist_ok=True)
         self.config.write_text(yaml.safe_dump(document))
@@ -126,11 +128,12 @@ class NodeDaemonProcess:
 
 @contextlib.contextmanager
 def node_daemon(
-    directory: Path, capacity: str = "8MiB", block_bytes: str = "64KiB", **settings: Any
+    directory: Path, capacity: str = "8MiB", block_bytes: str = "64KiB", eviction: str | None = "lru", **settings: Any
 ) -> Iterator[NodeDaemonProcess]:
-    """A daemon serving a slab of ``capacity`` with slots for ``block_bytes``; ``settings`` go to its ``node``
+    """A daemon serving a slab of ``capacity`` with slots for ``block_bytes``, evicting by ``eviction`` (LRU: a
+    test's blocks are stored at first sight; None: the default, adaptive); ``settings`` go to its ``node``
     section (``lease``, ``allow_users``, ``max_held``, ...)."""
-    daemon = NodeDaemonProcess(directory, settings, capacity, block_bytes)
+    daemon = NodeDaemonProcess(directory, settings, capacity, block_bytes, eviction)
     try:
         daemon.start()
         yield daemon

@@ -11,7 +11,7 @@ per message: a batch is one round trip per request phase.
     LOOKUP  [keys]                   -> [OK, how many leading keys are READY]
     PIN     [keys]                   -> [OK, [[slot, gen] or None per key]]  (pinned by this connection)
     RELEASE [keys]                   (unpins this connection's pins)
-    RESERVE [keys, lengths]          -> [OK, [[slot, gen] or HELD / BUSY / FULL per key]]
+    RESERVE [keys, lengths]          -> [OK, [[slot, gen] or HELD / BUSY / FULL / DECLINED per key]]
     COMMIT  [keys]                   -> [OK, [committed?] per key]  (this connection's reservations)
     ABORT   [keys]                   (gives this connection's reservations back)
     DROP    [[key, gen], ...]        (a load found these blocks damaged: unreadable for everyone)
@@ -55,9 +55,10 @@ POSTED = frozenset({Op.RELEASE, Op.ABORT, Op.DROP})
 """Ops that get no reply."""
 
 OK, ERROR = 0, 1
-HELD, BUSY, FULL = 1, 2, 3
+HELD, BUSY, FULL, DECLINED = 1, 2, 3, 4
 """Why a RESERVE gave a key no slot: the daemon holds the block already (READY), another writer is
-storing it, no room (every slot pinned or being written, or the connection holds its share)."""
+storing it, no room (every slot pinned or being written, or the connection holds its share), the
+slab's policy does not admit it (``adaptive``'s filter: a block is stored once it was asked for twice)."""
 
 
 class ProtocolError(Exception):

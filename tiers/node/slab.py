@@ -110,6 +110,13 @@ class SlabView:
         self.geometry = geometry
         self.id: bytes = slab_id
         self.headers = np.frombuffer(mapping, HEADER, geometry.slots, geometry.header_offset)
+        # each field as an array of its own (a field taken from ``headers`` is a new view each time)
+        self.gen, self.state, self.length = self.headers["gen"], self.headers["state"], self.headers["length"]
+        self.checksum, self.seq, self.writer = self.headers["checksum"], self.headers["seq"], self.headers["writer"]
+        self.keys = np.ndarray(
+            (geometry.slots, NODE_KEY_BYTES), np.uint8, mapping, geometry.header_offset + HEADER.fields["key"][1],
+            (SLOT_HEADER_BYTES, 1),
+        )
         self._memory = np.frombuffer(mapping, np.uint8, geometry.slots * geometry.slot_bytes, geometry.data_offset)
         self.base = self._memory.ctypes.data
 
@@ -150,11 +157,12 @@ class SlabFile:
         self.path = path
         self.geometry = geometry
         self.fd, self.reused = _open(path, geometry)
+        if not self.reused and os.fstat(self.fd).st_size:  # a node slab of another geometry: made anew
+            self.fd = _replace(path, self.fd)
         try:
             self._lock()
             self.shared_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
             if not self.reused:
-                os.ftruncate(self.fd, 0)  # (a kvtier slab of another geometry, or a new file: zeros)
                 os.ftruncate(self.fd, geometry.nbytes)
             mapping = mmap.mmap(self.shared_fd, geometry.nbytes, mmap.MAP_SHARED)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -211,6 +219,21 @@ def _open(path: str, geometry: Geometry) -> tuple[int, bool]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _replace(path: str, fd: int) -> int:
+    """A new, empty file at ``path`` in place of the node slab open as ``fd`` (closed here), once no other
+    daemon holds that one. Never truncated in place: engines may still map the old file, and a mapping
+    of a file that shrinks kills its process (SIGBUS) at the next read."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigError(f"{path} is in use by another node daemon") from None
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    new, _ = _open(path, Geometry(0, PAGE))
+    return new
 
 
 # --- an engine's side: the descriptor the daemon sent --------------------------------------------------

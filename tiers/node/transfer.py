@@ -150,8 +150,8 @@ def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]
         h.update(memory_view(source, size))  # (hashed first: then the copy reads it from cache)
         ctypes.memmove(address, source, size)
         address += size
-    view.headers["checksum"][slot] = h.intdigest()
-    view.headers["writer"][slot] = os.getpid()
+    view.checksum[slot] = h.intdigest()
+    view.writer[slot] = os.getpid()
     return True
 
 
@@ -205,22 +205,21 @@ def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece])
     length = sum(size for _, size in pieces)
     if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, READY, length):
         return False
-    expected = int(view.headers["checksum"][slot])
+    expected = int(view.checksum[slot])
     h = checksum(gen, name)
     address = view.address(slot)
     for target, size in pieces:
         ctypes.memmove(target, address, size)
         h.update(memory_view(target, size))  # (the bytes the caller got, still in cache)
         address += size
-    return h.intdigest() == expected and int(view.headers["gen"][slot]) == gen
+    return h.intdigest() == expected and int(view.gen[slot]) == gen
 
 
 def _header_is(view: SlabView, slot: int, gen: int, name: bytes, state: int, length: int | None = None) -> bool:
     """Whether slot ``slot``'s header says: generation ``gen``, ``state``, key ``name`` (and ``length``)."""
-    header = view.headers[slot]
     return (
-        int(header["gen"]) == gen
-        and int(header["state"]) == state
-        and bytes(header["key"]) == name
-        and (length is None or int(header["length"]) == length)
+        int(view.gen[slot]) == gen
+        and int(view.state[slot]) == state
+        and view.keys[slot].tobytes() == name
+        and (length is None or int(view.length[slot]) == length)
     )

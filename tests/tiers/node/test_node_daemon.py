@@ -65,7 +65,8 @@ def test_a_bad_daemon_config_is_one_error_naming_its_key(paths, change, message)
     assert message in error(document)
 
 
-def test_the_slab_is_created_private_and_reopened_when_its_geometry_matches(paths):
+def test_the_slab_is_created_private_reopened_when_its_geometry_matches_and_else_replaced(paths):
+    """Replaced, never truncated: an engine still mapping the old file must not die reading it (SIGBUS)."""
     _, path = paths
     geometry = Geometry.for_blocks(4, BLOCK)
     first = SlabFile(path, geometry)
@@ -76,8 +77,11 @@ def test_the_slab_is_created_private_and_reopened_when_its_geometry_matches(path
     again = SlabFile(path, geometry)
     assert again.reused and again.view.id == slab_id and again.view.headers["state"][2] == READY
     again.close()
-    other = SlabFile(path, Geometry.for_blocks(8, BLOCK))  # another geometry: made anew
+    inode = os.stat(path).st_ino
+    other = SlabFile(path, Geometry.for_blocks(8, BLOCK))  # another geometry: a new file, the old one untouched
     assert not other.reused and other.view.id != slab_id and not other.view.headers["state"].any()
+    assert os.stat(path).st_ino != inode
+    assert again.view.headers["state"][2] == READY and again.view.block(3, BLOCK)[BLOCK - 1] == 0  # (no SIGBUS)
     other.close()
 
 

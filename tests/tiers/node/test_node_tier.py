@@ -181,8 +181,8 @@ def test_fragmented_blocks_round_trip_through_a_host_tier_above(daemon, rng):
 
 
 def test_a_full_slab_evicts_to_take_new_blocks(tmp_path, rng):
-    """Eight slots, six blocks stored, then six more: the daemon's policy (adaptive, the default) makes
-    room by evicting four of the first six; every new block is there."""
+    """Eight slots, six blocks stored, then six more: the daemon's policy makes room by evicting four of
+    the first six; every new block is there."""
     with node_daemon(tmp_path, capacity="512KiB", block_bytes="64KiB", max_held=1.0) as small:  # 8 slots
         with KVTier.open(stack(small)) as kv:
             old, new = prompt(6, start=0), prompt(6, start=10_000)
