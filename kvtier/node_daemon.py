@@ -300,27 +300,42 @@ class NodeDaemon:
                 return [self._lookup(session, *args)]
             if op is Op.PIN:
                 return [self._pin(session, *args)]
-            if op is Op.RELEASE:
-                self._release(session, *args)
-            elif op is Op.RESERVE:
+            if op is Op.RESERVE:
                 return [self._reserve(session, *args)]
-            elif op is Op.COMMIT:
-                return [self._commit(session, *args)]
-            elif op is Op.ABORT:
-                self._abort(session, *args)
-            elif op is Op.DROP:
-                self._drop(session, *args)
-            elif op is Op.STATS:
+            if op is Op.STATS:
                 return [self._stats_of(session)]
-            else:
+            posted = {
+                Op.RELEASE: self._release,
+                Op.TOUCH: self._touch,
+                Op.COMMIT: self._commit,
+                Op.ABORT: self._abort,
+                Op.DROP: self._drop,
+            }.get(op)
+            if posted is None:
                 raise ProtocolError(f"{op.name} is not a request after HELLO")
+            posted(session, *args)
             return []
 
-    def _lookup(self, session: Session, keys: list[bytes]) -> list[bool]:
-        found = [self.tier.state(key) is BlockState.READY for key in keys]
+    def _lookup(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
+        """Where each READY key is now: [slot, generation] (an engine may read it there, checking the
+        header), or None."""
+        tier, gen = self.tier, self.view.gen
+        out: list[list[int] | None] = []
+        for key in keys:
+            if tier.state(key) is BlockState.READY:
+                slot = tier.slots([key])[0]
+                out.append([slot, int(gen[slot])])
+            else:
+                out.append(None)
         session.counts["lookups"] += len(keys)
-        session.counts["found"] += sum(found)
-        return found
+        session.counts["found"] += len(keys) - out.count(None)
+        return out
+
+    def _touch(self, session: Session, keys: list[bytes]) -> None:
+        """Blocks an engine read where a lookup said they were: a use for the policy (the leading READY run)."""
+        tier = self.tier
+        tier.unpin(keys[: len(tier.pin_leading(keys))])
+        session.counts["hits"] += len(keys)
 
     def _pin(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
         """Pin what is READY (the leading run in one call: loads ask for prefixes), at most the
@@ -391,29 +406,27 @@ class NodeDaemon:
             session.counts[name] += out.count(outcome)
         return out
 
-    def _commit(self, session: Session, keys: list[bytes]) -> list[bool]:
-        out = []
-        view = self.view
+    def _commit(self, session: Session, keys: list[bytes]) -> None:
+        """Publish this connection's reservations among ``keys`` (others are not its own: ignored)."""
+        view, committed = self.view, 0
         for key in keys:
             held = session.reserved.pop(key, None)
             if held is None:
-                out.append(False)
                 continue
             slot, gen, _ = held
             if int(view.gen[slot]) != gen:  # (somebody wrote into the header: the slot is not the writer's)
+                log.warning("node: %s committed a block whose slot header was overwritten; dropped", session.name)
                 self.tier.abort([key])
-                out.append(False)
                 continue
             self._seq += 1
             view.seq[slot] = self._seq
             view.state[slot] = READY
             self.tier.commit([key])
-            out.append(True)
-        session.counts["stores"] += sum(out)
+            committed += 1
+        session.counts["stores"] += committed
         excess = self.tier.excess()
         if excess:
             self.tier.evict(excess)
-        return out
 
     def _abort(self, session: Session, keys: list[bytes]) -> None:
         for key in keys:

@@ -64,6 +64,10 @@ class NodeClient:
     def __repr__(self) -> str:
         return f"NodeClient({self.path!r}, {'connected' if self._sock else 'not connected'}, epoch {self.epoch})"
 
+    def live_epoch(self) -> int | None:
+        """The epoch of the connection that is up now (None: none is)."""
+        return self.epoch if self._sock is not None else None
+
     def open(self) -> None:
         """Connect now, at an engine's start: a missing socket, a daemon of another protocol version or an
         untrusted one, a slab that does not map are one ConfigError naming the fix."""
@@ -91,20 +95,23 @@ class NodeClient:
             assert self._view is not None
             return reply[1:], self.epoch, self._view
 
-    def post(self, op: Op, epoch: int, *args: Any) -> None:
+    def post(self, op: Op, epoch: int, *args: Any) -> bool:
         """Send a request that gets no reply (``POSTED``), on the connection of ``epoch`` only: a later
-        connection does not hold what an earlier one pinned or reserved. Never raises."""
+        connection does not hold what an earlier one pinned or reserved. Whether it was sent on that
+        connection (the daemon reads it before any later request of this process); never raises."""
         assert op in POSTED
         with self._lock:
             if self._sock is None or epoch != self.epoch:
-                return
+                return False
             try:
                 self._sock.sendall(frame([op, *args]))
+                return True
             except (OSError, ProtocolError) as exc:
                 try:
                     self._fail(f"{op.name} failed: {exc}")
                 except StoreError:
                     pass
+                return False
 
     def close(self) -> None:
         """Close the connection (the daemon gives back what it held); later calls fail."""

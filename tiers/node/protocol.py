@@ -2,17 +2,19 @@
 move through the shared slab, copied by the engines themselves).
 
 A frame is a 4-byte little-endian length and a msgpack array, at most ``MAX_FRAME`` bytes. A request is
-``[op, *args]``; every op but the posted ones (``POSTED``: releases, aborts, drops, whose outcome the
-engine does not wait for) gets one reply, ``[OK, *results]`` or ``[ERROR, message]``, in order. Keys
+``[op, *args]``; every op but the posted ones (``POSTED``: releases, touches, commits, aborts, drops,
+whose outcome the engine does not wait for: the daemon reads them before that engine's next request)
+gets one reply, ``[OK, *results]`` or ``[ERROR, message]``, in order. Keys
 on the wire are node keys (``NODE_KEY_BYTES``, bound to the engine's namespace), at most ``MAX_KEYS``
 per message: a batch is one round trip per request phase.
 
     HELLO   [version, pid]           -> [OK, version, slots, slot_bytes, slab id, node id] and the slab's fd
-    LOOKUP  [keys]                   -> [OK, how many leading keys are READY]
+    LOOKUP  [keys]                   -> [OK, [[slot, gen] or None per key]]  (READY ones: where they are now)
     PIN     [keys]                   -> [OK, [[slot, gen] or None per key]]  (pinned by this connection)
     RELEASE [keys]                   (unpins this connection's pins)
+    TOUCH   [keys]                   (blocks read without a pin: a use, for the slab's policy)
     RESERVE [keys, lengths]          -> [OK, [[slot, gen] or HELD / BUSY / FULL / DECLINED per key]]
-    COMMIT  [keys]                   -> [OK, [committed?] per key]  (this connection's reservations)
+    COMMIT  [keys]                   (publishes this connection's reservations: READY from then on)
     ABORT   [keys]                   (gives this connection's reservations back)
     DROP    [[key, gen], ...]        (a load found these blocks damaged: unreadable for everyone)
     STATS   []                       -> [OK, {name: number}]
@@ -49,9 +51,10 @@ class Op(enum.IntEnum):
     ABORT = 7
     DROP = 8
     STATS = 9
+    TOUCH = 10
 
 
-POSTED = frozenset({Op.RELEASE, Op.ABORT, Op.DROP})
+POSTED = frozenset({Op.RELEASE, Op.TOUCH, Op.COMMIT, Op.ABORT, Op.DROP})
 """Ops that get no reply."""
 
 OK, ERROR = 0, 1

@@ -4,12 +4,20 @@ over a ``NodeStorage`` (the daemon's slab, mapped here, and the connection to th
 Blocks go to the daemon under node keys: the engine's key bound to its namespace and block geometry (a
 16-byte BLAKE2b of both), so engines of different models, layouts or tensor-parallel ranks share a daemon
 without ever finding each other's blocks, and the slab's headers need no namespace of their own.
+
+The storage remembers where the daemon last said each block is (``locations``: the slot and its
+generation, from a lookup, a pin or this engine's own store), so a load of a block found lately reads
+it there without asking: the slot header and the block's checksum tell whether it is still that block
+(``kvtier.tiers.node.transfer``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
@@ -18,7 +26,7 @@ from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
-from kvtier.tiers.node.slab import NODE_KEY_BYTES
+from kvtier.tiers.node.slab import NODE_KEY_BYTES, SlabView
 
 NODE_DEVICE = "node"
 """The device of a node slab's blocks as transfers see them: named by key, copied by ``NodeBackend``."""
@@ -29,6 +37,14 @@ what it holds; a load of a block evicted meanwhile fails that block (recomputed)
 
 FAILURES_KEPT = 65536
 """How many keys whose loads failed a ``NodeStorage`` remembers the reason of (``RecentFailures``)."""
+
+LOCATIONS_KEPT = 65536
+"""How many blocks' locations a ``NodeStorage`` remembers (the oldest forgotten first; a block whose
+location is forgotten is pinned for its load, one round trip, no miss)."""
+
+Location = tuple[int, int, SlabView, int]
+"""Where the daemon said a block is: its slot, the slot's generation then, the slab mapped then, and the
+connection (``NodeClient.epoch``) it said it on."""
 
 _PERSON = b"kvtier-node-key"
 
@@ -53,6 +69,8 @@ class NodeStorage(BlockStorage):
         self.namespace = namespace
         self.on_skipped = on_skipped
         self.failures = RecentFailures(FAILURES_KEPT)
+        self._locations: OrderedDict[bytes, Location] = OrderedDict()  # node key -> where it was last seen
+        self._lock = threading.Lock()
 
     def _addresses(self, slots):
         raise TransferError("a node slab's blocks are named by key: the daemon gives their slots per copy")
@@ -65,6 +83,32 @@ class NodeStorage(BlockStorage):
     def failure(self, key: bytes) -> MissReason | None:
         """Why a load of ``key`` failed here lately, if it did."""
         return self.failures.get(key)
+
+    def located(self, names: Sequence[bytes], answers: Iterable[Any], view: SlabView, epoch: int) -> None:
+        """Remember the locations a daemon's answer on connection ``epoch`` gives (``[slot, gen]`` per name,
+        None for a block it does not hold, which forgets it) in the slab ``view`` it answered about."""
+        with self._lock:
+            known = self._locations
+            for name, answer in zip(names, answers, strict=True):
+                if isinstance(answer, list):
+                    known[name] = (answer[0], answer[1], view, epoch)
+                    known.move_to_end(name)
+                else:
+                    known.pop(name, None)
+            while len(known) > LOCATIONS_KEPT:
+                known.popitem(last=False)
+
+    def location(self, name: bytes) -> Location | None:
+        """Where the daemon said ``name`` is, if it said so on the connection that is up now: once a call
+        failed (the daemon died, stopped or restarted), nothing it said before is read on its word."""
+        with self._lock:
+            where = self._locations.get(name)
+        return where if where is not None and where[3] == self.client.live_epoch() else None
+
+    def forget(self, names: Iterable[bytes]) -> None:
+        with self._lock:
+            for name in names:
+                self._locations.pop(name, None)
 
 
 class NodeTier(KeyedTier):
@@ -83,10 +127,14 @@ class NodeTier(KeyedTier):
         return self._node_storage.client.timeout
 
     def _present(self, keys: list[bytes]) -> list[bool]:
-        (found,), _, _ = self._node_storage.client.call(Op.LOOKUP, self._node_storage.node_keys(keys))
+        """One LOOKUP; the locations it gives are remembered for the loads that follow."""
+        storage = self._node_storage
+        names = storage.node_keys(keys)
+        (found,), epoch, view = storage.client.call(Op.LOOKUP, names)
         if not isinstance(found, list) or len(found) != len(keys):
             raise TransferError(f"the node daemon answered a lookup of {len(keys)} keys with {found!r:.80}")
-        return [flag is True for flag in found]
+        storage.located(names, found, view, epoch)
+        return [isinstance(answer, list) for answer in found]
 
     def _failure(self, key: bytes) -> MissReason | None:
         return self._node_storage.failure(key)

@@ -1,19 +1,23 @@
-"""Copies between an engine's memory and the node daemon's slab, made by the engine itself: the daemon is
-asked for slots (one round trip per copy), the bytes move by memmove between this process's memory and
-the mapped slab, and the daemon hears what happened.
+"""Copies between an engine's memory and the node daemon's slab, made by the engine itself: the bytes move
+by memmove between this process's memory and the mapped slab, checked against the slot headers, and the
+daemon hears what happened (at most one round trip per copy).
 
 - a store reserves a slot per block (RESERVE: blocks the daemon holds already are skipped and count as
-  stored, ``skipped_existing``; blocks another engine is writing, or without room, fail: counted drops),
-  hashes each block as it copies it in (``slab.checksum``: key, bytes, the slot's generation), writes
-  the checksum into the slot header, then commits
-  (COMMIT): a block is visible to nobody before, and a reservation the daemon took back (the connection
-  closed meanwhile) commits nothing;
-- a load pins the blocks (PIN), copies each one out, then checks that the slot header still names the
-  block at the generation the pin gave (``state``, ``key``, ``length``), that the bytes that arrived hash to
-  the writer's checksum, and that the generation did not move during the copy (the daemon hands a slot
-  to a new writer only with a new generation, also after a restart). A block failing any of it fails the
-  load of that block (the engine recomputes it) and is dropped at the daemon (DROP) so nobody reads it
-  again; the pins are released without waiting (RELEASE).
+  stored, ``skipped_existing``; blocks another engine is writing, that the slab's policy declines or
+  that find no room fail: counted drops), hashes each block as it copies it in (``slab.checksum``: key,
+  bytes, the slot's generation), writes the checksum into the slot header, then commits (COMMIT,
+  posted: the daemon reads it before this engine's next request): a block is visible to nobody before,
+  and a reservation the daemon took back (the connection closed meanwhile) commits nothing;
+- a load reads each block where the daemon said it was (``NodeStorage.location``: a lookup, a pin or
+  this engine's store gave it), or else pins it (PIN, the one round trip); either way it copies the
+  block out, then checks that the slot header still names the block at that generation (``state``,
+  ``key``, ``length``), that the bytes that arrived hash to the writer's checksum, and that the
+  generation did not move during the copy (the daemon hands a slot to a new writer only with a new
+  generation, before the writer hears of it; also across restarts). A block read where it was said to
+  be that fails the check (evicted and reused since) is pinned and read again; one that fails after a
+  pin is damaged: its load fails (the engine recomputes it) and it is dropped at the daemon (DROP). The
+  daemon hears of the blocks read unpinned as uses for its policy (TOUCH), and the pins are released
+  (RELEASE), all without waiting.
 
 A copy runs on the backend's threads, or on the caller's own where it waits for it at once
 (``caller_runs``: ``TierStack.load_now``/``store_now``), with no thread woken.
@@ -129,11 +133,13 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
                 written.append(i)
             else:
                 failed.add(i)
-        landed = _commit(node, [names[i] for i in written], epoch)
     except BaseException:
         node.client.post(Op.ABORT, epoch, [names[i] for i in written])
         raise
-    failed.update(i for i, ok in zip(written, landed, strict=True) if not ok)
+    if written and not node.client.post(Op.COMMIT, epoch, [names[i] for i in written]):
+        failed.update(written)  # (the connection that reserved them is gone: so are the reservations)
+    else:
+        node.located([names[i] for i in written], [given[i] for i in written], view, epoch)
     if skipped and node.on_skipped is not None:
         node.on_skipped(skipped)
     return failed
@@ -155,32 +161,41 @@ def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]
     return True
 
 
-def _commit(node: NodeStorage, names: list[bytes], epoch: int) -> list[bool]:
-    """COMMIT on the connection that reserved them; per block whether it is visible now."""
-    if not names:
-        return []
-    try:
-        (committed,), answered_on, _ = node.client.call(Op.COMMIT, names)
-    except StoreError:
-        return [False] * len(names)
-    if answered_on != epoch or not isinstance(committed, list) or len(committed) != len(names):
-        return [False] * len(names)  # (another connection holds no reservation of these)
-    return [flag is True for flag in committed]
-
-
 def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> set[int]:
-    """Pin, copy out and check, release; the blocks that did not arrive good."""
+    """Read each block where it was said to be, or pin it; the blocks that did not arrive good."""
     names = node.node_keys(keys)
+    read: list[bytes] = []
+    unread: list[int] = []
+    for i, name in enumerate(names):
+        where = node.location(name)
+        if where is not None and _read(where[2], where[0], where[1], name, pieces[i]):  # (slab, slot, gen)
+            read.append(name)
+            node.failures.note(keys[i], None)
+        else:
+            unread.append(i)
+    epoch = node.client.epoch
+    failed = _pin_and_read(node, keys, names, pieces, unread) if unread else set()
+    if read:
+        node.client.post(Op.TOUCH, epoch, read)
+    return failed
+
+
+def _pin_and_read(
+    node: NodeStorage, keys: list[bytes], names: list[bytes], pieces: list[list[Piece]], which: list[int]
+) -> set[int]:
+    """Pin blocks ``which`` (one round trip), read and check them, release; the ones that failed."""
+    asked = [names[i] for i in which]
     try:
-        (pinned,), epoch, view = node.client.call(Op.PIN, names)
+        (pinned,), epoch, view = node.client.call(Op.PIN, asked)
     except StoreError:
-        for key in keys:
-            node.failures.note(key, MissReason.REMOTE_ERROR)
-        return set(range(len(keys)))
+        for i in which:
+            node.failures.note(keys[i], MissReason.REMOTE_ERROR)
+        return set(which)
+    node.located(asked, pinned, view, epoch)
     failed: set[int] = set()
     held: list[bytes] = []
     damaged: list[list[object]] = []
-    for i, slot_gen in enumerate(pinned):
+    for i, slot_gen in zip(which, pinned, strict=True):
         if not isinstance(slot_gen, list):
             node.failures.note(keys[i], MissReason.EVICTED)
             failed.add(i)
@@ -196,12 +211,13 @@ def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> se
     node.client.post(Op.RELEASE, epoch, held)
     if damaged:
         log.warning("kvtier node tier: %d of %d blocks failed their checks and were dropped", len(damaged), len(keys))
+        node.forget(name for name, _ in damaged)
         node.client.post(Op.DROP, epoch, damaged)
     return failed
 
 
 def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
-    """Copy the block in ``slot`` (pinned at ``gen``) out into ``pieces``; whether what arrived is it."""
+    """Copy the block in ``slot`` (at ``gen``) out into ``pieces``; whether what arrived is it."""
     length = sum(size for _, size in pieces)
     if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, READY, length):
         return False

@@ -132,8 +132,8 @@ def test_a_killed_daemon_costs_misses_within_the_timeout_and_a_restart_keeps_the
         daemon.kill()
         out = np.zeros_like(blocks)
         started = time.monotonic()
-        assert kv.load_now(tokens, out).loaded == 0  # (the tier still believes it holds them: the load fails)
-        assert kv.store_now(later, blocks[:2]).stored == 0
+        assert kv.store_now(later, blocks[:2]).stored == 0  # dropped: the daemon is gone, and the engine knows
+        assert kv.load_now(tokens, out).loaded == 0  # nothing the dead daemon said is read on its word
         assert kv.lookup(later) == 0
         assert time.monotonic() - started < 2 * TIMEOUT
         daemon.start()
