@@ -378,52 +378,70 @@ class NodeDaemon:
 
     def _reserve(self, session: Session, keys: list[bytes], lengths: list[int]) -> list[Any]:
         """A slot per key that no writer has yet, that the slab's policy admits and that fits, at most
-        the connection's room (evicting through the policy); per key [slot, generation] or why not."""
-        out: list[Any] = []
-        room = self._room(session)
-        view, now, tier = self.view, time.monotonic(), self.tier
+        the connection's room (evicting through the policy, all at once where room allows); per key
+        [slot, generation] or why not. The slots' generations move before anyone hears of them."""
+        tier, fits = self.tier, self.slab.geometry.slot_bytes
         states = [tier.state(key) for key in keys]
-        fresh = [key for key, state in zip(keys, states, strict=True) if state is BlockState.FREE]
-        admitted = dict(zip(fresh, tier.admit(fresh), strict=True))
-        for key, length, state in zip(keys, lengths, states, strict=True):
-            if state is not BlockState.FREE:
-                out.append(HELD if state is BlockState.READY else BUSY)
-                continue
-            if not admitted[key]:
-                out.append(DECLINED)
-                continue
-            slots = tier.reserve([key]) if room > 0 and length <= self.slab.geometry.slot_bytes else None
-            if slots is None:
-                out.append(FULL)
-                continue
-            slot = slots[0]
-            gen = int(view.gen[slot]) + 1
-            self.headers[slot] = (gen, WRITING, length, key, 0, 0, session.pid, b"")
-            session.reserved[key] = (slot, gen, now)
-            room -= 1
-            out.append([slot, gen])
+        fresh = [i for i, state in enumerate(states) if state is BlockState.FREE]
+        admitted = tier.admit([keys[i] for i in fresh])
+        out: list[Any] = [HELD if state is BlockState.READY else BUSY for state in states]
+        wanted = []
+        for i, ok in zip(fresh, admitted, strict=True):
+            out[i] = FULL if ok and lengths[i] > fits else DECLINED if not ok else None
+            if out[i] is None:
+                wanted.append(i)
+        for i in wanted[self._room(session) :]:
+            out[i] = FULL
+        wanted = wanted[: self._room(session)]
+        slots = tier.reserve([keys[i] for i in wanted]) if wanted else []
+        if slots is None:  # (no room for all: as many as it has, one by one)
+            slots = []
+            for i in wanted:
+                got = tier.reserve([keys[i]])
+                if got is None:
+                    break
+                slots += got
+        granted = wanted[: len(slots)]
+        for i in wanted[len(slots) :]:
+            out[i] = FULL
+        if granted:
+            gens = self._hand_out(np.array(slots), [keys[i] for i in granted], [lengths[i] for i in granted], session)
+            now = time.monotonic()
+            for i, slot, gen in zip(granted, slots, gens, strict=True):
+                session.reserved[keys[i]] = (slot, gen, now)
+                out[i] = [slot, gen]
         for outcome, name in ((HELD, "skipped"), (BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
             session.counts[name] += out.count(outcome)
         return out
 
+    def _hand_out(self, slots: np.ndarray, keys: list[bytes], lengths: list[int], session: Session) -> list[int]:
+        """Write the headers of slots given to a writer: the generation first (a reader of what the slot
+        held before fails its check from then on), then WRITING, the key and length; their generations."""
+        view = self.view
+        view.gen[slots] += 1
+        view.state[slots] = WRITING
+        view.length[slots] = lengths
+        view.keys[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
+        view.checksum[slots] = 0
+        view.seq[slots] = 0
+        view.writer[slots] = session.pid
+        return view.gen[slots].tolist()
+
     def _commit(self, session: Session, keys: list[bytes]) -> None:
         """Publish this connection's reservations among ``keys`` (others are not its own: ignored)."""
-        view, committed = self.view, 0
-        for key in keys:
-            held = session.reserved.pop(key, None)
-            if held is None:
-                continue
-            slot, gen, _ = held
-            if int(view.gen[slot]) != gen:  # (somebody wrote into the header: the slot is not the writer's)
-                log.warning("node: %s committed a block whose slot header was overwritten; dropped", session.name)
-                self.tier.abort([key])
-                continue
-            self._seq += 1
-            view.seq[slot] = self._seq
-            view.state[slot] = READY
-            self.tier.commit([key])
-            committed += 1
-        session.counts["stores"] += committed
+        view = self.view
+        mine = [(key, session.reserved.pop(key)) for key in keys if key in session.reserved]
+        good = [(key, slot) for key, (slot, gen, _) in mine if int(view.gen[slot]) == gen]
+        if len(good) < len(mine):  # (somebody wrote into a header: the slot is not the writer's)
+            log.warning("node: %s committed blocks whose slot headers were overwritten; dropped", session.name)
+            self.tier.abort([key for key, (slot, gen, _) in mine if int(view.gen[slot]) != gen])
+        if good:
+            slots = np.array([slot for _, slot in good])
+            view.seq[slots] = np.arange(self._seq + 1, self._seq + 1 + len(good))
+            self._seq += len(good)
+            view.state[slots] = READY
+            self.tier.commit([key for key, _ in good])
+        session.counts["stores"] += len(good)
         excess = self.tier.excess()
         if excess:
             self.tier.evict(excess)

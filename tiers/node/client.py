@@ -54,6 +54,7 @@ class NodeClient:
         self.trusted_uids = frozenset({os.geteuid(), 0, *trusted_uids})
         self.epoch = 0  # the current connection's number (0: none yet)
         self.node_id = ""  # the daemon's machine, as it names itself
+        self.slab_path = ""  # the slab's file, as this process sees its mapping (/proc/self/fd of the descriptor)
         self.geometry: Geometry | None = None
         self._view: SlabView | None = None
         self._sock: socket.socket | None = None
@@ -191,6 +192,7 @@ class NodeClient:
         if self._view is not None and self._view.id == slab_id and self._view.geometry == geometry:
             return  # (the descriptor is closed by the caller)
         fd = fds.pop(0)
+        self.slab_path = os.readlink(f"/proc/self/fd/{fd}")
         self._view = map_slab(fd, geometry)
         self.geometry = geometry
         self.node_id = str(node_id)

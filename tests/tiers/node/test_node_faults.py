@@ -129,6 +129,7 @@ def test_a_killed_daemon_costs_misses_within_the_timeout_and_a_restart_keeps_the
     blocks = rng.integers(0, 256, (6, BLOCK), dtype=np.uint8)
     with node_daemon(tmp_path) as daemon, KVTier.open(stack(daemon)) as kv:
         assert kv.store_now(tokens, blocks).stored == 6
+        wait_for(lambda: daemon.stats()["stores"] == 6)  # (COMMIT is posted: the daemon reads it soon after)
         daemon.kill()
         out = np.zeros_like(blocks)
         started = time.monotonic()
@@ -172,6 +173,7 @@ def test_a_daemon_stopped_by_sigterm_exits_cleanly_and_the_next_one_finds_the_sl
     with node_daemon(tmp_path) as daemon:
         with KVTier.open(stack(daemon)) as kv:
             kv.store_now(tokens, blocks)
+            wait_for(lambda: daemon.stats()["stores"] == 3)
             assert daemon.stop() == 0
             daemon.start()
         with KVTier.open(stack(daemon)) as kv:
