@@ -384,7 +384,11 @@ class NodeDaemon:
         states = [tier.state(key) for key in keys]
         fresh = [i for i, state in enumerate(states) if state is BlockState.FREE]
         admitted = tier.admit([keys[i] for i in fresh])
-        out: list[Any] = [HELD if state is BlockState.READY else BUSY for state in states]
+        gen = self.view.gen
+        out: list[Any] = [
+            [slot := tier.slots([key])[0], int(gen[slot]), HELD] if state is BlockState.READY else BUSY
+            for key, state in zip(keys, states, strict=True)
+        ]
         wanted = []
         for i, ok in zip(fresh, admitted, strict=True):
             out[i] = FULL if ok and lengths[i] > fits else DECLINED if not ok else None
@@ -410,7 +414,8 @@ class NodeDaemon:
             for i, slot, gen in zip(granted, slots, gens, strict=True):
                 session.reserved[keys[i]] = (slot, gen, now)
                 out[i] = [slot, gen]
-        for outcome, name in ((HELD, "skipped"), (BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
+        session.counts["skipped"] += sum(isinstance(entry, list) and len(entry) == 3 for entry in out)
+        for outcome, name in ((BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
             session.counts[name] += out.count(outcome)
         return out
 

@@ -11,6 +11,8 @@ no trace is given, on any machine.
   Each run puts a disk tier in a fresh directory inside its ``path`` and removes it afterwards, so
   every run starts empty and blocks already stored there are left alone.
 * ``--metadata-only``: the same policies on an index alone (``kvtier.replay.cache``), one cache.
+* ``--engines N`` with ``--split`` and ``--node``: several engines on one machine, with private tiers
+  or a node daemon's shared slab (``kvtier.replay_engines``).
 * ``--policy`` and ``--capacity`` set the eviction policy and size (in blocks) of one tier, the last
   one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
 * ``--belady`` adds the offline optimum for the same number of blocks (with a stack: all its tiers'
@@ -47,10 +49,12 @@ from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, par
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
 from kvtier.replay.cache import belady, replay
+from kvtier.replay.routing import SPLITS, route
 from kvtier.replay.sizing import DEFAULT_PREFILL_TOKENS_PER_S, Assumptions, LoadTimes, sizing, trace_seconds
-from kvtier.replay.stack import prefill_tokens_saved, replay_through_stack
+from kvtier.replay.stack import prefill_tokens_saved, replay_through_engines
 from kvtier.replay.trace import Request, load_trace, write_trace
 from kvtier.replay.workload import ChatWorkload, generate
+from kvtier.replay_engines import daemon_counts, divided, merged, node_daemon_for
 from kvtier.report import print_summary
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "replay.yaml"
@@ -105,6 +109,22 @@ def add_replay_parser(commands) -> None:
         help="generated workload: number of conversations",
     )
     p.add_argument("--seed", type=int, default=0, help="generated workload: random seed")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="split the requests across this many engines on one machine, each with the config's stack "
+        "cut to 1/N of its capacity (default 1)",
+    )
+    p.add_argument(
+        "--split", choices=SPLITS, default="round_robin", help="how requests go to engines (default round_robin)"
+    )
+    p.add_argument(
+        "--node",
+        action="store_true",
+        help="the config's last tier (a host tier) becomes one node daemon's slab that every engine shares; "
+        "with --engines > 1 the private split is replayed too, and both are reported",
+    )
     p.add_argument("--save-trace", type=Path, help="also write the replayed requests as a Mooncake JSONL trace")
 
 
@@ -153,6 +173,10 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
         raise ReplayError(f"--capacity must be at least {0 if args.metadata_only else 1} block(s), not {args.capacity}")
     if args.block_tokens < 1:
         raise ReplayError(f"--block-tokens must be at least 1, not {args.block_tokens}")
+    if args.engines < 1:
+        raise ReplayError(f"--engines must be at least 1, not {args.engines}")
+    if args.metadata_only and (args.node or args.engines > 1):
+        raise ReplayError("--engines and --node replay real stacks: leave out --metadata-only")
     if not (math.isfinite(args.prefill_tokens_per_s) and args.prefill_tokens_per_s > 0):
         raise ReplayError(f"--prefill-tokens-per-s must be a positive number, not {args.prefill_tokens_per_s}")
     block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
@@ -191,7 +215,12 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
                 cfg = _fresh_disk_dirs(
                     _override(config, names.index(governed), policy, capacity, block_bytes), disk_dirs
                 )
-                return _stack_run(requests, cfg, args.block_tokens, timed, advance)
+                run, occupancy = _stack_run(requests, cfg, args, timed, advance)
+                if args.node and args.engines > 1:
+                    private, _ = _stack_run(requests, cfg, args, timed, advance, node=False)
+                    run["private"] = {k: private[k] for k in ("hit_ratio", "hits", "prefill_saved_ratio", "engines")}
+                    run["hit_gain"] = run["hit_ratio"] / private["hit_ratio"] if private["hit_ratio"] else None
+                return run, occupancy
         finally:
             progress.remove_task(task)
 
@@ -375,18 +404,35 @@ def _metadata_run(
 def _stack_run(
     requests: Sequence[Request],
     config: StackConfig,
-    block_tokens: int,
+    args: argparse.Namespace,
     timed: LoadTimes,
     advance: Callable[[], None],
+    node: bool | None = None,
 ) -> tuple[dict, list]:
-    """One replay through a real stack built from ``config``; its timed loads are added to ``timed``."""
-    stack = build_stack(config)
-    try:
-        description = stack.describe()
-        media = {t.name: t.medium for t in stack.tiers}
-        result = replay_through_stack(requests, stack, block_tokens, on_request=lambda _: advance())
-    finally:
-        stack.close()
+    """One replay through real stacks built from ``config``: ``args.engines`` of them, through a node
+    daemon with ``node`` (``args.node`` by default); its timed loads are added to ``timed``."""
+    node = args.node if node is None else node
+    engine_of = route(requests, args.engines, args.split)
+    with ExitStack() as cleanup:
+        daemon = None
+        if node:
+            config, daemon = cleanup.enter_context(node_daemon_for(config))
+        config = divided(config, args.engines, keep_last=node) if args.engines > 1 else config
+        stacks = []
+        try:
+            for _ in range(args.engines):
+                stacks.append(build_stack(config))
+            description = stacks[0].describe()
+            media = {t.name: t.medium for t in stacks[0].tiers}
+            results = replay_through_engines(
+                requests, stacks, engine_of, args.block_tokens, on_request=lambda _: advance()
+            )
+        finally:
+            for stack in stacks:
+                stack.close()
+        result = merged(results)
+        if daemon is not None:
+            result.tiers[config.tier_name(len(config.tiers) - 1)].update(daemon_counts(daemon))
     seconds = max(result.seconds, 1e-9)
     timed.merge(result.loads)
     tiers = {}
@@ -425,4 +471,10 @@ def _stack_run(
         "tiers": tiers,
         "stack_description": description,
     }
+    if args.engines > 1 or node:
+        summary["engines"] = [
+            {"hit_ratio": r.hit_ratio, "hits": r.hits, "references": r.references, "requests": r.requests}
+            for r in results
+        ]
+        summary.update(split=args.split, node=node)
     return summary, result.occupancy

@@ -119,35 +119,73 @@ def replay_through_stack(
 
     Raises ValueError when a tier already holds blocks (hits would come from an earlier run).
     """
-    busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
-    if busy:
-        raise ValueError(
-            f"the replay needs an empty stack, but tiers hold blocks already: {busy} "
-            f"(a disk tier keeps its blocks across runs: give it an empty directory)"
-        )
-    layout: BlockLayout = stack.tiers[0].storage.layout
-    bb = layout.block_bytes
+    return replay_through_engines(requests, [stack], [0] * len(requests), block_tokens, on_request, samples, timeout)[0]
+
+
+def replay_through_engines(
+    requests: Sequence[Request],
+    stacks: Sequence[TierStack],
+    engine_of: Sequence[int],
+    block_tokens: int = 512,
+    on_request: Callable[[int], None] | None = None,
+    samples: int = 400,
+    timeout: float = 120.0,
+) -> list[StackReplayResult]:
+    """Run ``requests`` in trace order, request ``i`` through ``stacks[engine_of[i]]`` (engines that may
+    share a tier: a node daemon's slab); each engine's result. Every stack must be empty (ValueError)."""
     longest = max((len(r.hash_ids) for r in requests), default=0)
-    engine = EngineBuffers(max(longest, 1), bb, on_cuda=any(t.storage.device == CUDA_DEVICE for t in stack.tiers))
-    loaded_into = buffer_storage(engine.loaded, layout, writable=True)
-    computed_from = buffer_storage(engine.computed, layout)
-    dst_medium = "gpu" if any(t.medium == "gpu" for t in stack.tiers) else "host"
-    top_capacity = stack.tiers[0].capacity
     every = max(1, -(-len(requests) // max(samples, 1)))
-    result = StackReplayResult()
-    misses = MissCounter([t.name for t in stack.tiers])  # this run's alone
+    replayers = [_Replayer(stack, longest, block_tokens, timeout) for stack in stacks]
     started = time.perf_counter()
-    for index, request in enumerate(requests):
+    for index, (request, engine) in enumerate(zip(requests, engine_of, strict=True)):
+        replayer = replayers[engine]
+        replayer.step(request)
+        if index % every == 0 or index == len(requests) - 1:
+            replayer.sample(index)
+        if on_request is not None:
+            on_request(index)
+    seconds = time.perf_counter() - started
+    return [replayer.finish(seconds) for replayer in replayers]
+
+
+class _Replayer:
+    """One engine of a replay: its stack, its memory, what it counted so far."""
+
+    def __init__(self, stack: TierStack, longest: int, block_tokens: int, timeout: float) -> None:
+        busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
+        if busy:
+            raise ValueError(
+                f"the replay needs an empty stack, but tiers hold blocks already: {busy} "
+                f"(a disk tier keeps its blocks across runs: give it an empty directory)"
+            )
+        self.stack = stack
+        self.block_tokens = block_tokens
+        self.timeout = timeout
+        layout: BlockLayout = stack.tiers[0].storage.layout
+        self.block_bytes = layout.block_bytes
+        on_cuda = any(t.storage.device == CUDA_DEVICE for t in stack.tiers)
+        self.engine = EngineBuffers(max(longest, 1), self.block_bytes, on_cuda)
+        self.loaded_into = buffer_storage(self.engine.loaded, layout, writable=True)
+        self.computed_from = buffer_storage(self.engine.computed, layout)
+        self.dst_medium = "gpu" if any(t.medium == "gpu" for t in stack.tiers) else "host"
+        top = stack.tiers[0]
+        self.top_capacity = None if top.by_key else top.capacity  # (a tier by key: its owner makes room)
+        self.result = StackReplayResult()
+        self.misses = MissCounter([t.name for t in stack.tiers])  # this run's alone
+
+    def step(self, request: Request) -> None:
+        """Load the request's present prefix (checked bit-exact), reference the rest, store what is missing."""
+        stack, result, bb, timeout = self.stack, self.result, self.block_bytes, self.timeout
         ids = request.hash_ids
         keys = [block_key(h) for h in ids]
         load_started = time.perf_counter()
-        loaded = stack.load(keys, loaded_into, range(len(keys)), dst_medium).result(timeout)
+        loaded = stack.load(keys, self.loaded_into, range(len(keys)), self.dst_medium).result(timeout)
         load_seconds = time.perf_counter() - load_started
         if len(set(loaded.sources)) == 1 and not loaded.failed:
             result.loads.add(loaded.sources[0], loaded.loaded * bb, load_seconds)
         good = loaded.failed[0] if loaded.failed else loaded.hits
         result.failed_blocks += len(loaded.failed)
-        arrived = engine.loaded_bytes(good)
+        arrived = self.engine.loaded_bytes(good)
         for i in range(good):
             if not np.array_equal(arrived[i], block_content(ids[i], bb)):
                 result.corrupt_blocks += 1
@@ -156,31 +194,32 @@ def replay_through_stack(
         result.verified_blocks += good
         miss = stack.misses.explain(keys, good)
         if miss is not None:
-            misses.add(miss)
+            self.misses.add(miss)
         result.hits += good
         result.references += len(ids)
         result.requests += 1
-        result.prefill_tokens += request.input_length or len(ids) * block_tokens
-        result.prefill_tokens_saved += prefill_tokens_saved(request, good, block_tokens)
+        result.prefill_tokens += request.input_length or len(ids) * self.block_tokens
+        result.prefill_tokens_saved += prefill_tokens_saved(request, good, self.block_tokens)
         pinned, missing = _reference_rest(stack.tiers, keys[good:], ids[good:])
         try:
-            missing = missing[:top_capacity]
+            missing = missing[: self.top_capacity]
             if missing:
-                engine.compute([block_id for _, block_id in missing])
-                stored = stack.store([k for k, _ in missing], computed_from, range(len(missing))).result(timeout)
+                self.engine.compute([block_id for _, block_id in missing])
+                stored = stack.store([k for k, _ in missing], self.computed_from, range(len(missing))).result(timeout)
                 result.stored_blocks += stored.stored
         finally:
             for tier, key in pinned:
                 tier.unpin([key])
         stack.wait_idle(timeout)
-        if index % every == 0 or index == len(requests) - 1:
-            result.occupancy.append((index, {t.name: t.usage().used for t in stack.tiers}))
-        if on_request is not None:
-            on_request(index)
-    result.seconds = time.perf_counter() - started
-    result.tiers = stack.stats()
-    result.misses = misses.stats()
-    return result
+
+    def sample(self, index: int) -> None:
+        self.result.occupancy.append((index, {t.name: t.usage().used for t in self.stack.tiers}))
+
+    def finish(self, seconds: float) -> StackReplayResult:
+        self.result.seconds = seconds
+        self.result.tiers = self.stack.stats()
+        self.result.misses = self.misses.stats()
+        return self.result
 
 
 class EngineBuffers:

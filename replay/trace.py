@@ -19,12 +19,14 @@ from os import PathLike
 
 @dataclass(frozen=True)
 class Request:
-    """One line of a Mooncake trace. ``hash_ids`` name the prompt's blocks, chained (equal id = equal prefix)."""
+    """One line of a Mooncake trace. ``hash_ids`` name the prompt's blocks, chained (equal id = equal prefix).
+    ``session``: the conversation it belongs to, where the generator knows it (a trace does not say)."""
 
     timestamp: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: int | None = None
 
 
 def load_trace(path: str | PathLike[str]) -> list[Request]:

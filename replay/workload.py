@@ -99,7 +99,7 @@ def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
     events: list[tuple[float, int, Request]] = []
     order = itertools.count()
     start = 0.0
-    for _ in range(spec.conversations):
+    for conversation in range(spec.conversations):
         start += rng.expovariate(1.0 / spec.mean_arrival_ms)
         system = rng.choices(range(spec.system_prompts), weights)[0]
         history, full_ids = prompts[system]
@@ -122,7 +122,8 @@ def generate(spec: ChatWorkload = ChatWorkload()) -> list[Request]:
             # Blocks up to the last full block of the history keep their ids; the rest is new.
             hash_ids = full_ids + [next(ids) for _ in range(math.ceil(prompt / bt) - len(full_ids))]
             output = rng.randint(*spec.output_tokens)
-            heapq.heappush(events, (now, next(order), Request(int(now), prompt, output, tuple(hash_ids))))
+            request = Request(int(now), prompt, output, tuple(hash_ids), conversation)
+            heapq.heappush(events, (now, next(order), request))
             if rng.random() < p_end:
                 break
             full_ids = hash_ids[: prompt // bt]

@@ -165,6 +165,8 @@ class KeyedTier(Tier):
                     here = found is not None and found[i]
                     if here and self._answer(key, now) is not False:  # not after a failed load of it
                         self._remember(key, True, now)
+                    elif found is not None and not here and self._answer(key, now):
+                        del self._answers[key]  # the owner's "absent" is newer than what we knew
                     if found is None:
                         self._fail(key, MissReason.REMOTE_ERROR, now)
                     elif self._failed.get(key, (0.0, None))[1] is MissReason.REMOTE_ERROR:

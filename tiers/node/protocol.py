@@ -13,7 +13,7 @@ per message: a batch is one round trip per request phase.
     PIN     [keys]                   -> [OK, [[slot, gen] or None per key]]  (pinned by this connection)
     RELEASE [keys]                   (unpins this connection's pins)
     TOUCH   [keys]                   (blocks read without a pin: a use, for the slab's policy)
-    RESERVE [keys, lengths]          -> [OK, [[slot, gen] or HELD / BUSY / FULL / DECLINED per key]]
+    RESERVE [keys, lengths]          -> [OK, [[slot, gen], [slot, gen, HELD] or BUSY / FULL / DECLINED per key]]
     COMMIT  [keys]                   (publishes this connection's reservations: READY from then on)
     ABORT   [keys]                   (gives this connection's reservations back)
     DROP    [[key, gen], ...]        (a load found these blocks damaged: unreadable for everyone)
@@ -59,9 +59,10 @@ POSTED = frozenset({Op.RELEASE, Op.TOUCH, Op.COMMIT, Op.ABORT, Op.DROP})
 
 OK, ERROR = 0, 1
 HELD, BUSY, FULL, DECLINED = 1, 2, 3, 4
-"""Why a RESERVE gave a key no slot: the daemon holds the block already (READY), another writer is
-storing it, no room (every slot pinned or being written, or the connection holds its share), the
-slab's policy does not admit it (``adaptive``'s filter: a block is stored once it was asked for twice)."""
+"""Why a RESERVE gave a key no slot: the daemon holds the block already (READY: ``[slot, gen, HELD]``, where
+it is), another writer is storing it, no room (every slot pinned or being written, or the connection
+holds its share), the slab's policy does not admit it (``adaptive``'s filter: a block is stored once it
+was asked for twice)."""
 
 
 class ProtocolError(Exception):

@@ -114,7 +114,10 @@ class SlabView:
         self.gen, self.state, self.length = self.headers["gen"], self.headers["state"], self.headers["length"]
         self.checksum, self.seq, self.writer = self.headers["checksum"], self.headers["seq"], self.headers["writer"]
         self.keys = np.ndarray(
-            (geometry.slots, NODE_KEY_BYTES), np.uint8, mapping, geometry.header_offset + HEADER.fields["key"][1],
+            (geometry.slots, NODE_KEY_BYTES),
+            np.uint8,
+            mapping,
+            geometry.header_offset + HEADER.fields["key"][1],
             (SLOT_HEADER_BYTES, 1),
         )
         self._memory = np.frombuffer(mapping, np.uint8, geometry.slots * geometry.slot_bytes, geometry.data_offset)

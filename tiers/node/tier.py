@@ -5,10 +5,11 @@ Blocks go to the daemon under node keys: the engine's key bound to its namespace
 16-byte BLAKE2b of both), so engines of different models, layouts or tensor-parallel ranks share a daemon
 without ever finding each other's blocks, and the slab's headers need no namespace of their own.
 
-The storage remembers where the daemon last said each block is (``locations``: the slot and its
+The storage remembers where the daemon last said each block is (``Location``: the slot and its
 generation, from a lookup, a pin or this engine's own store), so a load of a block found lately reads
 it there without asking: the slot header and the block's checksum tell whether it is still that block
-(``kvtier.tiers.node.transfer``).
+(``kvtier.tiers.node.transfer``). The tier's recent answers count only while that header holds: a
+block evicted and its slot reused since is asked about again instead of promised to a load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
@@ -26,7 +27,7 @@ from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
-from kvtier.tiers.node.slab import NODE_KEY_BYTES, SlabView
+from kvtier.tiers.node.slab import NODE_KEY_BYTES, READY, SlabView
 
 NODE_DEVICE = "node"
 """The device of a node slab's blocks as transfers see them: named by key, copied by ``NodeBackend``."""
@@ -42,9 +43,26 @@ LOCATIONS_KEPT = 65536
 """How many blocks' locations a ``NodeStorage`` remembers (the oldest forgotten first; a block whose
 location is forgotten is pinned for its load, one round trip, no miss)."""
 
-Location = tuple[int, int, SlabView, int]
-"""Where the daemon said a block is: its slot, the slot's generation then, the slab mapped then, and the
-connection (``NodeClient.epoch``) it said it on."""
+
+class Location(NamedTuple):
+    """Where the daemon said a block is: its slot, the slot's generation then, the block's node key, the
+    slab mapped then, and the connection (``NodeClient.epoch``) it said it on."""
+
+    slot: int
+    gen: int
+    name: bytes
+    view: SlabView
+    epoch: int
+
+    def holds(self) -> bool:
+        """Whether the slot header still says READY, this block, this generation (a local read)."""
+        view, slot = self.view, self.slot
+        return (
+            int(view.gen[slot]) == self.gen
+            and int(view.state[slot]) == READY
+            and view.keys[slot].tobytes() == self.name
+        )
+
 
 _PERSON = b"kvtier-node-key"
 
@@ -84,31 +102,41 @@ class NodeStorage(BlockStorage):
         """Why a load of ``key`` failed here lately, if it did."""
         return self.failures.get(key)
 
-    def located(self, names: Sequence[bytes], answers: Iterable[Any], view: SlabView, epoch: int) -> None:
-        """Remember the locations a daemon's answer on connection ``epoch`` gives (``[slot, gen]`` per name,
-        None for a block it does not hold, which forgets it) in the slab ``view`` it answered about."""
+    def located(
+        self, keys: Sequence[bytes], names: Sequence[bytes], answers: Iterable[Any], view: SlabView, epoch: int
+    ) -> None:
+        """Remember the locations a daemon's answer on connection ``epoch`` gives for ``keys`` (node keys
+        ``names``; ``[slot, gen]`` each, or None for a block it does not hold, which forgets it) in the
+        slab ``view`` it answered about."""
         with self._lock:
             known = self._locations
-            for name, answer in zip(names, answers, strict=True):
+            for key, name, answer in zip(keys, names, answers, strict=True):
                 if isinstance(answer, list):
-                    known[name] = (answer[0], answer[1], view, epoch)
-                    known.move_to_end(name)
+                    known[key] = Location(answer[0], answer[1], name, view, epoch)
+                    known.move_to_end(key)
                 else:
-                    known.pop(name, None)
+                    known.pop(key, None)
             while len(known) > LOCATIONS_KEPT:
                 known.popitem(last=False)
 
-    def location(self, name: bytes) -> Location | None:
-        """Where the daemon said ``name`` is, if it said so on the connection that is up now: once a call
-        failed (the daemon died, stopped or restarted), nothing it said before is read on its word."""
+    def location(self, key: bytes) -> Location | None:
+        """Where the daemon said ``key``'s block is, if it said so on the connection that is up now: once a
+        call failed (the daemon died, stopped or restarted), nothing it said before is read on its word."""
         with self._lock:
-            where = self._locations.get(name)
-        return where if where is not None and where[3] == self.client.live_epoch() else None
+            where = self._locations.get(key)
+        return where if where is not None and where.epoch == self.client.live_epoch() else None
 
-    def forget(self, names: Iterable[bytes]) -> None:
+    def moved(self, key: bytes) -> bool:
+        """Whether what the daemon said of ``key``'s place no longer holds: its slot went to another block
+        (or was dropped), or the connection it was said on is gone. False where nothing was said."""
         with self._lock:
-            for name in names:
-                self._locations.pop(name, None)
+            where = self._locations.get(key)
+        return where is not None and (where.epoch != self.client.live_epoch() or not where.holds())
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._locations.pop(key, None)
 
 
 class NodeTier(KeyedTier):
@@ -118,7 +146,9 @@ class NodeTier(KeyedTier):
     def __init__(self, name: str, storage: NodeStorage, known_for: float | None = None) -> None:
         client = storage.client
         note = f"node daemon at {client.path} ({client.node_id or 'not connected'}), timeout {client.timeout:g} s"
-        super().__init__(name, "node", storage, note, KNOWN_FOR_S if known_for is None else known_for, loads_direct=True)
+        super().__init__(
+            name, "node", storage, note, KNOWN_FOR_S if known_for is None else known_for, loads_direct=True
+        )
         self._node_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
         storage.on_skipped = lambda n: self.count(skipped_existing=n)
 
@@ -133,8 +163,14 @@ class NodeTier(KeyedTier):
         (found,), epoch, view = storage.client.call(Op.LOOKUP, names)
         if not isinstance(found, list) or len(found) != len(keys):
             raise TransferError(f"the node daemon answered a lookup of {len(keys)} keys with {found!r:.80}")
-        storage.located(names, found, view, epoch)
+        storage.located(keys, names, found, view, epoch)
         return [isinstance(answer, list) for answer in found]
+
+    def _answer(self, key: bytes, now: float) -> bool | None:
+        """A recent "present" counts while the block's slot still holds it (a local read of its header):
+        one evicted and reused since, or said by a connection that is gone, is asked about again."""
+        answer = super()._answer(key, now)
+        return None if answer and self._node_storage.moved(key) else answer
 
     def _failure(self, key: bytes) -> MissReason | None:
         return self._node_storage.failure(key)

@@ -124,12 +124,12 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
         return set(range(len(keys)))
     failed: set[int] = set()
     written: list[int] = []
-    skipped = 0
+    held: list[int] = []
     try:
-        for i, slot_gen in enumerate(given):
-            if slot_gen == HELD:
-                skipped += 1
-            elif isinstance(slot_gen, list) and _write(view, *slot_gen, names[i], pieces[i]):
+        for i, answer in enumerate(given):
+            if isinstance(answer, list) and len(answer) == 3 and answer[2] == HELD:
+                held.append(i)
+            elif isinstance(answer, list) and len(answer) == 2 and _write(view, *answer, names[i], pieces[i]):
                 written.append(i)
             else:
                 failed.add(i)
@@ -138,10 +138,10 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
         raise
     if written and not node.client.post(Op.COMMIT, epoch, [names[i] for i in written]):
         failed.update(written)  # (the connection that reserved them is gone: so are the reservations)
-    else:
-        node.located([names[i] for i in written], [given[i] for i in written], view, epoch)
-    if skipped and node.on_skipped is not None:
-        node.on_skipped(skipped)
+    landed = [i for i in written + held if i not in failed]
+    node.located([keys[i] for i in landed], [names[i] for i in landed], [given[i][:2] for i in landed], view, epoch)
+    if held and node.on_skipped is not None:
+        node.on_skipped(len(held))
     return failed
 
 
@@ -167,8 +167,8 @@ def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> se
     read: list[bytes] = []
     unread: list[int] = []
     for i, name in enumerate(names):
-        where = node.location(name)
-        if where is not None and _read(where[2], where[0], where[1], name, pieces[i]):  # (slab, slot, gen)
+        where = node.location(keys[i])
+        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i]):
             read.append(name)
             node.failures.note(keys[i], None)
         else:
@@ -191,7 +191,7 @@ def _pin_and_read(
         for i in which:
             node.failures.note(keys[i], MissReason.REMOTE_ERROR)
         return set(which)
-    node.located(asked, pinned, view, epoch)
+    node.located([keys[i] for i in which], asked, pinned, view, epoch)
     failed: set[int] = set()
     held: list[bytes] = []
     damaged: list[list[object]] = []
@@ -211,7 +211,7 @@ def _pin_and_read(
     node.client.post(Op.RELEASE, epoch, held)
     if damaged:
         log.warning("kvtier node tier: %d of %d blocks failed their checks and were dropped", len(damaged), len(keys))
-        node.forget(name for name, _ in damaged)
+        node.forget(keys[i] for i in which if names[i] in {name for name, _ in damaged})
         node.client.post(Op.DROP, epoch, damaged)
     return failed
 

@@ -97,7 +97,8 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         out = np.zeros_like(blocks)
         assert other.load_now(tokens, out).loaded == 2 and np.array_equal(out, blocks)
         (held,), _, _ = other_node.client.call(Op.RESERVE, names, [BLOCK, BLOCK])
-        assert held == [HELD, HELD]
+        assert [entry[2] for entry in held] == [HELD, HELD]  # (with where the blocks are)
+        assert [entry[:2] for entry in held] == [entry[:2] for entry in other_node.client.call(Op.PIN, names)[0][0]]
 
 
 def damage(view: SlabView, slot: int, at: int = 100) -> None:
