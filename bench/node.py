@@ -25,6 +25,13 @@ Figures, per path
     that maps it, the daemon included: a shared page counts once, split among its mappers), and of
     the whole processes.
 
+Hit ratio at the same total memory (``kvtier replay --engines 4 --node``)
+    The Mooncake trace (``--trace``) and the generated chat workload split across 4 engines, round robin
+    and by session (``kvtier.replay.routing``), through a node daemon's slab of ``--hit-blocks`` blocks
+    against 4 private host tiers of a quarter of that each (both adaptive, the default for a last
+    tier); every hit checked bit-exact. ``hit_gain``: the node tier's hit ratio over the private tiers',
+    the lowest of the four (two traces, two splits).
+
 Ratios
     ``ratio_N``: node / private, the lower of load and store GB/s, at N processes and 256 KiB blocks
     (``ratio_1``, ``ratio_8``; the issue asks >= 0.9 and >= 0.8); ``pss_ratio``: node / private resident
@@ -42,6 +49,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 BLOCKS = 16
 TOKENS = 16
+TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def request_tokens(index: int) -> list[int]:
@@ -165,9 +174,7 @@ def run_path(
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(procs + 1), context.Queue()
     workers = [
-        context.Process(
-            target=worker, args=(config, block_bytes, prefixes, seconds, warm_up, rank, barrier, results)
-        )
+        context.Process(target=worker, args=(config, block_bytes, prefixes, seconds, warm_up, rank, barrier, results))
         for rank in range(procs)
     ]
     for process in workers:
@@ -219,6 +226,35 @@ def control_us(socket_path: str, block_bytes: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def hit_ratios(trace: Path, blocks: int) -> dict:
+    """``kvtier replay --engines 4 --node`` on the trace and the chat workload, both splits: node and
+    private hit ratios, and their ratio."""
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as directory:
+        config = Path(directory) / "stack.yaml"
+        tier = {"medium": "host", "capacity_blocks": blocks}
+        config.write_text(json.dumps({"block_tokens": 512, "block_bytes": 4096, "tiers": [tier]}))
+        for name, source in (("mooncake", [str(trace)]), ("chat", [])):
+            for split in ("round_robin", "session"):
+                argv = [*source, "--config", str(config), "--engines", "4", "--split", split, "--node", "--json"]
+                done = subprocess.run(
+                    [sys.executable, "-m", "kvtier.cli", "replay", *argv], capture_output=True, text=True, check=True
+                )
+                run = json.loads(done.stdout.strip().splitlines()[-1])
+                out[f"{name}_{split}"] = {
+                    "node": run["hit_ratio"],
+                    "private": run["private"]["hit_ratio"],
+                    "gain": run["hit_gain"],
+                    "corrupt": run["corrupt_blocks"],
+                }
+                print(
+                    f"hit ratio {name:>8} {split:>11}: node {run['hit_ratio']:.3f}, private "
+                    f"{run['private']['hit_ratio']:.3f}, gain {run['hit_gain']:.2f}",
+                    flush=True,
+                )
+    return out
+
+
 def main() -> None:
     from helpers.node_daemon import node_daemon
 
@@ -227,18 +263,25 @@ def main() -> None:
     parser.add_argument("--block-bytes", default="262144,2097152")
     parser.add_argument("--prefixes", type=int, default=8, help="requests of 16 blocks every process holds")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake trace for the hit ratios")
+    parser.add_argument("--hit-blocks", type=int, default=4000, help="the node slab's blocks in the hit-ratio runs")
     args = parser.parse_args()
     procs = [int(p) for p in args.procs.split(",")]
     sizes = [int(b) for b in args.block_bytes.split(",")]
     figures: dict = {}
-    print(f"{'blocks':>8} {'procs':>5}  {'path':8} {'load GB/s':>9} {'store GB/s':>10} {'load ms CPU':>11} "
-          f"{'store ms CPU':>12} {'tier PSS MiB':>12} {'PSS MiB':>8}")
+    print(
+        f"{'blocks':>8} {'procs':>5}  {'path':8} {'load GB/s':>9} {'store GB/s':>10} {'load ms CPU':>11} "
+        f"{'store ms CPU':>12} {'tier PSS MiB':>12} {'PSS MiB':>8}"
+    )
     for block_bytes in sizes:
         held = args.prefixes * BLOCKS * block_bytes
         capacity = 2 * held + 4 * BLOCKS * block_bytes * max(procs)  # the set, and room for stores to churn
-        with tempfile.TemporaryDirectory() as directory, node_daemon(
-            Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), eviction="lru", max_held=1.0
-        ) as daemon:
+        with (
+            tempfile.TemporaryDirectory() as directory,
+            node_daemon(
+                Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), eviction="lru", max_held=1.0
+            ) as daemon,
+        ):
             assert daemon.process is not None
             figures[f"control_us_{block_bytes}"] = control_us(daemon.socket, block_bytes)
             for n in procs:
@@ -253,9 +296,12 @@ def main() -> None:
                         config, n, block_bytes, args.prefixes, args.seconds, capacity, pid, daemon.slab
                     )
                     f = row[path]
-                    print(f"{block_bytes // 1024:>6}Ki {n:>5}  {path:8} {f['load_gbps']:>9.2f} {f['store_gbps']:>10.2f} "
-                          f"{f['load_cpu_ms_per_request']:>11.2f} {f['store_cpu_ms_per_request']:>12.2f} "
-                          f"{f['tier_pss_bytes'] / 2**20:>12.0f} {f['pss_bytes'] / 2**20:>8.0f}", flush=True)
+                    print(
+                        f"{block_bytes // 1024:>6}Ki {n:>5}  {path:8} {f['load_gbps']:>9.2f} {f['store_gbps']:>10.2f} "
+                        f"{f['load_cpu_ms_per_request']:>11.2f} {f['store_cpu_ms_per_request']:>12.2f} "
+                        f"{f['tier_pss_bytes'] / 2**20:>12.0f} {f['pss_bytes'] / 2**20:>8.0f}",
+                        flush=True,
+                    )
                 key = f"{block_bytes}_{n}"
                 figures[key] = row
                 load = row["node"]["load_gbps"] / row["private"]["load_gbps"]
@@ -264,10 +310,14 @@ def main() -> None:
                 if block_bytes == 262144:
                     figures[f"ratio_{n}"] = min(load, store)
                 figures[f"pss_ratio_{key}"] = row["node"]["tier_pss_bytes"] / row["private"]["tier_pss_bytes"]
+    figures["hits"] = hit_ratios(args.trace, args.hit_blocks)
+    figures["hit_gain"] = min(run["gain"] for run in figures["hits"].values())
     most = max(procs)
     figures["pss_ratio"] = figures[f"pss_ratio_{sizes[0]}_{most}"]
     figures["ratio"] = figures.get("ratio_1", figures.get(f"ratio_{procs[0]}"))
-    figures["wrong"] = sum(row[path]["wrong"] for key, row in figures.items() if isinstance(row, dict) for path in row)
+    figures["wrong"] = sum(
+        row[path]["wrong"] for key, row in figures.items() if key[0].isdigit() and isinstance(row, dict) for path in row
+    ) + sum(run["corrupt"] for run in figures["hits"].values())
     print(json.dumps(figures))
 
 
