@@ -170,7 +170,8 @@ def run_path(
 ) -> dict:
     """Run ``procs`` workers on ``config`` (the node path: on the daemon ``daemon_pid`` serving ``slab``);
     the path's figures."""
-    warm_up = -(-capacity // (BLOCKS * block_bytes * procs))  # the tier's capacity, over the processes
+    shared = daemon_pid is not None  # (the node slab is one for all; each private tier is a process's own)
+    warm_up = -(-capacity // (BLOCKS * block_bytes * (procs if shared else 1)))
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(procs + 1), context.Queue()
     workers = [

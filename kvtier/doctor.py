@@ -6,7 +6,8 @@ doctor and the engine cannot disagree: the config's validation (``load_config``)
 (``key_secret``, ``mac_key``, the store backend's own connector, which reads its password), the disk
 tier's trust rules (``open_slab_for_reading``: owner, mode, links of the directory and its slab), and a
 real client of the remote store opened the way the tier opens one (``StoreLink`` over the factory's
-connector), asked one existence query within the tier's timeout. Capacity is what the tiers would take
+connector), asked one existence query within the tier's timeout; a node tier's daemon reached as the
+tier reaches it (``NodeClient``) and asked for its numbers. Capacity is what the tiers would take
 against what the machine has now: host tiers against MemAvailable, disk tiers against the free space of
 their filesystem (a slab already there counts as usable: its space is the tier's). Nothing is created,
 locked or written. What decides sharing with other engines is ``doctor_sharing``'s.
@@ -28,6 +29,9 @@ from kvtier.core.media import HOST
 from kvtier.doctor_sharing import VllmEngine, sharing
 from kvtier.tiers.disk import rank_directory
 from kvtier.tiers.disk_files import SLAB_NAME, DiskTierError, lock_holder, open_slab_for_reading
+from kvtier.tiers.node.client import NodeClient
+from kvtier.tiers.node.config import NodeTierConfig
+from kvtier.tiers.node.protocol import VERSION, Op
 from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import Connector, StoreLink
@@ -59,6 +63,8 @@ def diagnose(path: str, engine: VllmEngine | None = None) -> dict[str, Any]:
             checks += [_directory(config, i, directory) for directory in _directories(tier, engine)]
         elif isinstance(tier, RemoteTierConfig):
             checks += _remote(config, i)
+        elif isinstance(tier, NodeTierConfig):
+            checks.append(_node(config, i))
     checks.append(_host_memory(config, ranks))
     checks += [_disk_space(config, i, engine) for i, t in enumerate(config.tiers) if isinstance(t, DiskTierConfig)]
     return _report(path, checks, sharing(config, engine))
@@ -164,6 +170,33 @@ def _round_trip(name: str, wired: Connector, tier: RemoteTierConfig) -> Check:
     finally:
         link.close(tier.timeout)  # an abandoned call's client is closed when it returns, not waited for
     return Check(name, True, f"{wired.where} answers")
+
+
+def _node(config: StackConfig, i: int) -> Check:
+    """A node tier's daemon, reached as the tier reaches it at start (its socket, its user checked, the
+    protocol version agreed, its slab mapped), asked for its numbers; and whether the config's blocks fit
+    its slots. The connection is closed at once: it held nothing."""
+    tier = config.tiers[i]
+    assert isinstance(tier, NodeTierConfig)
+    name = f"{_tier_label(config, i)} daemon"
+    client = NodeClient(tier.socket, tier.timeout, [] if tier.daemon_uid is None else [tier.daemon_uid])
+    try:
+        client.open()
+        (stats,), _, _ = client.call(Op.STATS)
+    except KvtierError as exc:
+        return Check(name, False, str(exc))
+    finally:
+        client.close()
+    assert client.geometry is not None
+    slots, slot_bytes = client.geometry
+    details = {"node": client.node_id, "slots": slots, "slot_bytes": slot_bytes, "used_slots": stats["used_slots"]}
+    if config.block_bytes is not None and config.block_bytes > slot_bytes:
+        return Check(name, False, f"blocks of {config.block_bytes} bytes do not fit its slots of {slot_bytes}", details)
+    message = (
+        f"{tier.socket} answers (node {client.node_id}, protocol {VERSION}): {slots} slots of {slot_bytes} bytes, "
+        f"{stats['used_slots']} in use, {stats['connected'] - 1} other connection(s)"
+    )
+    return Check(name, True, message, details)
 
 
 def _tier_bytes(config: StackConfig, i: int) -> int | None:

@@ -89,6 +89,15 @@ def totals_lines(summary: dict) -> list[str]:
         )
     else:
         lines.append(f"{s['seconds']:.1f} s")
+    if "engines" in s:
+        where = "one node daemon's slab" if s["node"] else "private tiers of 1/N of the stack each"
+        ratios = ", ".join(f"{e['hit_ratio']:.3f}" for e in s["engines"])
+        lines.append(f"{len(s['engines'])} engine(s), split {s['split']}, on {where}: hit ratios {ratios}")
+    if "private" in s:
+        lines.append(
+            f"the same split on private tiers of 1/{len(s['engines'])} of the memory each: hit ratio "
+            f"{s['private']['hit_ratio']:.3f}; the node tier's is {s['hit_gain']:.2f}x that"
+        )
     return lines
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
+from helpers.node_daemon import node_daemon
 from helpers.redis_server import certificate_authority, redis_server, server_certificate
 from helpers.stores import bounded
 from kvtier import KVTier
@@ -433,3 +434,30 @@ def test_the_console_script_exits_0_then_1_naming_the_broken_item(tmp_path, serv
     assert done.returncode == 1
     failing = [line for line in done.stdout.splitlines() if "FAIL" in line]
     assert len(failing) == 1 and "tiers[1] (disk) directory" in failing[0] and "writable by every user" in failing[0]
+
+
+# --- a node tier -------------------------------------------------------------------------------
+
+
+def node_stack(daemon_or_socket, block_bytes: int = BLOCK) -> dict:
+    tier = (
+        daemon_or_socket.tier() if hasattr(daemon_or_socket, "tier") else {"medium": "node", "socket": daemon_or_socket}
+    )
+    return {"block_tokens": TOKENS, "block_bytes": block_bytes, "tiers": [tier]}
+
+
+def test_a_node_tier_whose_daemon_answers_passes_with_its_numbers(tmp_path, capsys):
+    with node_daemon(tmp_path / "node", capacity="1MiB", block_bytes="64KiB") as daemon:
+        code, report = doctor(capsys, write(tmp_path, node_stack(daemon)))
+        assert code == 0, report
+        (check,) = [c for c in report["checks"] if "daemon" in c["name"]]
+        assert check["details"]["slots"] == 16 and "answers" in check["message"]
+        assert daemon.stats()["connected"] == 1  # (the doctor's connection is gone: only this one)
+
+
+def test_a_node_tier_without_a_daemon_or_with_slots_too_small_fails(tmp_path, capsys):
+    message = only_failure(*doctor(capsys, write(tmp_path, node_stack(str(tmp_path / "none.sock")))), "daemon")
+    assert "no node daemon socket" in message
+    with node_daemon(tmp_path / "node", capacity="1MiB", block_bytes="64KiB") as daemon:
+        message = only_failure(*doctor(capsys, write(tmp_path, node_stack(daemon, 2 * BLOCK))), "daemon")
+        assert "do not fit its slots of 65536" in message
