@@ -23,14 +23,18 @@ def add_node_parser(commands) -> None:
     )
     serve.add_argument("config", help="the daemon's YAML: a `node` section (socket, slab, users) and the slab's tier")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)")
-    serve.add_argument("--metrics-address", default="127.0.0.1", help="the address of --metrics-port (default 127.0.0.1)")
+    serve.add_argument(
+        "--metrics-address", default="127.0.0.1", help="the address of --metrics-port (default 127.0.0.1)"
+    )
     serve.add_argument("--node-id", help="the name engines are told this machine has (default: the host name)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def run_node(args: argparse.Namespace) -> int:
     """Serve until a signal; 2 for a config or a place to listen that does not work (one message)."""
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         daemon = NodeDaemon(load_node_config(args.config), args.node_id)
     except (ConfigError, MemoryError) as exc:

@@ -30,6 +30,7 @@ import stat
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -304,32 +305,31 @@ class NodeDaemon:
                 return [self._reserve(session, *args)]
             if op is Op.STATS:
                 return [self._stats_of(session)]
-            posted = {
+            posted: dict[Op, Callable[..., None]] = {
                 Op.RELEASE: self._release,
                 Op.TOUCH: self._touch,
                 Op.COMMIT: self._commit,
                 Op.ABORT: self._abort,
                 Op.DROP: self._drop,
-            }.get(op)
-            if posted is None:
+            }
+            handler = posted.get(op)
+            if handler is None:
                 raise ProtocolError(f"{op.name} is not a request after HELLO")
-            posted(session, *args)
+            handler(session, *args)
             return []
 
     def _lookup(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
         """Where each READY key is now: [slot, generation] (an engine may read it there, checking the
         header), or None."""
-        tier, gen = self.tier, self.view.gen
-        out: list[list[int] | None] = []
-        for key in keys:
-            if tier.state(key) is BlockState.READY:
-                slot = tier.slots([key])[0]
-                out.append([slot, int(gen[slot])])
-            else:
-                out.append(None)
+        out = [self._where(key) if self.tier.state(key) is BlockState.READY else None for key in keys]
         session.counts["lookups"] += len(keys)
         session.counts["found"] += len(keys) - out.count(None)
         return out
+
+    def _where(self, key: bytes) -> list[int]:
+        """[slot, generation] of a block the slab holds."""
+        slot = self.tier.slots([key])[0]
+        return [slot, int(self.view.gen[slot])]
 
     def _touch(self, session: Session, keys: list[bytes]) -> None:
         """Blocks an engine read where a lookup said they were: a use for the policy (the leading READY run)."""
@@ -384,9 +384,8 @@ class NodeDaemon:
         states = [tier.state(key) for key in keys]
         fresh = [i for i, state in enumerate(states) if state is BlockState.FREE]
         admitted = tier.admit([keys[i] for i in fresh])
-        gen = self.view.gen
         out: list[Any] = [
-            [slot := tier.slots([key])[0], int(gen[slot]), HELD] if state is BlockState.READY else BUSY
+            [*self._where(key), HELD] if state is BlockState.READY else BUSY
             for key, state in zip(keys, states, strict=True)
         ]
         wanted = []
@@ -441,10 +440,10 @@ class NodeDaemon:
             log.warning("node: %s committed blocks whose slot headers were overwritten; dropped", session.name)
             self.tier.abort([key for key, (slot, gen, _) in mine if int(view.gen[slot]) != gen])
         if good:
-            slots = np.array([slot for _, slot in good])
-            view.seq[slots] = np.arange(self._seq + 1, self._seq + 1 + len(good))
+            at = np.array([slot for _, slot in good])
+            view.seq[at] = np.arange(self._seq + 1, self._seq + 1 + len(good))
             self._seq += len(good)
-            view.state[slots] = READY
+            view.state[at] = READY
             self.tier.commit([key for key, _ in good])
         session.counts["stores"] += len(good)
         excess = self.tier.excess()

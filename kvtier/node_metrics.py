@@ -50,7 +50,9 @@ class NodeCollector:
             yield CounterMetricFamily(f"kvtier_node_{name}", HELP[name], value=stats[name])
         for name, text in GAUGES.items():
             yield GaugeMetricFamily(f"kvtier_node_{name}", text, value=stats[name])
-        held = GaugeMetricFamily("kvtier_node_engine_held", "blocks an engine holds pinned or reserved now", labels=["engine"])
+        held = GaugeMetricFamily(
+            "kvtier_node_engine_held", "blocks an engine holds pinned or reserved now", labels=["engine"]
+        )
         for engine, counts in stats["engines"].items():
             held.add_metric([engine], counts["held"])
         yield held
@@ -64,5 +66,5 @@ class NodeCollector:
 def serve_metrics(daemon: NodeDaemon, port: int, address: str = "127.0.0.1") -> None:
     """Serve /metrics on ``address``:``port`` from a thread of prometheus_client's."""
     registry = CollectorRegistry()
-    registry.register(NodeCollector(daemon))  # type: ignore[arg-type]
+    registry.register(NodeCollector(daemon))
     start_http_server(port, address, registry)

@@ -31,6 +31,7 @@ from kvtier.node_config import load_node_config
 from kvtier.node_daemon import NodeDaemon
 from kvtier.replay.stack import StackReplayResult
 
+
 def divided(config: StackConfig, engines: int, keep_last: bool = False) -> StackConfig:
     """``config`` with every sized tier's capacity cut to 1/``engines`` (at least one block each); the last
     tier left whole with ``keep_last``."""

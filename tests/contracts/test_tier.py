@@ -90,6 +90,8 @@ LOCAL_TIERS = {
     "disk": _disk,
 }
 """Tiers with slots: ``factory(name, capacity, policy, watermark, is_fenced, directory)``."""
+
+
 def _node(name: str) -> Tier:
     client = NodeClient("/nonexistent/node.sock", 1.0)  # (never connected: the suite asks no daemon)
     return NodeTier(name, NodeStorage(LAYOUT, client, namespace_digest("contract", LAYOUT)))

@@ -1,6 +1,7 @@
 """The ``TransferBackend`` contract (kvtier.core.transfer), run over every backend that runs without a GPU:
 CPU memmove between host memory and per-layer arrays, disk I/O to a slab file, a shared store's records
-(over a real Redis server), a node daemon's slab (over a real daemon). The CUDA backend's tests stay in tests/gpu, which skip without CUDA.
+(over a real Redis server), a node daemon's slab (over a real daemon). The CUDA backend's tests stay in
+tests/gpu, which skip without CUDA.
 
 To add a backend: write a ``Rig`` for it below (its backend, the storage it moves blocks to and from, how
 to make a block there unreadable) and add it to ``RIGS``; every test here then runs over it, and a test

@@ -31,7 +31,9 @@ def ram():
 
 
 def test_an_unregistered_medium_is_refused_with_the_known_ones():
-    assert error_of(RAM_STACK) == "config: tiers[1].medium: 'ram' is not a medium; allowed: gpu, host, node, disk, remote"
+    assert (
+        error_of(RAM_STACK) == "config: tiers[1].medium: 'ram' is not a medium; allowed: gpu, host, node, disk, remote"
+    )
     with registered():
         assert [m.name for m in media()] == ["gpu", "host", "node", "disk", "remote", "ram"]
     assert "ram" not in [m.name for m in media()]

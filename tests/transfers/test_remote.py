@@ -23,6 +23,7 @@ from helpers.redis_clients import Uninterruptible
 from helpers.redis_server import redis_server
 from kvtier.core.caller_runs import CallerRunsFuture, offering
 from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import block_pieces
 from kvtier.core.transfer import Quarantine, Transfer
 from kvtier.tiers.host import HostSlab
 from kvtier.tiers.remote.config import HEADER_ROOM
@@ -30,7 +31,6 @@ from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.redis_client import RedisClient
 from kvtier.tiers.remote.tier import RemoteStorage
-from kvtier.core.storage import block_pieces
 from kvtier.transfers.remote import RemoteBackend, _Job
 
 LAYOUT = BlockLayout((16 * 1024, 16 * 1024))

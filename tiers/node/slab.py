@@ -63,6 +63,8 @@ HEADER = np.dtype(
     ]
 )
 assert HEADER.itemsize == SLOT_HEADER_BYTES
+KEY_OFFSET = 16  # (where ``key`` starts in a header: after gen, state and length)
+assert HEADER.fields is not None and HEADER.fields["key"][1] == KEY_OFFSET
 NODE_KEY_BYTES = 16
 
 
@@ -117,7 +119,7 @@ class SlabView:
             (geometry.slots, NODE_KEY_BYTES),
             np.uint8,
             mapping,
-            geometry.header_offset + HEADER.fields["key"][1],
+            geometry.header_offset + KEY_OFFSET,
             (SLOT_HEADER_BYTES, 1),
         )
         self._memory = np.frombuffer(mapping, np.uint8, geometry.slots * geometry.slot_bytes, geometry.data_offset)
@@ -129,7 +131,7 @@ class SlabView:
     def block(self, slot: int, length: int) -> memoryview:
         """The first ``length`` bytes of ``slot``."""
         start = slot * self.geometry.slot_bytes
-        return memoryview(self._memory[start : start + length])
+        return self._memory[start : start + length].data
 
 
 def checksum(gen: int, key: bytes) -> xxhash.xxh3_64:

@@ -129,7 +129,11 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
         for i, answer in enumerate(given):
             if isinstance(answer, list) and len(answer) == 3 and answer[2] == HELD:
                 held.append(i)
-            elif isinstance(answer, list) and len(answer) == 2 and _write(view, *answer, names[i], pieces[i]):
+            elif (
+                isinstance(answer, list)
+                and len(answer) == 2
+                and _write(view, answer[0], answer[1], names[i], pieces[i])
+            ):
                 written.append(i)
             else:
                 failed.add(i)

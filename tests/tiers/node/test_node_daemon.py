@@ -52,7 +52,10 @@ def error(source) -> str:
         (lambda c: c["node"].update(max_held=2), "node.max_held"),
         (lambda c: c["node"].update(sockets="/x"), "node"),
         (lambda c: c.pop("block_bytes"), "missing key 'block_bytes'"),
-        (lambda c: c.update(tiers=[{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]), "tiers[0]: the slab is a host"),
+        (
+            lambda c: c.update(tiers=[{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]),
+            "tiers[0]: the slab is a host",
+        ),
         (
             lambda c: c["tiers"].append({"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}),
             "tiers below the slab are not supported by the node daemon yet",

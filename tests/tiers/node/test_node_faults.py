@@ -124,7 +124,9 @@ def test_an_engine_stopped_while_it_holds_blocks_loses_them_after_the_lease(tmp_
         assert "held blocks over the 1 s lease" in daemon.log.read_text()
 
 
-def test_a_killed_daemon_costs_misses_within_the_timeout_and_a_restart_keeps_the_cache_warm(tmp_path, rng, quick_retries):
+def test_a_killed_daemon_costs_misses_within_the_timeout_and_a_restart_keeps_the_cache_warm(
+    tmp_path, rng, quick_retries
+):
     tokens, later = prompt(6, start=300), prompt(2, start=900)
     blocks = rng.integers(0, 256, (6, BLOCK), dtype=np.uint8)
     with node_daemon(tmp_path) as daemon, KVTier.open(stack(daemon)) as kv:

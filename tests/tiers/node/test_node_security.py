@@ -70,7 +70,9 @@ def open_to_all(daemon) -> None:
 def test_a_user_the_daemon_does_not_allow_is_refused_with_one_log_line(tmp_path):
     with node_daemon(tmp_path, allow_groups=[]) as daemon:
         open_to_all(daemon)
-        os.chmod(daemon.socket, 0o666)  # (the socket is 0600 without other users: open it to show peer credentials decide)
+        os.chmod(
+            daemon.socket, 0o666
+        )  # (the socket is 0600 without other users: open it to show peer credentials decide)
 
         def engine() -> str:
             KVTier.open({"block_bytes": BLOCK, "tiers": [daemon.tier()]})
