@@ -17,7 +17,7 @@ are memmoves; an engine's own blocks have a device but no tier, and count as the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,6 +95,19 @@ class RankRequest:
 
 
 @dataclass(frozen=True)
+class EngineTierRequest:
+    """What an engine's scheduler side gives a medium addressed by key to open its tier there: the tier's
+    ``name`` and ``config``, the blocks' ``layout``, the ``namespace`` the workers write under, and the
+    ranks whose copies a block needs (``[None]``: one copy serves every rank)."""
+
+    name: str
+    config: TierConfigBase
+    layout: BlockLayout
+    namespace: str
+    ranks: Sequence[int | None]
+
+
+@dataclass(frozen=True)
 class Medium:
     """One medium's registry entry: everything kvtier needs to configure, build, route to and count it."""
 
@@ -112,6 +125,8 @@ class Medium:
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
     # the transfer backend that copies to and from its storage, where kvtier.transfers has none for it
     backend: Callable[[TransferConfig], TransferBackend] | None = None
+    # for a medium addressed by key (its index is its owner's): its tier on an engine's scheduler side
+    engine_tier: Callable[[EngineTierRequest], Tier] | None = None
 
 
 _MEDIA: dict[str, Medium] = {}

@@ -158,6 +158,14 @@ class Transfer:
                 f"block sizes differ: {self.src.layout.block_bytes} B -> {self.dst.layout.block_bytes} B"
             )
 
+    def keyed_side(self) -> tuple[bool, BlockStorage, BlockStorage, Sequence[int]]:
+        """For a copy between memory and a storage addressed by key: whether it stores (into the keyed
+        side), the keyed side, the memory side and the memory side's slots."""
+        storing = self.dst.by_key
+        if storing:
+            return True, self.dst, self.src, self.src_slots
+        return False, self.src, self.dst, self.dst_slots
+
     @property
     def num_blocks(self) -> int:
         return len(self.dst_slots if self.src.by_key else self.src_slots)

@@ -49,7 +49,8 @@ def parse_request(line: str | bytes) -> Request:
 
     A line is a JSON object. ``hash_ids`` is required: a list, possibly empty, of distinct integers in
     [0, 2**64). ``timestamp`` (a finite number), ``input_length`` and ``output_length`` (integers in
-    [0, 2**63)) are optional and 0 when left out; other keys are ignored. Booleans are not numbers here,
+    [0, 2**63)) are optional and 0 when left out; ``session`` (kvtier's own: the conversation, an
+    integer in [0, 2**63), as ``--save-trace`` writes it) is optional; other keys are ignored. Booleans are not numbers here,
     and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from a buggy generator is
     refused up front rather than crashing the replay or skewing its figures.
     """
@@ -66,7 +67,10 @@ def parse_request(line: str | bytes) -> Request:
     timestamp = obj.get("timestamp", 0)
     if not _is_number(timestamp):
         raise ValueError(f"timestamp: expected a finite number, got {_json_text(timestamp)}")
-    return Request(timestamp, _length(obj, "input_length"), _length(obj, "output_length"), _block_ids(obj["hash_ids"]))
+    session = _length(obj, "session") if "session" in obj else None
+    return Request(
+        timestamp, _length(obj, "input_length"), _length(obj, "output_length"), _block_ids(obj["hash_ids"]), session
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -104,20 +108,19 @@ def _json_text(value: object, limit: int = 60) -> str:
 
 
 def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
-    """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back."""
+    """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back (with ``session``
+    where a request has one)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            f.write(
-                json.dumps(
-                    {
-                        "timestamp": r.timestamp,
-                        "input_length": r.input_length,
-                        "output_length": r.output_length,
-                        "hash_ids": list(r.hash_ids),
-                    }
-                )
-                + "\n"
-            )
+            line = {
+                "timestamp": r.timestamp,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+            if r.session is not None:
+                line["session"] = r.session
+            f.write(json.dumps(line) + "\n")
 
 
 def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:

@@ -149,6 +149,11 @@ class KeyedTier(Tier):
         """Seconds a call to the owner may take."""
         raise NotImplementedError
 
+    @property
+    def known_for(self) -> float:
+        """Seconds an answer of the owner's counts."""
+        return self._known_for
+
     def _ask(self, keys: list[bytes], asked: threading.Event) -> bool:
         """Ask the owner for ``keys`` (this query's in ``_asking``), remember those present, then let the
         queries waiting for them go on; False (counted) when the owner could not answer."""
@@ -264,7 +269,12 @@ class KeyedTier(Tier):
         """Release the storage. Raises StateError while blocks are still being stored."""
         if self._writing:
             raise StateError(f"tier {self.name!r} closed with {len(self._writing)} block(s) being stored")
+        self.disconnect()
         self.storage.close()
+
+    def disconnect(self) -> None:
+        """Stop asking the owner (a question in flight ends by its deadline): at an engine's shutdown,
+        whatever is still being stored."""
 
     # --- helpers (under self._lock) ------------------------------------------------------------
 

@@ -74,12 +74,7 @@ class RemoteBackend(TransferBackend):
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         if not self.can_copy(transfer.src.device, transfer.dst.device):
             raise TransferError(f"the remote backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
-        storing = transfer.dst.device == KEYED_DEVICE
-        remote, memory, slots = (
-            (transfer.dst, transfer.src, transfer.src_slots)
-            if storing
-            else (transfer.src, transfer.dst, transfer.dst_slots)
-        )
+        storing, remote, memory, slots = transfer.keyed_side()
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key

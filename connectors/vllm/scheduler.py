@@ -30,15 +30,16 @@ apart; a group whose blocks are larger has a block every ``keys_per_block`` keys
 and hits end on every group's block boundary. A model with a Mamba state group gets no hits: the state
 at a hit's end is not something kvtier holds.
 
-A remote tier (a store shared with other engines, ``tiers/remote``) is asked with a client of this
-side's own, never through the workers, and never while a hook waits: the lookup asks the store only
-for the blocks past the local (host, disk) hit, in one batched existence query on a thread of its own,
-and answers "ask again" until it has answered (at most the tier's timeout; a store that is down is a
-miss). Each rank's shard of a block is a record of its own, so a block is a hit only when every
-rank's record exists (MLA: one record for all ranks, as every tier holds one copy for them). Blocks
-reach the store from the host tier (write-through, by default: a copy job once they are stored
-there), loads stage through host slots, and slots that a store call past its deadline may still
-write stay out of use until the workers report that call over.
+A last tier addressed by key (a store shared with other engines, ``tiers/remote``, or the machine's
+node daemon, ``tiers/node``: its medium opens it here, ``Medium.engine_tier``) is asked with a client
+of this side's own, never through the workers, and never while a hook waits: the lookup asks its owner
+only for the blocks past the local (host, disk) hit, in one batched query on a thread of its own, and
+answers "ask again" until it has answered (at most the tier's timeout; an owner that is down is a
+miss). Each rank's shard of a block is a copy of its own, so a block is a hit only when every rank's
+copy exists (MLA: one copy for all ranks, as every tier holds one copy for them). Blocks reach it from
+the host tier (write-through, by default: a copy job once they are stored there), loads stage through
+host slots, and slots that a store call past its deadline may still write stay out of use until the
+workers report that call over.
 """
 
 from __future__ import annotations
@@ -64,16 +65,15 @@ from kvtier.connectors.vllm.namespace import request_namespace
 from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import DiskTierConfig, StackConfig
+from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import medium
+from kvtier.core.media import EngineTierRequest, medium
 from kvtier.core.misses import Misses
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
-from kvtier.tiers.remote.config import remote_config
-from kvtier.tiers.remote.factory import remote_tier
-from kvtier.tiers.remote.tier import KNOWN_FOR_S, RemoteTier
+from kvtier.tiers.keyed import KeyedTier
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -189,13 +189,11 @@ class SchedulerSide:
         for name, kind, slots in tier_slots(config, layout.block_bytes):
             policy, watermark = config.tier_policy(position[name])
             self.tiers.append(Tier(name, kind, SlotCount(layout, slots), policy, watermark, self.jobs.is_fenced))
-        self.remote: RemoteTier | None = None
+        self.keyed: KeyedTier | None = None  # the last tier, where it is addressed by key (remote, node)
         self._lookups: ThreadPoolExecutor | None = None
-        remote = remote_config(config)
-        if remote is not None:  # the last tier; its records are the workers' (namespace as WorkerSide gets it)
-            ranks: Sequence[int | None] = [None] if replicated else range(num_workers)
-            self.remote = remote_tier(config.tier_name(len(config.tiers) - 1), remote, layout, namespace.hex(), ranks)
-            self.tiers.append(self.remote)
+        if config.tiers[-1].keyed:
+            self.keyed = self._keyed_tier(config, layout, namespace, [None] if replicated else range(num_workers))
+            self.tiers.append(self.keyed)
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
         self.planner = Planner(self.tiers)
         self.misses = Misses([t.name for t in self.tiers], self.planner.ghost, [t.why_absent for t in self.tiers])
@@ -218,6 +216,20 @@ class SchedulerSide:
         self._gpu_loading: dict[int, int] = {}  # GPU block id -> the load job writing it
         self._gpu_keys: dict[int, BlockRef] = {}  # lazy: GPU block -> the block of a request it holds
         self._block_pool: BlockPool | None = None
+
+    @staticmethod
+    def _keyed_tier(
+        config: StackConfig, layout: BlockLayout, namespace: bytes, ranks: Sequence[int | None]
+    ) -> KeyedTier:
+        """The last tier, addressed by key, as its medium opens it on this side: a client of this side's
+        own, asking for the copies of ``ranks`` written under the workers' namespace."""
+        i = len(config.tiers) - 1
+        open_tier = medium(config.tiers[i].medium).engine_tier
+        if open_tier is None:
+            raise ConfigError(f"tiers[{i}] ({config.tier_name(i)}): its medium serves no engine's scheduler side")
+        tier = open_tier(EngineTierRequest(config.tier_name(i), config.tiers[i], layout, namespace.hex(), ranks))
+        assert isinstance(tier, KeyedTier)
+        return tier
 
     def _recover(self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout) -> None:
         """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``): their
@@ -303,7 +315,7 @@ class SchedulerSide:
         if start % self.hit_keys or start * self.block_tokens != num_computed_tokens:
             return 0, False  # (vLLM hits end on every group's block boundary: not expected)
         end, found = self._hit(keys, start, limit)
-        if end is not None and end < limit and self.remote is not None:
+        if end is not None and end < limit and self.keyed is not None:
             if not self._store_answered(state, end, limit):
                 return None, False
             end, found = self._hit(keys, start, limit)  # now with the store's answers
@@ -437,13 +449,13 @@ class SchedulerSide:
         """Whether the remote store answered recently which of the request's blocks ``first`` to ``end``
         it holds (its answers are then the remote tier's READY keys); else asks it, one batched query
         on the lookup thread, and says False until the answer is in."""
-        assert self.remote is not None and self._lookups is not None
+        assert self.keyed is not None and self._lookups is not None
         query = state.store_query
         if query is None or query.first > first or query.end < end or query.expires <= time.monotonic():
             keys = self._group_keys(state.keys, first, end, range(len(self.groups)))
-            future = self._lookups.submit(self.remote.query, keys)
+            future = self._lookups.submit(self.keyed.query, keys)
             future.add_done_callback(_log_failure)
-            query = state.store_query = _StoreQuery(first, end, time.monotonic() + KNOWN_FOR_S, future)
+            query = state.store_query = _StoreQuery(first, end, time.monotonic() + self.keyed.known_for, future)
         return query.future.done()
 
     def _room_to_stage(self, staging: dict[int, int]) -> bool:
@@ -788,8 +800,8 @@ class SchedulerSide:
         date by then (a new engine may have started on the same directories)."""
         if self._lookups is not None:
             self._lookups.shutdown(wait=False, cancel_futures=True)
-        if self.remote is not None:
-            self.remote.link.close(timeout=0)
+        if self.keyed is not None:
+            self.keyed.disconnect()
         indexes, self._disk_indexes = self._disk_indexes, []
         for slabs, restore in indexes:
             slabs.save(*restore.held_blocks())

@@ -18,7 +18,7 @@ from __future__ import annotations
 from kvtier.core.config import TransferConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import Medium, RankRequest, TierRequest
+from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.tier import NodeStorage, NodeTier
@@ -56,8 +56,26 @@ def _rank_storage(request: RankRequest) -> NodeStorage:
     return storage
 
 
+def _engine_tier(request: EngineTierRequest) -> NodeTier:
+    """The tier of an engine's scheduler side: its own connection, asking for every rank's copy."""
+    assert isinstance(request.config, NodeTierConfig)
+    storage = node_storage(request.config, request.layout, request.namespace)
+    spaces = [namespace_digest(request.namespace, request.layout, rank) for rank in request.ranks]
+    return NodeTier(request.name, storage, rank_namespaces=spaces)
+
+
 def _backend(transfer: TransferConfig) -> NodeBackend:
     return NodeBackend(transfer.threads)
 
 
-MEDIUM = Medium("node", NodeTierConfig, _tier, _rank_storage, direct=lambda other, caps: True, backend=_backend)
+MEDIUM = Medium(
+    "node",
+    NodeTierConfig,
+    _tier,
+    _rank_storage,
+    # host memory directly; GPU memory through a host tier until the slab is registered with CUDA
+    direct=lambda other, caps: other != "gpu",
+    one_copy_for_ranks=True,  # ranks with the same KV (MLA) share one copy: one node key for all of them
+    backend=_backend,
+    engine_tier=_engine_tier,
+)

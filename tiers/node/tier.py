@@ -93,9 +93,10 @@ class NodeStorage(BlockStorage):
     def _addresses(self, slots):
         raise TransferError("a node slab's blocks are named by key: the daemon gives their slots per copy")
 
-    def node_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys the daemon knows these blocks by (see the module doc)."""
-        person, namespace = _PERSON, self.namespace
+    def node_keys(self, keys: Sequence[bytes], namespace: bytes | None = None) -> list[bytes]:
+        """The keys the daemon knows these blocks by (see the module doc): this storage's, or those of
+        another ``namespace`` digest (another rank's)."""
+        person, namespace = _PERSON, self.namespace if namespace is None else namespace
         return [hashlib.blake2b(namespace + key, digest_size=NODE_KEY_BYTES, person=person).digest() for key in keys]
 
     def failure(self, key: bytes) -> MissReason | None:
@@ -141,15 +142,23 @@ class NodeStorage(BlockStorage):
 
 class NodeTier(KeyedTier):
     """The daemon behind ``storage``: asked which blocks it holds (one LOOKUP per query), loaded from and
-    stored into by ``NodeBackend`` (straight between the caller's memory and the slab)."""
+    stored into by ``NodeBackend`` (straight between the caller's memory and the slab). With
+    ``rank_namespaces`` (an engine's scheduler side, whose workers write one copy per tensor-parallel
+    rank under each rank's digest) a block is present when every rank's copy is."""
 
-    def __init__(self, name: str, storage: NodeStorage, known_for: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        storage: NodeStorage,
+        known_for: float | None = None,
+        rank_namespaces: Sequence[bytes] = (),
+    ) -> None:
         client = storage.client
         note = f"node daemon at {client.path} ({client.node_id or 'not connected'}), timeout {client.timeout:g} s"
-        super().__init__(
-            name, "node", storage, note, KNOWN_FOR_S if known_for is None else known_for, loads_direct=True
-        )
+        known_for = KNOWN_FOR_S if known_for is None else known_for
+        super().__init__(name, "node", storage, note, known_for, loads_direct=True)
         self._node_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
+        self._rank_namespaces = list(rank_namespaces)
         storage.on_skipped = lambda n: self.count(skipped_existing=n)
 
     @property
@@ -157,14 +166,21 @@ class NodeTier(KeyedTier):
         return self._node_storage.client.timeout
 
     def _present(self, keys: list[bytes]) -> list[bool]:
-        """One LOOKUP; the locations it gives are remembered for the loads that follow."""
+        """One LOOKUP (of every rank's copy); the locations it gives are remembered for the loads that
+        follow (of this storage's own blocks)."""
         storage = self._node_storage
-        names = storage.node_keys(keys)
+        spaces = self._rank_namespaces or [storage.namespace]
+        names = [name for space in spaces for name in storage.node_keys(keys, space)]
         (found,), epoch, view = storage.client.call(Op.LOOKUP, names)
-        if not isinstance(found, list) or len(found) != len(keys):
-            raise TransferError(f"the node daemon answered a lookup of {len(keys)} keys with {found!r:.80}")
-        storage.located(keys, names, found, view, epoch)
-        return [isinstance(answer, list) for answer in found]
+        if not isinstance(found, list) or len(found) != len(names):
+            raise TransferError(f"the node daemon answered a lookup of {len(names)} keys with {found!r:.80}")
+        if not self._rank_namespaces:
+            storage.located(keys, names, found, view, epoch)
+        n = len(keys)
+        return [all(isinstance(found[r * n + i], list) for r in range(len(spaces))) for i in range(n)]
+
+    def disconnect(self) -> None:
+        self._node_storage.client.close()
 
     def _answer(self, key: bytes, now: float) -> bool | None:
         """A recent "present" counts while the block's slot still holds it (a local read of its header):

@@ -62,12 +62,7 @@ class NodeBackend(TransferBackend):
     def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
         if not self.can_copy(transfer.src.device, transfer.dst.device):
             raise TransferError(f"the node backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
-        storing = transfer.dst.device == NODE_DEVICE
-        node, memory, slots = (
-            (transfer.dst, transfer.src, transfer.src_slots)
-            if storing
-            else (transfer.src, transfer.dst, transfer.dst_slots)
-        )
+        storing, node, memory, slots = transfer.keyed_side()
         if not isinstance(node, NodeStorage):
             raise TransferError(f"a node transfer needs a NodeStorage, got {type(node).__name__}")
         assert transfer.keys is not None  # (Transfer requires keys for a side addressed by key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import Medium, RankRequest, TierRequest
+from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.link import Connector, StoreLink
@@ -81,5 +81,11 @@ def _rank_storage(request: RankRequest) -> BlockStorage:
     return RemoteStorage(request.layout, records, lambda n: request.count(skipped_existing=n))
 
 
+def _engine_tier(request: EngineTierRequest) -> RemoteTier:
+    """The tier of an engine's scheduler side: every rank's records (the workers' namespace), one client."""
+    assert isinstance(request.config, RemoteTierConfig)
+    return remote_tier(request.name, request.config, request.layout, request.namespace, request.ranks)
+
+
 # A store others write to and evict from: what this engine stores there is not announced as its own.
-MEDIUM = Medium("remote", RemoteTierConfig, _tier, _rank_storage)
+MEDIUM = Medium("remote", RemoteTierConfig, _tier, _rank_storage, engine_tier=_engine_tier)

@@ -203,9 +203,8 @@ class RemoteTier(KeyedTier):
         held = iter([all(found[i * ranks : (i + 1) * ranks]) for i in range(len(asked))])
         return [entry.records is not None and next(held) for entry, _ in keys]
 
-    def close(self) -> None:
-        """Close the link for lookups. Raises StateError while blocks are still being stored."""
-        super().close()
+    def disconnect(self) -> None:
+        """Close the link for lookups."""
         self.link.close(timeout=0)
 
 

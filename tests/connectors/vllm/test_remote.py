@@ -64,7 +64,7 @@ def publish(make_engine, config: dict, tokens: list[int], **kwargs):
     request = writer.add(tokens, max_tokens=2)
     assert answer(writer, request) == (0, False)  # the store holds none yet (a first client may take a while)
     writer.run([request])
-    assert writer.kvtier.remote.stats.committed == len(tokens) // BLOCK * len(writer.kvtier.groups)
+    assert writer.kvtier.keyed.stats.committed == len(tokens) // BLOCK * len(writer.kvtier.groups)
     writer.assert_no_leaks()
     return writer
 
@@ -88,7 +88,7 @@ def answer(engine, request, computed: int = 0) -> tuple[int | None, bool]:
 
 def record_names(engine, tokens: list[int], rank: int) -> list[str]:
     keys = chain_hashes(tokens[: len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
-    return [engine.kvtier.remote.records[rank].name(key) for key in keys]
+    return [engine.kvtier.keyed.records[rank].name(key) for key in keys]
 
 
 def assert_remote_hit(make_engine, config: dict) -> None:
@@ -135,7 +135,7 @@ def test_a_host_hit_never_asks_the_store(make_engine, redis):
     finally:
         redis.cont()
     engine.run([again])
-    assert engine.kvtier.remote.stats.lookup_errors == 0
+    assert engine.kvtier.keyed.stats.lookup_errors == 0
     engine.assert_no_leaks()
 
 
@@ -197,7 +197,7 @@ def test_tp2_a_block_is_a_hit_only_when_every_ranks_record_exists(make_engine, r
     config = redis_config(redis)
     shared = prompt(4, 5, seed=1)
     writer = publish(make_engine, config, shared, tp=2)
-    assert writer.kvtier.remote.stats.committed == 4
+    assert writer.kvtier.keyed.stats.committed == 4
     client = redis_py.Redis.from_url(redis.url)
     try:
         for rank in (0, 1):
@@ -225,7 +225,7 @@ def test_a_dead_store_is_a_miss_within_the_timeout(make_engine, redis):
         start = time.monotonic()
         assert answer(reader, request) == (0, False)
         assert time.monotonic() - start < TIMEOUT + 1.0
-        assert reader.kvtier.remote.stats.lookup_errors == 1
+        assert reader.kvtier.keyed.stats.lookup_errors == 1
         out = step_until_scheduled(reader, request)
         assert out.num_scheduled_tokens[request.request_id] == 4 * BLOCK + 9  # computed from scratch
         assert reader.blocks_match(request, range(4)) and not reader.load_errors
@@ -251,7 +251,7 @@ def test_the_lookup_says_ask_again_until_the_store_answers(make_engine, redis):
     out = step_until_scheduled(reader, request)
     assert out.num_scheduled_tokens[request.request_id] == 9 and reader.blocks_match(request, range(4))
     reader.run([request])
-    assert reader.kvtier.remote.stats.lookup_errors == 0
+    assert reader.kvtier.keyed.stats.lookup_errors == 0
     reader.assert_no_leaks()
 
 
@@ -336,7 +336,7 @@ def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, re
         request = writer.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)
         answer(writer, request)
         writer.run([request])
-    assert writer.kvtier.remote.stats.committed == 4
+    assert writer.kvtier.keyed.stats.committed == 4
     writer.assert_no_leaks()
     reader = make_engine(config)
     again = reader.add(first, max_tokens=2)
@@ -361,7 +361,7 @@ def test_mla_under_tp2_is_one_record_per_block_written_once_and_loaded_by_every_
         assert client.exists(*record_names(writer, shared, 0)) == 4  # the one record format, without a rank
     finally:
         client.close()
-    assert len(writer.kvtier.remote.records) == 1
+    assert len(writer.kvtier.keyed.records) == 1
     reader = make_engine(config, tp=2, mla=True)
     again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
     assert answer(reader, again) == (4 * BLOCK, True)
@@ -400,7 +400,7 @@ def test_records_another_engine_stored_meanwhile_are_skipped_and_counted_in_the_
     first.run([a])
     second.run([b])
     for engine in (first, second):
-        assert engine.kvtier.remote.stats.committed == 4  # a skipped record counts as stored
+        assert engine.kvtier.keyed.stats.committed == 4  # a skipped record counts as stored
         engine.assert_no_leaks()
     skipped = [sum(s.get("skipped_existing", 0) for s in engine.stats) for engine in (first, second)]
     assert skipped == [0, 4 * 2]
