@@ -51,8 +51,8 @@ def parse_request(line: str | bytes) -> Request:
     [0, 2**64). ``timestamp`` (a finite number), ``input_length`` and ``output_length`` (integers in
     [0, 2**63)) are optional and 0 when left out; ``session`` (kvtier's own: the conversation, an
     integer in [0, 2**63), as ``--save-trace`` writes it) is optional; other keys are ignored. Booleans
-    are not numbers here, and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from a buggy generator is
-    refused up front rather than crashing the replay or skewing its figures.
+    are not numbers here, and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from
+    a buggy generator is refused up front rather than crashing the replay or skewing its figures.
     """
     try:
         obj = json.loads(line)
