@@ -127,3 +127,52 @@ def test_a_stopped_daemon_is_a_miss_within_the_timeout(make_engine, daemon):
         daemon.resume()
     reader.run([request])
     reader.assert_no_leaks()
+
+
+def test_mla_under_tp2_is_one_block_at_the_daemon_written_once_and_loaded_by_every_rank(make_engine, daemon):
+    """MLA's latent KV is the same on every rank: the daemon holds one copy per block (rank 0 writes it)."""
+    config = node_config(daemon)
+    shared = prompt(4, 5, seed=1)
+    writer = publish(make_engine, config, shared, tp=2, mla=True)
+    assert daemon.stats()["stores"] == 4 and len(writer.kvtier.keyed._rank_namespaces) == 1
+    reader = make_engine(config, tp=2, mla=True)
+    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (4 * BLOCK, True)
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert reader.blocks_match(again, range(4)) and not reader.load_errors  # on both ranks
+    reader.run([again])
+    reader.assert_no_leaks()
+
+
+def test_a_hybrid_models_groups_come_from_the_daemon_each_as_its_own_block(make_engine, daemon):
+    config = node_config(daemon)
+    publish(make_engine, config, prompt(6, 5, seed=1), window=2 * BLOCK + 1)
+    reader = make_engine(config, window=2 * BLOCK + 1)
+    again = reader.add(prompt(6, 9, seed=2), max_tokens=2)
+    assert answer(reader, again) == (6 * BLOCK, True)
+    out = step_until_scheduled(reader, again)
+    assert out.num_scheduled_tokens[again.request_id] == 9
+    assert reader.blocks_match(again, range(6)) and not reader.failed_loads
+    reader.run([again])
+    assert sum(s.get("hit_blocks_node", 0) for s in reader.stats) == 6 + 2
+    reader.assert_no_leaks()
+
+
+def test_blocks_another_engine_stored_meanwhile_are_skipped_and_counted(make_engine, daemon):
+    config = node_config(daemon)
+    shared = prompt(4, 5, seed=1)
+    first, second = make_engine(config, tp=2), make_engine(config, tp=2)
+    a, b = first.add(shared, max_tokens=2), second.add(shared, max_tokens=2)
+    assert answer(first, a) == answer(second, b) == (0, False)
+    first.run([a])
+    second.run([b])
+    for engine in (first, second):
+        deadline = time.monotonic() + WAIT
+        while engine.kvtier.keyed.stats.committed < 4:
+            assert time.monotonic() < deadline
+            engine.step()
+        engine.assert_no_leaks()
+    skipped = [sum(s.get("skipped_existing", 0) for s in engine.stats) for engine in (first, second)]
+    assert skipped == [0, 4 * 2]  # one per rank's copy
+    assert daemon.stats()["stores"] == 4 * 2
