@@ -3,11 +3,11 @@
 What it shows, each on real servers: a prompt SGLang stored comes back from kvtier's disk tier after
 ``/flush_cache`` with the same greedy tokens, and kvtier's counters on SGLang's ``/metrics`` say so; a server
 started again on the same disk finds it (SGLang's own restart loses its host cache); a second server sharing a
-remote tier (a real redis-server, a real Mooncake Store) gets from it a prompt only the first server saw; bytes
-damaged in the storage between two runs never change the tokens under kvtier (damaged pages are misses,
-recomputed), where SGLang's own ``file`` backend, put through the same steps, loads them and answers other tokens
-(both outcomes are written to the test's report); a kvtier configuration with a mistake stops SGLang at start
-with kvtier's one-line error naming the key.
+remote tier (a real redis-server, a real Mooncake Store), or one machine's node daemon, gets from it a prompt only
+the first server saw; bytes damaged in the storage between two runs never change the tokens under kvtier (damaged
+pages are misses, recomputed), where SGLang's own ``file`` backend, put through the same steps, loads them and
+answers other tokens (both outcomes are written to the test's report); a kvtier configuration with a mistake stops
+SGLang at start with kvtier's one-line error naming the key.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+from helpers.node_daemon import node_daemon
 from helpers.redis_server import redis_server
 from sglang_server.harness import PAGE_SIZE, VOCAB_SIZE, ServerFailed, flush_cache, generate, wait_until
 
@@ -175,6 +176,22 @@ def test_a_second_server_gets_from_the_shared_store_a_prompt_only_the_first_saw(
         finally:
             if owner is not None:
                 owner.__exit__(None, None, None)
+
+
+def test_a_second_server_gets_from_the_node_daemon_a_prompt_only_the_first_saw(make_server, tmp_path):
+    """Two servers on one machine, one node daemon (a real one): the second's prompt comes from the slab
+    the first one's pages went into, with the same greedy tokens, and the daemon holds one copy of them."""
+    with node_daemon(tmp_path / "node", capacity="64MiB", block_bytes="256KiB") as daemon:
+        config = {"tiers": [daemon.tier()]}
+        first = make_server(storage="dynamic", extra_config=kvtier_extra(config), name="first")
+        second = make_server(storage="dynamic", extra_config=kvtier_extra(config), name="second")
+        prompt = prompt_ids(3)
+        reference = generate(first.url, prompt, NEW_TOKENS)
+        wait_until(lambda: daemon.stats()["stores"] >= PAGES, STORED_WITHIN_S, f"{PAGES} pages at the node daemon")
+        shared = generate(second.url, prompt, NEW_TOKENS)
+        assert shared.cached() == {"device": 0, "host": 0, "storage": REUSABLE}
+        assert shared.ids == reference.ids
+        assert daemon.stats()["stores"] == PAGES  # the second server stored none again
 
 
 @pytest.mark.parametrize(
