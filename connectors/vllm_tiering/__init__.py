@@ -1,5 +1,5 @@
-"""kvtier inside vLLM's own tiered offloading (``TieringOffloadingSpec``, vLLM 0.33): kvtier's disk and
-remote tiers as vLLM secondary tiers, and kvtier's adaptive policy as the CPU tier's eviction.
+"""kvtier inside vLLM's own tiered offloading (``TieringOffloadingSpec``, vLLM 0.33): kvtier's disk, remote
+and node tiers as vLLM secondary tiers, and kvtier's adaptive policy as the CPU tier's eviction.
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8589934592,
@@ -19,6 +19,7 @@ from typing import Any
 _CLASSES = {
     "KVTierDisk": "kvtier.connectors.vllm_tiering.tiers",
     "KVTierRemote": "kvtier.connectors.vllm_tiering.tiers",
+    "KVTierNode": "kvtier.connectors.vllm_tiering.tiers",
     "KVTierAdaptive": "kvtier.connectors.vllm_tiering.policy",
 }
 

@@ -9,7 +9,8 @@ models with the chunk size vLLM chose as the block size, so a key that is unknow
 at start with one ConfigError line naming the entry and the key, never a tier that silently stores
 nothing.
 
-A remote tier runs as kvtier runs one everywhere: below a small host tier of kvtier's own
+A node tier is the node daemon's slab alone: its copies are the engine's own memmoves, which end when
+they end. A remote tier runs as kvtier runs one everywhere: below a small host tier of kvtier's own
 (``staging_blocks`` chunks). Records arrive there and are checked (length, checksum, MAC) before they
 are copied into vLLM's CPU tier, and a store call that outlives its deadline can only ever touch
 kvtier's slots, which kvtier keeps out of use until that call has returned; a chunk of vLLM's CPU tier
@@ -52,10 +53,10 @@ class TierSettings:
 
 
 def tier_settings(
-    medium: Literal["disk", "remote"], tier_type: str, entry: dict[str, Any], chunk_bytes: int
+    medium: Literal["disk", "remote", "node"], tier_type: str, entry: dict[str, Any], chunk_bytes: int
 ) -> TierSettings:
     """The stack a ``secondary_tiers`` entry of type ``tier_type`` describes for chunks of ``chunk_bytes``:
-    the tier alone (disk), or a host staging tier above it (remote). Raises one ConfigError naming
+    the tier alone (disk, node), or a host staging tier above it (remote). Raises one ConfigError naming
     the entry and every key that is unknown, missing or wrong."""
     where = f"secondary_tiers entry {tier_type!r}"
     entry = dict(entry)
@@ -64,8 +65,8 @@ def tier_settings(
     if "medium" in entry:
         raise ConfigError(
             f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "
-            f"{medium} tier; KVTierDisk and KVTierRemote are the two kvtier tiers vLLM can cascade to, "
-            f"vLLM's CPU tier being the memory tier); remove medium"
+            f"{medium} tier; KVTierDisk, KVTierRemote and KVTierNode are the kvtier tiers vLLM can cascade "
+            f"to, vLLM's CPU tier being the memory tier); remove medium"
         )
     unknown = sorted(set(entry) - set(option_keys) - set(tier_keys) - set(STACK_KEYS))
     if unknown:
@@ -79,9 +80,9 @@ def tier_settings(
     stack = {key: entry.pop(key) for key in STACK_KEYS if key in entry}
     tier = {"medium": medium, **entry}
     tiers = (
-        [tier]
-        if medium == "disk"
-        else [{"medium": "host", "name": "staging", "capacity_blocks": options.staging_blocks}, tier]
+        [{"medium": "host", "name": "staging", "capacity_blocks": options.staging_blocks}, tier]
+        if medium == "remote"
+        else [tier]
     )
     config = _validated(lambda: load_config({**stack, "block_bytes": chunk_bytes, "tiers": tiers}), where)
     return TierSettings(config, options)

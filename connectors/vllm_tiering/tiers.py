@@ -1,4 +1,4 @@
-"""kvtier's disk and remote tiers as secondary tiers of vLLM's tiered offloading (``SecondaryTierManager``).
+"""kvtier's disk, remote and node tiers as secondary tiers of vLLM's tiered offloading (``SecondaryTierManager``).
 
 vLLM keeps its CPU tier (the primary) and its own GPU <-> CPU copies; after a chunk lands there it
 hands it to every secondary tier to store (``submit_store``: chunk ids of the CPU tier, pinned until
@@ -6,16 +6,16 @@ the job reports), and on a miss of the CPU tier asks each secondary tier in turn
 promotes a hit into a CPU chunk it allocated (``submit_load``). Here each such tier is a kvtier
 ``TierStack`` (the one planner, kvtier's tiers and transfer backends) whose caller storage is vLLM's
 CPU tier itself: one ``StridedStorage`` over its rows, slot = chunk id. A disk tier's reads and writes
-go straight between its slab and the CPU tier's chunks; a remote tier stages through a small host
-tier of its own (settings.py says why). Keys: each OffloadKey folded under the namespace of the
+go straight between its slab and the CPU tier's chunks, as a node tier's between the node daemon's
+slab and them; a remote tier stages through a small host tier of its own (settings.py says why). Keys: each OffloadKey folded under the namespace of the
 engine's chunks (namespace.py) and the key secret (core/keys.py ``KeyFolder``).
 
 vLLM's contract, kept here: every method runs on the scheduler thread (under the tiering manager's
 lock) and must not block. ``submit_store`` and ``submit_load`` only queue the job; one thread per
 direction runs it through the stack (which may wait for room or for a copy) and posts its
 ``JobResult``, collected by ``get_finished_jobs``. A disk tier answers ``lookup`` from its index at
-once; a remote tier answers RETRY until vLLM's own ``AsyncLookupManager`` has asked the store (one
-batched query per request and step, off the scheduler thread). A promotion that fails names the
+once; a remote or node tier answers RETRY until vLLM's own ``AsyncLookupManager`` has asked the store or
+the daemon (one batched query per request and step, off the scheduler thread). A promotion that fails names the
 chunks that did arrive (``successful_keys``); a chunk that arrived damaged is never among them.
 ``drain_jobs`` waits until no job touches the CPU tier; ``shutdown`` also closes the stack (a disk
 slab then holds what it held, found again at the next start).
@@ -91,7 +91,7 @@ class KVTierTierInfo(ConfigInfo):
 class KVTierTier(SecondaryTierManager):
     """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
 
-    kvtier_medium: ClassVar[Literal["disk", "remote"]]
+    kvtier_medium: ClassVar[Literal["disk", "remote", "node"]]
     kvtier_locality: ClassVar[Locality]  # what the tier's events and vLLM's per-request tier filters see
     medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 
@@ -234,7 +234,7 @@ class KVTierTier(SecondaryTierManager):
         started = time.perf_counter()
         stored = dropped = failed = 0
         kv_keys = self._keys(keys)
-        step = self.stack.tiers[0].capacity
+        step = self._batch(len(kv_keys))
         for i in range(0, len(kv_keys), step):
             result = self.stack.store(kv_keys[i : i + step], self._chunks, chunks[i : i + step]).result()
             stored += result.stored
@@ -255,7 +255,7 @@ class KVTierTier(SecondaryTierManager):
         Also returns those that did not arrive."""
         started = time.perf_counter()
         kv_keys = self._keys(keys)
-        step = self.stack.tiers[0].capacity
+        step = self._batch(len(kv_keys))
         arrived: list[OffloadKey] = []
         missed: list[OffloadKey] = []
         for i in range(0, len(kv_keys), step):
@@ -272,6 +272,12 @@ class KVTierTier(SecondaryTierManager):
             transfer_time=time.perf_counter() - started,
             transfer_bytes=len(arrived) * self.block_size_bytes,
         ), missed
+
+    def _batch(self, n: int) -> int:
+        """Chunks per batch of a job of ``n``: what the stack's first tier holds (all of them where that
+        tier is addressed by key: its owner makes room)."""
+        top = self.stack.tiers[0]
+        return max(n, 1) if top.by_key else top.capacity
 
     def _load_failed(self, keys: list[OffloadKey]) -> None:
         """Chunks a promotion did not bring: the stack already treats them as a miss (a damaged slot is
@@ -304,13 +310,10 @@ class KVTierDisk(KVTierTier):
     kvtier_locality = Locality.LOCAL
 
 
-class KVTierRemote(KVTierTier):
-    """kvtier's remote tier: a Mooncake Store or Redis/Valkey shared with other engines, records checked
-    (and with ``auth_key_env`` authenticated) before they are promoted. Whether the store holds a
-    chunk is asked off the scheduler thread (vLLM's ``AsyncLookupManager``): RETRY until it answered."""
+class _AskedTier(KVTierTier):
+    """A kvtier tier addressed by key, whose owner (a store, a node daemon) is asked whether it holds a
+    chunk off the scheduler thread (vLLM's ``AsyncLookupManager``): RETRY until it answered."""
 
-    kvtier_medium = "remote"
-    kvtier_locality = Locality.REMOTE
     cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(
@@ -350,18 +353,34 @@ class KVTierRemote(KVTierTier):
         super().shutdown()
 
     def query_store(self, keys: list[OffloadKey]) -> list[bool]:
-        """Ask the store which of the chunks it holds (one batched query, bounded by the tier's timeout:
-        an unreachable store answers "none")."""
+        """Ask the owner which of the chunks it holds (one batched query, bounded by the tier's timeout:
+        an unreachable owner answers "none")."""
         kv_keys = self._keys(keys)
-        remote = self.stack.tiers[-1]
-        remote.query(kv_keys)
+        self.stack.tiers[-1].query(kv_keys)
         return [self._state(key) is BlockState.READY for key in kv_keys]
 
 
-class _StoreLookup(AsyncLookupManager):
-    """vLLM's asynchronous lookup, asking a remote tier's store on vLLM's lookup thread."""
+class KVTierRemote(_AskedTier):
+    """kvtier's remote tier: a Mooncake Store or Redis/Valkey shared with other engines, records checked
+    (and with ``auth_key_env`` authenticated) in a host staging tier of kvtier's before they are promoted."""
 
-    def __init__(self, tier: KVTierRemote) -> None:
+    kvtier_medium = "remote"
+    kvtier_locality = Locality.REMOTE
+
+
+class KVTierNode(_AskedTier):
+    """kvtier's node tier: the machine's node daemon's slab, shared by every engine on the machine (``socket``
+    of a ``kvtier node serve``); chunks are copied straight between it and vLLM's CPU tier, each checked
+    against its slot header before it is promoted (a copy ends when it ends: no staging)."""
+
+    kvtier_medium = "node"
+    kvtier_locality = Locality.LOCAL
+
+
+class _StoreLookup(AsyncLookupManager):
+    """vLLM's asynchronous lookup, asking a keyed tier's owner on vLLM's lookup thread."""
+
+    def __init__(self, tier: _AskedTier) -> None:
         super().__init__(tier_type=tier.tier_type)
         self._tier = tier
 

@@ -1,11 +1,12 @@
-"""kvtier's disk and remote tiers inside vLLM's own tiered offloading: vLLM 0.33's real
+"""kvtier's disk, remote and node tiers inside vLLM's own tiered offloading: vLLM 0.33's real
 ``TieringOffloadingSpec`` and ``TieringOffloadingManager`` on CPU, built by vLLM's connector factory from
 an extra config exactly as a user writes it (helpers/vllm_tiering.py plays vLLM's GPU worker only).
 
 Chunks stored into vLLM's CPU tier cascade to kvtier's tier, leave the CPU tier when it evicts them,
 and come back bit-exact on lookup (promotion); a new engine on the same disk directory finds them; a
 damaged slot is a miss and its bytes are never promoted; a store on another engine's redis-server
-serves a second engine; a stopped server gives misses within the timeout and never blocks a step;
+serves a second engine, as a node daemon does; a stopped server or daemon gives misses within the
+timeout and never blocks a step;
 vLLM's backpressure detector then drops stores. A wrong entry stops vLLM's start with kvtier's error.
 """
 
@@ -20,6 +21,7 @@ import pytest
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+from helpers.node_daemon import node_daemon
 from helpers.redis_server import redis_server
 from helpers.vllm_harness import hybrid_kv_cache_config
 from helpers.vllm_tiering import TieringEngine, chunk_bytes, chunk_key, kvtier_tier
@@ -384,3 +386,39 @@ def test_backpressure_drops_stores(engines, tmp_path):
     assert counters(engine)["stored_chunks"] == 2
     assert engine.lookup(keys[:2]) == 2  # left the CPU tier (4 chunks), promoted from disk
     assert engine.lookup(keys[2:3]) == 0  # its cascade was dropped: gone with the CPU tier's eviction
+
+
+@pytest.fixture
+def node(tmp_path):
+    with node_daemon(tmp_path / "node", capacity="16MiB", block_bytes="2MiB", max_held=1.0) as daemon:
+        yield daemon
+
+
+def node_tier(daemon, **settings) -> dict:
+    return kvtier_tier("KVTierNode", socket=daemon.socket, timeout=TIMEOUT, **settings)
+
+
+def test_a_second_engine_promotes_the_first_ones_chunks_from_the_node_daemon(engines, node):
+    keys = [chunk_key(i) for i in range(6)]
+    first = engines([node_tier(node)])
+    assert [t.medium for t in first.tiers[0].stack.tiers] == ["node"]  # no staging: copies end when they end
+    for key in keys:
+        first.store([key])
+    first.tiers[0].stack.wait_idle()
+    assert node.stats()["stores"] == len(keys)
+    second = engines([node_tier(node)])
+    assert_promoted_exact(second, keys[:3])
+    assert counters(second)["failed_load_chunks"] == 0
+    assert second.tiers[0].locality is Locality.LOCAL
+
+
+def test_a_stopped_node_daemon_gives_misses_within_the_timeout(engines, node):
+    keys = [chunk_key(i) for i in range(3)]
+    engine = engines([node_tier(node)])
+    node.pause()
+    try:
+        started = time.monotonic()
+        assert engine.lookup(keys, timeout=10 * TIMEOUT) == 0
+        assert time.monotonic() - started < 5 * TIMEOUT
+    finally:
+        node.resume()
