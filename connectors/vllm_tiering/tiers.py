@@ -7,8 +7,9 @@ promotes a hit into a CPU chunk it allocated (``submit_load``). Here each such t
 ``TierStack`` (the one planner, kvtier's tiers and transfer backends) whose caller storage is vLLM's
 CPU tier itself: one ``StridedStorage`` over its rows, slot = chunk id. A disk tier's reads and writes
 go straight between its slab and the CPU tier's chunks, as a node tier's between the node daemon's
-slab and them; a remote tier stages through a small host tier of its own (settings.py says why). Keys: each OffloadKey folded under the namespace of the
-engine's chunks (namespace.py) and the key secret (core/keys.py ``KeyFolder``).
+slab and them; a remote tier stages through a small host tier of its own (settings.py says why).
+Keys: each OffloadKey folded under the namespace of the engine's chunks (namespace.py) and the key
+secret (core/keys.py ``KeyFolder``).
 
 vLLM's contract, kept here: every method runs on the scheduler thread (under the tiering manager's
 lock) and must not block. ``submit_store`` and ``submit_load`` only queue the job; one thread per
