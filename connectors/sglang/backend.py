@@ -242,7 +242,10 @@ class KVTierStorage(HiCacheStorage):
 
 def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
     """The first tier takes a whole batch SGLang stores in one call (up to STORAGE_BATCH_SIZE pages): a
-    smaller one would refuse every full batch, and SGLang would store nothing while it seemed to work."""
+    smaller one would refuse every full batch, and SGLang would store nothing while it seemed to work.
+    A tier addressed by key (a node daemon's slab) has no capacity here: its owner makes room."""
+    if config.tiers[0].keyed:
+        return
     pages = capacity_in_blocks(config.tiers[0], page_bytes, config.header_room) or 0
     if pages < STORAGE_BATCH_SIZE:
         need = STORAGE_BATCH_SIZE * config.tiers[0].footprint(page_bytes, config.header_room)

@@ -90,7 +90,14 @@ class NodeDaemonProcess:
         self.process.send_signal(signum)
 
     def pause(self) -> None:
+        """SIGSTOP, once the process is stopped (a signal lands when the target is next scheduled)."""
         self.signal(signal.SIGSTOP)
+        assert self.process is not None
+        stat = Path(f"/proc/{self.process.pid}/stat")
+        deadline = time.monotonic() + READY_WITHIN_S
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the node daemon did not stop"
+            time.sleep(0.005)
 
     def resume(self) -> None:
         self.signal(signal.SIGCONT)

@@ -27,7 +27,7 @@ from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
-from kvtier.tiers.node.slab import NODE_KEY_BYTES, READY, SlabView
+from kvtier.tiers.node.slab import NODE_KEY_BYTES, READY, WRITING, SlabView
 
 NODE_DEVICE = "node"
 """The device of a node slab's blocks as transfers see them: named by key, copied by ``NodeBackend``."""
@@ -55,11 +55,12 @@ class Location(NamedTuple):
     epoch: int
 
     def holds(self) -> bool:
-        """Whether the slot header still says READY, this block, this generation (a local read)."""
+        """Whether the slot header still names this block at this generation, READY, or WRITING (a block
+        this engine stored, whose COMMIT the daemon has not read yet): a local read."""
         view, slot = self.view, self.slot
         return (
             int(view.gen[slot]) == self.gen
-            and int(view.state[slot]) == READY
+            and int(view.state[slot]) in (READY, WRITING)
             and view.keys[slot].tobytes() == self.name
         )
 
