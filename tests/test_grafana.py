@@ -5,7 +5,8 @@ every PromQL expression in it (the panels' targets, through rows, and the variab
 the metric names it selects, once for each engine its ``engine`` variable offers, and each name must be a
 series of a live registry holding kvtier's counters as that engine exports them. Here: SGLang's, made by
 ``kvtier.connectors.sglang.metrics`` in a process of its own in prometheus_client's multiprocess mode (as
-in SGLang's scheduler) and collected as SGLang's /metrics collects them. vLLM's are checked in
+in SGLang's scheduler) and collected as SGLang's /metrics collects them; the node daemon's row against a
+real daemon's registry (``kvtier.node_metrics``) with an engine connected. vLLM's are checked in
 tests/connectors/vllm/test_grafana_vllm.py, through vLLM's own ``KVConnectorProm``, with the same
 checker (tests/helpers/grafana.py).
 The panels must also say what they show (a title), query the dashboard's data source variable, and use
@@ -29,6 +30,7 @@ from helpers.grafana import (
     layout_problems,
     load_dashboard,
     metric_names,
+    node_metrics,
     panels,
     unknown_metrics,
     variables,
@@ -52,6 +54,44 @@ def sglang_registry(tmp_path_factory):
     return registry
 
 
+@pytest.fixture(scope="module")
+def node_registry(tmp_path_factory):
+    """The node daemon's series as ``kvtier node serve --metrics-port`` serves them: a daemon of this test's,
+    one engine connected (per-engine series exist only for connected engines)."""
+    import threading
+    import uuid
+
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.node_config import load_node_config
+    from kvtier.node_daemon import NodeDaemon
+    from kvtier.node_metrics import NodeCollector
+    from kvtier.tiers.node.client import NodeClient
+
+    directory = tmp_path_factory.mktemp("node")
+    slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
+    config = {
+        "node": {"socket": str(directory / "n.sock"), "slab": slab},
+        "block_bytes": 4096,
+        "tiers": [{"medium": "host", "capacity_blocks": 8}],
+    }
+    daemon = NodeDaemon(load_node_config(config))
+    serving = threading.Thread(target=daemon.serve, daemon=True)
+    serving.start()
+    client = NodeClient(config["node"]["socket"], 5.0)
+    client.open()
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(daemon))
+    try:
+        yield registry
+    finally:
+        client.close()
+        daemon.request_stop()
+        serving.join()
+        daemon.stop()
+        os.unlink(slab)
+
+
 def test_the_engine_variable_offers_vllm_and_sglang():
     dashboard = load_dashboard()
     assert engines(dashboard) == ["vllm", "sglang"]
@@ -66,7 +106,7 @@ def test_the_dashboard_shows_hits_traffic_failures_and_miss_reasons():
     dashboard = load_dashboard()
     titles = {panel["title"]: panel for panel in panels(dashboard)}
     rows = [panel["title"] for panel in panels(dashboard) if panel["type"] == "row"]
-    assert rows == ["Hits", "Traffic", "Failures", "Miss reasons"]
+    assert rows == ["Hits", "Traffic", "Failures", "Miss reasons", "Node daemon"]
     explained = titles["Miss reasons"]["options"]["content"]  # (the row's text panel)
     assert all(f"`{reason}`" in explained for reason in ("never_stored", "evicted", "partial_block"))
     by_tier = titles["Misses per second by reason and tier"]["targets"][0]["expr"]
@@ -80,6 +120,16 @@ def test_every_metric_the_dashboard_names_is_one_sglang_serves(sglang_registry):
     dashboard = load_dashboard()
     assert "sglang:kvtier_hit_blocks_total" in exported_series(sglang_registry)  # the registry is not empty
     assert unknown_metrics(dashboard, "sglang", sglang_registry) == set()
+
+
+def test_the_node_daemon_row_queries_what_the_daemon_serves(node_registry):
+    dashboard = load_dashboard()
+    assert {"kvtier_node_slots", "kvtier_node_hits_total", "kvtier_node_engine_hits_total"} <= node_metrics(dashboard)
+    assert unknown_metrics(dashboard, "node", node_registry) == set()
+    broken_copy = load_dashboard()
+    row = next(panel for panel in panels(broken_copy) if panel.get("title") == "Node engines")
+    row["targets"][0]["expr"] = row["targets"][0]["expr"].replace("connected", "connections_open")
+    assert unknown_metrics(broken_copy, "node", node_registry) == {"kvtier_node_connections_open"}
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Reading a Grafana dashboard's queries for the metric names they select, and checking them against a
-live Prometheus registry: shared by the dashboard's tests (tests/test_grafana.py for SGLang's registry,
-tests/connectors/vllm/test_grafana_vllm.py for vLLM's)."""
+live Prometheus registry: shared by the dashboard's tests (tests/test_grafana.py for SGLang's registry and
+the node daemon's, tests/connectors/vllm/test_grafana_vllm.py for vLLM's)."""
 
 from __future__ import annotations
 
@@ -87,9 +87,20 @@ def metric_names(expr: str) -> set[str]:
     return {name for name in IDENTIFIER.findall(bare) if name not in PROMQL_WORDS}
 
 
+NODE_METRICS = "kvtier_node_"
+"""The prefix of the node daemon's own series (``kvtier node serve --metrics-port``): no engine serves them."""
+
+
 def dashboard_metrics(dashboard: dict[str, Any], engine: str) -> set[str]:
-    """The metric names of every expression with the ``engine`` variable set to ``engine``."""
-    return {name for expr in expressions(dashboard) for name in metric_names(substitute(expr, "engine", engine))}
+    """The metric names an engine serves of every expression, with the ``engine`` variable set to ``engine``."""
+    names = {name for expr in expressions(dashboard) for name in metric_names(substitute(expr, "engine", engine))}
+    return {name for name in names if not name.startswith(NODE_METRICS)}
+
+
+def node_metrics(dashboard: dict[str, Any]) -> set[str]:
+    """The node daemon's metric names the dashboard queries."""
+    names = {name for expr in expressions(dashboard) for name in metric_names(substitute(expr, "engine", "any"))}
+    return {name for name in names if name.startswith(NODE_METRICS)}
 
 
 def exported_series(registry: Any) -> set[str]:
@@ -98,8 +109,10 @@ def exported_series(registry: Any) -> set[str]:
 
 
 def unknown_metrics(dashboard: dict[str, Any], engine: str, registry: Any) -> set[str]:
-    """The dashboard's metric names for ``engine`` that the registry does not serve (empty: all is well)."""
-    return dashboard_metrics(dashboard, engine) - exported_series(registry)
+    """The dashboard's metric names for ``engine`` that the registry does not serve (empty: all is well);
+    ``engine`` "node": the node daemon's, against its registry."""
+    wanted = node_metrics(dashboard) if engine == "node" else dashboard_metrics(dashboard, engine)
+    return wanted - exported_series(registry)
 
 
 def layout_problems(dashboard: dict[str, Any]) -> list[str]:
