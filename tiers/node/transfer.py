@@ -117,31 +117,30 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
         (given,), epoch, view = node.client.call(Op.RESERVE, names, [length] * len(names))
     except StoreError:
         return set(range(len(keys)))
-    failed: set[int] = set()
+    if not isinstance(given, list) or len(given) != len(names):  # (a daemon that answers another question)
+        node.client.post(Op.ABORT, epoch, names)
+        return set(range(len(keys)))
+    held = [i for i, answer in enumerate(given) if isinstance(answer, list) and len(answer) == 3 and answer[2] == HELD]
+    reserved = [i for i, answer in enumerate(given) if _is_slot_gen(answer)]
     written: list[int] = []
-    held: list[int] = []
     try:
-        for i, answer in enumerate(given):
-            if isinstance(answer, list) and len(answer) == 3 and answer[2] == HELD:
-                held.append(i)
-            elif (
-                isinstance(answer, list)
-                and len(answer) == 2
-                and _write(view, answer[0], answer[1], names[i], pieces[i])
-            ):
+        for i in reserved:
+            if _write(view, given[i][0], given[i][1], names[i], pieces[i]):
                 written.append(i)
-            else:
-                failed.add(i)
     except BaseException:
-        node.client.post(Op.ABORT, epoch, [names[i] for i in written])
+        written = []
         raise
+    finally:  # (a reservation not written, whatever the reason, is given back now: not at the lease's end)
+        unwritten = [names[i] for i in reserved if i not in written]
+        if unwritten:
+            node.client.post(Op.ABORT, epoch, unwritten)
     if written and not node.client.post(Op.COMMIT, epoch, [names[i] for i in written]):
-        failed.update(written)  # (the connection that reserved them is gone: so are the reservations)
-    landed = [i for i in written + held if i not in failed]
+        written = []  # (the connection that reserved them is gone: so are the reservations)
+    landed = written + held
     node.located([keys[i] for i in landed], [names[i] for i in landed], [given[i][:2] for i in landed], view, epoch)
     if held and node.on_skipped is not None:
         node.on_skipped(len(held))
-    return failed
+    return set(range(len(keys))) - set(landed)
 
 
 def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
@@ -186,6 +185,8 @@ def _pin_and_read(
     asked = [names[i] for i in which]
     try:
         (pinned,), epoch, view = node.client.call(Op.PIN, asked)
+        if not isinstance(pinned, list) or len(pinned) != len(asked):
+            raise StoreError(f"the node daemon answered a pin of {len(asked)} blocks with {pinned!r:.80}")
     except StoreError:
         for i in which:
             node.failures.note(keys[i], MissReason.REMOTE_ERROR)
@@ -193,26 +194,32 @@ def _pin_and_read(
     node.located([keys[i] for i in which], asked, pinned, view, epoch)
     failed: set[int] = set()
     held: list[bytes] = []
-    damaged: list[list[object]] = []
-    for i, slot_gen in zip(which, pinned, strict=True):
-        if not isinstance(slot_gen, list):
-            node.failures.note(keys[i], MissReason.EVICTED)
-            failed.add(i)
-            continue
-        held.append(names[i])
-        slot, gen = slot_gen
-        if _read(view, slot, gen, names[i], pieces[i]):
-            node.failures.note(keys[i], None)
-        else:
-            node.failures.note(keys[i], MissReason.DAMAGED)
-            damaged.append([names[i], gen])
-            failed.add(i)
-    node.client.post(Op.RELEASE, epoch, held)
+    damaged: list[int] = []
+    try:
+        for i, answer in zip(which, pinned, strict=True):
+            if not _is_slot_gen(answer):
+                node.failures.note(keys[i], MissReason.EVICTED)
+                failed.add(i)
+                continue
+            held.append(names[i])
+            if _read(view, answer[0], answer[1], names[i], pieces[i]):
+                node.failures.note(keys[i], None)
+            else:
+                node.failures.note(keys[i], MissReason.DAMAGED)
+                damaged.append(i)
+                failed.add(i)
+    finally:
+        node.client.post(Op.RELEASE, epoch, held)
     if damaged:
         log.warning("kvtier node tier: %d of %d blocks failed their checks and were dropped", len(damaged), len(keys))
-        node.forget(keys[i] for i in which if names[i] in {name for name, _ in damaged})
-        node.client.post(Op.DROP, epoch, damaged)
+        node.forget(keys[i] for i in damaged)
+        node.client.post(Op.DROP, epoch, [[names[i], pinned[which.index(i)][1]] for i in damaged])
     return failed
+
+
+def _is_slot_gen(answer: object) -> bool:
+    """Whether a daemon's answer for a block is ``[slot, generation]`` (else: the daemon does not hold it)."""
+    return isinstance(answer, list) and len(answer) == 2 and all(type(v) is int for v in answer)
 
 
 def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
