@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvtier.core.config import ProblemList, StackConfig, TierConfigBase
 from kvtier.core.config_messages import Problems
+from kvtier.core.media import HOST
 from kvtier.tiers.keyed import sized_by_owner
 
 
@@ -56,7 +57,8 @@ class NodeTierConfig(TierConfigBase):
 
     def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
         """Where a node tier may sit: last (the daemon evicts by itself, so nothing of kvtier's can sit
-        below it), and in a stack with no other tier addressed by key (``TierStack`` asks one)."""
+        below it), under a host tier where there is a gpu tier, and in a stack with no other tier
+        addressed by key (``TierStack`` asks one)."""
         problems: ProblemList = []
         if i != len(stack.tiers) - 1:
             problems.append(
@@ -64,6 +66,15 @@ class NodeTierConfig(TierConfigBase):
                     ("medium",),
                     "a node tier may only be the last tier: its daemon evicts by itself, so no tier of kvtier's "
                     "can sit below it",
+                )
+            )
+        media = {t.medium for t in stack.tiers}
+        if "gpu" in media and HOST not in media:
+            problems.append(
+                (
+                    ("medium",),
+                    "a node tier below a gpu tier needs a host tier between them: blocks move between GPU "
+                    "memory and the slab through host memory (the slab is not registered with CUDA)",
                 )
             )
         others = [t.medium for j, t in enumerate(stack.tiers) if j != i and t.keyed]

@@ -222,6 +222,10 @@ def test_blocks_larger_than_the_daemons_slots_are_refused_at_start(daemon):
             "tiers[1].eviction: a node tier has no eviction policy",
         ),
         ([{"medium": "node", "socket": "/s", "daemon_user": "no-such-user-here"}], "no user named 'no-such-user-here'"),
+        (
+            [{"medium": "gpu", "capacity_blocks": 4}, {"medium": "node", "socket": "/s"}],
+            "tiers[1].medium: a node tier below a gpu tier needs a host tier between them",
+        ),
         ([{"medium": "node"}], "tiers[0]: missing key 'socket'"),
     ],
 )
