@@ -220,7 +220,7 @@ def control_us(socket_path: str, block_bytes: int) -> float:
         times = []
         for _ in range(2000):
             start = time.perf_counter()
-            (pinned,), epoch, _ = node.client.call(Op.PIN, names)
+            (pinned,), epoch, _ = node.client.call(Op.PIN, names, block_bytes)
             node.client.post(Op.RELEASE, epoch, names)
             times.append(time.perf_counter() - start)
             assert all(pinned)

@@ -292,6 +292,19 @@ class TierStack:
             with offering(future):  # its result() runs the store calls no worker has begun
                 self._execute(plan, loaded, caller=dst)
 
+    # --- a tier written from outside ----------------------------------------------------------
+
+    def copies_on(self, index: int) -> bool:
+        """Whether blocks written into tier ``index`` are copied on to other tiers (its placement): a
+        writer from outside commits them pinned (``Tier.commit(pin=True)``) and says so (``committed``)."""
+        return bool(self._copy_targets[index])
+
+    def committed(self, index: int, keys: list[bytes]) -> None:
+        """Blocks that a writer from outside the stack (a node daemon's engines, which copy into its slab
+        themselves) wrote and committed into tier ``index``: copied on as the placement says (then
+        unpinned, where ``copies_on``), the tier's watermark checked."""
+        self._after_write(index, keys)
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 60.0) -> None:

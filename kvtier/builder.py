@@ -10,6 +10,8 @@ API's callers: ``kvtier/api.py`` and ``kvtier replay``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
@@ -29,16 +31,21 @@ def config_layout(config: StackConfig) -> BlockLayout:
 
 
 def build_stack(
-    config: StackConfig, layout: BlockLayout | None = None, backends: list[TransferBackend] | None = None
+    config: StackConfig,
+    layout: BlockLayout | None = None,
+    backends: list[TransferBackend] | None = None,
+    first: Callable[[JobManager], Tier] | None = None,
 ) -> TierStack:
-    """Tiers, policies, job manager and backend as the configuration says; nothing is left open on error."""
+    """Tiers, policies, job manager and backend as the configuration says; nothing is left open on error.
+    ``first(jobs)``: the first tier, built by the caller (a node daemon's slab, which its medium does not
+    build), in place of the one the configuration describes."""
     layout = layout or config_layout(config)
     jobs = JobManager()
     tiers: list[Tier] = []
     made: list[TransferBackend] = []  # backends built here (a caller's own stay the caller's to close)
     try:
         for i in range(len(config.tiers)):
-            tiers.append(_build_tier(config, i, layout, jobs))
+            tiers.append(first(jobs) if i == 0 and first is not None else _build_tier(config, i, layout, jobs))
         if backends is None:
             backends = made = backends_for(config.transfer, {t.storage.device for t in tiers}, config.tiers)
         return TierStack(tiers, backends, jobs, config.placement)

@@ -14,11 +14,16 @@ section saying where the daemon listens, where its slab lives and who may connec
     tiers:
       - medium: host                     # the slab
         capacity: 64GiB
-        eviction: adaptive               # the default: the slab is the machine's last tier
+        eviction: adaptive               # the default where the slab is the last tier (lru above a disk tier)
         watermark: {high: 0.95, low: 0.85}
+      - medium: disk                     # optional: one disk cache for the machine, below the slab
+        path: /var/cache/kvtier-node
+        capacity: 1TiB
 
-Lower tiers under the slab (one disk cache, one store client per machine) are not there yet: a config
-that lists them is refused with that reason.
+Tiers below the slab take what the slab holds, as it is committed (``write_through``, the only placement
+here): a disk tier is one disk cache per machine, its blocks brought back up into the slab when an engine
+asks for them (``kvtier.node_daemon``). A remote tier below the slab (one store client per machine) is not
+supported yet: a config that lists one is refused with that reason.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from kvtier.core.errors import ConfigError, shown
 from kvtier.core.media import HOST
 from kvtier.core.strict_yaml import read_yaml
 
-ENGINE_KEYS = ("namespace", "key_secret_env", "fragments", "block_tokens", "placement")
+ENGINE_KEYS = ("namespace", "key_secret_env", "fragments", "block_tokens")
 """Stack keys that describe an engine's blocks, not a daemon's: the daemon stores every engine's blocks
 under that engine's own keys, so they mean nothing here."""
 
@@ -133,7 +138,12 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
         ]
     if lines:
         raise ConfigError("\n".join(lines))
-    stack = load_config(data) if "tiers" in data else None
+    if data.get("placement", "write_through") != "write_through":
+        raise ConfigError(
+            f"{name}: placement: the slab copies every block down as soon as it is committed (write_through): "
+            f"write_back would make engines' reservations wait for the tier below; remove placement"
+        )
+    stack = load_config(data | {"placement": "write_through"}) if "tiers" in data else None
     if stack is None:
         raise ConfigError(f"{name}: missing key 'tiers': the slab, as a host tier with its capacity")
     if stack.block_bytes is None:
@@ -142,8 +152,10 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
         raise ConfigError(
             f"{name}: tiers[0]: the slab is a host tier (medium: host), got {shown(stack.tiers[0].medium)}"
         )
-    if len(stack.tiers) > 1:
-        raise ConfigError(
-            f"{name}: tiers[1]: tiers below the slab are not supported by the node daemon yet; list the slab alone"
-        )
+    for i, tier in enumerate(stack.tiers[1:], 1):
+        if tier.keyed:
+            raise ConfigError(
+                f"{name}: tiers[{i}]: a {tier.medium} tier below the node daemon's slab is not supported yet; "
+                f"give it to the engines' stacks instead, or leave it out"
+            )
     return NodeConfig(node, stack)

@@ -35,9 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.builder import build_stack
 from kvtier.core.errors import ConfigError, StateError
+from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import HOST, HOST_DEVICE
+from kvtier.core.stack import TierStack
 from kvtier.core.storage import contiguous_storage
 from kvtier.core.tier import BlockState, Tier
 from kvtier.node_config import NodeConfig
@@ -57,12 +60,18 @@ from kvtier.tiers.node.protocol import (
     read_frame,
     request,
 )
-from kvtier.tiers.node.slab import FREE, READY, WRITING, Geometry, SlabFile
+from kvtier.tiers.node.slab import FREE, READY, WRITING, Geometry, SlabFile, checksum
 
 log = logging.getLogger("kvtier.node")
 
+PROMOTE_TIMEOUT_S = 10.0
+"""How long bringing blocks up from a tier below the slab may take (a disk read): past it, a miss."""
+
 ACCEPT_POLL_S = 0.2
 """How often the accepting thread looks up from ``accept`` to end leases past due and to stop."""
+
+DAEMON_COUNTS = ("connections", "refused", "revoked", "protocol_errors", "promoted")
+"""What the daemon counts on its own (``NodeDaemon.stats``)."""
 
 SESSION_COUNTS = (
     *("lookups", "found", "hits", "misses", "stores", "skipped", "busy", "full", "declined", "aborted", "dropped"),
@@ -140,11 +149,20 @@ class NodeDaemon:
         if slots < 1:
             raise ConfigError(f"tiers[0]: the slab holds no slot of {geometry.slot_bytes} bytes; raise its capacity")
         self.slab = SlabFile(self.settings.slab, Geometry(slots, geometry.slot_bytes), self.settings.hugepages)
+        self.stack: TierStack | None = None
         try:
             view = self.slab.view
-            storage = contiguous_storage(view.base, slots, BlockLayout((geometry.slot_bytes,)), HOST_DEVICE, view)
-            policy, watermark = config.stack.tier_policy(0)
-            self.tier = Tier(config.stack.tier_name(0), HOST, storage, policy, watermark, note=self.settings.slab)
+            layout = BlockLayout((geometry.slot_bytes,))
+
+            def slab_tier(jobs: JobManager) -> Tier:
+                storage = contiguous_storage(view.base, slots, layout, HOST_DEVICE, view)
+                policy, watermark = config.stack.tier_policy(0)
+                name = config.stack.tier_name(0)
+                return Tier(name, HOST, storage, policy, watermark, jobs.is_fenced, note=self.settings.slab)
+
+            self.stack = build_stack(config.stack, layout, first=slab_tier)
+            self.tier = self.stack.tiers[0]
+            self.below = self.stack.tiers[1:]  # the machine's tiers under the slab (a disk cache)
             self.headers = view.headers
             self.view = view
             self._lock = threading.Lock()
@@ -153,8 +171,11 @@ class NodeDaemon:
             self._counts: Counter[str] = Counter()
             self._sessions: set[Session] = set()
             self._stopping = threading.Event()
+            self._promotions: dict[bytes, threading.Event] = {}  # key -> set once its trip up into the slab ended
             self.listener = _listen(self.settings.socket, self.settings.others_allowed)
         except BaseException:
+            if self.stack is not None:
+                self.stack.close()
             self.slab.close()
             raise
         log.info(
@@ -290,17 +311,19 @@ class NodeDaemon:
             os.unlink(self.settings.socket)
         except FileNotFoundError:
             pass
+        assert self.stack is not None
+        self.stack.close()  # (its copies down to a disk tier end first)
         self.slab.close()
 
     # --- requests ------------------------------------------------------------------------------
 
     def handle(self, session: Session, op: Op, args: list[Any]) -> list[Any]:
         """Answer one request of ``session`` (checked by ``protocol.request``); the reply's results."""
+        if op is Op.PIN:  # (takes the lock itself: a block from a tier below comes up without it)
+            return [self._pin(session, *args)]
         with self._lock:
             if op is Op.LOOKUP:
                 return [self._lookup(session, *args)]
-            if op is Op.PIN:
-                return [self._pin(session, *args)]
             if op is Op.RESERVE:
                 return [self._reserve(session, *args)]
             if op is Op.STATS:
@@ -319,9 +342,9 @@ class NodeDaemon:
             return []
 
     def _lookup(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
-        """Where each READY key is now: [slot, generation] (an engine may read it there, checking the
-        header), or None."""
-        out = [self._where(key) if self.tier.state(key) is BlockState.READY else None for key in keys]
+        """Where each READY key is now: [slot, generation] in the slab (an engine may read it there,
+        checking the header), [] in a tier below (a pin brings it up), or None."""
+        out = [self._where(key) if self.tier.state(key) is BlockState.READY else self._below(key) for key in keys]
         session.counts["lookups"] += len(keys)
         session.counts["found"] += len(keys) - out.count(None)
         return out
@@ -331,33 +354,100 @@ class NodeDaemon:
         slot = self.tier.slots([key])[0]
         return [slot, int(self.view.gen[slot])]
 
+    def _below(self, key: bytes) -> list[int] | None:
+        """[] where a tier below the slab holds ``key``, else None."""
+        return [] if any(tier.state(key) is BlockState.READY for tier in self.below) else None
+
     def _touch(self, session: Session, keys: list[bytes]) -> None:
         """Blocks an engine read where a lookup said they were: a use for the policy (the leading READY run)."""
         tier = self.tier
         tier.unpin(keys[: len(tier.pin_leading(keys))])
         session.counts["hits"] += len(keys)
 
-    def _pin(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
-        """Pin what is READY (the leading run in one call: loads ask for prefixes), at most the
-        connection's room; per key its [slot, generation], or None."""
-        room = self._room(session)
-        slots: list[int | None] = list(self.tier.pin_leading(keys[:room]))
-        for key in keys[len(slots) : room]:
-            slots.append(self._try_pin(key))
-        pins, now, gen = session.pins, time.monotonic(), self.view.gen
-        out: list[list[int] | None] = []
-        for key, slot in zip(keys, slots, strict=False):
-            if slot is None:
-                out.append(None)
-                continue
-            count, since = pins.get(key, (0, now))
-            pins[key] = (count + 1, since)
-            out.append([slot, int(gen[slot])])
-        out += [None] * (len(keys) - len(out))
-        hits = len(keys) - out.count(None)
-        session.counts["hits"] += hits
-        session.counts["misses"] += len(keys) - hits
-        return out
+    def _pin(self, session: Session, keys: list[bytes], length: int) -> list[list[int] | None]:
+        """Pin what the slab holds READY, after bringing up what only a tier below holds (``_promote``),
+        at most the connection's room; per key its [slot, generation], or None."""
+        self._promote(keys, length)
+        with self._lock:
+            room = self._room(session)
+            slots: list[int | None] = list(self.tier.pin_leading(keys[:room]))
+            for key in keys[len(slots) : room]:
+                slots.append(self._try_pin(key))
+            pins, now, gen = session.pins, time.monotonic(), self.view.gen
+            out: list[list[int] | None] = []
+            for key, slot in zip(keys, slots, strict=False):
+                if slot is None:
+                    out.append(None)
+                    continue
+                count, since = pins.get(key, (0, now))
+                pins[key] = (count + 1, since)
+                out.append([slot, int(gen[slot])])
+            out += [None] * (len(keys) - len(out))
+            hits = len(keys) - out.count(None)
+            session.counts["hits"] += hits
+            session.counts["misses"] += len(keys) - hits
+            return out
+
+    def _promote(self, keys: list[bytes], length: int) -> None:
+        """Bring the blocks of ``keys`` that only a tier below the slab holds up into it: a slot each, handed
+        out as to a writer (a new generation), the block read into it by the stack (its own copies), the
+        header's checksum the daemon's, then READY. A block another connection is bringing up already is
+        waited for, not read again: however many engines want it at once, it is read once. Without the
+        lock while blocks move; bounded by PROMOTE_TIMEOUT_S (what does not come is a miss)."""
+        if not self.below or length > self.slab.geometry.slot_bytes:
+            return
+        with self._lock:
+            waits = [self._promotions[key] for key in keys if key in self._promotions]
+            up = [
+                key
+                for key in dict.fromkeys(keys)
+                if key not in self._promotions
+                and self.tier.state(key) is BlockState.FREE
+                and self._below(key) is not None
+            ]
+            slots = self.tier.reserve(up) if up else []
+            if slots is None:  # (no room for all: none come up; the pins find what the slab has)
+                up, slots = [], []
+            if up:
+                gens = self._hand_out(np.array(slots), up, [length] * len(up), os.getpid())
+                done = threading.Event()
+                self._promotions.update(dict.fromkeys(up, done))
+        if up:
+            self._bring_up(up, slots, gens, length, done)
+        for wait in waits:
+            wait.wait(PROMOTE_TIMEOUT_S)
+
+    def _bring_up(
+        self, keys: list[bytes], slots: list[int], gens: list[int], length: int, done: threading.Event
+    ) -> None:
+        """Read ``keys`` from the tiers below into their reserved slab ``slots``; publish those that came."""
+        assert self.stack is not None
+        arrived = 0
+        try:
+            result = self.stack.load(keys, self.tier.storage, slots, HOST).result(PROMOTE_TIMEOUT_S)
+            arrived = result.hits
+            failed = set(result.failed)
+        except Exception:
+            log.exception("node: blocks of a tier below the slab did not come up")
+            failed = set()
+        good = [i for i in range(arrived) if i not in failed]
+        with self._lock:
+            view = self.view
+            for i in good:
+                h = checksum(gens[i], keys[i])
+                h.update(view.block(slots[i], length))
+                view.checksum[slots[i]] = h.intdigest()
+            if good:
+                self._publish([keys[i] for i in good], [slots[i] for i in good])
+            lost = [i for i in range(len(keys)) if i not in set(good)]
+            for i in lost:
+                view.state[slots[i]] = FREE
+            if lost:
+                self.tier.abort([keys[i] for i in lost])
+            for key in keys:
+                del self._promotions[key]
+            self._counts["promoted"] += len(good)
+        done.set()
 
     def _try_pin(self, key: bytes) -> int | None:
         try:
@@ -390,7 +480,10 @@ class NodeDaemon:
         ]
         wanted = []
         for i, ok in zip(fresh, admitted, strict=True):
-            out[i] = FULL if ok and lengths[i] > fits else DECLINED if not ok else None
+            if self._below(keys[i]) is not None:
+                out[i] = [HELD]  # (in a tier below: a pin brings it up)
+            else:
+                out[i] = FULL if ok and lengths[i] > fits else DECLINED if not ok else None
             if out[i] is None:
                 wanted.append(i)
         for i in wanted[self._room(session) :]:
@@ -408,17 +501,19 @@ class NodeDaemon:
         for i in wanted[len(slots) :]:
             out[i] = FULL
         if granted:
-            gens = self._hand_out(np.array(slots), [keys[i] for i in granted], [lengths[i] for i in granted], session)
+            gens = self._hand_out(
+                np.array(slots), [keys[i] for i in granted], [lengths[i] for i in granted], session.pid
+            )
             now = time.monotonic()
             for i, slot, gen in zip(granted, slots, gens, strict=True):
                 session.reserved[keys[i]] = (slot, gen, now)
                 out[i] = [slot, gen]
-        session.counts["skipped"] += sum(isinstance(entry, list) and len(entry) == 3 for entry in out)
+        session.counts["skipped"] += sum(isinstance(entry, list) and entry[-1:] == [HELD] for entry in out)
         for outcome, name in ((BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
             session.counts[name] += out.count(outcome)
         return out
 
-    def _hand_out(self, slots: np.ndarray, keys: list[bytes], lengths: list[int], session: Session) -> list[int]:
+    def _hand_out(self, slots: np.ndarray, keys: list[bytes], lengths: list[int], writer: int) -> list[int]:
         """Write the headers of slots given to a writer: the generation first (a reader of what the slot
         held before fails its check from then on), then WRITING, the key and length; their generations."""
         view = self.view
@@ -428,7 +523,7 @@ class NodeDaemon:
         view.keys[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
         view.checksum[slots] = 0
         view.seq[slots] = 0
-        view.writer[slots] = session.pid
+        view.writer[slots] = writer
         return view.gen[slots].tolist()
 
     def _commit(self, session: Session, keys: list[bytes]) -> None:
@@ -440,15 +535,19 @@ class NodeDaemon:
             log.warning("node: %s committed blocks whose slot headers were overwritten; dropped", session.name)
             self.tier.abort([key for key, (slot, gen, _) in mine if int(view.gen[slot]) != gen])
         if good:
-            at = np.array([slot for _, slot in good])
-            view.seq[at] = np.arange(self._seq + 1, self._seq + 1 + len(good))
-            self._seq += len(good)
-            view.state[at] = READY
-            self.tier.commit([key for key, _ in good])
+            self._publish([key for key, _ in good], [slot for _, slot in good])
         session.counts["stores"] += len(good)
-        excess = self.tier.excess()
-        if excess:
-            self.tier.evict(excess)
+
+    def _publish(self, keys: list[bytes], slots: list[int]) -> None:
+        """Make blocks written into their slots READY: the headers say so (with their commit count), the
+        index too; the stack copies them down (write-through) and keeps the slab to its watermark."""
+        view, at = self.view, np.array(slots)
+        view.seq[at] = np.arange(self._seq + 1, self._seq + 1 + len(keys))
+        self._seq += len(keys)
+        view.state[at] = READY
+        assert self.stack is not None
+        self.tier.commit(keys, pin=self.stack.copies_on(0))
+        self.stack.committed(0, keys)
 
     def _abort(self, session: Session, keys: list[bytes]) -> None:
         for key in keys:
@@ -496,10 +595,9 @@ class NodeDaemon:
             totals.update(session.counts)
         usage = self.tier.usage()
         return {
-            **{
-                name: totals[name] for name in (*SESSION_COUNTS, "connections", "refused", "revoked", "protocol_errors")
-            },
+            **{name: totals[name] for name in (*SESSION_COUNTS, *DAEMON_COUNTS)},
             "evicted": self.tier.stats.evicted,
+            "copied_down": sum(tier.stats.committed for tier in self.below),
             "used_slots": usage.used,
             "slots": usage.capacity,
             "slot_bytes": self.slab.geometry.slot_bytes,

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.node_daemon import SESSION_COUNTS, NodeDaemon
+from kvtier.node_daemon import DAEMON_COUNTS, SESSION_COUNTS, NodeDaemon
 
-DAEMON_COUNTS = ("connections", "refused", "revoked", "protocol_errors", "evicted")
 GAUGES = {
     "used_slots": "slots holding a block or being written",
     "slots": "slots in the slab",
@@ -35,6 +34,8 @@ HELP = {
     "revoked": "connections closed for holding blocks past the lease",
     "protocol_errors": "connections closed for a malformed message",
     "evicted": "blocks evicted from the slab",
+    "promoted": "blocks brought up into the slab from a tier below it (a disk cache), for a load",
+    "copied_down": "blocks copied down from the slab into the tiers below it",
 }
 
 
@@ -46,7 +47,7 @@ class NodeCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.daemon.stats()
-        for name in (*SESSION_COUNTS, *DAEMON_COUNTS):
+        for name in (*SESSION_COUNTS, *DAEMON_COUNTS, "evicted", "copied_down"):
             yield CounterMetricFamily(f"kvtier_node_{name}", HELP[name], value=stats[name])
         for name, text in GAUGES.items():
             yield GaugeMetricFamily(f"kvtier_node_{name}", text, value=stats[name])

@@ -185,7 +185,7 @@ class NodeRig(Rig):
     def make_unreadable(self, far: BlockStorage, slots: list[int]) -> None:
         assert isinstance(far, NodeStorage)
         names = far.node_keys(keys_of(slots))
-        (pinned,), epoch, view = far.client.call(Op.PIN, names)
+        (pinned,), epoch, view = far.client.call(Op.PIN, names, far.layout.block_bytes)
         for slot, _ in pinned:
             view.block(slot, 32)[17] ^= 0xFF  # a byte of the block: its checksum no longer matches
         far.client.post(Op.RELEASE, epoch, names)

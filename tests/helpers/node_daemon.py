@@ -37,7 +37,13 @@ class NodeDaemonProcess:
     """One daemon's config, and the process serving it (None while stopped)."""
 
     def __init__(
-        self, directory: Path, settings: dict[str, Any], capacity: str, block_bytes: str, eviction: str | None = None
+        self,
+        directory: Path,
+        settings: dict[str, Any],
+        capacity: str,
+        block_bytes: str,
+        eviction: str | None = None,
+        below: list[dict[str, Any]] | None = None,
     ) -> None:
         self.directory = directory
         self.socket = str(Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp")) / "node.sock")
@@ -47,7 +53,10 @@ class NodeDaemonProcess:
         document = {
             "node": {"socket": self.socket, "slab": self.slab, **settings},
             "block_bytes": block_bytes,
-            "tiers": [{"medium": "host", "capacity": capacity, **({"eviction": eviction} if eviction else {})}],
+            "tiers": [
+                {"medium": "host", "capacity": capacity, **({"eviction": eviction} if eviction else {})},
+                *(below or []),
+            ],
         }
         directory.mkdir(parents=True, exist_ok=True)
         self.config.write_text(yaml.safe_dump(document))
@@ -135,12 +144,17 @@ class NodeDaemonProcess:
 
 @contextlib.contextmanager
 def node_daemon(
-    directory: Path, capacity: str = "8MiB", block_bytes: str = "64KiB", eviction: str | None = "lru", **settings: Any
+    directory: Path,
+    capacity: str = "8MiB",
+    block_bytes: str = "64KiB",
+    eviction: str | None = "lru",
+    below: list[dict[str, Any]] | None = None,
+    **settings: Any,
 ) -> Iterator[NodeDaemonProcess]:
     """A daemon serving a slab of ``capacity`` with slots for ``block_bytes``, evicting by ``eviction`` (LRU: a
-    test's blocks are stored at first sight; None: the default, adaptive); ``settings`` go to its ``node``
-    section (``lease``, ``allow_users``, ``max_held``, ...)."""
-    daemon = NodeDaemonProcess(directory, settings, capacity, block_bytes, eviction)
+    test's blocks are stored at first sight; None: the default, adaptive), over the tiers ``below`` (a disk
+    tier's entry); ``settings`` go to its ``node`` section (``lease``, ``allow_users``, ``max_held``, ...)."""
+    daemon = NodeDaemonProcess(directory, settings, capacity, block_bytes, eviction, below)
     try:
         daemon.start()
         yield daemon

@@ -9,11 +9,12 @@ on the wire are node keys (``NODE_KEY_BYTES``, bound to the engine's namespace),
 per message: a batch is one round trip per request phase.
 
     HELLO   [version, pid]           -> [OK, version, slots, slot_bytes, slab id, node id] and the slab's fd
-    LOOKUP  [keys]                   -> [OK, [[slot, gen] or None per key]]  (READY ones: where they are now)
-    PIN     [keys]                   -> [OK, [[slot, gen] or None per key]]  (pinned by this connection)
+    LOOKUP  [keys]                   -> [OK, [[slot, gen], [] or None per key]]  (READY: where, [] below the slab)
+    PIN     [keys, length]           -> [OK, [[slot, gen] or None per key]]  (pinned by this connection; a
+                                        block of a tier below comes up into the slab first, ``length`` bytes)
     RELEASE [keys]                   (unpins this connection's pins)
     TOUCH   [keys]                   (blocks read without a pin: a use, for the slab's policy)
-    RESERVE [keys, lengths]          -> [OK, [[slot, gen], [slot, gen, HELD] or BUSY / FULL / DECLINED per key]]
+    RESERVE [keys, lengths]          -> [OK, [[slot, gen], [slot, gen, HELD], [HELD] or BUSY / FULL / DECLINED]]
     COMMIT  [keys]                   (publishes this connection's reservations: READY from then on)
     ABORT   [keys]                   (gives this connection's reservations back)
     DROP    [[key, gen], ...]        (a load found these blocks damaged: unreadable for everyone)
@@ -60,9 +61,9 @@ POSTED = frozenset({Op.RELEASE, Op.TOUCH, Op.COMMIT, Op.ABORT, Op.DROP})
 OK, ERROR = 0, 1
 HELD, BUSY, FULL, DECLINED = 1, 2, 3, 4
 """Why a RESERVE gave a key no slot: the daemon holds the block already (READY: ``[slot, gen, HELD]``, where
-it is), another writer is storing it, no room (every slot pinned or being written, or the connection
-holds its share), the slab's policy does not admit it (``adaptive``'s filter: a block is stored once it
-was asked for twice)."""
+it is in the slab, or ``[HELD]``, in a tier below it), another writer is storing it, no room (every slot
+pinned or being written, or the connection holds its share), the slab's policy does not admit it
+(``adaptive``'s filter: a block is stored once it was asked for twice)."""
 
 
 class ProtocolError(Exception):
@@ -143,6 +144,9 @@ def request(message: list[Any]) -> tuple[Op, list[Any]]:
     if op is Op.DROP:
         (pairs,) = _count(args, 1, op)
         return op, [[_pair(p) for p in _list(pairs, op)]]
+    if op is Op.PIN:
+        keys, length = _count(args, 2, op)
+        return op, [_keys(keys, op), _int(length, "a block length", 1, 2**32 - 1)]
     if op is Op.RESERVE:
         keys, lengths = _count(args, 2, op)
         keys, lengths = _keys(keys, op), [_int(n, "a block length", 1, 2**32 - 1) for n in _list(lengths, op)]

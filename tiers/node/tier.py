@@ -113,10 +113,10 @@ class NodeStorage(BlockStorage):
         with self._lock:
             known = self._locations
             for key, name, answer in zip(keys, names, answers, strict=True):
-                if isinstance(answer, list):
+                if isinstance(answer, list) and len(answer) == 2 and all(type(v) is int for v in answer):
                     known[key] = Location(answer[0], answer[1], name, view, epoch)
                     known.move_to_end(key)
-                else:
+                else:  # (not held, or held below the slab: no place to read it from yet)
                     known.pop(key, None)
             while len(known) > LOCATIONS_KEPT:
                 known.popitem(last=False)

@@ -120,7 +120,9 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     if not isinstance(given, list) or len(given) != len(names):  # (a daemon that answers another question)
         node.client.post(Op.ABORT, epoch, names)
         return set(range(len(keys)))
-    held = [i for i, answer in enumerate(given) if isinstance(answer, list) and len(answer) == 3 and answer[2] == HELD]
+    held = [
+        i for i, answer in enumerate(given) if isinstance(answer, list) and len(answer) in (1, 3) and answer[-1] == HELD
+    ]
     reserved = [i for i, answer in enumerate(given) if _is_slot_gen(answer)]
     written: list[int] = []
     try:
@@ -184,7 +186,7 @@ def _pin_and_read(
     """Pin blocks ``which`` (one round trip), read and check them, release; the ones that failed."""
     asked = [names[i] for i in which]
     try:
-        (pinned,), epoch, view = node.client.call(Op.PIN, asked)
+        (pinned,), epoch, view = node.client.call(Op.PIN, asked, node.layout.block_bytes)
         if not isinstance(pinned, list) or len(pinned) != len(asked):
             raise StoreError(f"the node daemon answered a pin of {len(asked)} blocks with {pinned!r:.80}")
     except StoreError:

@@ -70,7 +70,7 @@ def test_a_damaged_page_is_a_miss_never_loaded(daemon, backends):
     publish(writer, writer_pool, names, range(0, 3), seed=4)
     node = writer.stack.tiers[0].storage
     client = node.client
-    (found,), epoch, view = client.call(Op.PIN, node.node_keys(writer._keys(names)))
+    (found,), epoch, view = client.call(Op.PIN, node.node_keys(writer._keys(names)), node.layout.block_bytes)
     slot = found[1][0]
     view.block(slot, 64)[10] ^= 0xFF  # page 1's bytes under its writer's checksum
     client.post(Op.RELEASE, epoch, node.node_keys(writer._keys(names)))

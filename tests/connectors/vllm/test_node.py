@@ -95,7 +95,9 @@ def test_tp2_a_block_is_a_hit_only_when_every_ranks_copy_exists(make_engine, dae
     (found,), _, _ = client.call(Op.LOOKUP, node_names(writer, shared, 0) + node_names(writer, shared, 1))
     assert all(found)  # every rank's copy of every block
     names = node_names(writer, shared, 1)
-    (pinned,), epoch, _ = client.call(Op.PIN, [names[2]])  # rank 1's shard of block 2 ...
+    (pinned,), epoch, _ = client.call(
+        Op.PIN, [names[2]], writer.kvtier.keyed.block_bytes
+    )  # rank 1's shard of block 2 ...
     client.post(Op.RELEASE, epoch, [names[2]])
     client.post(Op.DROP, epoch, [[names[2], pinned[0][1]]])  # ... dropped, as a load that found it damaged does
     time.sleep(0.2)

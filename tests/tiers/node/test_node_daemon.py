@@ -57,9 +57,10 @@ def error(source) -> str:
             "tiers[0]: the slab is a host",
         ),
         (
-            lambda c: c["tiers"].append({"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}),
-            "tiers below the slab are not supported by the node daemon yet",
+            lambda c: c["tiers"].append({"medium": "remote", "backend": "redis", "redis": {"url": "redis://h:1"}}),
+            "tiers[1]: a remote tier below the node daemon's slab is not supported yet",
         ),
+        (lambda c: c.update(placement="write_back"), "placement: the slab copies every block down"),
     ],
 )
 def test_a_bad_daemon_config_is_one_error_naming_its_key(paths, change, message):

@@ -47,7 +47,7 @@ if op == "reserve":
     for slot, _ in given:
         view.block(slot, 65536)[:] = bytes([7]) * 65536  # half-written, never committed
 else:
-    (given,), _, _ = node.client.call(Op.PIN, names)
+    (given,), _, _ = node.client.call(Op.PIN, names, 65536)
 assert all(isinstance(entry, list) for entry in given), given
 print("held", flush=True)
 time.sleep(600)

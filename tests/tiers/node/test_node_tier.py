@@ -90,7 +90,7 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         other_node = other.stack.tiers[0].storage
         (busy,), _, _ = other_node.client.call(Op.RESERVE, other_node.node_keys(other.keys(tokens)), [BLOCK, BLOCK])
         assert busy == [BUSY, BUSY]
-        (pinned,), _, _ = other_node.client.call(Op.PIN, names)
+        (pinned,), _, _ = other_node.client.call(Op.PIN, names, BLOCK)
         assert pinned == [None, None]
         node.client.post(Op.ABORT, epoch, names)
         assert writer.store_now(tokens, blocks).stored == 2
@@ -98,7 +98,9 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         assert other.load_now(tokens, out).loaded == 2 and np.array_equal(out, blocks)
         (held,), _, _ = other_node.client.call(Op.RESERVE, names, [BLOCK, BLOCK])
         assert [entry[2] for entry in held] == [HELD, HELD]  # (with where the blocks are)
-        assert [entry[:2] for entry in held] == [entry[:2] for entry in other_node.client.call(Op.PIN, names)[0][0]]
+        assert [entry[:2] for entry in held] == [
+            entry[:2] for entry in other_node.client.call(Op.PIN, names, BLOCK)[0][0]
+        ]
 
 
 def damage(view: SlabView, slot: int, at: int = 100) -> None:
@@ -109,7 +111,7 @@ def slots_of(kv: KVTier, tokens: list[int]) -> list[int]:
     """The slots the daemon holds ``tokens``' blocks in (pinned and released again)."""
     node = kv.stack.tiers[0].storage
     names = node.node_keys(kv.keys(tokens))
-    (pinned,), epoch, _ = node.client.call(Op.PIN, names)
+    (pinned,), epoch, _ = node.client.call(Op.PIN, names, BLOCK)
     node.client.post(Op.RELEASE, epoch, names)
     return [slot for slot, _ in pinned]
 

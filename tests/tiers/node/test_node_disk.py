@@ -1,0 +1,101 @@
+"""A disk tier below the node daemon's slab (one disk cache for the machine), with a real daemon process:
+every block committed into the slab is copied down (write-through); a block the slab evicted since comes
+back up for the engine that asks for it (a lookup says "present", a pin brings it into the slab, checked as
+any); engines asking for the same blocks at once read each from disk once; a daemon started with a new
+slab finds the machine's blocks on its disk."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers.node_daemon import node_daemon
+from kvtier import KVTier
+
+BLOCK = 64 * 1024
+TOKENS = 16
+
+
+def stack(daemon) -> dict:
+    return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [daemon.tier()]}
+
+
+def prompt(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * TOKENS))
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    disk = {"medium": "disk", "path": str(tmp_path / "disk"), "capacity_blocks": 64}
+    with node_daemon(tmp_path / "node", capacity="512KiB", block_bytes="64KiB", below=[disk], max_held=1.0) as running:
+        yield running  # a slab of 8 slots over 64 on disk
+
+
+def wait_for(predicate, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never came true"
+        time.sleep(0.02)
+
+
+def test_blocks_the_slab_evicted_come_back_up_from_its_disk(daemon, rng):
+    tokens = prompt(12)
+    blocks = rng.integers(0, 256, (12, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack(daemon)) as writer:
+        assert writer.store_now(tokens[: 6 * TOKENS], blocks[:6]).stored == 6
+        wait_for(lambda: daemon.stats()["copied_down"] == 6)  # (blocks in their copy down cannot be evicted)
+        assert writer.store_now(tokens, blocks).stored == 6  # (the first 6 are there already)
+    wait_for(lambda: daemon.stats()["copied_down"] == 12)  # the slab is full: 4 blocks live on disk alone
+    with KVTier.open(stack(daemon)) as reader:
+        assert reader.lookup(tokens) == 12
+        out = np.zeros_like(blocks)
+        result = reader.load_now(tokens, out)
+        assert (result.loaded, result.failed) == (12, []) and np.array_equal(out, blocks)
+    assert daemon.stats()["promoted"] >= 4
+
+
+def test_engines_that_want_the_same_blocks_at_once_read_each_from_disk_once(daemon, rng):
+    tokens, other = prompt(8), prompt(8, start=10_000)
+    blocks = rng.integers(0, 256, (8, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack(daemon)) as writer:
+        writer.store_now(tokens, blocks)
+        wait_for(lambda: daemon.stats()["copied_down"] == 8)
+        writer.store_now(other, rng.integers(0, 256, (8, BLOCK), dtype=np.uint8))  # pushes the first 8 out
+    wait_for(lambda: daemon.stats()["copied_down"] == 16)
+    readers = [KVTier.open(stack(daemon)) for _ in range(3)]
+    outs = [np.zeros_like(blocks) for _ in readers]
+    start = threading.Barrier(len(readers))
+
+    def load(kv, out, results):
+        start.wait()
+        results.append(kv.load_now(tokens, out))
+
+    results: list = []
+    threads = [threading.Thread(target=load, args=(kv, out, results)) for kv, out in zip(readers, outs, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for kv in readers:
+        kv.close()
+    assert all(r.loaded == 8 for r in results) and all(np.array_equal(out, blocks) for out in outs)
+    assert daemon.stats()["promoted"] == 8  # once each, whoever asked first
+
+
+def test_a_daemon_with_a_new_slab_finds_the_machines_blocks_on_its_disk(daemon, rng):
+    tokens = prompt(5)
+    blocks = rng.integers(0, 256, (5, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack(daemon)) as writer:
+        writer.store_now(tokens, blocks)
+    wait_for(lambda: daemon.stats()["copied_down"] == 5)
+    assert daemon.stop() == 0
+    os.unlink(daemon.slab)  # the machine rebooted: /dev/shm is empty, the disk is not
+    daemon.start()
+    with KVTier.open(stack(daemon)) as reader:
+        out = np.zeros_like(blocks)
+        assert reader.load_now(tokens, out).loaded == 5 and np.array_equal(out, blocks)
+    assert daemon.stats()["promoted"] == 5
