@@ -240,13 +240,14 @@ def child(
 
 
 def empty_prefix_cache(llm, params, unrelated: list[dict], within: float = 30.0) -> None:
-    """Empty vLLM's own prefix cache. A connector may hold blocks of a finished request until a later
-    engine step (LMCache's does), and vLLM refuses to reset while any block is held: step the engine
-    (short unrelated prompts) until it takes."""
+    """Empty vLLM's own prefix cache. A connector may hold the blocks of a finished request until the
+    next engine step (LMCache's holds those of every request, the last one included), and vLLM refuses
+    to reset while any block is held: step the engine with nothing new until it takes (another prompt
+    would be held in turn)."""
     deadline = time.monotonic() + within
     while not llm.reset_prefix_cache():
         assert time.monotonic() < deadline, "vLLM's prefix cache never emptied"
-        llm.generate(unrelated, params, use_tqdm=False)
+        llm.llm_engine.step()
 
 
 def timed(step: Callable[[], Any], seconds: list[float]) -> Callable[[], Any]:
