@@ -1,15 +1,13 @@
-"""The connector over a shared remote store, under vLLM's real Scheduler: engines share prefixes
-through a real redis-server (and once a real Mooncake Store), each with a host tier of its own.
+"""The connector over a shared remote store, under vLLM's real Scheduler: what only a remote store does
+(what every shared tier does, on Redis and on a node daemon alike: ``test_keyed.py``). Engines share
+prefixes through a real redis-server (and once a real Mooncake Store), each with a host tier of its own.
 
-A second engine finds the first one's blocks in the store: its lookup answers "ask again" (None)
-while the one batched existence query is in flight and the hit once it is in; the load stages the
-records through its host tier into vLLM's blocks bit-exact. Under tensor parallelism each rank's
-shard is a record of its own and a block is a hit only when every rank's record exists. A store
-that is down answers "miss" within the tier's timeout, and a load it fails is recomputed by vLLM; a
-Redis reply that comes after the deadline writes nowhere (its records are fetched into the client's own
-bytes), while host blocks a hung store call may still read stay out of use until the worker lifts them.
+A host hit never asks the store, and a lookup asks only for the blocks past the host hit; another model
+finds nothing; the lookup says "ask again" while the store hangs, and a load the store fails is
+recomputed by vLLM; a Redis reply that comes after the deadline writes nowhere (its records are fetched
+into the client's own bytes), while host blocks a hung store call may still read stay out of use until
+the worker lifts them; placed write-back, the store gets the host tier's victims.
 """
-
 from __future__ import annotations
 
 import json
@@ -22,11 +20,10 @@ from helpers.mooncake_server import MooncakeMaster, SegmentOwner
 from helpers.redis_server import redis_server
 from helpers.vllm_harness import MODEL_JSON, Engine
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, step_until_scheduled
-from kvtier.core.keys import chain_hashes
+from helpers.vllm_keyed import WAIT, answer, assert_second_engine_hit, publish
 from kvtier.tiers.remote.redis_client import RedisClient
 
 TIMEOUT = 1.0
-WAIT = 10.0
 
 
 def redis_config(server) -> dict:
@@ -58,17 +55,6 @@ def redis(tmp_path):
         yield server
 
 
-def publish(make_engine, config: dict, tokens: list[int], **kwargs):
-    """A first engine computes ``tokens`` and its blocks reach the store (host tier, then a copy on)."""
-    writer = make_engine(config, **kwargs)
-    request = writer.add(tokens, max_tokens=2)
-    assert answer(writer, request) == (0, False)  # the store holds none yet (a first client may take a while)
-    writer.run([request])
-    assert writer.kvtier.keyed.stats.committed == len(tokens) // BLOCK * len(writer.kvtier.groups)
-    writer.assert_no_leaks()
-    return writer
-
-
 def second_engine(make_engine, config: dict):
     """A first engine publishes a 4-block prefix; a second one, with a request sharing it: (engine, request)."""
     publish(make_engine, config, prompt(4, 5, seed=1))
@@ -76,47 +62,9 @@ def second_engine(make_engine, config: dict):
     return reader, reader.add(prompt(4, 9, seed=2), max_tokens=2)
 
 
-def answer(engine, request, computed: int = 0) -> tuple[int | None, bool]:
-    """The lookup once the store has answered (None, "ask again", while the query is in flight)."""
-    lookup = engine.connector.get_num_new_matched_tokens
-    deadline = time.monotonic() + WAIT
-    while (found := lookup(request, computed))[0] is None:
-        assert time.monotonic() < deadline, "the store's answer never came"
-        time.sleep(0.01)
-    return found
-
-
-def record_names(engine, tokens: list[int], rank: int) -> list[str]:
-    keys = chain_hashes(tokens[: len(tokens) // BLOCK * BLOCK], BLOCK, engine.kvtier.request_namespace())
-    return [engine.kvtier.keyed.records[rank].name(key) for key in keys]
-
-
-def assert_remote_hit(make_engine, config: dict) -> None:
-    shared = prompt(4, 5, seed=1)
-    publish(make_engine, config, shared)
-    reader = make_engine(config)
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
-    assert answer(reader, again) == (4 * BLOCK, True)
-    assert reader.connector.get_external_cache_hit_sources(again, 4 * BLOCK) == {
-        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK
-    }
-    out = step_until_scheduled(reader, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9  # the tail only: 4 blocks came from the store
-    assert reader.blocks_match(again, range(4)) and not reader.load_errors
-    reader.run([again])
-    totals = {k: sum(s.get(k, 0) for s in reader.stats) for k in ("hit_blocks_remote", "hit_blocks_host")}
-    assert totals == {"hit_blocks_remote": 4, "hit_blocks_host": 0}
-    assert reader.kvtier.tier("host").usage().used >= 4  # staged through the host tier, where they stay
-    reader.assert_no_leaks()
-
-
-def test_a_second_engine_loads_the_first_ones_prefix_from_redis(make_engine, redis):
-    assert_remote_hit(make_engine, redis_config(redis))
-
-
 def test_a_second_engine_loads_the_first_ones_prefix_from_mooncake(make_engine):
     with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
-        assert_remote_hit(make_engine, mooncake_config(master))
+        assert_second_engine_hit(make_engine, mooncake_config(master), "remote")
 
 
 def test_a_host_hit_never_asks_the_store(make_engine, redis):
@@ -189,50 +137,6 @@ def test_another_model_finds_nothing(make_engine, redis, tmp_path):
         other.assert_no_leaks()
     finally:
         other.shutdown()
-
-
-def test_tp2_a_block_is_a_hit_only_when_every_ranks_record_exists(make_engine, redis):
-    import redis as redis_py
-
-    config = redis_config(redis)
-    shared = prompt(4, 5, seed=1)
-    writer = publish(make_engine, config, shared, tp=2)
-    assert writer.kvtier.keyed.stats.committed == 4
-    client = redis_py.Redis.from_url(redis.url)
-    try:
-        for rank in (0, 1):
-            assert client.exists(*record_names(writer, shared, rank)) == 4
-        client.delete(record_names(writer, shared, 1)[2])  # rank 1's shard of block 2
-    finally:
-        client.close()
-    reader = make_engine(config, tp=2)
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
-    assert answer(reader, again) == (2 * BLOCK, True)  # blocks 0 and 1 only: rank 1 lacks block 2
-    out = step_until_scheduled(reader, again)
-    assert out.num_scheduled_tokens[again.request_id] == 2 * BLOCK + 9
-    assert reader.blocks_match(again, range(4)) and not reader.load_errors
-    reader.run([again])
-    reader.assert_no_leaks()
-
-
-def test_a_dead_store_is_a_miss_within_the_timeout(make_engine, redis):
-    config = redis_config(redis)
-    publish(make_engine, config, prompt(4, 5, seed=1))
-    reader = make_engine(config)
-    redis.stop()  # hung: the query waits for its deadline
-    try:
-        request = reader.add(prompt(4, 9, seed=2), max_tokens=2)
-        start = time.monotonic()
-        assert answer(reader, request) == (0, False)
-        assert time.monotonic() - start < TIMEOUT + 1.0
-        assert reader.kvtier.keyed.stats.lookup_errors == 1
-        out = step_until_scheduled(reader, request)
-        assert out.num_scheduled_tokens[request.request_id] == 4 * BLOCK + 9  # computed from scratch
-        assert reader.blocks_match(request, range(4)) and not reader.load_errors
-    finally:
-        redis.cont()
-    reader.run([request])
-    reader.assert_no_leaks()
 
 
 def test_the_lookup_says_ask_again_until_the_store_answers(make_engine, redis):
@@ -345,67 +249,3 @@ def test_placed_write_back_the_store_gets_the_host_tiers_victims(make_engine, re
     assert out.num_scheduled_tokens[again.request_id] == 5 and reader.blocks_match(again, range(4))
     reader.run([again])
     reader.assert_no_leaks()
-
-
-def test_mla_under_tp2_is_one_record_per_block_written_once_and_loaded_by_every_rank(make_engine, redis):
-    """MLA's latent KV is the same on every rank: the store holds one record per block, not one per
-    rank (rank 0 writes it, the other rank's report vouches for it), and every rank loads it."""
-    import redis as redis_py
-
-    config = redis_config(redis)
-    shared = prompt(4, 5, seed=1)
-    writer = publish(make_engine, config, shared, tp=2, mla=True)
-    client = redis_py.Redis.from_url(redis.url)
-    try:
-        assert client.dbsize() == 4
-        assert client.exists(*record_names(writer, shared, 0)) == 4  # the one record format, without a rank
-    finally:
-        client.close()
-    assert len(writer.kvtier.keyed.records) == 1
-    reader = make_engine(config, tp=2, mla=True)
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
-    assert answer(reader, again) == (4 * BLOCK, True)
-    out = step_until_scheduled(reader, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9
-    assert reader.blocks_match(again, range(4)) and not reader.load_errors  # on both ranks
-    reader.run([again])
-    reader.assert_no_leaks()
-
-
-def test_a_hybrid_models_groups_come_from_the_store_each_as_its_own_record(make_engine, redis):
-    """Full-attention and sliding-window groups: every group's block is a record of its own (its key
-    tagged with the group); another engine loads the full group's 6 blocks and the window's last 2."""
-    config = redis_config(redis)
-    publish(make_engine, config, prompt(6, 5, seed=1), window=2 * BLOCK + 1)
-    reader = make_engine(config, window=2 * BLOCK + 1)
-    again = reader.add(prompt(6, 9, seed=2), max_tokens=2)
-    assert answer(reader, again) == (6 * BLOCK, True)
-    out = step_until_scheduled(reader, again)
-    assert out.num_scheduled_tokens[again.request_id] == 9
-    assert reader.blocks_match(again, range(6)) and not reader.failed_loads
-    reader.run([again])
-    assert sum(s.get("hit_blocks_remote", 0) for s in reader.stats) == 6 + 2
-    reader.assert_no_leaks()
-
-
-def test_records_another_engine_stored_meanwhile_are_skipped_and_counted_in_the_stats(make_engine, redis):
-    """Two engines compute the same prompt at once (the store held none of it when each asked): the
-    second to store finds the first one's records there, writes none of them again, and its workers
-    count them (``skipped_existing``, one per rank's record) in the stats vLLM collects."""
-    config = redis_config(redis)
-    shared = prompt(4, 5, seed=1)
-    first, second = make_engine(config, tp=2), make_engine(config, tp=2)
-    a, b = first.add(shared, max_tokens=2), second.add(shared, max_tokens=2)
-    assert answer(first, a) == answer(second, b) == (0, False)
-    first.run([a])
-    second.run([b])
-    for engine in (first, second):
-        assert engine.kvtier.keyed.stats.committed == 4  # a skipped record counts as stored
-        engine.assert_no_leaks()
-    skipped = [sum(s.get("skipped_existing", 0) for s in engine.stats) for engine in (first, second)]
-    assert skipped == [0, 4 * 2]
-    reader = make_engine(config, tp=2)  # and the records are whole: a third engine loads them bit-exact
-    again = reader.add(prompt(4, 9, seed=2), max_tokens=2)
-    assert answer(reader, again) == (4 * BLOCK, True)
-    step_until_scheduled(reader, again)
-    assert reader.blocks_match(again, range(4)) and not reader.load_errors
