@@ -94,6 +94,14 @@ class NodeDaemonProcess:
         finally:
             client.close()
 
+    def wait_stores(self, n: int, within: float = 10.0) -> None:
+        """Wait until the daemon has taken ``n`` COMMITs in all: a store returns once its COMMIT is posted,
+        and another engine's LOOKUP may reach the daemon before it."""
+        deadline = time.monotonic() + within
+        while self.stats()["stores"] < n:
+            assert time.monotonic() < deadline, f"the daemon took {self.stats()['stores']} stores, not {n}"
+            time.sleep(0.01)
+
     def signal(self, signum: int) -> None:
         assert self.process is not None
         self.process.send_signal(signum)

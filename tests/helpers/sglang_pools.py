@@ -131,6 +131,16 @@ def page_bytes(host_pool: Any, page: int) -> torch.Tensor:
     return host_pool.get_data_page(page * host_pool.page_size, flat=True).view(torch.uint8).clone()
 
 
+def publish(backend: Any, host_pool: Any, names: list[str], pages: range, seed: int, within: float = 30.0) -> list:
+    """Store random pages under ``names`` and wait until every copy below the first tier has landed (a
+    shared tier's, written through); the pages' bytes."""
+    fill(host_pool, seed)
+    before = [page_bytes(host_pool, p) for p in pages]
+    assert backend.batch_set_v1(names, indices(pages)) == [True] * len(names)
+    backend.stack.wait_idle(within)
+    return before
+
+
 def zero_pages(host_pool: Any, pages: range | list[int]) -> None:
     """Zeros in the given pages (poison before a load into them)."""
     zeros = torch.zeros_like(host_pool.get_dummy_flat_data_page())

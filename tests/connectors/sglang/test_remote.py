@@ -17,7 +17,7 @@ import torch
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner, require_mooncake
 from helpers.redis_server import redis_server
-from helpers.sglang_pools import fill, indices, keys, mha_host_pool, mla_host_pool, page_bytes
+from helpers.sglang_pools import fill, indices, keys, mha_host_pool, mla_host_pool, page_bytes, publish
 
 TIMEOUT = 1.0
 WAIT = 30.0
@@ -54,15 +54,6 @@ def shared(store, tmp_path=None, namespace: str = "") -> dict:
         tiers.append({"medium": "disk", "path": str(tmp_path / "kv"), "capacity": "4MiB"})
     tiers.append({"medium": "remote", "backend": backend, "timeout": TIMEOUT, backend: settings})
     return {"tiers": tiers, "placement": "write_through", "namespace": namespace}
-
-
-def publish(backend, pool, names: list[str], pages: range, seed: int) -> list[torch.Tensor]:
-    """Store random pages and wait until they reached the store; their bytes."""
-    fill(pool, seed)
-    before = [page_bytes(pool, p) for p in pages]
-    assert backend.batch_set_v1(names, indices(pages)) == [True] * len(names)
-    backend.stack.wait_idle(WAIT)
-    return before
 
 
 @pytest.mark.parametrize("with_disk", [False, True])

@@ -8,6 +8,7 @@ recomputed by vLLM; a Redis reply that comes after the deadline writes nowhere (
 into the client's own bytes), while host blocks a hung store call may still read stay out of use until
 the worker lifts them; placed write-back, the store gets the host tier's victims.
 """
+
 from __future__ import annotations
 
 import json

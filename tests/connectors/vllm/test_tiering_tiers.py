@@ -405,7 +405,7 @@ def test_a_second_engine_promotes_the_first_ones_chunks_from_the_node_daemon(eng
     for key in keys:
         first.store([key])
     first.tiers[0].stack.wait_idle()
-    assert node.stats()["stores"] == len(keys)
+    node.wait_stores(len(keys))
     second = engines([node_tier(node)])
     assert_promoted_exact(second, keys[:3])
     assert counters(second)["failed_load_chunks"] == 0
