@@ -89,6 +89,12 @@ class TierConfigBase(ConfigModel):
     header_room_above: ClassVar[int] = 0
     """Bytes each host slot of a stack with this tier keeps before its block (``StackConfig.header_room``)."""
 
+    @property
+    def fetches(self) -> bool:
+        """A keyed store whose reads land in memory of their own first, so that a read past its deadline
+        writes nowhere: a load from it may go straight into memory nothing keeps out of use afterwards."""
+        return False
+
     medium: str
     name: str | None = Field(None, min_length=1)
     capacity: Size | None = None

@@ -10,6 +10,7 @@ section saying where the daemon listens, where its slab lives and who may connec
       lease: 30                          # seconds a connection may hold a pin or a reservation
       max_held: 0.25                     # the share of the slab's slots one connection may hold at once
       max_connections: 256
+      below_wait: 0.2                    # seconds a lookup waits for a store below the slab to answer
     block_bytes: 2MiB                    # the largest block an engine stores (the slab's slot size)
     tiers:
       - medium: host                     # the slab
@@ -19,11 +20,16 @@ section saying where the daemon listens, where its slab lives and who may connec
       - medium: disk                     # optional: one disk cache for the machine, below the slab
         path: /var/cache/kvtier-node
         capacity: 1TiB
+      - medium: remote                   # optional, last: a store the machines' daemons share
+        backend: redis
+        redis: {url: "redis://store:6379/0"}
 
 Tiers below the slab take what the slab holds, as it is committed (``write_through``, the only placement
 here): a disk tier is one disk cache per machine, its blocks brought back up into the slab when an engine
-asks for them (``kvtier.node_daemon``). A remote tier below the slab (one store client per machine) is not
-supported yet: a config that lists one is refused with that reason.
+asks for them (``kvtier.node_daemon``); a remote tier is one store client per machine, shared by machines
+whose daemons name the same store, a block many engines want read from it once. A remote tier whose
+store's reads land straight in their destination (Mooncake) is refused: a read past its deadline could land
+in a slot given out again since.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class NodeSettings(ConfigModel):
     lease: float = Field(30.0, gt=0)
     max_held: float = Field(0.25, gt=0, le=1)
     max_connections: int = Field(256, ge=1)
+    below_wait: float = Field(0.2, gt=0)
 
     @field_validator("allow_users")
     @classmethod
@@ -153,9 +160,13 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
             f"{name}: tiers[0]: the slab is a host tier (medium: host), got {shown(stack.tiers[0].medium)}"
         )
     for i, tier in enumerate(stack.tiers[1:], 1):
-        if tier.keyed:
+        if tier.medium == "node":
+            raise ConfigError(f"{name}: tiers[{i}]: the daemon serves the node tier; one cannot be below its slab")
+        if tier.keyed and not tier.fetches:
             raise ConfigError(
-                f"{name}: tiers[{i}]: a {tier.medium} tier below the node daemon's slab is not supported yet; "
-                f"give it to the engines' stacks instead, or leave it out"
+                f"{name}: tiers[{i}]: a store whose reads land straight in their destination (backend "
+                f"{shown(getattr(tier, 'backend', tier.medium))}) cannot be below the slab yet: a read past its "
+                f"deadline could write into a slot given to another block since; use redis or redis-cluster, "
+                f"or give the store to the engines' stacks"
             )
     return NodeConfig(node, stack)

@@ -17,11 +17,15 @@ What it guarantees, whatever engines do:
   headers, newest copy of a key first: a restart keeps the cache warm.
 
 One thread per connection; every change to the index and the headers happens under one lock (each is a
-few microseconds of work: the bytes never pass through the daemon).
+few microseconds of work: the bytes never pass through the daemon). Tiers below the slab (a disk cache,
+a store shared with other machines) get a copy of every committed block; a block only they hold is
+brought up into the slab for the engine that pins it, read once however many engines want it; a store
+below is asked about blocks found nowhere else, never under the lock.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pwd
@@ -44,6 +48,7 @@ from kvtier.core.stack import TierStack
 from kvtier.core.storage import contiguous_storage
 from kvtier.core.tier import BlockState, Tier
 from kvtier.node_config import NodeConfig
+from kvtier.tiers.keyed import KeyedTier
 from kvtier.tiers.node.protocol import (
     BUSY,
     DECLINED,
@@ -67,10 +72,17 @@ log = logging.getLogger("kvtier.node")
 PROMOTE_TIMEOUT_S = 10.0
 """How long bringing blocks up from a tier below the slab may take (a disk read): past it, a miss."""
 
+ASKING_THREADS = 4
+"""Queries to a store below the slab at once (each asks for many keys; concurrent askers share one)."""
+
+QUERIES_WAITING = 64
+"""Queries to the store below the slab that may wait for an asking thread: while the store hangs, more
+lookups are misses at once rather than a queue that grows with every engine's step."""
+
 ACCEPT_POLL_S = 0.2
 """How often the accepting thread looks up from ``accept`` to end leases past due and to stop."""
 
-DAEMON_COUNTS = ("connections", "refused", "revoked", "protocol_errors", "promoted")
+DAEMON_COUNTS = ("connections", "refused", "revoked", "protocol_errors", "promoted", "store_late")
 """What the daemon counts on its own (``NodeDaemon.stats``)."""
 
 SESSION_COUNTS = (
@@ -162,7 +174,10 @@ class NodeDaemon:
 
             self.stack = build_stack(config.stack, layout, first=slab_tier)
             self.tier = self.stack.tiers[0]
-            self.below = self.stack.tiers[1:]  # the machine's tiers under the slab (a disk cache)
+            self.below = self.stack.tiers[1:]  # the machine's tiers under the slab (a disk cache, a store)
+            self.store = next((tier for tier in self.below if isinstance(tier, KeyedTier)), None)
+            self._asking = concurrent.futures.ThreadPoolExecutor(ASKING_THREADS, "kvtier-node-store")
+            self._queries = threading.BoundedSemaphore(ASKING_THREADS + QUERIES_WAITING)
             self.headers = view.headers
             self.view = view
             self._lock = threading.Lock()
@@ -311,8 +326,9 @@ class NodeDaemon:
             os.unlink(self.settings.socket)
         except FileNotFoundError:
             pass
+        self._asking.shutdown(wait=False, cancel_futures=True)  # (a query ends by the store's timeout)
         assert self.stack is not None
-        self.stack.close()  # (its copies down to a disk tier end first)
+        self.stack.close()  # (its copies down to a disk tier or a store end first)
         self.slab.close()
 
     # --- requests ------------------------------------------------------------------------------
@@ -321,9 +337,9 @@ class NodeDaemon:
         """Answer one request of ``session`` (checked by ``protocol.request``); the reply's results."""
         if op is Op.PIN:  # (takes the lock itself: a block from a tier below comes up without it)
             return [self._pin(session, *args)]
+        if op is Op.LOOKUP:  # (the same: a store below is asked without it)
+            return [self._lookup(session, *args)]
         with self._lock:
-            if op is Op.LOOKUP:
-                return [self._lookup(session, *args)]
             if op is Op.RESERVE:
                 return [self._reserve(session, *args)]
             if op is Op.STATS:
@@ -343,11 +359,37 @@ class NodeDaemon:
 
     def _lookup(self, session: Session, keys: list[bytes]) -> list[list[int] | None]:
         """Where each READY key is now: [slot, generation] in the slab (an engine may read it there,
-        checking the header), [] in a tier below (a pin brings it up), or None."""
-        out = [self._where(key) if self.tier.state(key) is BlockState.READY else self._below(key) for key in keys]
-        session.counts["lookups"] += len(keys)
-        session.counts["found"] += len(keys) - out.count(None)
+        checking the header), [] in a tier below (a pin brings it up), or None. Keys found nowhere are
+        asked of the store below the slab, if any, without the lock (``_ask_store``)."""
+        with self._lock:
+            out = [self._where(key) if self.tier.state(key) is BlockState.READY else self._below(key) for key in keys]
+        unknown = [key for key, where in zip(keys, out, strict=True) if where is None]
+        if unknown and self._ask_store(unknown):
+            with self._lock:
+                out = [where if where is not None else self._below(key) for key, where in zip(keys, out, strict=True)]
+        with self._lock:
+            session.counts["lookups"] += len(keys)
+            session.counts["found"] += len(keys) - out.count(None)
         return out
+
+    def _ask_store(self, keys: list[bytes]) -> bool:
+        """Ask the store below the slab which of ``keys`` it holds (one batched query; a key another
+        connection is asking about is not asked twice), waiting at most ``below_wait``: an answer that
+        comes later is kept for the next lookup (a few seconds), this one calls them misses, so that a
+        slow store never makes an engine's call to the daemon time out. Whether it answered in time."""
+        if self.store is None:
+            return False
+        if self._queries.acquire(blocking=False):
+            asked = self._asking.submit(self.store.query, keys)
+            asked.add_done_callback(lambda _: self._queries.release())
+            try:
+                asked.result(self.settings.below_wait)
+                return True
+            except concurrent.futures.TimeoutError:
+                pass
+        with self._lock:
+            self._counts["store_late"] += 1
+        return False
 
     def _where(self, key: bytes) -> list[int]:
         """[slot, generation] of a block the slab holds."""

@@ -34,7 +34,8 @@ HELP = {
     "revoked": "connections closed for holding blocks past the lease",
     "protocol_errors": "connections closed for a malformed message",
     "evicted": "blocks evicted from the slab",
-    "promoted": "blocks brought up into the slab from a tier below it (a disk cache), for a load",
+    "promoted": "blocks brought up into the slab from a tier below it (a disk cache, a store), for a load",
+    "store_late": "lookups whose store below the slab answered after below_wait (those blocks were misses)",
     "copied_down": "blocks copied down from the slab into the tiers below it",
 }
 

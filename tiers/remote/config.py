@@ -99,6 +99,10 @@ class RemoteTierConfig(TierConfigBase):
     placement: Literal["write_through", "write_back"] = "write_through"
     _settings: ConfigModel | None = PrivateAttr(None)
 
+    @property
+    def fetches(self) -> bool:
+        return store_backend(self.backend).fetches
+
     @classmethod
     def yaml_keys(cls) -> list[str]:
         return [*super().yaml_keys(), *store_backends()]

@@ -56,10 +56,7 @@ def error(source) -> str:
             lambda c: c.update(tiers=[{"medium": "disk", "path": "/tmp/x", "capacity": "1GiB"}]),
             "tiers[0]: the slab is a host",
         ),
-        (
-            lambda c: c["tiers"].append({"medium": "remote", "backend": "redis", "redis": {"url": "redis://h:1"}}),
-            "tiers[1]: a remote tier below the node daemon's slab is not supported yet",
-        ),
+        (lambda c: c["tiers"].append({"medium": "node", "socket": "/x.sock"}), "tiers[1]: the daemon serves"),
         (lambda c: c.update(placement="write_back"), "placement: the slab copies every block down"),
     ],
 )

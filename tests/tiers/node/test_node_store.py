@@ -1,0 +1,183 @@
+"""A remote store below the node daemon's slab (one store client per machine), with real daemon processes
+and a real redis-server: two daemons on one store stand for two machines. Every block committed into a
+slab is copied down to the store; an engine on the other machine finds it there (its daemon asks the
+store about blocks found nowhere else) and a pin brings it up into that machine's slab, checked as any,
+read from the store once however many engines want it at once. A store that hangs costs misses within
+``below_wait``, never an engine's call to its daemon; a damaged record is a miss, never bytes taken.
+A store whose reads land straight in their destination is refused at start."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers.node_daemon import node_daemon
+from helpers.redis_server import redis_server
+from kvtier import KVTier
+from kvtier.core.errors import ConfigError
+from kvtier.node_config import load_node_config
+
+BLOCK = 64 * 1024
+TOKENS = 16
+BELOW_WAIT = 0.2
+SETTINGS = {"below_wait": BELOW_WAIT, "max_held": 1.0}
+
+
+def stack(daemon) -> dict:
+    return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [daemon.tier(timeout=1.0)]}
+
+
+def prompt(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * TOKENS))
+
+
+def wait_for(predicate, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never came true"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def machines(tmp_path, store):
+    """Two daemons (two machines' slabs of 16 slots) over one store."""
+    below = [{"medium": "remote", "backend": "redis", "timeout": 2.0, "redis": {"url": store.url}}]
+    with (
+        node_daemon(tmp_path / "a", capacity="1MiB", block_bytes="64KiB", below=below, **SETTINGS) as a,
+        node_daemon(tmp_path / "b", capacity="1MiB", block_bytes="64KiB", below=below, **SETTINGS) as b,
+    ):
+        yield a, b
+
+
+def publish(daemon, tokens: list[int], blocks: np.ndarray) -> None:
+    """An engine on ``daemon``'s machine stores ``blocks``; their copies down reach the store."""
+    with KVTier.open(stack(daemon)) as writer:
+        assert writer.store_now(tokens, blocks).stored == len(blocks)
+    wait_for(lambda: daemon.stats()["copied_down"] == len(blocks))
+
+
+def test_an_engine_loads_from_the_store_what_another_machine_committed(machines, rng):
+    a, b = machines
+    tokens = prompt(6)
+    blocks = rng.integers(0, 256, (6, BLOCK), dtype=np.uint8)
+    publish(a, tokens, blocks)
+    with KVTier.open(stack(b)) as reader:
+        assert reader.lookup(tokens) == 6  # machine b's daemon asked the store
+        out = np.zeros_like(blocks)
+        result = reader.load_now(tokens, out)
+        assert (result.loaded, result.failed) == (6, []) and np.array_equal(out, blocks)
+        assert reader.stats()["node"]["lookup_errors"] == 0
+    stats = b.stats()
+    assert stats["promoted"] == 6 and stats["held"] == 0
+    assert stats["copied_down"] == 0  # (the store holds them already: nothing written back)
+
+
+def test_engines_wanting_the_same_blocks_at_once_read_each_from_the_store_once(machines, rng):
+    a, b = machines
+    tokens = prompt(8)
+    blocks = rng.integers(0, 256, (8, BLOCK), dtype=np.uint8)
+    publish(a, tokens, blocks)
+    readers = [KVTier.open(stack(b)) for _ in range(3)]
+    outs = [np.zeros_like(blocks) for _ in readers]
+    start = threading.Barrier(len(readers))
+    results: list = []
+
+    def load(kv, out):
+        start.wait()
+        wait_for(lambda: kv.lookup(tokens) == 8)
+        results.append(kv.load_now(tokens, out))
+
+    threads = [threading.Thread(target=load, args=(kv, out)) for kv, out in zip(readers, outs, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for kv in readers:
+        kv.close()
+    assert [r.loaded for r in results] == [8, 8, 8] and all(np.array_equal(out, blocks) for out in outs)
+    assert b.stats()["promoted"] == 8  # once each, whoever asked first
+
+
+def test_a_hung_store_costs_misses_within_below_wait_never_an_engines_timeout(machines, store, rng):
+    a, b = machines
+    tokens = prompt(4)
+    blocks = rng.integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    publish(a, tokens, blocks)
+    with KVTier.open(stack(b)) as reader:
+        store.stop()  # hung: the daemon's query waits for the store's timeout, its lookups do not
+        try:
+            start = time.monotonic()
+            assert reader.lookup(tokens) == 0
+            assert time.monotonic() - start < BELOW_WAIT + 0.5  # well within the engine's 1 s
+            other = prompt(2, start=50_000)  # the slab still takes and serves blocks meanwhile
+            fresh = rng.integers(0, 256, (2, BLOCK), dtype=np.uint8)
+            assert reader.store_now(other, fresh).stored == 2
+            out = np.zeros_like(fresh)
+            assert reader.load_now(other, out).loaded == 2 and np.array_equal(out, fresh)
+        finally:
+            store.cont()
+        wait_for(lambda: reader.lookup(tokens) == 4)  # the store answers again: found
+        out = np.zeros_like(blocks)
+        assert reader.load_now(tokens, out).loaded == 4 and np.array_equal(out, blocks)
+        assert reader.stats()["node"]["lookup_errors"] == 0  # the engine's calls never timed out
+    assert b.stats()["store_late"] >= 1
+
+
+def test_a_damaged_record_in_the_store_is_a_miss_never_loaded(machines, store, rng):
+    import redis
+
+    a, b = machines
+    tokens = prompt(3)
+    blocks = rng.integers(0, 256, (3, BLOCK), dtype=np.uint8)
+    publish(a, tokens, blocks)
+    client = redis.Redis.from_url(store.url)
+    try:
+        names = client.keys("*")
+        assert len(names) == 3
+        for name in names:  # a byte of every record's block flipped (a disk fault, a hostile writer)
+            record = bytearray(client.get(name))
+            record[-100] ^= 0xFF
+            client.set(name, bytes(record))
+    finally:
+        client.close()
+    with KVTier.open(stack(b)) as reader:
+        assert reader.lookup(tokens) == 3  # present, as far as the store says
+        out = np.zeros_like(blocks)
+        result = reader.load_now(tokens, out)
+        assert result.loaded == 0 or result.failed == list(range(result.loaded))
+        assert not out.any()  # nothing of the damaged records reached the engine
+    assert b.stats()["promoted"] == 0
+
+
+@pytest.mark.parametrize(
+    ("below", "message"),
+    [
+        (
+            {
+                "medium": "remote",
+                "backend": "mooncake",
+                "mooncake": {"master": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:2/metadata"},
+            },
+            "a store whose reads land straight in their destination (backend 'mooncake') cannot be below the slab",
+        ),
+        ({"medium": "node", "socket": "/tmp/x.sock"}, "the daemon serves the node tier"),
+    ],
+)
+def test_a_store_the_slab_cannot_be_above_is_refused_at_start(below, message):
+    config = {
+        "node": {"socket": "/tmp/kvtier-test.sock"},
+        "block_bytes": "64KiB",
+        "tiers": [{"medium": "host", "capacity": "1MiB"}, below],
+    }
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_node_config(config)
