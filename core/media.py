@@ -44,6 +44,7 @@ class Capabilities:
     """What the machine can do beyond the basics."""
 
     gpu_direct_storage: bool = False  # disk <-> GPU without a host bounce (NVIDIA GDS)
+    gpu_in_host_memory: bool = False  # the engine's own KV blocks ("gpu") are host memory: an engine built for CPU
 
 
 BASIC = Capabilities()

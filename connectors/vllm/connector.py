@@ -47,7 +47,7 @@ from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.keys import key_secret
-from kvtier.core.media import medium
+from kvtier.core.media import Capabilities, medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -165,6 +165,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 serves_hits=not states,
                 replicated=replicated(kv_cache_config),
                 in_step_host_hits=settings.host_hits == "in_step",
+                capabilities=Capabilities(gpu_in_host_memory=vllm_config.device_config.device_type == "cpu"),
             )
         else:
             transfer = vllm_config.kv_transfer_config

@@ -69,7 +69,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import EngineTierRequest, medium
+from kvtier.core.media import BASIC, Capabilities, EngineTierRequest, medium
 from kvtier.core.misses import Misses
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
@@ -149,6 +149,7 @@ class SchedulerSide:
         serves_hits: bool = True,
         replicated: bool = False,
         in_step_host_hits: bool = False,
+        capabilities: Capabilities = BASIC,
     ) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
@@ -160,7 +161,9 @@ class SchedulerSide:
         ranks (``geometry.replicated``), which rank 0 alone moves between tiers (``worker.py``). With
         ``in_step_host_hits`` a hit that host memory holds whole is loaded in the step that computes the
         rest of the prompt (one KV cache group, as vLLM takes failed blocks of such a load only then,
-        and no host slab shared by ranks, whose loads may need two steps)."""
+        and no host slab shared by ranks, whose loads may need two steps). ``capabilities`` decide which
+        loads stage through host memory (``core.routes``): none from a node tier where vLLM's own blocks are
+        host memory (vLLM built for CPU)."""
         self.config = config
         self.groups = list(groups)
         self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
@@ -195,7 +198,7 @@ class SchedulerSide:
             self.keyed = self._keyed_tier(config, layout, namespace, [None] if replicated else range(num_workers))
             self.tiers.append(self.keyed)
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup", initializer=mark_kvtier_thread)
-        self.planner = Planner(self.tiers)
+        self.planner = Planner(self.tiers, capabilities=capabilities)
         self.misses = Misses([t.name for t in self.tiers], self.planner.ghost, [t.why_absent for t in self.tiers])
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Write-through: a store's job also copies on into every tier below, stage after stage.

@@ -1,5 +1,5 @@
 """Route planner invariants: host memory reaches every medium in one hop; GPU <-> disk goes through
-host memory unless GPUDirect Storage is on; a route always starts at the source and ends at the
+host memory unless GPUDirect Storage is on; a node slab reaches an engine's blocks in host memory; a route always starts at the source and ends at the
 destination; unknown media are refused."""
 
 import itertools
@@ -34,6 +34,14 @@ def test_gds_makes_disk_gpu_direct_only():
     caps = Capabilities(gpu_direct_storage=True)
     assert plan_route("disk", "gpu", caps) == ("disk", "gpu")
     assert plan_route("gpu", "disk", caps) == ("gpu", "disk")
+    assert plan_route("remote", "gpu", caps) == ("remote", "host", "gpu")
+
+
+def test_a_node_slab_reaches_an_engines_blocks_directly_only_where_they_are_host_memory():
+    assert plan_route("node", "gpu") == ("node", "host", "gpu")  # (the slab is not registered with CUDA)
+    caps = Capabilities(gpu_in_host_memory=True)  # (vLLM built for CPU)
+    assert plan_route("node", "gpu", caps) == ("node", "gpu")
+    assert plan_route("gpu", "node", caps) == ("gpu", "node")
     assert plan_route("remote", "gpu", caps) == ("remote", "host", "gpu")
 
 

@@ -29,6 +29,7 @@ class SharedRedis:
     """A redis-server under the remote tier."""
 
     tier = "remote"
+    staged = True  # (a late reply of the store must write nowhere: loads go through a host slot)
 
     def __init__(self, server):
         self.server = server
@@ -69,6 +70,7 @@ class SharedNode:
     """A node daemon under the node tier."""
 
     tier = "node"
+    staged = False  # (the engine's own copies, from the slab into vLLM's blocks in host memory)
 
     def __init__(self, daemon):
         self.daemon = daemon
@@ -119,7 +121,7 @@ def shared(request, tmp_path):
 
 
 def test_a_second_engine_loads_the_first_ones_prefix(make_engine, shared):
-    assert_second_engine_hit(make_engine, shared.config(), shared.tier)
+    assert_second_engine_hit(make_engine, shared.config(), shared.tier, shared.staged)
 
 
 def test_tp2_a_block_is_a_hit_only_when_every_ranks_copy_exists(make_engine, shared):

@@ -14,5 +14,5 @@ from helpers.vllm_keyed import assert_second_engine_hit
 def test_a_load_leaves_nothing_pinned_at_the_daemon(make_engine, tmp_path):
     with node_daemon(tmp_path / "node", capacity="16MiB", block_bytes="512KiB", max_held=1.0) as daemon:
         config = {"tiers": [{"medium": "host", "capacity_blocks": 32}, daemon.tier(timeout=1.0)]}
-        assert_second_engine_hit(make_engine, config, "node")
+        assert_second_engine_hit(make_engine, config, "node", staged=False)
         assert daemon.stats()["held"] == 0

@@ -65,7 +65,7 @@ def second_engine(make_engine, config: dict):
 
 def test_a_second_engine_loads_the_first_ones_prefix_from_mooncake(make_engine):
     with MooncakeMaster() as master, SegmentOwner(master, "64MB"):
-        assert_second_engine_hit(make_engine, mooncake_config(master), "remote")
+        assert_second_engine_hit(make_engine, mooncake_config(master), "remote", staged=True)
 
 
 def test_a_host_hit_never_asks_the_store(make_engine, redis):
