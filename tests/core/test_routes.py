@@ -1,5 +1,6 @@
 """Route planner invariants: host memory reaches every medium in one hop; GPU <-> disk goes through
-host memory unless GPUDirect Storage is on; a node slab reaches an engine's blocks in host memory; a route always starts at the source and ends at the
+host memory unless GPUDirect Storage is on; a node slab reaches an engine's blocks in host memory
+directly; a route always starts at the source and ends at the
 destination; unknown media are refused."""
 
 import itertools
