@@ -7,25 +7,19 @@ slab finds the machine's blocks on its disk."""
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import numpy as np
 import pytest
 
+from helpers.node_blocks import TOKENS, load_at_once, prompt, wait_for
 from helpers.node_daemon import node_daemon
 from kvtier import KVTier
 
 BLOCK = 64 * 1024
-TOKENS = 16
 
 
 def stack(daemon) -> dict:
     return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [daemon.tier()]}
-
-
-def prompt(n_blocks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_blocks * TOKENS))
 
 
 @pytest.fixture
@@ -33,13 +27,6 @@ def daemon(tmp_path):
     disk = {"medium": "disk", "path": str(tmp_path / "disk"), "capacity_blocks": 64}
     with node_daemon(tmp_path / "node", capacity="512KiB", block_bytes="64KiB", below=[disk], max_held=1.0) as running:
         yield running  # a slab of 8 slots over 64 on disk
-
-
-def wait_for(predicate, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never came true"
-        time.sleep(0.02)
 
 
 def test_blocks_the_slab_evicted_come_back_up_from_its_disk(daemon, rng):
@@ -66,22 +53,7 @@ def test_engines_that_want_the_same_blocks_at_once_read_each_from_disk_once(daem
         wait_for(lambda: daemon.stats()["copied_down"] == 8)
         writer.store_now(other, rng.integers(0, 256, (8, BLOCK), dtype=np.uint8))  # pushes the first 8 out
     wait_for(lambda: daemon.stats()["copied_down"] == 16)
-    readers = [KVTier.open(stack(daemon)) for _ in range(3)]
-    outs = [np.zeros_like(blocks) for _ in readers]
-    start = threading.Barrier(len(readers))
-
-    def load(kv, out, results):
-        start.wait()
-        results.append(kv.load_now(tokens, out))
-
-    results: list = []
-    threads = [threading.Thread(target=load, args=(kv, out, results)) for kv, out in zip(readers, outs, strict=True)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    for kv in readers:
-        kv.close()
+    results, outs = load_at_once([KVTier.open(stack(daemon)) for _ in range(3)], tokens, blocks)
     assert all(r.loaded == 8 for r in results) and all(np.array_equal(out, blocks) for out in outs)
     assert daemon.stats()["promoted"] == 8  # once each, whoever asked first
 

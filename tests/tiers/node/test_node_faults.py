@@ -14,21 +14,17 @@ import time
 import numpy as np
 import pytest
 
+from helpers.node_blocks import TOKENS, prompt, wait_for
 from helpers.node_daemon import node_daemon
 from kvtier import KVTier
 from kvtier.tiers.node import client as node_client, tier as node_tier
 
 BLOCK = 64 * 1024
-TOKENS = 16
 TIMEOUT = 1.0
 
 
 def stack(daemon) -> dict:
     return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [daemon.tier(timeout=TIMEOUT)]}
-
-
-def prompt(n_blocks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_blocks * TOKENS))
 
 
 # An engine process that takes a hold at the daemon (reserves or pins the blocks of a prompt), says so,
@@ -71,13 +67,6 @@ def held_at_daemon(daemon) -> int:
 def engines_at_daemon(daemon) -> int:
     """Connections open, not counting the one that asks."""
     return daemon.stats()["connected"] - 1
-
-
-def wait_for(predicate, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never came true"
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ A store whose reads land straight in their destination is refused at start."""
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import numpy as np
 import pytest
 
+from helpers.node_blocks import TOKENS, load_at_once, prompt, wait_for
 from helpers.node_daemon import node_daemon
 from helpers.redis_server import redis_server
 from kvtier import KVTier
@@ -22,24 +22,12 @@ from kvtier.core.errors import ConfigError
 from kvtier.node_config import load_node_config
 
 BLOCK = 64 * 1024
-TOKENS = 16
 BELOW_WAIT = 0.2
 SETTINGS = {"below_wait": BELOW_WAIT, "max_held": 1.0}
 
 
 def stack(daemon) -> dict:
     return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [daemon.tier(timeout=1.0)]}
-
-
-def prompt(n_blocks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_blocks * TOKENS))
-
-
-def wait_for(predicate, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never came true"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -88,22 +76,7 @@ def test_engines_wanting_the_same_blocks_at_once_read_each_from_the_store_once(m
     blocks = rng.integers(0, 256, (8, BLOCK), dtype=np.uint8)
     publish(a, tokens, blocks)
     readers = [KVTier.open(stack(b)) for _ in range(3)]
-    outs = [np.zeros_like(blocks) for _ in readers]
-    start = threading.Barrier(len(readers))
-    results: list = []
-
-    def load(kv, out):
-        start.wait()
-        wait_for(lambda: kv.lookup(tokens) == 8)
-        results.append(kv.load_now(tokens, out))
-
-    threads = [threading.Thread(target=load, args=(kv, out)) for kv, out in zip(readers, outs, strict=True)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    for kv in readers:
-        kv.close()
+    results, outs = load_at_once(readers, tokens, blocks, before=lambda kv: wait_for(lambda: kv.lookup(tokens) == 8))
     assert [r.loaded for r in results] == [8, 8, 8] and all(np.array_equal(out, blocks) for out in outs)
     assert b.stats()["promoted"] == 8  # once each, whoever asked first
 

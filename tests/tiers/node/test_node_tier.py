@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.config_helpers import error_of
+from helpers.node_blocks import TOKENS, prompt
 from helpers.node_daemon import node_daemon
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
@@ -22,7 +23,6 @@ from kvtier.tiers.node.protocol import BUSY, HELD, Op
 from kvtier.tiers.node.slab import SlabView
 
 BLOCK = 64 * 1024
-TOKENS = 16
 
 
 def stack(daemon, namespace: str = "", **tier) -> dict:
@@ -32,10 +32,6 @@ def stack(daemon, namespace: str = "", **tier) -> dict:
         "namespace": namespace,
         "tiers": [daemon.tier(**tier)],
     }
-
-
-def prompt(n_blocks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_blocks * TOKENS))
 
 
 @pytest.fixture(scope="module")
