@@ -462,17 +462,33 @@ class NodeDaemon:
     def _bring_up(
         self, keys: list[bytes], slots: list[int], gens: list[int], length: int, done: threading.Event
     ) -> None:
-        """Read ``keys`` from the tiers below into their reserved slab ``slots``; publish those that came."""
+        """Read ``keys`` from the tiers below into their reserved slab ``slots``; publish those that came.
+        A read still running at PROMOTE_TIMEOUT_S is given up (the engines waiting for it get misses),
+        but its slots stay reserved, and its keys promoted, until it ends: it may still write there."""
         assert self.stack is not None
         arrived = 0
+        loading = self.stack.load(keys, self.tier.storage, slots, HOST)
         try:
-            result = self.stack.load(keys, self.tier.storage, slots, HOST).result(PROMOTE_TIMEOUT_S)
+            result = loading.result(PROMOTE_TIMEOUT_S)
             arrived = result.hits
             failed = set(result.failed)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "node: %d blocks of a tier below the slab took over %s s to come up", len(keys), PROMOTE_TIMEOUT_S
+            )
+            done.set()
+            loading.add_done_callback(lambda _: self._brought_up(keys, slots, gens, length, done, []))
+            return
         except Exception:
             log.exception("node: blocks of a tier below the slab did not come up")
             failed = set()
-        good = [i for i in range(arrived) if i not in failed]
+        self._brought_up(keys, slots, gens, length, done, [i for i in range(arrived) if i not in failed])
+
+    def _brought_up(
+        self, keys: list[bytes], slots: list[int], gens: list[int], length: int, done: threading.Event, good: list[int]
+    ) -> None:
+        """Publish blocks ``good`` (indexes in ``keys``) read into their slots, with the daemon's checksum;
+        give the other slots back; the keys are no longer being promoted."""
         with self._lock:
             view = self.view
             for i in good:
@@ -481,7 +497,8 @@ class NodeDaemon:
                 view.checksum[slots[i]] = h.intdigest()
             if good:
                 self._publish([keys[i] for i in good], [slots[i] for i in good])
-            lost = [i for i in range(len(keys)) if i not in set(good)]
+            kept = set(good)
+            lost = [i for i in range(len(keys)) if i not in kept]
             for i in lost:
                 view.state[slots[i]] = FREE
             if lost:

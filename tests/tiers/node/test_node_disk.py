@@ -7,6 +7,11 @@ slab finds the machine's blocks on its disk."""
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ import pytest
 from helpers.node_blocks import TOKENS, load_at_once, prompt, wait_for
 from helpers.node_daemon import node_daemon
 from kvtier import KVTier
+from kvtier.core.tier import BlockState
 
 BLOCK = 64 * 1024
 
@@ -71,3 +77,77 @@ def test_a_daemon_with_a_new_slab_finds_the_machines_blocks_on_its_disk(daemon, 
         out = np.zeros_like(blocks)
         assert reader.load_now(tokens, out).loaded == 5 and np.array_equal(out, blocks)
     assert daemon.stats()["promoted"] == 5
+
+
+@pytest.fixture
+def stuck_disk(tmp_path, monkeypatch):
+    """A daemon in this process (so that its constants can be changed) over a disk tier whose reads hang
+    until the event yielded is set (each then runs as usual, late): promotions give up after 0.3 s;
+    ``reads`` holds the reads asked for."""
+    import kvtier.node_daemon as node_daemon_module
+    from kvtier.core.media import FILE_DEVICE
+    from kvtier.node_config import load_node_config
+    from kvtier.node_daemon import NodeDaemon
+    from kvtier.transfers.disk import DiskBackend
+
+    monkeypatch.setattr(node_daemon_module, "PROMOTE_TIMEOUT_S", 0.3)
+    released, reads = threading.Event(), []
+    submit = DiskBackend.submit
+
+    def hanging_submit(self, transfer, on_complete):
+        if transfer.src.device != FILE_DEVICE:
+            return submit(self, transfer, on_complete)
+        reads.append(transfer)
+        threading.Thread(target=lambda: (released.wait(30), submit(self, transfer, on_complete))).start()
+
+    monkeypatch.setattr(DiskBackend, "submit", hanging_submit)
+    socket_path = str(Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp")) / "node.sock")
+    slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
+    disk = {"medium": "disk", "path": str(tmp_path / "disk"), "capacity_blocks": 64}
+    config = {
+        "node": {"socket": socket_path, "slab": slab, "max_held": 1.0},
+        "block_bytes": "64KiB",
+        "tiers": [{"medium": "host", "capacity": "512KiB", "eviction": "lru"}, disk],
+    }
+    daemon = NodeDaemon(load_node_config(config))
+    threading.Thread(target=daemon.serve, daemon=True).start()
+    try:
+        yield (
+            daemon,
+            {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [{"medium": "node", "socket": socket_path}]},
+            released,
+            reads,
+        )
+    finally:
+        released.set()
+        daemon.stop()
+        os.unlink(slab)
+
+
+def test_a_read_from_disk_past_its_time_is_a_miss_and_its_slots_stay_reserved_until_it_ends(stuck_disk, rng):
+    daemon, engine, released, reads = stuck_disk
+    tokens = prompt(12)
+    blocks = rng.integers(0, 256, (12, BLOCK), dtype=np.uint8)
+    with KVTier.open(engine) as writer:
+        assert writer.store_now(tokens[: 6 * TOKENS], blocks[:6]).stored == 6
+        wait_for(lambda: daemon.stats()["copied_down"] == 6)
+        assert writer.store_now(tokens, blocks).stored == 6
+    wait_for(lambda: daemon.stats()["copied_down"] == 12)  # blocks 0-3 live on disk alone
+    stuck, out = tokens[: 4 * TOKENS], np.zeros_like(blocks[:4])
+    with KVTier.open(engine) as reader:
+        assert reader.load_now(stuck, out).failed == [0, 1, 2, 3]  # the disk hangs: misses after 0.3 s
+    assert len(reads) == 1
+    promoting = list(daemon._promotions)
+    assert len(promoting) == 4 and all(daemon.tier.state(k) is BlockState.WRITING for k in promoting)
+    started = time.monotonic()
+    with KVTier.open(engine) as reader:  # (a new engine: the first remembers its failed blocks a while)
+        assert reader.load_now(stuck, out).failed == [0, 1, 2, 3]  # asked again: no wait, no second read
+    assert time.monotonic() - started < 0.3 and len(reads) == 1
+    assert all(daemon.tier.state(k) is BlockState.WRITING for k in promoting)  # (the read may still land)
+    released.set()  # the read ends: its slots are given back
+    wait_for(lambda: not daemon._promotions)
+    assert all(daemon.tier.state(k) is BlockState.FREE for k in promoting)
+    with KVTier.open(engine) as reader:
+        result = reader.load_now(stuck, out)
+    assert (result.loaded, result.failed) == (4, []) and np.array_equal(out, blocks[:4]) and len(reads) == 2
+    wait_for(lambda: daemon.stats()["held"] == 0)  # (the daemon sees the last engine go in its own time)
