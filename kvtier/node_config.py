@@ -28,8 +28,8 @@ Tiers below the slab take what the slab holds, as it is committed (``write_throu
 here): a disk tier is one disk cache per machine, its blocks brought back up into the slab when an engine
 asks for them (``kvtier.node_daemon``); a remote tier is one store client per machine, shared by machines
 whose daemons name the same store, a block many engines want read from it once. A remote tier whose
-store's reads land straight in their destination (Mooncake) is refused: a read past its deadline could land
-in a slot given out again since.
+store's reads land straight in their destination (Mooncake without a ``fetch_buffer``) is refused: a read
+past its deadline could land in a slot given out again since.
 """
 
 from __future__ import annotations
@@ -165,8 +165,9 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
         if tier.keyed and not tier.fetches:
             raise ConfigError(
                 f"{name}: tiers[{i}]: a store whose reads land straight in their destination (backend "
-                f"{shown(getattr(tier, 'backend', tier.medium))}) cannot be below the slab yet: a read past its "
-                f"deadline could write into a slot given to another block since; use redis or redis-cluster, "
-                f"or give the store to the engines' stacks"
+                f"{shown(getattr(tier, 'backend', tier.medium))}) cannot be below the slab: a read past its "
+                f"deadline could write into a slot given to another block since; give Mooncake a fetch_buffer "
+                f"(mooncake: {{fetch_buffer: 64MiB}}: reads land in its client's own memory first), or give the "
+                f"store to the engines' stacks"
             )
     return NodeConfig(node, stack)

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from kvtier.core.config import TierConfigBase, TransferConfig
 from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, KEYED_DEVICE, medium
 from kvtier.core.transfer import TransferBackend
-from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
+from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.transfers.cpu import CPUBackend
@@ -50,7 +50,7 @@ def backends_for(
         if remote is None:
             raise ValueError("a remote store's records need the remote tier's configuration")
         link = StoreLink(connector(remote), remote.timeout, "loads and stores")
-        backends.append(RemoteBackend(link, store_backend(remote.backend).fetches))
+        backends.append(RemoteBackend(link, remote.fetches))
     for name in dict.fromkeys(tier.medium for tier in tiers):
         own = medium(name).backend
         if own is not None:

@@ -399,9 +399,22 @@ class MooncakeStore(StoreUnderTest):
         return int(float(counts["master_batch_exist_key_requests_total"]))
 
 
+class MooncakeFetchStore(MooncakeStore):
+    """The same store, its records read into each client's fetch buffer first (``fetch_buffer``): loads go
+    straight into the caller's memory, as Redis's do, and a node daemon may keep it below its slab."""
+
+    name = "mooncake-fetch"
+
+    def tier(self, timeout: float = 1.0, **options: Any) -> dict:
+        entry = super().tier(timeout, **options)
+        entry["mooncake"]["fetch_buffer"] = "64MiB"
+        return entry
+
+
 STORES: dict[str, type[StoreUnderTest]] = {
     "redis": RedisStore,
     "redis-cluster": RedisClusterStore,
     "mooncake": MooncakeStore,
+    "mooncake-fetch": MooncakeFetchStore,
 }
 """Every store a suite parametrised over stores runs against (its ids are these names)."""

@@ -35,10 +35,15 @@ class StoreBackend:
     reads_anywhere: bool = True
     """Its clients read into any memory (Redis's); False where they read only into memory registered
     with them (Mooncake's transfer engine): such a store keeps no namespace registry (``RemoteTier``)."""
-    fetches: bool = False
-    """Its clients ``fetch`` records into memory of their own (``StoreClient.fetch``): a load never writes
-    into memory it was given after its deadline, so it may go straight into the caller's blocks (no
-    staging through a host slot that a late write could reach)."""
+    fetches: bool | Callable[[Any], bool] = False
+    """Whether its clients ``fetch`` records into memory of their own (``StoreClient.fetch``): a load then
+    never writes into memory it was given after its deadline, so it may go straight into the caller's
+    blocks (no staging through a host slot that a late write could reach). A callable decides from the
+    backend's settings (Mooncake's ``fetch_buffer``); ``fetches_with`` answers either way."""
+
+    def fetches_with(self, settings: Any) -> bool:
+        """Whether clients opened with ``settings`` fetch."""
+        return self.fetches(settings) if callable(self.fetches) else self.fetches
 
 
 _BACKENDS: dict[str, StoreBackend] = {}
@@ -101,7 +106,7 @@ class RemoteTierConfig(TierConfigBase):
 
     @property
     def fetches(self) -> bool:
-        return store_backend(self.backend).fetches
+        return store_backend(self.backend).fetches_with(self.settings)
 
     @classmethod
     def yaml_keys(cls) -> list[str]:

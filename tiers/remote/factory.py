@@ -60,7 +60,7 @@ def remote_tier(
     clients = wired.clients if in_stack else LOOKUP_CLIENTS
     link = StoreLink(Connector(wired.connect, clients, wired.where), config.timeout, "lookups")
     backend = store_backend(config.backend)
-    direct = in_stack and backend.fetches
+    direct = in_stack and config.fetches
     return RemoteTier(
         name, layout, records, link, config.placement, registry=backend.reads_anywhere, loads_direct=direct
     )

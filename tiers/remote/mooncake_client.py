@@ -133,7 +133,9 @@ class MooncakeClient(StoreClient):
     """One Mooncake Store client, set up as a tier's ``mooncake`` mapping says (``master`` is the
     ``host:port`` of mooncake_master's RPC service); ``timeout`` is the tier's, and bounds what Mooncake
     lets it bound: a stalled master's answer, a silent peer's transfer. Raises StoreError when the master
-    does not answer (in about 4.4 s), ConfigError when the wheel or libibverbs1 is missing."""
+    does not answer (in about 4.4 s), ConfigError when the wheel or libibverbs1 is missing. With a
+    ``fetch_buffer`` (bytes of the client's own for reads) it also ``fetch``es: records read into that
+    buffer first, then copied where the caller's ``take`` says, never into the caller's memory late."""
 
     name = "mooncake"
     late_writes = True
@@ -147,6 +149,7 @@ class MooncakeClient(StoreClient):
         segment_size: int = 0,
         protocol: str = "tcp",
         local_hostname: str = "127.0.0.1",
+        fetch_buffer: int = 0,
     ) -> None:
         store_type = store_class()
         _check_reachable(master, metadata_server, timeout)
@@ -156,8 +159,8 @@ class MooncakeClient(StoreClient):
         self._closed = False
         self._transfer_failed = False  # the last call failed a record whose transfer may have started
         self._last_call_s = 0.0  # how long the last call took
-        # local_buffer_size 0: only the zero-copy calls are used, which need no staging buffer.
-        code = self._store.setup(local_hostname, metadata_server, segment_size, 0, protocol, "", master)
+        # local_buffer_size: what ``fetch`` reads into; the zero-copy calls need none (0 without fetches).
+        code = self._store.setup(local_hostname, metadata_server, segment_size, fetch_buffer, protocol, "", master)
         if code != 0:
             self._store.close()
             self._closed = True
@@ -206,6 +209,15 @@ class MooncakeClient(StoreClient):
             code != total and code not in _NO_TRANSFER for code, total in zip(codes, totals, strict=True)
         )
         return [code == total for code, total in zip(codes, totals, strict=True)]
+
+    def fetch(self, names: Sequence[str], size: int, take: Callable[[int, bytes | None], bool]) -> list[bool]:
+        """Read the records into the client's fetch buffer (``get_batch``: Mooncake hands back copies), then
+        offer each to ``take``; a missing record, one that failed, and one of another size are None."""
+        if not names:
+            return []
+        values = self._call(self._store.get_batch, list(names))
+        self._transfer_failed = any(not value for value in values)  # (a failed read may still fill its buffer)
+        return [take(i, value if len(value) == size else None) for i, value in enumerate(values)]
 
     def may_write_late(self) -> bool:
         """Whether the last call may have left a transfer running: it failed a record whose transfer

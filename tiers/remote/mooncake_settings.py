@@ -30,6 +30,11 @@ class MooncakeConfig(ConfigModel):
     pool_size: int = Field(1, ge=1)
     protocol: Literal["tcp", "rdma"] = "tcp"
     local_hostname: str = Field("127.0.0.1", min_length=1)  # the address peers reach this process at
+    # Memory of each loading client's own that reads land in first (0: reads go straight into the memory
+    # they are for, zero copy). With it a read past its deadline writes only there, so loads need no
+    # staging slot (one more copy each): what a node daemon's store below its slab needs. At least the
+    # bytes of the largest batch a load reads (blocks x block size).
+    fetch_buffer: SizeOrZero = 0
 
     @model_validator(mode="after")
     def _one_lender(self) -> MooncakeConfig:
@@ -58,8 +63,11 @@ def connector(options: MooncakeConfig, timeout: float, lends_memory: bool) -> Co
         segment_size=options.segment_size if lends_memory else 0,
         protocol=options.protocol,
         local_hostname=options.local_hostname,
+        fetch_buffer=options.fetch_buffer if lends_memory else 0,
     )
     return Connector(connect, options.pool_size, f"Mooncake master {options.master}")
 
 
-BACKEND = StoreBackend("mooncake", MooncakeConfig, connector, reads_anywhere=False)
+BACKEND = StoreBackend(
+    "mooncake", MooncakeConfig, connector, reads_anywhere=False, fetches=lambda options: options.fetch_buffer > 0
+)

@@ -43,9 +43,11 @@ def daemon(tmp_path_factory):
 def test_blocks_stored_by_one_engine_load_bit_exact_in_another(daemon, rng):
     tokens = prompt(8, start=1000)
     blocks = rng.integers(0, 256, (8, BLOCK), dtype=np.uint8)
+    before = daemon.stats()["stores"]
     with KVTier.open(stack(daemon)) as writer:
         stored = writer.store_now(tokens, blocks)
         assert (stored.stored, stored.failed) == (8, [])
+    daemon.wait_stores(before + 8)
     with KVTier.open(stack(daemon)) as reader:
         assert reader.lookup(tokens) == 8
         out = np.zeros_like(blocks)
@@ -90,7 +92,9 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         (pinned,), _, _ = other_node.client.call(Op.PIN, names, BLOCK)
         assert pinned == [None, None]
         node.client.post(Op.ABORT, epoch, names)
+        before = daemon.stats()["stores"]
         assert writer.store_now(tokens, blocks).stored == 2
+        daemon.wait_stores(before + 2)  # (a store returns once its COMMIT is posted; the daemon reads it later)
         out = np.zeros_like(blocks)
         assert other.load_now(tokens, out).loaded == 2 and np.array_equal(out, blocks)
         (held,), _, _ = other_node.client.call(Op.RESERVE, names, [BLOCK, BLOCK])

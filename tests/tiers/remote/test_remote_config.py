@@ -170,7 +170,7 @@ def test_backend_settings_are_checked():
     )
     assert error_of(stack(HOST, remote(MOONCAKE, mooncake={"segments": 1}))) == (
         "config: tiers[1].mooncake.segments: unknown key 'segments'; allowed: master, metadata_server, segment_size, "
-        "pool_size, protocol, local_hostname"
+        "pool_size, protocol, local_hostname, fetch_buffer"
     )
     assert error_of(stack(HOST, remote(MOONCAKE, mooncake={"pool_size": 4, "segment_size": "1GiB"}))) == (
         "config: tiers[1].mooncake: pool_size above 1 needs segment_size 0: a process that lends memory to the "
