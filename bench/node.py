@@ -18,8 +18,12 @@ What is measured
 Figures, per path
     load and store GB/s: bytes moved by all processes / the phase's wall seconds; CPU ms per request:
     the processes' CPU time in the phase (and the daemon's, for the node path) / requests; control
-    microseconds per 16-block load: a PIN and its RELEASE on the daemon's socket with no bytes copied
-    (one process, the median of 2,000; a load of blocks a lookup located lately needs none). Memory:
+    microseconds per 16-block request, one process, medians of 2,000, nothing copied: for a load a PIN
+    and its RELEASE on the daemon's socket (``control_us``; a load of blocks a lookup located lately
+    needs none), for a store a RESERVE of 16 new blocks and its ABORT (``store_control_us``: the round
+    trip every store pays, the daemon's evictions left out), and the checksum of 16 blocks in cache
+    (``checksum_us``: every store and load hashes what it copies). Those two are what a node store adds
+    to a private one, whose whole cost is the copy. Memory:
     with every process holding the prefix set (after the loads), the proportional set size (PSS,
     /proc/PID/smaps) of the tier's memory (the private host slabs; the node slab in every process
     that maps it, the daemon included: a shared page counts once, split among its mappers), and of
@@ -53,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -207,24 +212,48 @@ def run_path(
     return figures
 
 
-def control_us(socket_path: str, block_bytes: int) -> float:
-    """Median microseconds of a PIN of 16 blocks and its RELEASE, nothing copied."""
+def control_us(socket_path: str, block_bytes: int) -> dict[str, float]:
+    """Median microseconds, per 16-block request, nothing copied: a PIN and its RELEASE (``load``: what a
+    load of blocks no lookup located lately adds), a RESERVE of 16 new blocks and its ABORT (``store``:
+    the round trip a store adds, with the daemon's work short of evictions), and the checksum of 16
+    blocks in cache (``checksum``: what a store and a load each add, hashing what they copy)."""
     from kvtier import KVTier
     from kvtier.tiers.node.protocol import Op
+    from kvtier.tiers.node.slab import checksum
 
     config = {"block_tokens": TOKENS, "block_bytes": block_bytes, "tiers": [{"medium": "node", "socket": socket_path}]}
+    blocks = content(0, block_bytes)
     with KVTier.open(config) as kv:
-        kv.store_now(request_tokens(0), content(0, block_bytes))
+        kv.store_now(request_tokens(0), blocks)
         node = kv.stack.tiers[0].storage
         names = node.node_keys(kv.keys(request_tokens(0)))
-        times = []
-        for _ in range(2000):
-            start = time.perf_counter()
+
+        def load() -> None:
             (pinned,), epoch, _ = node.client.call(Op.PIN, names, block_bytes)
             node.client.post(Op.RELEASE, epoch, names)
-            times.append(time.perf_counter() - start)
             assert all(pinned)
-    return statistics.median(times) * 1e6
+
+        def store() -> None:
+            fresh = node.node_keys(kv.keys(request_tokens(1)))
+            (given,), epoch, _ = node.client.call(Op.RESERVE, fresh, [block_bytes] * BLOCKS)
+            node.client.post(Op.ABORT, epoch, fresh)
+            assert all(isinstance(answer, list) for answer in given)
+
+        def hash_blocks() -> None:
+            for name, block in zip(names, blocks, strict=True):
+                checksum(1, name).update(block)
+
+        return {name: median_us(call) for name, call in (("load", load), ("store", store), ("checksum", hash_blocks))}
+
+
+def median_us(call: Callable[[], None], times: int = 2000) -> float:
+    """The median microseconds of ``call``, run ``times`` times."""
+    took = []
+    for _ in range(times):
+        start = time.perf_counter()
+        call()
+        took.append(time.perf_counter() - start)
+    return statistics.median(took) * 1e6
 
 
 def hit_ratios(trace: Path, blocks: int) -> dict:
@@ -284,7 +313,15 @@ def main() -> None:
             ) as daemon,
         ):
             assert daemon.process is not None
-            figures[f"control_us_{block_bytes}"] = control_us(daemon.socket, block_bytes)
+            control = control_us(daemon.socket, block_bytes)
+            figures[f"control_us_{block_bytes}"] = control["load"]
+            figures[f"store_control_us_{block_bytes}"] = control["store"]
+            figures[f"checksum_us_{block_bytes}"] = control["checksum"]
+            print(
+                f"control per 16 blocks: load (PIN + RELEASE) {control['load']:.0f} us, store (RESERVE + ABORT) "
+                f"{control['store']:.0f} us, checksum {control['checksum']:.0f} us",
+                flush=True,
+            )
             for n in procs:
                 base = {"block_tokens": TOKENS, "block_bytes": block_bytes}
                 paths = {
