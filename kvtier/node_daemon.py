@@ -609,12 +609,12 @@ class NodeDaemon:
         self.stack.committed(0, keys)
 
     def _abort(self, session: Session, keys: list[bytes]) -> None:
-        for key in keys:
-            held = session.reserved.pop(key, None)
-            if held is not None:
-                self.view.state[held[0]] = FREE
-                self.tier.abort([key])
-                session.counts["aborted"] += 1
+        """Give back this connection's reservations among ``keys`` (others are not its own: ignored)."""
+        mine = [(key, session.reserved.pop(key)) for key in keys if key in session.reserved]
+        if mine:
+            self.view.state[[slot for _, (slot, _, _) in mine]] = FREE
+            self.tier.abort([key for key, _ in mine])
+            session.counts["aborted"] += len(mine)
 
     def _drop(self, session: Session, pairs: list[tuple[bytes, int]]) -> None:
         """Blocks a load found damaged: unreadable for everyone from now on (unless pinned by another
