@@ -29,7 +29,7 @@ class SharedRedis:
     """A redis-server under the remote tier."""
 
     tier = "remote"
-    staged = True  # (a late reply of the store must write nowhere: loads go through a host slot)
+    staged = True  # (under vLLM a store's loads go through a host slot: ``tiers.remote.factory.remote_tier``)
 
     def __init__(self, server):
         self.server = server
