@@ -70,7 +70,8 @@ from kvtier.tiers.node.slab import FREE, READY, WRITING, Geometry, SlabFile, che
 log = logging.getLogger("kvtier.node")
 
 PROMOTE_TIMEOUT_S = 10.0
-"""How long bringing blocks up from a tier below the slab may take (a disk read): past it, a miss."""
+"""How long bringing blocks up from a tier below the slab may take (a disk read, a store's): past it, a miss
+(the slots the read may still write stay reserved until it ends: ``_bring_up``)."""
 
 ASKING_THREADS = 4
 """Queries to a store below the slab at once (each asks for many keys; concurrent askers share one)."""
