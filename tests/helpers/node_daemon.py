@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -168,3 +169,29 @@ def node_daemon(
         yield daemon
     finally:
         daemon.close()
+
+
+@contextlib.contextmanager
+def node_daemon_here(capacity: str, block_bytes: str, below: list[dict[str, Any]], **settings: Any) -> Iterator[Any]:
+    """A daemon serving in a thread of this process, for tests that change its module's constants or inject
+    a fault into a tier below its slab (the LRU slab of ``capacity``, then ``below``; ``settings`` go to its
+    ``node`` section); yields the ``NodeDaemon``, its socket path in ``settings.socket``."""
+    from kvtier.node_config import load_node_config
+    from kvtier.node_daemon import NodeDaemon
+
+    directory = Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp"))
+    slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
+    config = {
+        "node": {"socket": str(directory / "node.sock"), "slab": slab, **settings},
+        "block_bytes": block_bytes,
+        "tiers": [{"medium": "host", "capacity": capacity, "eviction": "lru"}, *below],
+    }
+    daemon = NodeDaemon(load_node_config(config))
+    threading.Thread(target=daemon.serve, daemon=True).start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slab)
+        shutil.rmtree(directory, ignore_errors=True)

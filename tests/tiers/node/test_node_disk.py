@@ -7,17 +7,14 @@ slab finds the machine's blocks on its disk."""
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from helpers.node_blocks import TOKENS, load_at_once, prompt, wait_for
-from helpers.node_daemon import node_daemon
+from helpers.node_daemon import node_daemon, node_daemon_here
 from kvtier import KVTier
 from kvtier.core.tier import BlockState
 
@@ -86,8 +83,6 @@ def stuck_disk(tmp_path, monkeypatch):
     ``reads`` holds the reads asked for."""
     import kvtier.node_daemon as node_daemon_module
     from kvtier.core.media import FILE_DEVICE
-    from kvtier.node_config import load_node_config
-    from kvtier.node_daemon import NodeDaemon
     from kvtier.transfers.disk import DiskBackend
 
     monkeypatch.setattr(node_daemon_module, "PROMOTE_TIMEOUT_S", 0.3)
@@ -101,27 +96,17 @@ def stuck_disk(tmp_path, monkeypatch):
         threading.Thread(target=lambda: (released.wait(30), submit(self, transfer, on_complete))).start()
 
     monkeypatch.setattr(DiskBackend, "submit", hanging_submit)
-    socket_path = str(Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp")) / "node.sock")
-    slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
     disk = {"medium": "disk", "path": str(tmp_path / "disk"), "capacity_blocks": 64}
-    config = {
-        "node": {"socket": socket_path, "slab": slab, "max_held": 1.0},
-        "block_bytes": "64KiB",
-        "tiers": [{"medium": "host", "capacity": "512KiB", "eviction": "lru"}, disk],
-    }
-    daemon = NodeDaemon(load_node_config(config))
-    threading.Thread(target=daemon.serve, daemon=True).start()
-    try:
-        yield (
-            daemon,
-            {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [{"medium": "node", "socket": socket_path}]},
-            released,
-            reads,
-        )
-    finally:
-        released.set()
-        daemon.stop()
-        os.unlink(slab)
+    with node_daemon_here("512KiB", "64KiB", [disk], max_held=1.0) as daemon:
+        engine = {
+            "block_tokens": TOKENS,
+            "block_bytes": BLOCK,
+            "tiers": [{"medium": "node", "socket": daemon.settings.socket}],
+        }
+        try:
+            yield daemon, engine, released, reads
+        finally:
+            released.set()
 
 
 def test_a_read_from_disk_past_its_time_is_a_miss_and_its_slots_stay_reserved_until_it_ends(stuck_disk, rng):

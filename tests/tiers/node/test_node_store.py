@@ -1,12 +1,12 @@
 """A remote store below the node daemon's slab (one store client per machine), with real daemon processes
 and a real store (a redis-server; a Mooncake master and segment owner, read through a fetch buffer): two
-daemons on one store stand for two machines. Every block committed into a
-slab is copied down to the store; an engine on the other machine finds it there (its daemon asks the
-store about blocks found nowhere else) and a pin brings it up into that machine's slab, checked as any,
-read from the store once however many engines want it at once. A store that hangs costs misses within
-``below_wait``, never an engine's call to its daemon; a damaged record is a miss, never bytes taken.
-A store whose reads land straight in their destination (Mooncake without a fetch buffer) is refused at
-start."""
+daemons on one store stand for two machines. Every block committed into a slab is copied down to the
+store; an engine on the other machine finds it there (its daemon asks the store about blocks found
+nowhere else) and a pin brings it up into that machine's slab, checked as any, read from the store once
+however many engines want it at once. A store that hangs costs misses within ``below_wait``, never an
+engine's call to its daemon (past the queries that may wait, a miss at once); a damaged record is a
+miss, never bytes taken. A store whose reads land straight in their destination (Mooncake without a
+fetch buffer) is refused at start."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner
 from helpers.node_blocks import TOKENS, load_at_once, prompt, wait_for
-from helpers.node_daemon import node_daemon
+from helpers.node_daemon import node_daemon, node_daemon_here
 from helpers.redis_server import redis_server
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
@@ -126,6 +126,34 @@ def test_a_hung_store_costs_misses_within_below_wait_never_an_engines_timeout(ma
         assert reader.load_now(tokens, out).loaded == 4 and np.array_equal(out, blocks)
         assert reader.stats()["node"]["lookup_errors"] == 0  # the engine's calls never timed out
     assert b.stats()["store_late"] >= 1
+
+
+def test_while_the_store_hangs_lookups_past_the_waiting_room_miss_at_once(store, monkeypatch, rng):
+    """One asking thread and no room to wait: while a hung store holds the one query, another engine's
+    lookup of other blocks is a miss at once (counted late), not a wait of ``below_wait`` in line."""
+    import kvtier.node_daemon as node_daemon_module
+
+    server, below = store
+    monkeypatch.setattr(node_daemon_module, "ASKING_THREADS", 1)
+    monkeypatch.setattr(node_daemon_module, "QUERIES_WAITING", 0)
+    with node_daemon_here("1MiB", "64KiB", [below], **SETTINGS) as daemon:
+        engine = {
+            "block_tokens": TOKENS,
+            "block_bytes": BLOCK,
+            "tiers": [{"medium": "node", "socket": daemon.settings.socket}],
+        }
+        with KVTier.open(engine) as first, KVTier.open(engine) as second:
+            server.stop()
+            try:
+                started = time.monotonic()
+                assert first.lookup(prompt(2)) == 0  # its query waits for the store: a miss after below_wait
+                assert time.monotonic() - started >= BELOW_WAIT
+                started = time.monotonic()
+                assert second.lookup(prompt(2, start=9000)) == 0  # no thread, no room: a miss at once
+                assert time.monotonic() - started < BELOW_WAIT / 2
+            finally:
+                server.cont()
+        assert daemon.stats()["store_late"] == 2
 
 
 def test_a_damaged_record_in_the_store_is_a_miss_never_loaded(tmp_path, rng):
