@@ -127,6 +127,30 @@ def test_put_replaces_a_record_whole_even_one_just_read_or_of_another_size(clien
     assert call(client.get, keys[:1], into.pieces()) == [True] and into.record(0) == longer.record(0)
 
 
+def test_fetch_offers_each_record_or_none_and_answers_what_take_said(store, client, names, rng):
+    """A client that fetches reads each record into memory of its own and offers it to ``take`` (None for a
+    missing record or one of another size), answering per record what ``take`` said; one that does not
+    says so."""
+    size = 32 << 10
+    source, other = Records(3, (size,)).fill(rng), Records(1, (size + 1,)).fill(rng)
+    keys = names(4)
+    assert call(client.put, keys[:3], source.pieces()) == [True] * 3
+    assert call(client.put, keys[3:], other.pieces()) == [True]
+    offered: dict[int, bytes | None] = {}
+
+    def take(i: int, value: bytes | None) -> bool:
+        offered[i] = value
+        return i != 1 and value is not None  # (record 1 arrives too late for its caller, say)
+
+    batch = [*keys, names(1, "absent")[0]]
+    if not store.FETCHES:
+        with pytest.raises(NotImplementedError):
+            client.fetch(batch, size, take)
+        return
+    assert call(client.fetch, batch, size, take) == [True, False, True, False, False]
+    assert offered == {0: source.record(0), 1: source.record(1), 2: source.record(2), 3: None, 4: None}
+
+
 def test_a_missing_shorter_or_longer_record_fails_only_itself(client, names, rng):
     size = 32 << 10
     source = Records(4, (size,)).fill(rng)

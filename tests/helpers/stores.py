@@ -98,6 +98,8 @@ class StoreUnderTest(ABC):
     """What the constructor takes to start a store too small for ``SMALL``."""
     CLOSED_CALLS_RAISE: ClassVar[type[Exception] | None]
     """What a call on a closed client raises; None where it answers instead (all False, writing nothing)."""
+    FETCHES: ClassVar[bool]
+    """Whether its clients ``fetch`` (read records into memory of their own first)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -188,6 +190,7 @@ class RedisStore(StoreUnderTest):
     SMALL = (96, 64 << 10)
     SMALL_OPTIONS = {"maxmemory": "3mb"}  # maxmemory-policy allkeys-lru
     CLOSED_CALLS_RAISE = ClosedError  # close() is final: no call connects again (redis-py alone would)
+    FETCHES = True
 
     def __init__(self, directory: Path, maxmemory: str | None = None) -> None:
         super().__init__(directory)
@@ -260,6 +263,7 @@ class RedisClusterStore(StoreUnderTest):
     SMALL = (192, 64 << 10)  # 12 MiB over three nodes of 3 MB each
     SMALL_OPTIONS = {"maxmemory": "3mb"}
     CLOSED_CALLS_RAISE = ClosedError
+    FETCHES = True
 
     def __init__(self, directory: Path, maxmemory: str | None = None) -> None:
         super().__init__(directory)
@@ -327,6 +331,7 @@ class MooncakeStore(StoreUnderTest):
     SMALL = (40, 1 << 20)
     SMALL_OPTIONS = {"segment": "32MB"}
     CLOSED_CALLS_RAISE = ClosedError  # closing under a call would crash the process: calls and close share a lock
+    FETCHES = False  # (reads land straight in the memory given; ``MooncakeFetchStore`` fetches)
 
     def __init__(self, directory: Path, segment: str = "256MB") -> None:
         super().__init__(directory)
@@ -404,10 +409,26 @@ class MooncakeFetchStore(MooncakeStore):
     straight into the caller's memory, as Redis's do, and a node daemon may keep it below its slab."""
 
     name = "mooncake-fetch"
+    FETCHES = True
+    FETCH_BUFFER = 64 << 20
+
+    def client(self, timeout: float = 1.0):
+        from kvtier.tiers.remote.mooncake_client import MooncakeClient
+
+        assert self.master is not None
+        master = self.master
+        return bounded(
+            lambda: MooncakeClient(
+                master=master.address,
+                metadata_server=master.metadata_url,
+                timeout=timeout,
+                fetch_buffer=self.FETCH_BUFFER,
+            )
+        )[0]
 
     def tier(self, timeout: float = 1.0, **options: Any) -> dict:
         entry = super().tier(timeout, **options)
-        entry["mooncake"]["fetch_buffer"] = "64MiB"
+        entry["mooncake"]["fetch_buffer"] = self.FETCH_BUFFER
         return entry
 
 

@@ -159,6 +159,7 @@ class MooncakeClient(StoreClient):
         self._closed = False
         self._transfer_failed = False  # the last call failed a record whose transfer may have started
         self._last_call_s = 0.0  # how long the last call took
+        self._fetches = fetch_buffer > 0
         # local_buffer_size: what ``fetch`` reads into; the zero-copy calls need none (0 without fetches).
         code = self._store.setup(local_hostname, metadata_server, segment_size, fetch_buffer, protocol, "", master)
         if code != 0:
@@ -212,7 +213,10 @@ class MooncakeClient(StoreClient):
 
     def fetch(self, names: Sequence[str], size: int, take: Callable[[int, bytes | None], bool]) -> list[bool]:
         """Read the records into the client's fetch buffer (``get_batch``: Mooncake hands back copies), then
-        offer each to ``take``; a missing record, one that failed, and one of another size are None."""
+        offer each to ``take``; a missing record, one that failed, and one of another size are None. Only a
+        client with a fetch buffer fetches."""
+        if not self._fetches:
+            raise NotImplementedError("this Mooncake client has no fetch buffer (mooncake.fetch_buffer) to fetch into")
         if not names:
             return []
         values = self._call(self._store.get_batch, list(names))
