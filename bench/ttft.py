@@ -51,7 +51,7 @@ LAYOUT
     starts (node daemon, store, LMCache's server) share. Left to vLLM's own binding on this 2-core VM,
     a worker's compute step came out at 8.7 ms in one process and 12-16 ms in the next, and which mode
     drew the fast processes decided the ratios (one run put the node tier 1.20x faster than the host
-    tier, another 0.84x); bound, every process took 12.2-12.9 ms.
+    tier, another 0.84x); bound, every process took 12.2-13.7 ms.
 
     Every kvtier mode checks that its hits are what the prompts allow: every prompt after the
     first with its prefix finds the whole prefix, in host memory or on disk as the mode says; in

@@ -365,10 +365,10 @@ class NodeDaemon:
         with self._lock:
             out = [self._where(key) if self.tier.state(key) is BlockState.READY else self._below(key) for key in keys]
         unknown = [key for key, where in zip(keys, out, strict=True) if where is None]
-        if unknown and self._ask_store(unknown):
-            with self._lock:
-                out = [where if where is not None else self._below(key) for key, where in zip(keys, out, strict=True)]
+        answered = bool(unknown) and self._ask_store(unknown)
         with self._lock:
+            if answered:
+                out = [where if where is not None else self._below(key) for key, where in zip(keys, out, strict=True)]
             session.counts["lookups"] += len(keys)
             session.counts["found"] += len(keys) - out.count(None)
         return out
@@ -500,9 +500,8 @@ class NodeDaemon:
                 self._publish([keys[i] for i in good], [slots[i] for i in good])
             kept = set(good)
             lost = [i for i in range(len(keys)) if i not in kept]
-            for i in lost:
-                view.state[slots[i]] = FREE
             if lost:
+                view.state[[slots[i] for i in lost]] = FREE
                 self.tier.abort([keys[i] for i in lost])
             for key in keys:
                 del self._promotions[key]

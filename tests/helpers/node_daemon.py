@@ -34,6 +34,27 @@ from kvtier.tiers.node.protocol import Op
 READY_WITHIN_S = 30.0
 
 
+def daemon_config(
+    socket: str,
+    slab: str,
+    settings: dict[str, Any],
+    capacity: str,
+    block_bytes: str,
+    eviction: str | None,
+    below: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """A daemon's YAML document: listening at ``socket``, its slab at ``slab`` (``settings`` go to its
+    ``node`` section), a host slab of ``capacity`` evicting by ``eviction`` (None: the default), then ``below``."""
+    return {
+        "node": {"socket": socket, "slab": slab, **settings},
+        "block_bytes": block_bytes,
+        "tiers": [
+            {"medium": "host", "capacity": capacity, **({"eviction": eviction} if eviction else {})},
+            *(below or []),
+        ],
+    }
+
+
 class NodeDaemonProcess:
     """One daemon's config, and the process serving it (None while stopped)."""
 
@@ -51,14 +72,7 @@ class NodeDaemonProcess:
         self.slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
         self.config = directory / "node.yaml"
         self.log = directory / "node.log"
-        document = {
-            "node": {"socket": self.socket, "slab": self.slab, **settings},
-            "block_bytes": block_bytes,
-            "tiers": [
-                {"medium": "host", "capacity": capacity, **({"eviction": eviction} if eviction else {})},
-                *(below or []),
-            ],
-        }
+        document = daemon_config(self.socket, self.slab, settings, capacity, block_bytes, eviction, below)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.write_text(yaml.safe_dump(document))
         self.process: subprocess.Popen | None = None
@@ -181,11 +195,7 @@ def node_daemon_here(capacity: str, block_bytes: str, below: list[dict[str, Any]
 
     directory = Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp"))
     slab = f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
-    config = {
-        "node": {"socket": str(directory / "node.sock"), "slab": slab, **settings},
-        "block_bytes": block_bytes,
-        "tiers": [{"medium": "host", "capacity": capacity, "eviction": "lru"}, *below],
-    }
+    config = daemon_config(str(directory / "node.sock"), slab, settings, capacity, block_bytes, "lru", below)
     daemon = NodeDaemon(load_node_config(config))
     threading.Thread(target=daemon.serve, daemon=True).start()
     try:

@@ -66,6 +66,12 @@ pinned or being written, or the connection holds its share), the slab's policy d
 (``adaptive``'s filter: a block is stored once it was asked for twice)."""
 
 
+def is_slot_gen(answer: object) -> bool:
+    """Whether a daemon's answer for a block is ``[slot, generation]``, a place to read or write it (else:
+    not held, held below the slab, or not granted)."""
+    return isinstance(answer, list) and len(answer) == 2 and all(type(v) is int for v in answer)
+
+
 class ProtocolError(Exception):
     """A malformed, oversized or unexpected message: the connection that sent it is closed."""
 

@@ -26,7 +26,7 @@ from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
-from kvtier.tiers.node.protocol import Op
+from kvtier.tiers.node.protocol import Op, is_slot_gen
 from kvtier.tiers.node.slab import NODE_KEY_BYTES, READY, WRITING, SlabView
 
 NODE_DEVICE = "node"
@@ -113,7 +113,7 @@ class NodeStorage(BlockStorage):
         with self._lock:
             known = self._locations
             for key, name, answer in zip(keys, names, answers, strict=True):
-                if isinstance(answer, list) and len(answer) == 2 and all(type(v) is int for v in answer):
+                if is_slot_gen(answer):
                     known[key] = Location(answer[0], answer[1], name, view, epoch)
                     known.move_to_end(key)
                 else:  # (not held, or held below the slab: no place to read it from yet)

@@ -40,7 +40,7 @@ from kvtier.core.media import HOST_DEVICE
 from kvtier.core.misses import MissReason
 from kvtier.core.storage import Piece, block_pieces
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
-from kvtier.tiers.node.protocol import HELD, Op
+from kvtier.tiers.node.protocol import HELD, Op, is_slot_gen
 from kvtier.tiers.node.slab import READY, WRITING, SlabView, checksum, memory_view
 from kvtier.tiers.node.tier import NODE_DEVICE, NodeStorage
 
@@ -123,7 +123,7 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     held = [
         i for i, answer in enumerate(given) if isinstance(answer, list) and len(answer) in (1, 3) and answer[-1] == HELD
     ]
-    reserved = [i for i, answer in enumerate(given) if _is_slot_gen(answer)]
+    reserved = [i for i, answer in enumerate(given) if is_slot_gen(answer)]
     written: list[int] = []
     try:
         for i in reserved:
@@ -199,7 +199,7 @@ def _pin_and_read(
     damaged: list[int] = []
     try:
         for i, answer in zip(which, pinned, strict=True):
-            if not _is_slot_gen(answer):
+            if not is_slot_gen(answer):
                 node.failures.note(keys[i], MissReason.EVICTED)
                 failed.add(i)
                 continue
@@ -217,11 +217,6 @@ def _pin_and_read(
         node.forget(keys[i] for i in damaged)
         node.client.post(Op.DROP, epoch, [[names[i], pinned[which.index(i)][1]] for i in damaged])
     return failed
-
-
-def _is_slot_gen(answer: object) -> bool:
-    """Whether a daemon's answer for a block is ``[slot, generation]`` (else: the daemon does not hold it)."""
-    return isinstance(answer, list) and len(answer) == 2 and all(type(v) is int for v in answer)
 
 
 def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
