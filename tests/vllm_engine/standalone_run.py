@@ -43,8 +43,9 @@ def main(socket: str, stop_file: str) -> int:
             wrong += int(sum(not np.array_equal(out[i], blocks[i]) for i in range(loaded)))
             rounds += 1
             time.sleep(0.01)
-        hits = kv.stats()["node"]["hits"]
-    print("RESULT " + json.dumps({"stored": stored, "rounds": rounds, "short": short, "wrong": wrong, "hits": hits}))
+        node = kv.stats()["node"]  # (its hits, and why a round came back short: errors, timeouts, misses)
+    result = {"stored": stored, "rounds": rounds, "short": short, "wrong": wrong, "hits": node["hits"], "node": node}
+    print("RESULT " + json.dumps(result))
     return 0
 
 

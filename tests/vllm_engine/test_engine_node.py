@@ -74,7 +74,7 @@ def test_a_second_engine_serves_the_first_engines_prefixes_from_the_node_tier(mo
     with standalone(daemon, tmp_path) as beside:  # a third process on the daemon meanwhile: a plain KVTier
         second = run(model_dir, "kvtier", config)  # a new process: an empty host tier, the same daemon
     assert beside["stored"] == STANDALONE_BLOCKS and beside["rounds"] > 0
-    assert beside["short"] == beside["wrong"] == 0 and beside["hits"] == beside["rounds"] * STANDALONE_BLOCKS
+    assert beside["short"] == beside["wrong"] == 0 and beside["hits"] == beside["rounds"] * STANDALONE_BLOCKS, beside
     assert second["tokens"] == reference
     assert second["hits"] == {"host": 0, "node": NODE}
     assert second["sources"] == {"EXTERNAL_UNSPECIFIED": NODE * BLOCK}
