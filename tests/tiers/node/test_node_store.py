@@ -3,8 +3,8 @@ and a real store (a redis-server; a Mooncake master and segment owner, read thro
 daemons on one store stand for two machines. Every block committed into a slab is copied down to the
 store; an engine on the other machine finds it there (its daemon asks the store about blocks found
 nowhere else) and a pin brings it up into that machine's slab, checked as any, read from the store once
-however many engines want it at once. A store that hangs costs misses within ``below_wait``, never an
-engine's call to its daemon (past the queries that may wait, a miss at once); a damaged record is a
+however many engines want it at once. A store that hangs or is killed costs misses within ``below_wait``,
+never an engine's call to its daemon (past the queries that may wait, a miss at once); a damaged record is a
 miss, never bytes taken. A store whose reads land straight in their destination (Mooncake without a
 fetch buffer) is refused at start."""
 
@@ -126,6 +126,34 @@ def test_a_hung_store_costs_misses_within_below_wait_never_an_engines_timeout(ma
         assert reader.load_now(tokens, out).loaded == 4 and np.array_equal(out, blocks)
         assert reader.stats()["node"]["lookup_errors"] == 0  # the engine's calls never timed out
     assert b.stats()["store_late"] >= 1
+
+
+def test_a_killed_store_costs_misses_while_the_slab_serves_on(machines, store, rng):
+    """The store's server killed (SIGKILL): the other machine's lookups miss within ``below_wait``, its
+    engine's calls never fail, its slab still takes and serves blocks (their copies down fail, harmlessly),
+    and both daemons live on, holding nothing for the engine that left."""
+    a, b = machines
+    server, _ = store
+    tokens = prompt(4)
+    blocks = rng.integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    publish(a, tokens, blocks)
+    server.kill()
+    with KVTier.open(stack(b)) as reader:
+        start = time.monotonic()
+        assert reader.lookup(tokens) == 0
+        assert time.monotonic() - start < BELOW_WAIT + 0.5
+        other = prompt(2, start=50_000)
+        fresh = rng.integers(0, 256, (2, BLOCK), dtype=np.uint8)
+        assert reader.store_now(other, fresh).stored == 2
+        out = np.zeros_like(fresh)
+        assert reader.load_now(other, out).loaded == 2 and np.array_equal(out, fresh)
+        assert reader.lookup(tokens) == 0  # (asked again: still a miss, no stale "present")
+        node = reader.stats()["node"]
+        assert (node["lookup_errors"], node["read_errors"]) == (0, 0)
+    for daemon in (a, b):
+        assert daemon.process is not None and daemon.process.poll() is None
+        assert daemon.stats()["held"] == 0
+    assert b.stats()["promoted"] == 0 and b.stats()["copied_down"] == 0
 
 
 def test_while_the_store_hangs_lookups_past_the_waiting_room_miss_at_once(store, monkeypatch, rng):
