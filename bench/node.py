@@ -23,7 +23,9 @@ Figures, per path
     needs none), for a store a RESERVE of 16 new blocks and its ABORT (``store_control_us``: the round
     trip every store pays, the daemon's evictions left out), and the checksum of 16 blocks in cache
     (``checksum_us``: every store and load hashes what it copies). Those two are what a node store adds
-    to a private one, whose whole cost is the copy. Memory:
+    to a private one, whose whole cost is the copy. Beside them, this machine's floor for any message:
+    a bare round trip between two processes in the daemon's framing, no work at either end
+    (``socket_rt_us``). Memory:
     with every process holding the prefix set (after the loads), the proportional set size (PSS,
     /proc/PID/smaps) of the tier's memory (the private host slabs; the node slab in every process
     that maps it, the daemon included: a shared page counts once, split among its mappers), and of
@@ -246,6 +248,42 @@ def control_us(socket_path: str, block_bytes: int) -> dict[str, float]:
         return {name: median_us(call) for name, call in (("load", load), ("store", store), ("checksum", hash_blocks))}
 
 
+def echo(sock) -> None:
+    """Answer every frame on ``sock`` with ``[OK, *its arguments]``, as a daemon that does no work would."""
+    from kvtier.tiers.node.protocol import OK, frame, read_frame
+
+    try:
+        while True:
+            sock.sendall(frame([OK, *read_frame(sock)[1:]]))
+    except EOFError:
+        pass
+
+
+def socket_round_trip_us() -> float:
+    """Median microseconds of a bare round trip between two processes on a Unix socket, in the daemon's
+    framing, with 16 keys each way and no work at either end: this machine's floor for any control
+    message (mostly the two wake-ups, not Python)."""
+    import socket
+
+    from kvtier.tiers.node.protocol import Op, frame, read_frame
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer = multiprocessing.get_context("fork").Process(target=echo, args=(theirs,))
+    peer.start()
+    theirs.close()
+    keys = [os.urandom(16) for _ in range(BLOCKS)]
+
+    def round_trip() -> None:
+        ours.sendall(frame([Op.RESERVE, keys]))
+        read_frame(ours)
+
+    try:
+        return median_us(round_trip)
+    finally:
+        ours.close()
+        peer.join(timeout=10)
+
+
 def median_us(call: Callable[[], None], times: int = 2000) -> float:
     """The median microseconds of ``call``, run ``times`` times."""
     took = []
@@ -298,7 +336,7 @@ def main() -> None:
     args = parser.parse_args()
     procs = [int(p) for p in args.procs.split(",")]
     sizes = [int(b) for b in args.block_bytes.split(",")]
-    figures: dict = {}
+    figures: dict = {"socket_rt_us": socket_round_trip_us()}
     print(
         f"{'blocks':>8} {'procs':>5}  {'path':8} {'load GB/s':>9} {'store GB/s':>10} {'load ms CPU':>11} "
         f"{'store ms CPU':>12} {'tier PSS MiB':>12} {'PSS MiB':>8}"
@@ -319,7 +357,8 @@ def main() -> None:
             figures[f"checksum_us_{block_bytes}"] = control["checksum"]
             print(
                 f"control per 16 blocks: load (PIN + RELEASE) {control['load']:.0f} us, store (RESERVE + ABORT) "
-                f"{control['store']:.0f} us, checksum {control['checksum']:.0f} us",
+                f"{control['store']:.0f} us, checksum {control['checksum']:.0f} us; a bare round trip "
+                f"{figures['socket_rt_us']:.0f} us",
                 flush=True,
             )
             for n in procs:
