@@ -1,0 +1,140 @@
+"""Blocks sealed at rest: AES-256-GCM, so that whoever reads a shared store, a disk or a backup reads no
+KV (a block is a readable trace of the prompt that made it), and nobody without the key can write a
+block that opens.
+
+- The cipher is the ``cryptography`` package's (OpenSSL underneath): nothing here is cryptography of
+  its own, only how keys are derived and what is bound to a block.
+- Each tenant has its own key, derived (HKDF-SHA256) from the deployment's secret and the tenant's id:
+  a tenant's blocks neither open nor can be forged under another's key.
+- Every seal takes a fresh random 96-bit nonce, and the block's identity (the caller's associated data:
+  its namespace digest and key) is authenticated with it: a sealed block copied to another key,
+  namespace or tenant fails to open, as does one with a flipped byte. GCM's tag authenticates the
+  bytes, so a sealed block needs no MAC besides.
+- Rotation: a previous secret may be given beside the current one; blocks sealed under it still open,
+  new ones are sealed under the current one only. A seal names its key (a 4-byte id, a hash of the key)
+  so that opening tries the right one first.
+
+A seal is ``SEAL_BYTES``: key id, nonce, tag. The ciphertext is as long as the block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import key_secret
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KEY_ID_BYTES = 4
+SEAL_BYTES = KEY_ID_BYTES + NONCE_BYTES + TAG_BYTES
+"""A seal's bytes: the key's id, the nonce, the tag (32: a record header's MAC field holds one)."""
+MAX_TENANT_BYTES = 255
+_KEY_INFO = b"kvtier-seal-key-v1"
+_ID_PERSON = b"kvtier-seal-id1"
+
+Buffer = memoryview | bytes | bytearray
+
+
+class TenantKey:
+    """One tenant's AES-256 key under one secret, and its id."""
+
+    def __init__(self, secret: bytes, tenant: bytes) -> None:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        info = _KEY_INFO + len(tenant).to_bytes(1, "little") + tenant
+        self.key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+        self.id = hashlib.blake2b(self.key, digest_size=KEY_ID_BYTES, person=_ID_PERSON).digest()
+
+
+class SealingKeys:
+    """The deployment's secret (``current``: seals and opens) and, during a rotation, the one before it
+    (``previous``: opens only). ``sealer(tenant)`` gives a tenant's sealer."""
+
+    def __init__(self, current: bytes, previous: bytes | None = None) -> None:
+        self.current = current
+        self.previous = None if previous == current else previous
+        self._sealers: dict[bytes, Sealer] = {}
+
+    @classmethod
+    def from_env(cls, env_name: str, previous_env: str | None = None) -> SealingKeys:
+        """The secrets in the environment variables a tier's config names (``encryption_key_env``, and
+        ``encryption_previous_key_env`` during a rotation); one ConfigError naming the setting when a
+        variable is unset or short (``keys.key_secret``)."""
+        current = key_secret(env_name, "encryption_key_env")
+        assert current is not None
+        previous = key_secret(previous_env, "encryption_previous_key_env")
+        try:
+            import cryptography  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "encryption: aes-gcm needs the cryptography package: pip install 'kvtier[encryption]'"
+            ) from None
+        return cls(current, previous)
+
+    def sealer(self, tenant: bytes = b"") -> Sealer:
+        """The sealer of ``tenant`` (b"": blocks no tenant was named for), derived once."""
+        sealer = self._sealers.get(tenant)
+        if sealer is None:
+            if len(tenant) > MAX_TENANT_BYTES:
+                raise ValueError(f"a tenant id is at most {MAX_TENANT_BYTES} bytes, got {len(tenant)}")
+            secrets = [self.current] if self.previous is None else [self.current, self.previous]
+            sealer = self._sealers.setdefault(tenant, Sealer([TenantKey(secret, tenant) for secret in secrets]))
+        return sealer
+
+
+class Sealer:
+    """Seals with the first of ``keys`` and opens with whichever of them a seal names."""
+
+    def __init__(self, keys: Sequence[TenantKey]) -> None:
+        self._keys = {key.id: key.key for key in keys}
+        self._sealing = keys[0]
+
+    def seal(self, plain: Sequence[Buffer], out: Sequence[Buffer], associated: bytes) -> bytes:
+        """Encrypt the pieces ``plain`` into ``out`` (piece for piece, of equal lengths), binding
+        ``associated``; returns the seal to keep beside the ciphertext."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        nonce = os.urandom(NONCE_BYTES)
+        encryptor = Cipher(algorithms.AES(self._sealing.key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(associated)
+        for source, target in _pairs(plain, out):
+            encryptor.update_into(source, target)
+        encryptor.finalize()
+        return self._sealing.id + nonce + encryptor.tag
+
+    def open(self, sealed: Sequence[Buffer], out: Sequence[Buffer], seal: bytes, associated: bytes) -> bool:
+        """Decrypt the pieces ``sealed`` into ``out`` (piece for piece, of equal lengths; a piece may be
+        its own target) and check them against ``seal`` and ``associated``. False when they do not
+        open: another key or identity, a changed byte, a seal of no key held here; ``out`` then holds
+        nothing unauthenticated (zeroed where the decryption wrote)."""
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        pairs = _pairs(sealed, out)
+        key = self._keys.get(bytes(seal[:KEY_ID_BYTES])) if len(seal) == SEAL_BYTES else None
+        if key is None:
+            return False
+        nonce, tag = seal[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES], seal[KEY_ID_BYTES + NONCE_BYTES :]
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(bytes(nonce), bytes(tag))).decryptor()
+        decryptor.authenticate_additional_data(associated)
+        for source, target in pairs:
+            decryptor.update_into(source, target)
+        try:
+            decryptor.finalize()
+            return True
+        except InvalidTag:
+            for _, target in pairs:
+                target[:] = bytes(len(target))
+            return False
+
+
+def _pairs(sources: Sequence[Buffer], targets: Sequence[Buffer]) -> list[tuple[memoryview, memoryview]]:
+    """Pieces of equal lengths, as byte views; ValueError otherwise."""
+    views = [(memoryview(s).cast("B"), memoryview(t).cast("B")) for s, t in zip(sources, targets, strict=True)]
+    if any(len(s) != len(t) for s, t in views):
+        raise ValueError("sealing copies piece for piece: each target must be as long as its source")
+    return views

@@ -1,0 +1,136 @@
+"""Blocks sealed at rest (``kvtier.core.sealing``): real AES-256-GCM from the ``cryptography`` package over
+real bytes. A sealed block opens bit-exact under its own tenant's key and identity only; its ciphertext
+holds none of its bytes; any changed byte, another key, namespace or tenant, a secret of another
+deployment fail to open and leave nothing unauthenticated behind; a previous secret opens during a
+rotation and never seals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.sealing import SEAL_BYTES, SealingKeys
+
+SECRET = b"a deployment secret of 32 bytes!"
+OTHER_SECRET = b"another deployment's secret, 32b"
+IDENTITY = b"namespace digest" + b"block key 16 byt"
+PLANTED = b"PLANTED-KV-BYTES-0123456789abcdef"
+
+
+def block(rng, size: int = 64 * 1024) -> np.ndarray:
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    data[1000 : 1000 + len(PLANTED)] = np.frombuffer(PLANTED, np.uint8)
+    return data
+
+
+def seal(keys: SealingKeys, data: np.ndarray, tenant: bytes = b"", identity: bytes = IDENTITY):
+    sealed = np.empty_like(data)
+    return sealed, keys.sealer(tenant).seal([data], [sealed], identity)
+
+
+def opens(keys: SealingKeys, sealed: np.ndarray, seal_: bytes, tenant: bytes = b"", identity: bytes = IDENTITY):
+    out = np.full_like(sealed, 0xAB)
+    return keys.sealer(tenant).open([sealed], [out], seal_, identity), out
+
+
+def test_a_sealed_block_opens_bit_exact_and_its_ciphertext_holds_none_of_its_bytes(rng):
+    keys = SealingKeys(SECRET)
+    data = block(rng)
+    sealed, seal_ = seal(keys, data)
+    assert len(seal_) == SEAL_BYTES
+    assert PLANTED not in sealed.tobytes() and not np.array_equal(sealed, data)
+    ok, out = opens(keys, sealed, seal_)
+    assert ok and np.array_equal(out, data)
+
+
+def test_every_seal_takes_a_fresh_nonce(rng):
+    keys = SealingKeys(SECRET)
+    data = block(rng)
+    (first, seal1), (second, seal2) = seal(keys, data), seal(keys, data)
+    assert seal1 != seal2 and not np.array_equal(first, second)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["identity", "tenant", "secret", "ciphertext byte", "tag byte", "nonce byte", "key id", "short seal"],
+)
+def test_a_block_moved_or_changed_fails_to_open_and_leaves_nothing_behind(rng, change):
+    keys = SealingKeys(SECRET)
+    data = block(rng)
+    sealed, seal_ = seal(keys, data, tenant=b"tenant-a")
+    tenant, identity, opener = b"tenant-a", IDENTITY, keys
+    if change == "identity":  # (copied to another key, or another namespace)
+        identity = IDENTITY[:-1] + b"\x00"
+    elif change == "tenant":
+        tenant = b"tenant-b"
+    elif change == "secret":
+        opener = SealingKeys(OTHER_SECRET)
+    elif change == "ciphertext byte":
+        sealed[12345] ^= 0x01
+    else:
+        at = {"tag byte": SEAL_BYTES - 1, "nonce byte": 5, "key id": 0}.get(change)
+        seal_ = seal_[:-1] if at is None else seal_[:at] + bytes([seal_[at] ^ 0x80]) + seal_[at + 1 :]
+    ok, out = opens(opener, sealed, seal_, tenant, identity)
+    assert not ok
+    assert not out.any() or np.all(out == 0xAB)  # zeroed where decrypted, untouched where not tried
+    assert PLANTED not in out.tobytes()
+
+
+def test_a_previous_secret_opens_during_a_rotation_and_never_seals(rng):
+    data = block(rng)
+    old_sealed, old_seal = seal(SealingKeys(OTHER_SECRET), data)
+    rotating = SealingKeys(SECRET, previous=OTHER_SECRET)
+    ok, out = opens(rotating, old_sealed, old_seal)
+    assert ok and np.array_equal(out, data)
+    new_sealed, new_seal = seal(rotating, data)
+    assert opens(SealingKeys(SECRET), new_sealed, new_seal)[0]  # sealed under the current secret
+    assert not opens(SealingKeys(OTHER_SECRET), new_sealed, new_seal)[0]
+    assert not opens(SealingKeys(SECRET), old_sealed, old_seal)[0]  # the rotation over: old blocks are misses
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(1, 4095), max_size=6), in_place=st.booleans())
+def test_pieces_seal_and_open_as_one_block_wherever_they_are_cut(cuts, in_place):
+    data = np.random.default_rng(len(cuts)).integers(0, 256, 4096, dtype=np.uint8)
+    bounds = [0, *sorted(set(cuts)), 4096]
+    pieces = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    keys = SealingKeys(SECRET)
+    whole, seal_ = seal(keys, data)
+    assert opens(keys, whole, seal_)[0]
+    sealed = whole.copy()
+    sealed_pieces = [sealed[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    out = sealed if in_place else np.zeros_like(data)
+    out_pieces = [out[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert keys.sealer().open(sealed_pieces, out_pieces, seal_, IDENTITY)
+    assert np.array_equal(out, data)
+    resealed = np.empty_like(data)
+    seal2 = keys.sealer().seal(pieces, [resealed[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], IDENTITY)
+    assert opens(keys, resealed, seal2)[0]
+
+
+def test_pieces_of_unequal_lengths_are_refused(rng):
+    data = block(rng, 4096)
+    with pytest.raises(ValueError, match="as long as its source"):
+        SealingKeys(SECRET).sealer().seal([data], [np.empty(4095, np.uint8)], IDENTITY)
+
+
+@pytest.mark.parametrize(("value", "message"), [(None, "unset or empty"), ("short", "fewer than the 16")])
+def test_a_missing_or_short_secret_is_one_clear_error(monkeypatch, value, message):
+    monkeypatch.delenv("KVTIER_TEST_SEAL", raising=False)
+    if value is not None:
+        monkeypatch.setenv("KVTIER_TEST_SEAL", value)
+    with pytest.raises(ConfigError, match=f"encryption_key_env: .*{message}"):
+        SealingKeys.from_env("KVTIER_TEST_SEAL")
+    monkeypatch.setenv("KVTIER_TEST_SEAL", SECRET.decode())
+    with pytest.raises(ConfigError, match="encryption_previous_key_env: the environment variable KVTIER_NONE"):
+        SealingKeys.from_env("KVTIER_TEST_SEAL", "KVTIER_NONE")
+    assert SealingKeys.from_env("KVTIER_TEST_SEAL").current == SECRET
+
+
+def test_tenants_get_keys_of_their_own_derived_once():
+    keys = SealingKeys(SECRET)
+    assert keys.sealer(b"a") is keys.sealer(b"a")
+    with pytest.raises(ValueError, match="at most 255 bytes"):
+        keys.sealer(b"x" * 256)
