@@ -18,7 +18,9 @@ What is measured
       memcpy than the backend's load; Redis: store -> caller, fetched). Reported apart.
     - lookups: one batched existence query of 64 keys, through ``RemoteTier.query`` and through the
       client's own call; p50 and p99 latency.
-    - the MAC (``auth_key_env`` set to a 32-byte secret): the same kvtier store and load with it.
+    - the MAC (``auth_key_env`` set to a 32-byte secret): the same kvtier store and load with it;
+    - sealed (``encryption: aes-gcm``, a 32-byte secret): the same with every record sealed (sealed into
+      a buffer of the job on the way out, opened where it lands on the way in).
 
 Reference, in the same run, on the same server and the same slab memory
     Mooncake: ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same slots, the
@@ -39,7 +41,9 @@ Reference, in the same run, on the same server and the same slab memory
 The last line printed is one JSON object. ``ratio`` is the smallest, over the backends run, of
 min(store, load) kvtier / reference throughput for 2 MiB blocks with the MAC off (``ratio_by_backend``
 per backend); the per-size figures (GB/s, median ms per batch), the stack, lookup and MAC figures
-(``mac_cost_ms``: what the MAC adds per batch) are in it too. Mooncake's client logs to stderr.
+(``mac_cost_ms``: what the MAC adds per batch) are in it too. ``sealed_ratio``: the smallest, over the
+backends run, of min(store, load) sealed / plain throughput for 2 MiB blocks (per backend in each
+size's figures, with ``sealed_over_mac``: sealed / MAC). Mooncake's client logs to stderr.
 
 Run: ``.venv/bin/python bench/remote.py [--backend both|mooncake|redis] [--blocks 64] [--repeat 11]``
 """
@@ -82,6 +86,9 @@ LOOKUP_KEYS = 64
 TIMEOUT = 30.0  # the tier's deadline: far above any batch here, so it measures throughput, not deadlines
 NAMESPACE = "bench-remote"
 MAC_ENV = "KVTIER_BENCH_REMOTE_MAC"
+SEAL_ENV = "KVTIER_BENCH_REMOTE_SEAL"
+RECORDS = ("plain", "mac", "sealed")
+"""How records are written: as they are, with a MAC, sealed."""
 TOKENS = 16  # tokens per block in the stacks
 STACK_HOST_BATCHES = 3  # each stack's host tier holds this many batches (LRU: each round evicts the oldest)
 WARMUP_ROUNDS = STACK_HOST_BATCHES  # untimed: every host slot of the stacks touched once (no page faults after)
@@ -196,10 +203,12 @@ def redis_store() -> Iterator[tuple[dict, Callable[[], RedisReference]]]:
 STORES = {"mooncake": mooncake_store, "redis": redis_store}
 
 
-def tier_config(backend: str, options: dict, mac: bool) -> dict:
+def tier_config(backend: str, options: dict, records: str = "plain") -> dict:
     config = {"medium": "remote", "backend": backend, "timeout": TIMEOUT, backend: options}
-    if mac:
+    if records == "mac":
         config["auth_key_env"] = MAC_ENV
+    elif records == "sealed":
+        config.update(encryption="aes-gcm", encryption_key_env=SEAL_ENV)
     return config
 
 
@@ -231,20 +240,20 @@ class Rig:
         self.pieces = [(address, block_bytes) for address in addresses]
         self.reference = reference
         reference.register(self.slab)
-        plain = RemoteTierConfig.model_validate(tier_config(backend, options, mac=False))
+        plain = RemoteTierConfig.model_validate(tier_config(backend, options))
         self.remote = {
-            mac: RemoteStorage(
+            records: RemoteStorage(
                 self.layout,
                 record_format(
-                    RemoteTierConfig.model_validate(tier_config(backend, options, mac)), self.layout, NAMESPACE
+                    RemoteTierConfig.model_validate(tier_config(backend, options, records)), self.layout, NAMESPACE
                 ),
             )
-            for mac in (False, True)
+            for records in RECORDS
         }
         link = StoreLink(connector(plain), TIMEOUT, "loads and stores")
         self.backend = RemoteBackend(link, store_backend(backend).fetches)  # (as a stack's: Redis fetches)
         self.tier = remote_tier("remote", plain, self.layout, NAMESPACE)
-        stack = stack_config(tier_config(backend, options, mac=False), block_bytes, blocks)
+        stack = stack_config(tier_config(backend, options), block_bytes, blocks)
         self.writer, self.reader = KVTier.open(stack), KVTier.open(stack)
         self.round = 0
 
@@ -261,8 +270,8 @@ class Rig:
             hashlib.blake2b(f"{tag}/{self.round}/{i}".encode(), digest_size=16).digest() for i in range(self.blocks)
         ]
 
-    def names(self, keys: list[bytes], mac: bool = False) -> list[str]:
-        return [self.remote[mac].records.name(key) for key in keys]
+    def names(self, keys: list[bytes], records: str = "plain") -> list[str]:
+        return [self.remote[records].records.name(key) for key in keys]
 
     def reference_names(self, keys: list[bytes]) -> list[str]:
         """Names as long as kvtier's, under a prefix of their own."""
@@ -270,9 +279,9 @@ class Rig:
 
     # kvtier's backend
 
-    def transfer(self, keys: list[bytes], storing: bool, mac: bool = False) -> float:
+    def transfer(self, keys: list[bytes], storing: bool, records: str = "plain") -> float:
         """Seconds from submit until on_complete of one batch; raises unless every block made it."""
-        slots, remote = list(range(self.blocks)), self.remote[mac]
+        slots, remote = list(range(self.blocks)), self.remote[records]
         transfer = (
             Transfer(self.slab.storage, slots, remote, (), keys)
             if storing
@@ -339,8 +348,9 @@ def round_times(rig: Rig, verify: bool) -> dict[str, float]:
     rounds, the reference first in odd ones), kvtier's with the MAC, the stacks, and (Mooncake) the
     remove kvtier's put does first. Every record is removed at the end (untimed), so each round writes
     fresh names and the store stays small."""
-    keys, ref_keys, mac_keys = rig.keys("kv"), rig.keys("ref"), rig.keys("mac")
-    names, ref_names, mac_names = rig.names(keys), rig.reference_names(ref_keys), rig.names(mac_keys, mac=True)
+    keys, ref_keys, mac_keys, sealed_keys = rig.keys("kv"), rig.keys("ref"), rig.keys("mac"), rig.keys("sealed")
+    names, ref_names = rig.names(keys), rig.reference_names(ref_keys)
+    mac_names, sealed_names = rig.names(mac_keys, "mac"), rig.names(sealed_keys, "sealed")
     pieces = rig.pieces
     t: dict[str, float] = {}
 
@@ -354,16 +364,18 @@ def round_times(rig: Rig, verify: bool) -> dict[str, float]:
 
     for part in (kvtier, reference) if rig.round % 2 == 0 else (reference, kvtier):
         part()
-    t["mac_store"] = rig.transfer(mac_keys, storing=True, mac=True)
-    t["mac_load"] = rig.transfer(mac_keys, storing=False, mac=True)
+    for records, their_keys in (("mac", mac_keys), ("sealed", sealed_keys)):
+        t[f"{records}_store"] = rig.transfer(their_keys, storing=True, records=records)
+        t[f"{records}_load"] = rig.transfer(their_keys, storing=False, records=records)
     if verify:
         rig.check_bit_exact(lambda: rig.transfer(keys, storing=False), "kvtier's load")
+        rig.check_bit_exact(lambda: rig.transfer(sealed_keys, storing=False, records="sealed"), "a sealed load")
         rig.check_bit_exact(lambda: rig.reference.get(ref_names, pieces), "the reference's get")
     t["stack_store"], t["stack_load"] = rig.stack_round()
     if rig.backend_name == "mooncake":  # what kvtier's put removes first: names not stored yet, or stored ones
         t["remove_missing"] = rig.timed(rig.reference.remove, rig.reference_names(rig.keys("missing")))
         t["remove_present"] = rig.timed(rig.reference.remove, names)
-    rig.reference.remove(names + ref_names + mac_names)
+    rig.reference.remove(names + ref_names + mac_names + sealed_names)
     rig.round += 1
     return t
 
@@ -398,7 +410,10 @@ def summarize(times: list[dict[str, float]], nbytes: int) -> dict:
     med = {name: statistics.median(t[name] for t in times) for name in times[0]}
     gbps = {
         name: round(nbytes / med[name] / GB, 3)
-        for name in ("store", "load", "ref_store", "ref_load", "mac_store", "mac_load", "stack_store", "stack_load")
+        for name in (
+            *("store", "load", "ref_store", "ref_load", "mac_store", "mac_load", "sealed_store", "sealed_load"),
+            *("stack_store", "stack_load"),
+        )
     }
     return {
         "gbps": gbps,
@@ -407,6 +422,8 @@ def summarize(times: list[dict[str, float]], nbytes: int) -> dict:
         "ratio": round(min(med["ref_store"] / med["store"], med["ref_load"] / med["load"]), 3),
         "stack_store_ratio": round(med["ref_store"] / med["stack_store"], 3),
         "stack_load_ratio": round(med["ref_load"] / med["stack_load"], 3),
+        "sealed_ratio": round(min(med["store"] / med["sealed_store"], med["load"] / med["sealed_load"]), 3),
+        "sealed_over_mac": round(min(med["mac_store"] / med["sealed_store"], med["mac_load"] / med["sealed_load"]), 3),
         "mac_cost_ms": {
             "store": round((med["mac_store"] - med["store"]) * 1e3, 2),
             "load": round((med["mac_load"] - med["load"]) * 1e3, 2),
@@ -467,6 +484,10 @@ def print_backend(backend: str, results: dict[str, dict], blocks: int) -> None:
             f"           MAC on: store {g['mac_store']:6.2f} (+{r['mac_cost_ms']['store']} ms per batch)"
             f"   load {g['mac_load']:6.2f} (+{r['mac_cost_ms']['load']} ms per batch)"
         )
+        print(
+            f"           sealed: store {g['sealed_store']:6.2f}   load {g['sealed_load']:6.2f}   "
+            f"= {r['sealed_ratio']:.2f} of plain, {r['sealed_over_mac']:.2f} of MAC on"
+        )
         if "remove_missing" in r["ms"]:
             print(
                 f"           kvtier's forced remove before a put: {r['ms']['remove_missing']} ms per batch of new "
@@ -495,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
     os.environ[MAC_ENV] = secrets.token_hex(16)  # 32 bytes
+    os.environ[SEAL_ENV] = secrets.token_hex(16)
     backends = ("mooncake", "redis") if args.backend == "both" else (args.backend,)
     results = {backend: bench_backend(backend, args) for backend in backends}
     for backend, result in results.items():
@@ -511,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bench": "remote",
                 "ratio": min(headline.values()),
                 "ratio_by_backend": headline,
+                "sealed_ratio": min(result[f"{HEADLINE // KiB}KiB"]["sealed_ratio"] for result in results.values()),
                 "reference": {
                     "mooncake": "batch_put_from / batch_get_into, slab registered",
                     "redis": "redis-py pipeline of SET / MGET copied into the slots",

@@ -93,6 +93,11 @@ class Sealer:
         self._keys = {key.id: key.key for key in keys}
         self._sealing = keys[0]
 
+    @property
+    def key_id(self) -> bytes:
+        """The id of the key it seals with (a hash of the key, never the key: doctor compares them)."""
+        return self._sealing.id
+
     def seal(self, plain: Sequence[Buffer], out: Sequence[Buffer], associated: bytes) -> bytes:
         """Encrypt the pieces ``plain`` into ``out`` (piece for piece, of equal lengths), binding
         ``associated``; returns the seal to keep beside the ciphertext."""

@@ -33,7 +33,7 @@ from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.protocol import VERSION, Op
 from kvtier.tiers.remote.config import RemoteTierConfig
-from kvtier.tiers.remote.factory import connector
+from kvtier.tiers.remote.factory import connector, sealer
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import mac_key
 
@@ -138,16 +138,17 @@ def _existing_parent(path: Path) -> Path:
 
 
 def _remote(config: StackConfig, i: int) -> list[Check]:
-    """The remote tier's secrets (its MAC key, and whatever its backend's connector reads: a password,
-    the client package), then one round trip to the store when a client can be set up at all."""
+    """The remote tier's secrets (its MAC key or its sealing secrets, and whatever its backend's connector
+    reads: a password, the client package), then one round trip to the store when a client can be set up at all."""
     tier = config.tiers[i]
     assert isinstance(tier, RemoteTierConfig)
     label = _tier_label(config, i)
     problems = []
-    try:
-        mac_key(tier.auth_key_env)
-    except ConfigError as exc:
-        problems.append(str(exc))
+    for read_secret in (lambda: mac_key(tier.auth_key_env), lambda: sealer(tier)):
+        try:
+            read_secret()
+        except ConfigError as exc:
+            problems.append(str(exc))
     try:
         wired = connector(tier, lends_memory=False)
     except ConfigError as exc:

@@ -34,7 +34,7 @@ from kvtier.core.namespaces import (
 )
 from kvtier.core.strict_yaml import read_yaml
 from kvtier.tiers.remote.config import remote_config
-from kvtier.tiers.remote.factory import connector
+from kvtier.tiers.remote.factory import connector, sealer
 from kvtier.tiers.remote.record import mac_key
 
 _VLLM_DTYPES = {
@@ -114,7 +114,7 @@ def sharing(config: StackConfig, engine: VllmEngine | None = None) -> dict[str, 
 
 def _store_fields(config: StackConfig) -> dict[str, Any]:
     """Which records a stack reads on its remote tier's store: where the store is, the names' prefix and
-    the MAC key's fingerprint (none without a remote tier)."""
+    the fingerprints of the MAC key and of the sealing key (none without a remote tier)."""
     remote = remote_config(config)
     if remote is None:
         return {}
@@ -127,7 +127,17 @@ def _store_fields(config: StackConfig) -> dict[str, Any]:
         mac_fingerprint = None if mac is None else fingerprint(mac)
     except ConfigError:
         mac_fingerprint = "unreadable"
-    return {"store": where, "store_prefix": remote.prefix, "store_mac_key": mac_fingerprint}
+    try:
+        sealing = sealer(remote)
+        sealing_fingerprint = None if sealing is None else sealing.key_id.hex()
+    except ConfigError:
+        sealing_fingerprint = "unreadable"
+    return {
+        "store": where,
+        "store_prefix": remote.prefix,
+        "store_mac_key": mac_fingerprint,
+        "store_sealing_key": sealing_fingerprint,
+    }
 
 
 def recorded_report(path: str) -> dict[str, Any] | None:

@@ -222,6 +222,36 @@ def test_a_missing_mac_secret_fails(tmp_path, capsys, server, secrets_set, monke
     assert f"auth_key_env: the environment variable {MAC_ENV} is unset" in message
 
 
+def sealed(config: dict, secret_env: str) -> dict:
+    """``config`` with its store's records sealed under the secret in ``secret_env`` (and no MAC)."""
+    remote = config["tiers"][-1]
+    del remote["auth_key_env"]
+    remote.update(encryption="aes-gcm", encryption_key_env=secret_env)
+    return config
+
+
+def test_a_missing_sealing_secret_fails(tmp_path, capsys, server, secrets_set, monkeypatch):
+    monkeypatch.delenv("KVTIER_TEST_DOCTOR_SEAL", raising=False)
+    config = sealed(stack(tmp_path, server.url), "KVTIER_TEST_DOCTOR_SEAL")
+    message = only_failure(*doctor(capsys, write(tmp_path, config)), "(remote) secrets")
+    assert "encryption_key_env: the environment variable KVTIER_TEST_DOCTOR_SEAL is unset" in message
+
+
+def test_sealed_configs_under_other_secrets_differ_in_the_sealing_key(
+    tmp_path, capsys, server, secrets_set, monkeypatch
+):
+    monkeypatch.setenv("KVTIER_TEST_DOCTOR_SEAL", "a sealing secret of enough bytes")
+    monkeypatch.setenv("KVTIER_TEST_DOCTOR_OTHER_SEAL", "another sealing secret, enough")
+    mine = sealed(stack(tmp_path, server.url), "KVTIER_TEST_DOCTOR_SEAL")
+    theirs = sealed(stack(tmp_path, server.url, disk=False), "KVTIER_TEST_DOCTOR_OTHER_SEAL")
+    code, report = doctor(capsys, write(tmp_path, mine), "--compare", write(tmp_path, theirs, "theirs.yaml"))
+    assert code == 1 and report["ok"] and not report["compare"]["share"]
+    (said,) = report["compare"]["differences"]
+    assert said.startswith("store_sealing_key ")
+    fields = report["sharing"]["fields"]
+    assert len(fields["store_sealing_key"]) == 8 and fields["store_mac_key"] is None  # a key's id, never a secret
+
+
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_store_that_is_down_fails_within_the_timeout(tmp_path, capsys, server, secrets_set, fault):
     path = write(tmp_path, stack(tmp_path, server.url))

@@ -1,8 +1,9 @@
 """The remote transfer backend: blocks between host memory and a shared store's records.
 
 A store moves one record per block: its header (``RecordFormat``: key, namespace digest, lengths,
-checksum, MAC), then the block's bytes straight out of or into the host slot, with no staging copy
-where the client allows. Each transfer is one batched call of the store's client, run by the link
+checksum, MAC or seal), then the block's bytes straight out of or into the host slot, with no staging
+copy where the client allows (sealed records go out of a buffer of the job, and are opened where they
+arrive). Each transfer is one batched call of the store's client, run by the link
 (``StoreLink``) on one of its workers with the tier's deadline, so a hung store costs a job its
 deadline, never more:
 
@@ -13,7 +14,7 @@ deadline, never more:
   may be foreign garbage, and skipping it would pin a miss on its block. It reports the blocks the
   store did not take; they are counted drops;
 - a load (remote -> host) accepts a block only when its record arrived whole and its header, data
-  checksum and (with ``auth_key_env``) MAC say it is exactly that block, checked here before the job
+  checksum and (with ``auth_key_env``) MAC, or its seal, say it is exactly that block, checked here before the job
   reports; every other block fails, and the engine recomputes it (and stores it again: see above).
   With ``fetches`` (Redis) a load ``fetch``es the records into the client's own bytes, checks each
   there as it arrives and copies in only a good one, until the call's completion closes the load's
@@ -46,7 +47,7 @@ from kvtier.core.storage import block_pieces
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
 from kvtier.tiers.remote.client import Piece, StoreClient, scatter
 from kvtier.tiers.remote.link import Call, StoreLink
-from kvtier.tiers.remote.record import HEADER_BYTES
+from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat
 from kvtier.tiers.remote.tier import RemoteStorage
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ class RemoteBackend(TransferBackend):
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
-        job = _Job(remote, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room)
+        job = _Job(
+            remote, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room, storing
+        )
         with self._lock:
             if self._closed:
                 raise ClosedError("the remote transfer backend is closed")
@@ -192,13 +195,12 @@ class RemoteBackend(TransferBackend):
         unless the call's completion has run (``job.gate``: past its deadline nothing is written).
         Its flight ends here: a load that wants the record from now on reads it again."""
         i = mine[k]
-        problem = _MISSING if value is None else job.records.problem(*_header_and_key(value, job.keys[i]))
+        problem, good = (_MISSING, None) if value is None else _checked_record(job.records, value, job.keys[i])
         with job.gate:
             if not job.open:
                 return False
             with self._lock:
                 loads = [(job, i), *self._flights.pop(job.names[i])]
-            good = value if problem is None else None
             copies = [(load, j, good is not None and _copied(good, load.pieces[j])) for load, j in loads]
             job.taken[k] = (problem, copies)
             return copies[0][2]
@@ -271,13 +273,23 @@ _MISSING = "it did not arrive whole"
 """The problem of a record that did not come, or not at the size asked: a miss, not a refused record."""
 
 
-def _header_and_key(record: bytes, key: bytes) -> tuple[memoryview, bytes, list[memoryview]]:
-    """``RecordFormat.problem``'s arguments for a fetched record: its header, the key asked for, its data."""
+def _checked_record(records: RecordFormat, record: bytes, key: bytes) -> tuple[str | None, bytes | bytearray | None]:
+    """A fetched record checked in the client's bytes: why it is not ``key``'s block (None: it is), and
+    what to copy into a load's memory (None where nothing may be): the record itself, or for a sealed
+    one the record with its block opened, into memory of its own (the client's bytes may be read-only,
+    and nothing of a record that does not open reaches a load)."""
     view = memoryview(record)
-    return view[:HEADER_BYTES], key, [view[HEADER_BYTES:]]
+    header, data = view[:HEADER_BYTES], view[HEADER_BYTES:]
+    if records.sealer is None:
+        problem = records.problem(header, key, [data])
+        return problem, record if problem is None else None
+    opened = bytearray(len(view))
+    opened[:HEADER_BYTES] = header
+    problem = records.problem(header, key, [data], [memoryview(opened)[HEADER_BYTES:]])
+    return problem, opened if problem is None else None
 
 
-def _copied(record: bytes, pieces: list[Piece]) -> bool:
+def _copied(record: bytes | bytearray, pieces: list[Piece]) -> bool:
     """Copy a good fetched record into a load's pieces; False (logged) should that fail."""
     try:
         scatter(record, pieces)
@@ -309,7 +321,7 @@ def _put_missing(client: StoreClient, job: _Job) -> list[bool]:
     record, whether the store holds it now. Raises ValueError when the client answers for another number
     of records: the call fails (counted drops, no skip)."""
     for i, key in enumerate(job.keys):
-        job.header(i)[:] = job.records.header(key, job.data(i))
+        job.header(i)[:] = job.records.header(key, job.data(i), job.sealed(i))
     ask = [not bad for bad in job.remote.unreadable(job.keys)]
     asked = [i for i, yes in enumerate(ask) if yes]
     found = client.exists([job.names[i] for i in asked]) if asked else []
@@ -326,7 +338,10 @@ class _Job:
     """One transfer's blocks as the store sees them: keys, record names, and each record's pieces: its
     header, then the block's host memory. Where the host storage keeps ``header_room`` before each
     slot (a host tier above a remote one), the header lies there and a record is one piece, which
-    moves faster than two (Mooncake: 4-9 ms less per 64 x 2 MiB); else headers are a buffer of the job."""
+    moves faster than two (Mooncake: 4-9 ms less per 64 x 2 MiB); else headers are a buffer of the job.
+    A store of sealed records (``storing`` with a sealing format) sends each from a buffer of the job
+    instead, header and ciphertext in one piece: the host memory keeps the block as it is. (A load of
+    sealed records opens each where it arrived: in host memory, or in a fetched record's copy.)"""
 
     def __init__(
         self,
@@ -336,6 +351,7 @@ class _Job:
         on_complete: OnComplete,
         keep: Transfer,
         header_room: int = 0,
+        storing: bool = False,
     ) -> None:
         self.remote = remote
         self.records = remote.records
@@ -349,7 +365,13 @@ class _Job:
         self.open = True  # (under ``gate``) records may be written: the fetch's completion has not run
         self.memory = memory
         self.on_complete = on_complete
-        if header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):
+        self._sealed: np.ndarray | None = None
+        if storing and self.records.sealer is not None:
+            record = HEADER_BYTES + self.records.block_bytes
+            self._sealed = np.empty((len(keys), record), np.uint8)
+            self.header_at = [self._sealed.ctypes.data + i * record for i in range(len(keys))]
+            self.pieces = [[(at, record)] for at in self.header_at]
+        elif header_room >= HEADER_BYTES and all(len(pieces) == 1 for pieces in memory):
             self.header_at = [pieces[0][0] - HEADER_BYTES for pieces in memory]
             self.pieces = [[(at, HEADER_BYTES + piece[0][1])] for at, piece in zip(self.header_at, memory, strict=True)]
         else:
@@ -365,6 +387,12 @@ class _Job:
     def data(self, i: int) -> list[memoryview]:
         """Block ``i``'s bytes in host memory, as views (for checksums and MACs)."""
         return [_view(address, size) for address, size in self.memory[i]]
+
+    def sealed(self, i: int) -> memoryview | None:
+        """Where a store seals block ``i`` (its record's bytes after the header); None: it sends the block."""
+        if self._sealed is None:
+            return None
+        return _view(self.header_at[i] + HEADER_BYTES, self.records.block_bytes)
 
 
 def _view(address: int, size: int) -> memoryview:

@@ -13,12 +13,15 @@ between processes through the store, and a local hit never asks the store; place
 gets only the host tier's victims; another namespace finds nothing, not even its name's record copied from
 another namespace; a record damaged, truncated, lengthened, foreign, or (with auth on) unsigned or signed
 with another secret is a miss, and the block is recomputed and stored again; a missing MAC secret opens
-nothing; a dead store fails exactly the blocks it was to serve, within the timeout, and local hits go on;
+nothing; sealed records (``encryption: aes-gcm``) hold none of a block's bytes, round-trip, and do not
+open when moved to another key, changed, read plain or under another secret (a previous secret opens them
+during a rotation, and never seals); a dead store fails exactly the blocks it was to serve, within the timeout, and local hits go on;
 after a restart the store is empty, then fills again; the store's own eviction never yields wrong bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -31,7 +34,7 @@ import pytest
 from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
-from kvtier.tiers.remote.record import HEADER_BYTES
+from kvtier.tiers.remote.record import HEADER_BYTES, RecordHeader
 
 BLOCK = 64 * 1024
 TOKENS = 16
@@ -63,6 +66,8 @@ def config(request, tmp_path):
         auth_env: str | None = None,
         placement: str = "write_through",
         block: int = BLOCK,
+        seal_env: str | None = None,
+        previous_seal_env: str | None = None,
     ) -> dict:
         tiers: list[dict] = [{"medium": "host", "capacity_blocks": host}]
         if disk is not None:
@@ -70,6 +75,10 @@ def config(request, tmp_path):
         remote = store.tier(timeout=TIMEOUT, placement=placement, prefix=prefix)
         if auth_env is not None:
             remote["auth_key_env"] = auth_env
+        if seal_env is not None:
+            remote.update(encryption="aes-gcm", encryption_key_env=seal_env)
+        if previous_seal_env is not None:
+            remote["encryption_previous_key_env"] = previous_seal_env
         return {"block_bytes": block, "block_tokens": TOKENS, "namespace": namespace, "tiers": [*tiers, remote]}
 
     return make
@@ -233,6 +242,95 @@ def test_a_missing_mac_secret_opens_nothing(config, store, monkeypatch):
     with pytest.raises(ConfigError, match="^auth_key_env: the environment variable KVTIER_TEST_MAC is unset"):
         KVTier.open(config(store, auth_env="KVTIER_TEST_MAC"))
     assert threading.active_count() <= threads  # no thread of the stack was left behind
+
+
+# --- sealed records ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def seal_secrets(monkeypatch):
+    monkeypatch.setenv("KVTIER_TEST_SEAL", "first sealing secret, 32 bytes!")
+    monkeypatch.setenv("KVTIER_TEST_OTHER_SEAL", "second sealing secret, 32 bytes")
+
+
+def test_sealed_records_hold_none_of_the_blocks_bytes_and_round_trip(config, store, seal_secrets):
+    tokens, blocks = prompt(4), data(4)
+    stats = stored(config(store, seal_env="KVTIER_TEST_SEAL"), tokens, blocks)
+    assert stats["remote"]["committed"] == 4
+    with KVTier.open(config(store, seal_env="KVTIER_TEST_SEAL")) as kv:
+        for name, block in zip(record_names(kv, tokens), blocks, strict=True):
+            raw = store.read(name, HEADER_BYTES + BLOCK)
+            assert raw is not None and block[:64].tobytes() not in raw and block[-64:].tobytes() not in raw
+        result, out = load(kv, tokens, 4)
+        assert (result.loaded, result.failed) == (4, []) and np.array_equal(out, blocks)
+        assert_clean(kv)
+
+
+@pytest.mark.parametrize("change", ["key in the header", "ciphertext byte", "seal byte"])
+def test_a_sealed_record_moved_to_another_key_or_changed_does_not_open(config, store, seal_secrets, change):
+    """The header's own checksum is rewritten to match, so only the seal can tell: it binds the header's
+    fields (namespace, key, lengths) and the bytes."""
+    tokens, blocks = prompt(2), data(2)
+    cfg = config(store, seal_env="KVTIER_TEST_SEAL")
+    stored(cfg, tokens, blocks)
+    with KVTier.open(cfg) as kv:
+        keys, names = kv.keys(tokens), record_names(kv, tokens)
+        raw = bytearray(store.read(names[0], HEADER_BYTES + BLOCK))
+        header = RecordHeader.unpack(bytes(raw[:HEADER_BYTES]))
+        assert header is not None
+        if change == "key in the header":  # block 0's record, relabelled as block 1's, under block 1's name
+            raw[:HEADER_BYTES] = dataclasses.replace(header, key=keys[1]).pack()
+            target = names[1]
+        else:
+            at = {"ciphertext byte": HEADER_BYTES + 777, "seal byte": None}[change]
+            if at is None:
+                raw[:HEADER_BYTES] = dataclasses.replace(
+                    header, mac=header.mac[:-1] + bytes([header.mac[-1] ^ 1])
+                ).pack()
+            else:
+                raw[at] ^= 0x01
+            target = names[0]
+        store.write(target, bytes(raw))
+        broken = names.index(target)
+        result, out = load(kv, tokens, 2)
+        assert result.failed == [broken] and not out[broken].any()  # nothing of it reached the caller
+        assert kv.stats()["remote"]["read_errors"] == 1
+
+
+def test_sealed_and_plain_records_and_another_secret_are_misses(config, store, seal_secrets):
+    tokens, blocks = prompt(3), data(3)
+    stored(config(store), tokens, blocks)  # plain records
+    with KVTier.open(config(store, seal_env="KVTIER_TEST_SEAL")) as sealed:
+        result, _ = load(sealed, tokens, 3)
+        assert (result.hits, result.loaded) == (3, 0)  # found, refused: this tier seals
+        assert sealed.store(tokens, blocks).result(WAIT).stored == 3  # recomputed, stored sealed
+        sealed.wait_idle(WAIT)
+    for other in (config(store), config(store, seal_env="KVTIER_TEST_OTHER_SEAL")):
+        with KVTier.open(other) as kv:
+            result, out = load(kv, tokens, 3)
+            assert (result.hits, result.loaded) == (3, 0) and not out.any()
+
+
+def test_a_previous_secret_opens_during_a_rotation_and_new_records_take_the_current(config, store, seal_secrets):
+    old, new = prompt(2), prompt(2, start=1)
+    stored(config(store, seal_env="KVTIER_TEST_OTHER_SEAL"), old, data(2))
+    rotating = config(store, seal_env="KVTIER_TEST_SEAL", previous_seal_env="KVTIER_TEST_OTHER_SEAL")
+    with KVTier.open(rotating) as kv:
+        result, out = load(kv, old, 2)
+        assert result.loaded == 2 and np.array_equal(out, data(2))
+        assert kv.store(new, data(2, seed=1)).result(WAIT).stored == 2
+        kv.wait_idle(WAIT)
+    with KVTier.open(config(store, seal_env="KVTIER_TEST_SEAL")) as current:
+        result, out = load(current, new, 2)
+        assert result.loaded == 2 and np.array_equal(out, data(2, seed=1))
+    with KVTier.open(config(store, seal_env="KVTIER_TEST_OTHER_SEAL")) as previous:
+        assert load(previous, new, 2)[0].loaded == 0  # the previous secret never sealed
+
+
+def test_a_missing_sealing_secret_is_one_error_at_start(config, store, monkeypatch):
+    monkeypatch.delenv("KVTIER_TEST_SEAL", raising=False)
+    with pytest.raises(ConfigError, match="^encryption_key_env: the environment variable KVTIER_TEST_SEAL is unset"):
+        KVTier.open(config(store, seal_env="KVTIER_TEST_SEAL"))
 
 
 # --- a store that fails --------------------------------------------------------------------------

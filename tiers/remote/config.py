@@ -101,6 +101,11 @@ class RemoteTierConfig(TierConfigBase):
     )
     # a MAC secret: records without a valid MAC are misses
     auth_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_REMOTE_MAC_KEY"))
+    # records sealed with AES-256-GCM under a key derived from this secret (kvtier.core.sealing)
+    encryption: Literal["none", "aes-gcm"] = "none"
+    encryption_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY"))
+    # during a rotation, the secret before: its records still open, new ones are sealed under the current one
+    encryption_previous_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY_OLD"))
     placement: Literal["write_through", "write_back"] = "write_through"
     _settings: ConfigModel | None = PrivateAttr(None)
 
@@ -131,9 +136,30 @@ class RemoteTierConfig(TierConfigBase):
             self, "a remote tier", "the store manages its own memory and evicts by itself (size it on the server)"
         )
         problems.extend(self._backend_problems())
+        problems.extend(self._sealing_problems())
         if problems:
             raise Problems(problems)
         return self
+
+    def _sealing_problems(self) -> ProblemList:
+        """``encryption: aes-gcm`` takes its secret from ``encryption_key_env``, and needs no MAC: a sealed
+        record's tag authenticates it."""
+        if self.encryption == "none":
+            named = [key for key in ("encryption_key_env", "encryption_previous_key_env") if getattr(self, key)]
+            return [((key,), f"{key} is set but encryption is none; set encryption: aes-gcm") for key in named]
+        problems: ProblemList = []
+        if self.encryption_key_env is None:
+            problems.append(
+                (("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")
+            )
+        if self.auth_key_env is not None:
+            problems.append(
+                (
+                    ("auth_key_env",),
+                    "a sealed record is authenticated by its seal (encryption: aes-gcm): remove auth_key_env",
+                )
+            )
+        return problems
 
     def _backend_problems(self) -> ProblemList:
         """The chosen backend's settings, validated by its model (kept in ``settings``); settings of

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
+from kvtier.core.sealing import Sealer, SealingKeys
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.link import Connector, StoreLink
@@ -33,10 +34,24 @@ def record_format(
     config: RemoteTierConfig, layout: BlockLayout, namespace: str | bytes, rank: int | None = None
 ) -> RecordFormat:
     """The records of a stack with this ``namespace`` and ``layout`` (of one tensor-parallel ``rank``
-    under vLLM); raises ConfigError when ``auth_key_env`` names a missing or short secret."""
+    under vLLM); raises ConfigError when ``auth_key_env`` or ``encryption_key_env`` names a missing or
+    short secret."""
     return RecordFormat(
-        config.prefix, namespace_digest(namespace, layout, rank), layout.block_bytes, mac_key(config.auth_key_env), rank
+        config.prefix,
+        namespace_digest(namespace, layout, rank),
+        layout.block_bytes,
+        mac_key(config.auth_key_env),
+        rank,
+        sealer(config),
     )
+
+
+def sealer(config: RemoteTierConfig) -> Sealer | None:
+    """The sealer of the tier's records (``encryption: aes-gcm``), or None."""
+    if config.encryption == "none":
+        return None
+    assert config.encryption_key_env is not None  # (checked by the config)
+    return SealingKeys.from_env(config.encryption_key_env, config.encryption_previous_key_env).sealer()
 
 
 def remote_tier(

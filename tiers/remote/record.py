@@ -11,7 +11,11 @@ nothing in a record is trusted until its header says it is the block asked for:
   under a colliding name);
 - the checksum of the data (xxh3-64) must match the bytes that arrived;
 - with ``auth_key_env`` set, a keyed BLAKE2b MAC over the header fields and the data must match:
-  whoever can write to the store but lacks the secret cannot forge a record that is served.
+  whoever can write to the store but lacks the secret cannot forge a record that is served;
+- with ``encryption: aes-gcm`` the block is sealed (``kvtier.core.sealing``): the record holds its
+  ciphertext, the MAC field its seal (key id, nonce, tag) and the header's fields are what the seal
+  binds, so a record that opens is this key's block of this namespace, written by someone holding the
+  secret; whoever reads the store reads no KV. GCM's tag authenticates: no checksum, no MAC besides.
 
 A record failing any check is a miss for that block, never bytes in the engine. Records are written
 whole (``StoreClient.put`` replaces a record atomically), so a reader never sees half of one.
@@ -23,16 +27,19 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 
 from kvtier.core.keys import MAX_KEY_BYTES, key_secret
 from kvtier.core.layout import BlockLayout
+from kvtier.core.sealing import SEAL_BYTES, Sealer
 
 MAGIC = b"KVTREC01"
 VERSION = 1
 CODEC_RAW = 0
+CODEC_SEALED = 1
+"""The stored bytes are the block sealed with AES-256-GCM; the MAC field holds the seal."""
 MAC_BYTES = 32
 # magic, version, namespace digest, key length, key (kept whole), raw block bytes, stored bytes, codec id,
 # checksum of the stored bytes, MAC over these fields and the stored bytes; then the checksum of all of it.
@@ -73,10 +80,10 @@ class RecordHeader:
     namespace: bytes
     key: bytes
     length: int  # the block's raw bytes
-    stored: int  # bytes after the header (the raw bytes: no codec yet)
-    codec: int
-    checksum: int  # xxh3-64 of the stored bytes
-    mac: bytes = NO_MAC
+    stored: int  # bytes after the header (as many as the block's)
+    codec: int  # CODEC_RAW, or CODEC_SEALED
+    checksum: int  # xxh3-64 of the stored bytes (0 where sealed: the tag checks them)
+    mac: bytes = NO_MAC  # the MAC, or the seal, or zeros
 
     def fields(self) -> bytes:
         """The header's fields without the MAC and the header checksum: what the MAC covers."""
@@ -112,40 +119,59 @@ class RecordFormat:
     ``name(key)``: ``{prefix}/{namespace digest, 16 hex digits}/{key hex}``, plus ``/r{rank}`` under
     tensor parallelism (each rank's shard is its own record). ``header(key, data)`` for a record about
     to be written; ``problem(header, key, data)`` for one that arrived: None when it is the block asked
-    for, otherwise why not.
+    for, otherwise why not. With a ``sealer`` (``encryption: aes-gcm``) every record is sealed: its
+    writer gives ``header`` the memory the ciphertext goes to, and ``problem`` opens a record into
+    the memory it is given (its own, by default) as it checks it.
     """
 
     def __init__(
-        self, prefix: str, namespace: bytes, block_bytes: int, mac_key: bytes | None = None, rank: int | None = None
+        self,
+        prefix: str,
+        namespace: bytes,
+        block_bytes: int,
+        mac_key: bytes | None = None,
+        rank: int | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
+        if mac_key is not None and sealer is not None:
+            raise ValueError("a sealed record is authenticated by its seal: no MAC key besides")
         self.prefix = prefix
         self.namespace = namespace
         self.block_bytes = block_bytes
         self.rank = rank
+        self.sealer = sealer
         self._mac_key = mac_key
         self._stem = f"{prefix}/{namespace.hex()[:16]}/"
         self._suffix = "" if rank is None else f"/r{rank}"
 
-    @property
-    def authenticated(self) -> bool:
-        return self._mac_key is not None
-
     def name(self, key: bytes) -> str:
         return f"{self._stem}{key.hex()}{self._suffix}"
 
-    def header(self, key: bytes, data: Sequence[memoryview]) -> bytes:
-        """The header of ``key``'s record whose bytes are ``data`` (the pieces of one block, in order)."""
+    def header(self, key: bytes, data: Sequence[memoryview], sealed_into: memoryview | None = None) -> bytes:
+        """The header of ``key``'s record whose bytes are ``data`` (the pieces of one block, in order);
+        where this format seals, the block is sealed into ``sealed_into`` (the record's stored bytes)."""
+        if self.sealer is not None:
+            if sealed_into is None:
+                raise ValueError("a sealed record needs memory for its ciphertext")
+            fields = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_SEALED, 0)
+            seal = self.sealer.seal(data, _cut(sealed_into, data), fields.fields())
+            return replace(fields, mac=seal).pack()
         header = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_RAW, _checksum(data))
         if self._mac_key is None:
             return header.pack()
-        mac = self._mac(header.fields(), data)
-        return RecordHeader(
-            header.namespace, key, header.length, header.stored, header.codec, header.checksum, mac
-        ).pack()
+        return replace(header, mac=self._mac(header.fields(), data)).pack()
 
-    def problem(self, raw: bytes | memoryview, key: bytes, data: Sequence[memoryview]) -> str | None:
+    def problem(
+        self,
+        raw: bytes | memoryview,
+        key: bytes,
+        data: Sequence[memoryview],
+        opened_into: Sequence[memoryview] | None = None,
+    ) -> str | None:
         """Why the record that arrived (``raw`` header, ``data`` pieces) is not ``key``'s block of this
-        format, or None when it is. Checks the header before it hashes any data."""
+        format, or None when it is. Checks the header before it hashes any data. A sealed record is
+        opened into ``opened_into`` (pieces as long as ``data``'s; ``data`` itself by default): its
+        block is there when this says None, and nothing of it otherwise."""
         header = RecordHeader.unpack(raw)
         if header is None:
             return "the header is damaged or not a kvtier record's"
@@ -153,11 +179,18 @@ class RecordFormat:
             return "the record belongs to another namespace, geometry or rank"
         if header.key != key:
             return "the record holds another key"
-        if (header.length, header.stored, header.codec) != (self.block_bytes, self.block_bytes, CODEC_RAW):
+        codec = CODEC_RAW if self.sealer is None else CODEC_SEALED
+        if (header.length, header.stored, header.codec) != (self.block_bytes, self.block_bytes, codec):
             return (
                 f"the record holds {header.stored} bytes of a {header.length}-byte block (codec "
-                f"{header.codec}); this stack stores {self.block_bytes}-byte blocks raw"
+                f"{header.codec}); this stack stores {self.block_bytes}-byte blocks "
+                f"{'raw' if self.sealer is None else 'sealed'}"
             )
+        if self.sealer is not None:
+            seal = header.mac[:SEAL_BYTES]
+            if not self.sealer.open(data, data if opened_into is None else opened_into, seal, header.fields()):
+                return "the record does not open (sealed under another secret or identity, or changed since)"
+            return None
         if _checksum(data) != header.checksum:
             return "the data fails its checksum"
         if self._mac_key is not None:
@@ -174,6 +207,15 @@ class RecordFormat:
         for piece in data:
             h.update(piece)
         return h.digest()
+
+
+def _cut(memory: memoryview, like: Sequence[memoryview]) -> list[memoryview]:
+    """``memory`` cut into pieces as long as those of ``like``, in order."""
+    pieces, at = [], 0
+    for piece in like:
+        pieces.append(memory[at : at + len(piece)])
+        at += len(piece)
+    return pieces
 
 
 def _checksum(data: Sequence[memoryview]) -> int:

@@ -203,3 +203,40 @@ def test_a_missing_mooncake_package_fails_the_start_not_every_later_lookup(monke
         r"pip install 'kvtier\[remote\]'",
     ):
         KVTier.open(stack(HOST, MOONCAKE))
+
+
+def test_a_sealed_tier_loads_with_its_secrets_variables():
+    tier = load_config(
+        stack(HOST, remote(encryption="aes-gcm", encryption_key_env="KVTIER_SEAL", encryption_previous_key_env="OLD"))
+    ).tiers[1]
+    assert isinstance(tier, RemoteTierConfig)
+    assert (tier.encryption, tier.encryption_key_env, tier.encryption_previous_key_env) == (
+        "aes-gcm",
+        "KVTIER_SEAL",
+        "OLD",
+    )
+    assert load_config(stack(HOST, REDIS)).tiers[1].encryption == "none"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"encryption": "aes-gcm"},
+            "tiers[1].encryption_key_env: encryption: aes-gcm needs encryption_key_env, its secret's variable",
+        ),
+        (
+            {"encryption": "aes-gcm", "encryption_key_env": "KVTIER_SEAL", "auth_key_env": "KVTIER_MAC"},
+            "tiers[1].auth_key_env: a sealed record is authenticated by its seal (encryption: aes-gcm): remove "
+            "auth_key_env",
+        ),
+        (
+            {"encryption_key_env": "KVTIER_SEAL"},
+            "tiers[1].encryption_key_env: encryption_key_env is set but encryption is none; set encryption: aes-gcm",
+        ),
+        ({"encryption": "aes-256"}, "tiers[1].encryption: "),
+    ],
+    ids=["no secret", "and a MAC", "secret without encryption", "unknown cipher"],
+)
+def test_a_sealing_mistake_is_one_error_naming_the_fix(changes, message):
+    assert message in error_of(stack(HOST, remote(**changes)))
