@@ -338,13 +338,17 @@ class TierStack:
         return self._closed
 
     def wait_idle(self, timeout: float | None = 60.0) -> None:
-        """Wait until background work (write-through hops, watermark demotions) and every job are done."""
+        """Wait until background work (write-through hops, watermark demotions) and every job are done,
+        and every tier's owner took in what they told it (``Tier.settle``): blocks stored before are then
+        visible to every engine sharing a tier."""
         if on_kvtier_thread():
             raise StateError(
                 "wait_idle() cannot run in a kvtier completion callback: the callback's own job "
                 "is not over until it returns"
             )
         self._resources.wait_idle(timeout)
+        for tier in self.tiers:
+            tier.settle()
 
     def describe(self) -> str:
         lines = [

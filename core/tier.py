@@ -621,6 +621,11 @@ class Tier:
         with self._lock:
             return {"pinned": len(self._pins), "writing": self._flags.count(_WRITING) + len(self._quarantined)}
 
+    def settle(self) -> None:
+        """Return once what this process told the tier's owner has been taken in (``TierStack.wait_idle``):
+        nothing to wait for in a tier this process owns; a tier another process owns (a node daemon,
+        which reads posted commits in its own time) overrides it."""
+
     def check_invariants(self) -> None:
         """Raise AssertionError when the index, the allocator and the policy disagree (for tests and debugging)."""
         with self._lock:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from kvtier.core.errors import TransferError
+from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
@@ -182,6 +182,18 @@ class NodeTier(KeyedTier):
 
     def disconnect(self) -> None:
         self._node_storage.client.close()
+
+    def settle(self) -> None:
+        """One round trip on the connection: the daemon reads a connection's messages in order, so once
+        it answers, every commit posted before is published (another engine's lookup finds those
+        blocks). Nothing to wait for while the daemon does not answer (its calls fail at once)."""
+        client = self._node_storage.client
+        if client.live_epoch() is None:
+            return
+        try:
+            client.call(Op.STATS)
+        except StoreError:
+            pass
 
     def _answer(self, key: bytes, now: float) -> bool | None:
         """A recent "present" counts while the block's slot still holds it (a local read of its header):

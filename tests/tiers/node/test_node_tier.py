@@ -10,12 +10,14 @@ peers allowed and hostile messages in test_node_security.py.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from helpers.config_helpers import error_of
 from helpers.node_blocks import TOKENS, prompt
-from helpers.node_daemon import node_daemon
+from helpers.node_daemon import node_daemon, node_daemon_here
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
 from kvtier.core.misses import MissReason
@@ -102,6 +104,34 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         assert [entry[:2] for entry in held] == [
             entry[:2] for entry in other_node.client.call(Op.PIN, names, BLOCK)[0][0]
         ]
+
+
+def test_once_a_writer_waited_idle_its_blocks_are_every_engines(monkeypatch, rng):
+    """A store returns once its COMMIT is posted, and the daemon reads it on that connection's thread in
+    its own time (slowed here): ``wait_idle`` returns only once it has, so an engine asked next finds
+    the blocks (what ``kvtier replay --engines --node`` relies on)."""
+    import kvtier.node_daemon as node_daemon_module
+
+    handle = node_daemon_module.NodeDaemon.handle
+
+    def slow_commits(self, session, op, args):
+        if op is Op.COMMIT:
+            time.sleep(0.3)  # (before the daemon's lock: other connections are served meanwhile)
+        return handle(self, session, op, args)
+
+    monkeypatch.setattr(node_daemon_module.NodeDaemon, "handle", slow_commits)
+    tokens = prompt(2, start=4000)
+    blocks = rng.integers(0, 256, (2, BLOCK), dtype=np.uint8)
+    with node_daemon_here("1MiB", "64KiB", []) as daemon:
+        engine = {
+            "block_tokens": TOKENS,
+            "block_bytes": BLOCK,
+            "tiers": [{"medium": "node", "socket": daemon.settings.socket}],
+        }
+        with KVTier.open(engine) as writer, KVTier.open(engine) as reader:
+            assert writer.store(tokens, blocks).result(10).stored == 2
+            writer.wait_idle(10)
+            assert reader.lookup(tokens) == 2
 
 
 def damage(view: SlabView, slot: int, at: int = 100) -> None:
