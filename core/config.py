@@ -32,6 +32,7 @@ from pydantic_core import CoreSchema, core_schema
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
 from kvtier.core.media import media, watch_media
+from kvtier.core.sealing import Sealer, SealingKeys
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.slots import slot_problem, slot_stride
 from kvtier.core.strict_yaml import read_yaml
@@ -175,7 +176,34 @@ class HostTierConfig(SizedTierConfig):
         return block_bytes + header_room
 
 
-class DiskTierConfig(SizedTierConfig):
+class SealingSettings(ConfigModel):
+    """Blocks sealed at rest (``kvtier.core.sealing``): ``encryption: aes-gcm`` seals every block the tier
+    writes under a key derived from the secret in ``encryption_key_env``; during a rotation, blocks
+    sealed under the secret in ``encryption_previous_key_env`` still open (new ones never use it)."""
+
+    encryption: Literal["none", "aes-gcm"] = "none"
+    encryption_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY"))
+    encryption_previous_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY_OLD"))
+
+    def sealing_problems(self) -> ProblemList:
+        """A secret named without ``encryption``, or ``encryption`` without its secret."""
+        if self.encryption == "none":
+            named = [key for key in ("encryption_key_env", "encryption_previous_key_env") if getattr(self, key)]
+            return [((key,), f"{key} is set but encryption is none; set encryption: aes-gcm") for key in named]
+        if self.encryption_key_env is None:
+            return [(("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")]
+        return []
+
+    def sealer(self) -> Sealer | None:
+        """The sealer of the tier's blocks, or None where it does not seal; ConfigError for a secret that
+        is unset or short, or a missing ``cryptography`` package."""
+        if self.encryption == "none":
+            return None
+        assert self.encryption_key_env is not None  # (sealing_problems)
+        return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env).sealer()
+
+
+class DiskTierConfig(SizedTierConfig, SealingSettings):
     """A local directory holding a preallocated slab file that survives restarts.
 
     ``compression`` trades CPU for capacity: each block gets ``slot_bytes`` of room on disk instead of
@@ -206,6 +234,13 @@ class DiskTierConfig(SizedTierConfig):
     def footprint(self, block_bytes: int, header_room: int = 0) -> int:
         """A slot: a 4 KiB header and ``slot_bytes`` of room, which compression makes smaller than the block."""
         return slot_stride(block_bytes, self.compression, self.slot_bytes)
+
+    @model_validator(mode="after")
+    def _sealing(self) -> DiskTierConfig:
+        problems = self.sealing_problems()
+        if problems:
+            raise Problems(problems)
+        return self
 
     def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
         if stack.block_bytes is None:

@@ -33,7 +33,7 @@ from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.protocol import VERSION, Op
 from kvtier.tiers.remote.config import RemoteTierConfig
-from kvtier.tiers.remote.factory import connector, sealer
+from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import mac_key
 
@@ -144,7 +144,7 @@ def _remote(config: StackConfig, i: int) -> list[Check]:
     assert isinstance(tier, RemoteTierConfig)
     label = _tier_label(config, i)
     problems = []
-    for read_secret in (lambda: mac_key(tier.auth_key_env), lambda: sealer(tier)):
+    for read_secret in (lambda: mac_key(tier.auth_key_env), tier.sealer):
         try:
             read_secret()
         except ConfigError as exc:

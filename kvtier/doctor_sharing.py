@@ -34,7 +34,7 @@ from kvtier.core.namespaces import (
 )
 from kvtier.core.strict_yaml import read_yaml
 from kvtier.tiers.remote.config import remote_config
-from kvtier.tiers.remote.factory import connector, sealer
+from kvtier.tiers.remote.factory import connector
 from kvtier.tiers.remote.record import mac_key
 
 _VLLM_DTYPES = {
@@ -128,7 +128,7 @@ def _store_fields(config: StackConfig) -> dict[str, Any]:
     except ConfigError:
         mac_fingerprint = "unreadable"
     try:
-        sealing = sealer(remote)
+        sealing = remote.sealer()
         sealing_fingerprint = None if sealing is None else sealing.key_id.hex()
     except ConfigError:
         sealing_fingerprint = "unreadable"

@@ -12,7 +12,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from kvtier.core.config import ConfigModel, EnvName, ProblemList, StackConfig, TierConfigBase, env_name_hint
+from kvtier.core.config import (
+    ConfigModel,
+    EnvName,
+    ProblemList,
+    SealingSettings,
+    StackConfig,
+    TierConfigBase,
+    env_name_hint,
+)
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import shown
 from kvtier.core.media import HOST
@@ -77,7 +85,7 @@ move to and from the store as one piece (a separate header piece cost Mooncake's
 64 x 2 MiB batch); a page, so slots stay page-aligned."""
 
 
-class RemoteTierConfig(TierConfigBase):
+class RemoteTierConfig(TierConfigBase, SealingSettings):
     """A store shared with other engines (Mooncake Store, Redis/Valkey): always the last tier.
 
     It has no capacity, eviction policy or watermark: the store manages its own memory and evicts by
@@ -101,11 +109,6 @@ class RemoteTierConfig(TierConfigBase):
     )
     # a MAC secret: records without a valid MAC are misses
     auth_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_REMOTE_MAC_KEY"))
-    # records sealed with AES-256-GCM under a key derived from this secret (kvtier.core.sealing)
-    encryption: Literal["none", "aes-gcm"] = "none"
-    encryption_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY"))
-    # during a rotation, the secret before: its records still open, new ones are sealed under the current one
-    encryption_previous_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY_OLD"))
     placement: Literal["write_through", "write_back"] = "write_through"
     _settings: ConfigModel | None = PrivateAttr(None)
 
@@ -142,17 +145,9 @@ class RemoteTierConfig(TierConfigBase):
         return self
 
     def _sealing_problems(self) -> ProblemList:
-        """``encryption: aes-gcm`` takes its secret from ``encryption_key_env``, and needs no MAC: a sealed
-        record's tag authenticates it."""
-        if self.encryption == "none":
-            named = [key for key in ("encryption_key_env", "encryption_previous_key_env") if getattr(self, key)]
-            return [((key,), f"{key} is set but encryption is none; set encryption: aes-gcm") for key in named]
-        problems: ProblemList = []
-        if self.encryption_key_env is None:
-            problems.append(
-                (("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")
-            )
-        if self.auth_key_env is not None:
+        """``SealingSettings``' own, and a MAC beside a seal: a sealed record's tag authenticates it."""
+        problems = self.sealing_problems()
+        if self.encryption != "none" and self.auth_key_env is not None:
             problems.append(
                 (
                     ("auth_key_env",),

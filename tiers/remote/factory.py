@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
-from kvtier.core.sealing import Sealer, SealingKeys
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.link import Connector, StoreLink
@@ -42,16 +41,8 @@ def record_format(
         layout.block_bytes,
         mac_key(config.auth_key_env),
         rank,
-        sealer(config),
+        config.sealer(),
     )
-
-
-def sealer(config: RemoteTierConfig) -> Sealer | None:
-    """The sealer of the tier's records (``encryption: aes-gcm``), or None."""
-    if config.encryption == "none":
-        return None
-    assert config.encryption_key_env is not None  # (checked by the config)
-    return SealingKeys.from_env(config.encryption_key_env, config.encryption_previous_key_env).sealer()
 
 
 def remote_tier(
