@@ -61,6 +61,8 @@ def diagnose(path: str, engine: VllmEngine | None = None) -> dict[str, Any]:
     for i, tier in enumerate(config.tiers):
         if isinstance(tier, DiskTierConfig):
             checks += [_directory(config, i, directory) for directory in _directories(tier, engine)]
+            if tier.encryption != "none":
+                checks.append(_sealing_secrets(config, i))
         elif isinstance(tier, RemoteTierConfig):
             checks += _remote(config, i)
         elif isinstance(tier, NodeTierConfig):
@@ -93,6 +95,18 @@ def _key_secret(config: StackConfig) -> Check:
     if secret is None:
         return Check("key secret", True, "none named: keys are unkeyed (key_secret_env)")
     return Check("key secret", True, f"{config.key_secret_env} is set ({len(secret)} bytes)")
+
+
+def _sealing_secrets(config: StackConfig, i: int) -> Check:
+    """A sealing disk tier's secrets: set and long enough, the ``cryptography`` package there."""
+    tier = config.tiers[i]
+    assert isinstance(tier, DiskTierConfig)
+    name = f"{_tier_label(config, i)} secrets"
+    try:
+        tier.sealer()
+    except ConfigError as exc:
+        return Check(name, False, str(exc))
+    return Check(name, True, f"{tier.encryption_key_env} is set: blocks are sealed (aes-gcm)")
 
 
 def _directories(tier: DiskTierConfig, engine: VllmEngine | None) -> list[Path]:

@@ -5,6 +5,12 @@ bytes. Each slot is a 4 KiB slot header followed by room for the block's bytes, 
 4 KiB-aligned for O_DIRECT. The slot header names the block (key, namespace digest, raw and stored
 lengths, codec, checksum of the raw bytes) and carries its own checksum.
 
+Sealing (``encryption: aes-gcm``, ``kvtier.core.sealing``): each slot's bytes are the block (or its
+compressed payload) sealed with AES-256-GCM, its seal in the slot's header page after the header, the
+header's fields bound to it; whoever reads the disk, an image or a backup of it reads no KV, and a slot
+that does not open (another secret, moved to another slot's key, changed) is a miss. A sealed slab's
+codec id carries ``SEALED``: a slab is never read sealed by a plain tier, nor plain by a sealing one.
+
 Compression (``compression: lz4 | zstd``) buys capacity, not speed (the codecs run slower than a
 local SSD): each slot gets only ``slot_bytes`` of room, so the same file holds more slots, and a block
 whose compressed payload does not fit that room is not stored (counted in ``incompressible``) and is
@@ -52,6 +58,7 @@ from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import FILE_DEVICE, Capabilities, Medium, RankRequest, TierRequest
 from kvtier.core.namespaces import KnownNamespace
+from kvtier.core.sealing import Sealer
 from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
@@ -83,6 +90,11 @@ _FILE_HEADER = struct.Struct("<8sIQQQB")
 _SLOT_HEADER = struct.Struct(f"<8s16sH{MAX_KEY_BYTES}sQQQQB")
 _CHECKSUM = struct.Struct("<Q")
 VERSION = 3  # 3: keys up to 64 bytes (2 held 32)
+SEALED = 0x80
+"""In a codec id (file and slot headers): the slot's bytes are sealed (``encryption: aes-gcm``)."""
+SEAL_AT = 512
+"""Where a sealed slot's seal lies in its header page (after the header and its checksum; the seal binds
+the header's fields, so it needs no checksum of its own)."""
 FOREIGN_KEPT = 65536
 """Keys of other namespaces' blocks a disk tier's scan remembers at most (``DiskSlab.foreign``)."""
 
@@ -175,8 +187,10 @@ def _geometry_change(old: tuple | None, block_bytes: int, slot_stride: int, code
         return f"the file has format version {version}, this kvtier writes version {VERSION}"
     if old_block != block_bytes:
         return f"the block size changed from {old_block} to {block_bytes} bytes"
+    if old_codec & SEALED != codec_id & SEALED:
+        return f"encryption changed from {_sealing_name(old_codec)} to {_sealing_name(codec_id)}"
     if old_codec != codec_id:
-        return f"compression changed from {CODEC_NAMES.get(old_codec, old_codec)} to {CODEC_NAMES[codec_id]}"
+        return f"compression changed from {_compression_name(old_codec)} to {_compression_name(codec_id)}"
     if old_stride != slot_stride:
         return f"the slot size changed from {old_stride - PAGE} to {slot_stride - PAGE} bytes (slot_bytes)"
     return None
@@ -203,12 +217,30 @@ def checked_slot_room(path: str | os.PathLike, block_bytes: int, compression: st
     return slot_room(block_bytes, compression, slot_bytes)
 
 
+def _compression_name(codec_id: int) -> str:
+    return CODEC_NAMES.get(codec_id & ~SEALED, f"unknown ({codec_id})")
+
+
+def _sealing_name(codec_id: int) -> str:
+    return "aes-gcm" if codec_id & SEALED else "none"
+
+
+def slab_codec_id(compression: str, sealed: bool) -> int:
+    """The codec id of a slab's file and slot headers: its compression, and whether it seals."""
+    return CODEC_IDS[compression] | (SEALED if sealed else 0)
+
+
+def header_fields(page: bytes | memoryview) -> bytes:
+    """The fields of a slot header page that a seal binds (the header without its checksum)."""
+    return bytes(page[: _SLOT_HEADER.size])
+
+
 def header_fits(header: SlotHeader, block_bytes: int, codec_id: int, room: int) -> bool:
     """Whether a header describes a block a slab of this geometry holds: its size, its codec, a payload
     that fits the slot's ``room`` (exactly the block when uncompressed)."""
     if header.length != block_bytes or header.codec != codec_id:
         return False
-    if codec_id == CODEC_IDS["none"]:
+    if codec_id & ~SEALED == CODEC_IDS["none"]:
         return header.payload == block_bytes
     return 0 < header.payload <= room
 
@@ -227,6 +259,7 @@ def read_block_headers(
     compression: str = "none",
     slot_bytes: int | None = None,
     shared_directory: bool = False,
+    sealed: bool = False,
 ) -> dict[int, SlotHeader]:
     """The valid headers of this namespace's blocks in the slab in directory ``path``, by slot: what a
     ``DiskSlab`` opened there with the same arguments would recover, found without taking the lock and
@@ -240,7 +273,7 @@ def read_block_headers(
     reported as it is, older copies of a key included.
     """
     room = checked_slot_room(path, layout.block_bytes, compression, slot_bytes)
-    codec_id = CODEC_IDS[compression]
+    codec_id = slab_codec_id(compression, sealed)
     slab_path = Path(path) / SLAB_NAME
     try:
         fd = open_slab_for_reading(Path(path), shared=shared_directory)
@@ -306,7 +339,8 @@ def inspect_slab(path: str | os.PathLike, shared_directory: bool = False) -> dic
             "block_bytes": block_bytes,
             "slot_stride": slot_stride,
             "slot_bytes": slot_stride - PAGE,
-            "compression": CODEC_NAMES.get(codec_id, f"unknown ({codec_id})"),
+            "compression": _compression_name(codec_id),
+            "encryption": _sealing_name(codec_id),
             "slots": num_slots,
             "blocks": blocks,
             "block_bytes_used": blocks * block_bytes,
@@ -390,6 +424,7 @@ class DiskSlab:
             tier_cfg.slot_bytes,
             shared_directory=tier_cfg.shared_directory,
             reinitialise=tier_cfg.reinitialise,
+            sealer=tier_cfg.sealer(),
         )
 
     def __init__(
@@ -404,11 +439,13 @@ class DiskSlab:
         *,
         shared_directory: bool = False,
         reinitialise: bool = False,
+        sealer: Sealer | None = None,
     ) -> None:
         if o_direct not in ("auto", "on", "off"):  # before anything: a slab must not half-open on a typo
             raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
         self.codec = codec(compression)  # first: a missing package must not leave a file behind
-        self.codec_id = CODEC_IDS[compression]
+        self.sealer = sealer  # seals every slot's bytes (``encryption: aes-gcm``), or None
+        self.codec_id = slab_codec_id(compression, sealer is not None)
         self.dir = Path(path)
         self.path = self.dir / SLAB_NAME
         self.num_slots = num_slots
@@ -797,6 +834,7 @@ def disk_tier(
     try:
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
         packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
+        packing += ", sealed (aes-gcm)" if slab.sealer is not None else ""
         tier = DiskTier(name, FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}")
         slab.restoring = ChunkedRestore(tier, str(slab.path))
         recovered = slab.recover(slab.restoring.start)

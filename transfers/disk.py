@@ -14,11 +14,13 @@ with plain buffered I/O where the filesystem refuses O_DIRECT. Errors (ENOSPC, E
 fail exactly the blocks they hit; so does a key longer than a slot header holds (``MAX_KEY_BYTES``),
 before anything of its block is written.
 
-A compressing slab (``slab.codec``) moves each block on its own through an aligned bounce buffer:
-a store gathers, compresses and writes the payload padded to 4 KiB (a payload larger than the slot
-fails the block, counts it ``incompressible`` and tells the tier it is refused for good, so the
-tier above drops it rather than offering it again); a load reads the whole slot, checks the header,
-decompresses and verifies the checksum of the raw bytes before anything reaches the caller's memory.
+A compressing or sealing slab (``slab.codec``, ``slab.sealer``) moves each block on its own through an
+aligned bounce buffer: a store compresses (a payload larger than the slot fails the block, counts it
+``incompressible`` and tells the tier it is refused for good, so the tier above drops it rather than
+offering it again) and/or seals the block into it (the seal into the header page, ``SEAL_AT``) and
+writes it padded to 4 KiB; a load reads the whole slot, checks the header, opens and/or decompresses
+it and verifies it (the seal's tag, or the checksum of the raw bytes) before anything reaches the
+caller's memory.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
+from kvtier.core.sealing import SEAL_BYTES
 from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
-from kvtier.tiers.compression import Codec, CorruptPayload
-from kvtier.tiers.disk import DiskSlab, FileStorage, SlotHeader, pack_slot_header
+from kvtier.tiers.compression import CorruptPayload
+from kvtier.tiers.disk import SEAL_AT, DiskSlab, FileStorage, SlotHeader, header_fields, pack_slot_header
 
 
 @dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build
@@ -169,10 +172,10 @@ class DiskBackend(TransferBackend):
     def _store(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
         failed = self._refuse_long_keys(slab, blocks)
         todo = [b for b in blocks if b.index not in failed]
-        if slab.codec is None:
+        if not _packs(slab):
             futures = [self._io.submit(self._store_run, slab, run) for run in _runs(slab, todo, self._threads)]
         else:
-            futures = [self._io.submit(self._store_packed, slab, b, slab.codec) for b in todo]
+            futures = [self._io.submit(self._store_packed, slab, b) for b in todo]
         return failed.union(*(f.result() for f in futures))
 
     def _store_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
@@ -196,23 +199,36 @@ class DiskBackend(TransferBackend):
         self._clear_headers(slab, [b for b in run if b.index in failed])
         return failed
 
-    def _store_packed(self, slab: DiskSlab, b: _BlockIO, codec: Codec) -> set[int]:
-        """Compress one block and write it, zero-padded to whole pages, through this thread's aligned
-        buffer. A payload larger than the slot fails the block and is refused for good."""
-        raw = b.gather()
-        checksum = xxhash.xxh3_64_intdigest(raw.data)
-        payload = codec.compress(raw)
-        if len(payload) > slab.room:  # can never fit its slot: not stored, now or later
+    def _store_packed(self, slab: DiskSlab, b: _BlockIO) -> set[int]:
+        """Compress and/or seal one block and write it, zero-padded to whole pages, through this thread's
+        aligned buffer. A payload larger than the slot fails the block and is refused for good. A sealed
+        slot's checksum is 0: the seal's tag checks its bytes."""
+        if slab.codec is None:
+            pieces, checksum = b.views(), 0  # (sealed: a plain slab does not come here)
+        else:
+            raw = b.gather()
+            checksum = 0 if slab.sealer is not None else xxhash.xxh3_64_intdigest(raw.data)
+            pieces = [memoryview(slab.codec.compress(raw))]
+        size = sum(len(piece) for piece in pieces)
+        if size > slab.room:  # can never fit its slot: not stored, now or later
             slab.count(incompressible=1)
             slab.refuse([b.key])
             return {b.index}
-        padded = round_up_to_page(len(payload))
-        bounce = self._scratch("packed", slab.room)
-        bounce[: len(payload)] = payload
-        bounce[len(payload) : padded] = bytes(padded - len(payload))
+        padded = round_up_to_page(size)
+        bounce = memoryview(self._scratch("packed", slab.room))
+        page = self._header_pages(slab, [b], [checksum], [size])[0]
+        if slab.sealer is None:
+            bounce[:size] = pieces[0]
+        else:
+            targets, at = [], 0
+            for piece in pieces:
+                targets.append(bounce[at : at + len(piece)])
+                at += len(piece)
+            seal = slab.sealer.seal(pieces, targets, header_fields(page))
+            page[SEAL_AT : SEAL_AT + len(seal)] = seal
+        bounce[size:padded] = bytes(padded - size)
         try:
-            page = self._header_pages(slab, [b], [checksum], [len(payload)])[0]
-            self._write_slots(slab, b.file_offset - PAGE, [(page, [memoryview(bounce)[:padded]])])
+            self._write_slots(slab, b.file_offset - PAGE, [(page, [bounce[:padded]])])
             return set()
         except OSError:
             self._clear_headers(slab, [b])
@@ -308,14 +324,14 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed, read
 
-        def read_packed(b: _BlockIO, codec: Codec) -> set[int]:
+        def read_packed(b: _BlockIO) -> set[int]:
             try:
-                return set() if self._read_packed(slab, codec, b) else {b.index}
+                return set() if self._read_packed(slab, b) else {b.index}
             except OSError:
                 return {b.index}
 
         failed: set[int] = set()
-        if slab.codec is None:
+        if not _packs(slab):
             # Verified here as reads come back, while the I/O threads go on reading: a thread that
             # hashed after each read would leave the device idle meanwhile.
             for future in as_completed([self._io.submit(read_run, run) for run in _runs(slab, blocks, self._threads)]):
@@ -323,7 +339,7 @@ class DiskBackend(TransferBackend):
                 failed |= unread
                 failed |= {b.index for b, page in read if not self._verify(slab, b, page, b.views())}
         else:
-            failed = set().union(*(f.result() for f in [self._io.submit(read_packed, b, slab.codec) for b in blocks]))
+            failed = set().union(*(f.result() for f in [self._io.submit(read_packed, b) for b in blocks]))
         self._clear_headers(slab, [b for b in blocks if b.index in failed])
         return failed
 
@@ -359,21 +375,31 @@ class DiskBackend(TransferBackend):
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + b.nbytes} bytes")
         return page
 
-    def _read_packed(self, slab: DiskSlab, codec: Codec, b: _BlockIO) -> bool:
-        """Read a whole slot, check its header, decompress and verify the raw bytes; only then copy
-        them into the block's memory. False when the block fails any check."""
+    def _read_packed(self, slab: DiskSlab, b: _BlockIO) -> bool:
+        """Read a whole slot, check its header, open (sealed) and decompress (compressed) it and verify
+        the raw bytes (the seal's tag, else the checksum); only then copy them into the block's memory.
+        False when the block fails any check."""
         bounce = self._scratch("slot", slab.slot_stride)
         got = self._preadv(_data_fd(slab), [bounce], b.file_offset - PAGE)
-        header = SlotHeader.unpack(bytes(bounce[:PAGE])) if got >= PAGE else None
+        page = bytes(bounce[:PAGE])
+        header = SlotHeader.unpack(page) if got >= PAGE else None
         if header is None or not self._header_matches(slab, b, header):
             return False
         if got < PAGE + header.payload:
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + header.payload} bytes")
-        try:
-            raw = codec.decompress(memoryview(bounce)[PAGE : PAGE + header.payload], b.nbytes)
-        except CorruptPayload:
-            return False
-        if xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
+        payload = memoryview(bounce)[PAGE : PAGE + header.payload]
+        if slab.sealer is not None:
+            seal = page[SEAL_AT : SEAL_AT + SEAL_BYTES]
+            if not slab.sealer.open([payload], [payload], seal, header_fields(page)):
+                return False
+        if slab.codec is None:
+            raw = np.frombuffer(payload, np.uint8)
+        else:
+            try:
+                raw = slab.codec.decompress(payload, b.nbytes)
+            except CorruptPayload:
+                return False
+        if slab.sealer is None and xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
             return False
         b.scatter(raw)
         return True
@@ -413,6 +439,11 @@ class DiskBackend(TransferBackend):
 
     def _preadv(self, fd: int, buffers, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
+
+
+def _packs(slab: DiskSlab) -> bool:
+    """Whether the slab's blocks move one by one through a bounce buffer (compressed or sealed there)."""
+    return slab.codec is not None or slab.sealer is not None
 
 
 def _data_fd(slab: DiskSlab) -> int:

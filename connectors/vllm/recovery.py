@@ -187,6 +187,7 @@ class RankSlabs:
                 self.config.compression,
                 self.config.slot_bytes,
                 self.config.shared_directory,
+                self.config.encryption != "none",
             )
             for rank in range(self.ranks)
         ]

@@ -42,14 +42,14 @@ PREFIXES = (1, 2, 3)
 TP = 2
 
 
-def disk_config(path) -> dict:
-    return {
-        "placement": "write_through",
-        "tiers": [
-            {"medium": "host", "capacity_blocks": 4},
-            {"medium": "disk", "capacity_blocks": 16, "path": str(path)},
-        ],
-    }
+SEAL_ENV = "KVTIER_TEST_VLLM_DISK_SEAL"
+
+
+def disk_config(path, sealed: bool = False) -> dict:
+    disk = {"medium": "disk", "capacity_blocks": 16, "path": str(path)}
+    if sealed:
+        disk.update(encryption="aes-gcm", encryption_key_env=SEAL_ENV)
+    return {"placement": "write_through", "tiers": [{"medium": "host", "capacity_blocks": 4}, disk]}
 
 
 class Calls:
@@ -161,11 +161,16 @@ def test_the_index_restores_the_order_blocks_leave_in(make_engine, tmp_path, hea
     assert_loads_back(after, prompt(4, 7, seed=4, prefix=2), computed=7, blocks=4)
 
 
-def test_a_crash_reads_every_ranks_headers(model_dir, make_engine, tmp_path, header_reads, scans, caplog):
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_a_crash_reads_every_ranks_headers(
+    model_dir, make_engine, tmp_path, header_reads, scans, caplog, monkeypatch, sealed
+):
     """Workers killed (each in a process of its own) and a scheduler side that never shut down leave
-    no index and no worker snapshot: the next engine reads the headers, as before, and keeps every block."""
+    no index and no worker snapshot: the next engine reads the headers, as before, and keeps every block
+    (sealed slabs too: the scheduler side reads their headers as the workers write them)."""
+    monkeypatch.setenv(SEAL_ENV, "a sealing secret for these engines")
     path = tmp_path / "disk"
-    config = disk_config(path)
+    config = disk_config(path, sealed)
     crashed = Engine(model_dir, config, tp=TP, processes=True)
     for p in PREFIXES:
         crashed.run([crashed.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
