@@ -62,6 +62,12 @@ Compression (information for choosing the disk tier's ``compression`` setting)
     caches (outlier channels, RoPE'd keys) may compress differently from Gaussian noise. Codecs
     that are not installed are skipped with a note.
 
+Sealed slots (``encryption: aes-gcm``)
+    A second slab of the same geometry that seals its slots, in the same directory: its stores into
+    reused slots and its loads, each right after the plain slab's (the order turning every repetition),
+    every load checked bit-exact. ``sealed_ratio``: sealed / plain, the lower of store and load (paired
+    medians), 2 MiB blocks; ``sealed`` per block size.
+
 The last line printed is one JSON object; ``ratio`` is the smallest of the kvtier / reference
 ratios (paired medians) for 2 MiB blocks (fresh store, reused store, load), ``small_ratio`` the
 same for 64 KiB blocks.
@@ -90,6 +96,7 @@ import numpy as np
 import xxhash
 
 from kvtier.core.layout import BlockLayout
+from kvtier.core.sealing import Sealer, SealingKeys
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
@@ -102,6 +109,7 @@ MiB = 1 << 20
 PAGE = 4096
 REF_CHUNK = 8 * MiB
 NAMESPACE = "bench-disk"
+SEAL_SECRET = b"bench disk sealing secret, 32 b!"
 
 
 class TransferFailed(RuntimeError):
@@ -199,8 +207,16 @@ def make_keys(block_bytes: int, generation: int, n: int) -> list[bytes]:
 class DiskSide:
     """The disk slab under test, fresh slabs made on demand, and the host slabs on either side."""
 
-    def __init__(self, root: str, layout: BlockLayout, n: int, o_direct: str, rng: np.random.Generator) -> None:
-        self.root, self.layout, self.n, self.o_direct_mode = root, layout, n, o_direct
+    def __init__(
+        self,
+        root: str,
+        layout: BlockLayout,
+        n: int,
+        o_direct: str,
+        rng: np.random.Generator,
+        sealer: Sealer | None = None,
+    ) -> None:
+        self.root, self.layout, self.n, self.o_direct_mode, self.sealer = root, layout, n, o_direct, sealer
         self.slots = list(range(n))
         self.src = HostSlab(n, layout)
         self.src.array[:] = np.frombuffer(rng.bytes(self.src.nbytes), dtype=np.uint8)  # every block differs
@@ -211,7 +227,7 @@ class DiskSide:
         self._fresh = itertools.count()
 
     def _open(self, path: str) -> tuple[DiskSlab, FileStorage]:
-        slab = DiskSlab(path, self.n, self.layout, NAMESPACE, self.o_direct_mode)
+        slab = DiskSlab(path, self.n, self.layout, NAMESPACE, self.o_direct_mode, sealer=self.sealer)
         return slab, FileStorage(slab, self.layout)
 
     def store(self, storage: FileStorage, keys: list[bytes]) -> Transfer:
@@ -405,6 +421,9 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
     root = os.path.join(parent, f"{size.block_bytes // KiB}k")  # one slab geometry per folder
     os.makedirs(root)
     side = DiskSide(root, layout, size.blocks, args.o_direct, rng)
+    sealed_root = os.path.join(root, "sealed")
+    os.makedirs(sealed_root)
+    sealed = DiskSide(sealed_root, layout, size.blocks, args.o_direct, rng, SealingKeys(SEAL_SECRET).sealer())
     ref = Reference(root, side.src.array, side.dst.array, want_direct=args.o_direct != "off")
     counting = CountingDiskBackend(args.io_threads)
     backend = DiskBackend(args.io_threads)
@@ -420,9 +439,15 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
         calls["store reused"] = counting.take()
         side.timed_load(counting, keys)
         calls["load"] = counting.take()
+        run_transfer(backend, sealed.store(sealed.storage, keys))
+        sealed.timed_load(backend, keys)  # (checked bit-exact)
 
         times: dict[str, list[float]] = {
-            name: [] for name in ("store fresh", "store reused", "load", "ref fresh", "ref overwrite", "ref read")
+            name: []
+            for name in (
+                *("store fresh", "store reused", "load", "ref fresh", "ref overwrite", "ref read"),
+                *("plain store", "plain load", "sealed store", "sealed load"),
+            )
         }
 
         def keep(name: str, seconds: float) -> None:
@@ -437,6 +462,10 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
             keep("ref overwrite", ref.overwrite())
             keep("load", side.timed_load(backend, keys))
             keep("ref read", ref.read())
+            pair = [("plain", side), ("sealed", sealed)]
+            for which, disk in pair if len(times["load"]) % 2 else pair[::-1]:  # (each goes first in turn)
+                keep(f"{which} store", run_transfer(backend, disk.store(disk.storage, keys)))
+                keep(f"{which} load", disk.timed_load(backend, keys))
 
         fio = run_fio(args.fio, root, size.block_bytes, size.nbytes, args.io_threads, args.repeat) if args.fio else None
         best = {name: min(seconds) for name, seconds in times.items()}
@@ -470,13 +499,21 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
                     "preadv": c["preadv"],
                 }
             )
-        info = {"o_direct": side.o_direct, "reference_o_direct": ref.o_direct, "fio": fio}
+        sealing = {}
+        for op in ("store", "load"):
+            paired = sorted(p / s for p, s in zip(times[f"plain {op}"], times[f"sealed {op}"], strict=True))
+            sealing[f"{op}_gbps"] = round(size.nbytes / min(times[f"sealed {op}"]) / GB, 3)
+            sealing[f"plain_{op}_gbps"] = round(size.nbytes / min(times[f"plain {op}"]) / GB, 3)
+            sealing[f"{op}_ratio"] = round(statistics.median(paired), 3)
+        sealing["ratio"] = min(sealing["store_ratio"], sealing["load_ratio"])
+        info = {"o_direct": side.o_direct, "reference_o_direct": ref.o_direct, "fio": fio, "sealed": sealing}
         return rows, info
     finally:
         counting.close()
         backend.close()
         ref.close()
         side.close()
+        sealed.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -772,6 +809,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"xxh3-64 checksum, one thread: {xxh3:.1f} GB/s (every block is hashed on store and on load)")
     print()
     print_table(rows, f"kvtier DiskBackend(io_threads={args.io_threads}) host <-> disk vs plain sequential I/O")
+    print()
+    print("sealed slots (encryption: aes-gcm) against plain ones, reused slots, GB/s (best) and ratio (paired median):")
+    for block_bytes, i in info.items():
+        z = i["sealed"]
+        print(
+            f"  {block_bytes // KiB:>5} KiB  store {z['store_gbps']:.2f} / {z['plain_store_gbps']:.2f} = "
+            f"{z['store_ratio']:.2f}   load {z['load_gbps']:.2f} / {z['plain_load_gbps']:.2f} = {z['load_ratio']:.2f}"
+        )
     print_compression(compression, compression_notes, args.compress_mib * MiB)
 
     by = {(r["block_bytes"], r["op"]): r for r in rows}
@@ -807,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                 "bench": "disk",
                 "ratio": round(min(large["store_ratio"], large["load_ratio"]), 3),
                 "small_ratio": round(min(small["store_ratio"], small["load_ratio"]), 3),
+                "sealed_ratio": info[2 * MiB]["sealed"]["ratio"],
+                "sealed": {str(b): i["sealed"] for b, i in info.items()},
                 **{k: v for k, v in large.items()},
                 "small": small,
                 "fs_type": fstype,

@@ -114,14 +114,16 @@ class Sealer:
     def open(self, sealed: Sequence[Buffer], out: Sequence[Buffer], seal: bytes, associated: bytes) -> bool:
         """Decrypt the pieces ``sealed`` into ``out`` (piece for piece, of equal lengths; a piece may be
         its own target) and check them against ``seal`` and ``associated``. False when they do not
-        open: another key or identity, a changed byte, a seal of no key held here; ``out`` then holds
-        nothing unauthenticated (zeroed where the decryption wrote)."""
+        open: another key or identity, a changed byte, a seal of no key held here; ``out`` is then
+        zeroed, so that nothing unauthenticated (nor the ciphertext, opened in place) stays where a
+        block was expected."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         pairs = _pairs(sealed, out)
         key = self._keys.get(bytes(seal[:KEY_ID_BYTES])) if len(seal) == SEAL_BYTES else None
         if key is None:
+            _zero(pairs)
             return False
         nonce, tag = seal[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES], seal[KEY_ID_BYTES + NONCE_BYTES :]
         decryptor = Cipher(algorithms.AES(key), modes.GCM(bytes(nonce), bytes(tag))).decryptor()
@@ -132,9 +134,13 @@ class Sealer:
             decryptor.finalize()
             return True
         except InvalidTag:
-            for _, target in pairs:
-                target[:] = bytes(len(target))
+            _zero(pairs)
             return False
+
+
+def _zero(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    for _, target in pairs:
+        target[:] = bytes(len(target))
 
 
 def _pairs(sources: Sequence[Buffer], targets: Sequence[Buffer]) -> list[tuple[memoryview, memoryview]]:
