@@ -14,8 +14,9 @@ deadline, never more:
   may be foreign garbage, and skipping it would pin a miss on its block. It reports the blocks the
   store did not take; they are counted drops;
 - a load (remote -> host) accepts a block only when its record arrived whole and its header, data
-  checksum and (with ``auth_key_env``) MAC, or its seal, say it is exactly that block, checked here before the job
-  reports; every other block fails, and the engine recomputes it (and stores it again: see above).
+  checksum and (with ``auth_key_env``) MAC, or its seal, say it is exactly that block, checked here
+  before the job reports; every other block fails, and the engine recomputes it (and stores it again:
+  see above).
   With ``fetches`` (Redis) a load ``fetch``es the records into the client's own bytes, checks each
   there as it arrives and copies in only a good one, until the call's completion closes the load's
   write gate (a call past its deadline writes nothing from then on, and fails): a bad record or a
@@ -387,8 +388,9 @@ class _Job:
     slot (a host tier above a remote one), the header lies there and a record is one piece, which
     moves faster than two (Mooncake: 4-9 ms less per 64 x 2 MiB); else headers are a buffer of the job.
     A store of sealed records sends each from a buffer taken from ``sealing`` instead, header and
-    ciphertext in one piece (the host memory keeps the block as it is), given back once its call settled. (A load of
-    sealed records opens each where it arrived: in host memory, or in a fetched record's copy.)"""
+    ciphertext in one piece (the host memory keeps the block as it is), given back once its call
+    settled. (A load of sealed records opens each where it arrived: in host memory, or in a fetched
+    record's copy.)"""
 
     def __init__(
         self,
