@@ -15,8 +15,9 @@ another namespace; a record damaged, truncated, lengthened, foreign, or (with au
 with another secret is a miss, and the block is recomputed and stored again; a missing MAC secret opens
 nothing; sealed records (``encryption: aes-gcm``) hold none of a block's bytes, round-trip, and do not
 open when moved to another key, changed, read plain or under another secret (a previous secret opens them
-during a rotation, and never seals); a dead store fails exactly the blocks it was to serve, within the timeout, and local hits go on;
-after a restart the store is empty, then fills again; the store's own eviction never yields wrong bytes.
+during a rotation, and never seals); a dead store fails exactly the blocks it was to serve, within the
+timeout, and local hits go on; after a restart the store is empty, then fills again; the store's own
+eviction never yields wrong bytes.
 """
 
 from __future__ import annotations

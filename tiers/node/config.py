@@ -8,17 +8,19 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.core.config import ProblemList, StackConfig, TierConfigBase
+from kvtier.core.config import ProblemList, SealingSettings, StackConfig, TierConfigBase
 from kvtier.core.config_messages import Problems
 from kvtier.core.media import HOST
 from kvtier.tiers.keyed import sized_by_owner
 
 
-class NodeTierConfig(TierConfigBase):
+class NodeTierConfig(TierConfigBase, SealingSettings):
     """The slab of the machine's node daemon (``kvtier node serve``), shared by every engine process on the
     machine: always the last tier. The daemon sizes the slab and evicts from it, so the tier has no
     capacity, eviction policy or watermark; blocks reach it from the engine's memory (or from the host
-    tier above it, as soon as they are there) and load straight into the caller's memory."""
+    tier above it, as soon as they are there) and load straight into the caller's memory. With
+    ``encryption: aes-gcm`` the engine seals every block it writes into the slab (every engine maps the
+    whole slab: only those holding the secret read these blocks)."""
 
     keyed: ClassVar[bool] = True
 
@@ -51,6 +53,7 @@ class NodeTierConfig(TierConfigBase):
         problems = sized_by_owner(
             self, "a node tier", "the node daemon sizes its slab and evicts by itself (size it in the daemon's YAML)"
         )
+        problems += self.sealing_problems()
         if problems:
             raise Problems(problems)
         return self

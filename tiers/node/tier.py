@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.misses import MissReason
+from kvtier.core.sealing import SEAL_BYTES, Sealer
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
@@ -72,7 +73,8 @@ class NodeStorage(BlockStorage):
     """The daemon's slab for blocks of one ``layout`` under one ``namespace`` digest (whose blocks they
     are), reached through ``client``: no addresses or slots of its own (slots are the daemon's, handed
     out per copy). Closing it closes the connection. ``on_skipped`` counts the blocks a store found in
-    the daemon already (another engine stored them)."""
+    the daemon already (another engine stored them). With a ``sealer`` a slot holds the block sealed,
+    then its seal (``stored_bytes``)."""
 
     by_key = True
 
@@ -82,10 +84,13 @@ class NodeStorage(BlockStorage):
         client: NodeClient,
         namespace: bytes,
         on_skipped: Callable[[int], None] | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         super().__init__(layout, 0, NODE_DEVICE, on_close=client.close)
         self.client = client
         self.namespace = namespace
+        self.sealer = sealer  # seals the blocks it writes into the slab (``encryption: aes-gcm``), or None
+        self.stored_bytes = layout.block_bytes + (0 if sealer is None else SEAL_BYTES)  # a block's bytes in a slot
         self.on_skipped = on_skipped
         self.failures = RecentFailures(FAILURES_KEPT)
         self._locations: OrderedDict[bytes, Location] = OrderedDict()  # node key -> where it was last seen

@@ -19,6 +19,11 @@ daemon hears what happened (at most one round trip per copy).
   daemon hears of the blocks read unpinned as uses for its policy (TOUCH), and the pins are released
   (RELEASE), all without waiting.
 
+A sealing tier (``NodeStorage.sealer``) seals a block into its slot instead of copying it there, the
+seal after the block's bytes, the block's node key bound; the header's checksum is then 0, and a load
+opens the block out of the slot into the caller's memory: the seal's tag, not the checksum, says it is
+the block (one that does not open is zeroed there and fails, like one that fails its checksum).
+
 A copy runs on the backend's threads, or on the caller's own where it waits for it at once
 (``caller_runs``: ``TierStack.load_now``/``store_now``), with no thread woken.
 """
@@ -38,6 +43,7 @@ from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.media import HOST_DEVICE
 from kvtier.core.misses import MissReason
+from kvtier.core.sealing import SEAL_BYTES, Sealer
 from kvtier.core.storage import Piece, block_pieces
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.node.protocol import HELD, Op, is_slot_gen
@@ -112,9 +118,8 @@ class NodeBackend(TransferBackend):
 def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> set[int]:
     """Reserve, copy and hash in, commit; the blocks that did not land."""
     names = node.node_keys(keys)
-    length = node.layout.block_bytes
     try:
-        (given,), epoch, view = node.client.call(Op.RESERVE, names, [length] * len(names))
+        (given,), epoch, view = node.client.call(Op.RESERVE, names, [node.stored_bytes] * len(names))
     except StoreError:
         return set(range(len(keys)))
     if not isinstance(given, list) or len(given) != len(names):  # (a daemon that answers another question)
@@ -127,7 +132,7 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     written: list[int] = []
     try:
         for i in reserved:
-            if _write(view, given[i][0], given[i][1], names[i], pieces[i]):
+            if _write(view, given[i][0], given[i][1], names[i], pieces[i], node.sealer):
                 written.append(i)
     except BaseException:
         written = []
@@ -145,13 +150,21 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     return set(range(len(keys))) - set(landed)
 
 
-def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
+def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece], sealer: Sealer | None) -> bool:
     """Copy a block into ``slot`` reserved for it at ``gen``, hashing it on the way, and put the checksum
-    in the slot header; False (nothing written) where the slot is not the one the daemon said."""
+    in the slot header (or seal it there, the seal after it); False (nothing written) where the slot is
+    not the one the daemon said."""
     if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, WRITING):
         return False
-    h = checksum(gen, name)
     address = view.address(slot)
+    if sealer is not None:
+        block = sum(size for _, size in pieces)
+        seal = sealer.seal(_views(pieces), _views(_laid_out(address, pieces)), name)
+        memory_view(address + block, SEAL_BYTES)[:] = seal
+        view.checksum[slot] = 0
+        view.writer[slot] = os.getpid()
+        return True
+    h = checksum(gen, name)
     for source, size in _chunks(pieces):
         h.update(memory_view(source, size))  # (hashed first: then the copy reads it from cache)
         ctypes.memmove(address, source, size)
@@ -168,7 +181,7 @@ def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> se
     unread: list[int] = []
     for i, name in enumerate(names):
         where = node.location(keys[i])
-        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i]):
+        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i], node.sealer):
             read.append(name)
             node.failures.note(keys[i], None)
         else:
@@ -186,7 +199,7 @@ def _pin_and_read(
     """Pin blocks ``which`` (one round trip), read and check them, release; the ones that failed."""
     asked = [names[i] for i in which]
     try:
-        (pinned,), epoch, view = node.client.call(Op.PIN, asked, node.layout.block_bytes)
+        (pinned,), epoch, view = node.client.call(Op.PIN, asked, node.stored_bytes)
         if not isinstance(pinned, list) or len(pinned) != len(asked):
             raise StoreError(f"the node daemon answered a pin of {len(asked)} blocks with {pinned!r:.80}")
     except StoreError:
@@ -204,7 +217,7 @@ def _pin_and_read(
                 failed.add(i)
                 continue
             held.append(names[i])
-            if _read(view, answer[0], answer[1], names[i], pieces[i]):
+            if _read(view, answer[0], answer[1], names[i], pieces[i], node.sealer):
                 node.failures.note(keys[i], None)
             else:
                 node.failures.note(keys[i], MissReason.DAMAGED)
@@ -219,11 +232,18 @@ def _pin_and_read(
     return failed
 
 
-def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]) -> bool:
-    """Copy the block in ``slot`` (at ``gen``) out into ``pieces``; whether what arrived is it."""
-    length = sum(size for _, size in pieces)
+def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece], sealer: Sealer | None) -> bool:
+    """Copy the block in ``slot`` (at ``gen``) out into ``pieces`` (or open it there, where it is sealed);
+    whether what arrived is it."""
+    block = sum(size for _, size in pieces)
+    length = block + (0 if sealer is None else SEAL_BYTES)
     if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, READY, length):
         return False
+    if sealer is not None:
+        address = view.address(slot)
+        seal = bytes(memory_view(address + block, SEAL_BYTES))
+        opened = sealer.open(_views(_laid_out(address, pieces)), _views(pieces), seal, name)
+        return opened and int(view.gen[slot]) == gen
     expected = int(view.checksum[slot])
     h = checksum(gen, name)
     address = view.address(slot)
@@ -238,6 +258,19 @@ CHUNK_BYTES = 256 << 10
 """The most bytes hashed and copied in one go: a piece stays in cache between its hash and its copy
 (a 2 MiB block hashed whole, then copied, is read from memory twice: stores of 2 MiB blocks cost 0.6
 of a host tier's that way, bench/node.py)."""
+
+
+def _laid_out(address: int, pieces: list[Piece]) -> list[Piece]:
+    """Where ``pieces`` lie in a slot starting at ``address``: back to back, in order."""
+    out, at = [], address
+    for _, size in pieces:
+        out.append((at, size))
+        at += size
+    return out
+
+
+def _views(pieces: list[Piece]) -> list[memoryview]:
+    return [memory_view(address, size) for address, size in pieces]
 
 
 def _chunks(pieces: list[Piece]) -> list[Piece]:
