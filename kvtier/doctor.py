@@ -26,6 +26,7 @@ from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks, 
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.keys import key_secret
 from kvtier.core.media import HOST
+from kvtier.core.sealing import SEAL_BYTES
 from kvtier.doctor_sharing import VllmEngine, sharing
 from kvtier.tiers.disk import rank_directory
 from kvtier.tiers.disk_files import SLAB_NAME, DiskTierError, lock_holder, open_slab_for_reading
@@ -61,12 +62,12 @@ def diagnose(path: str, engine: VllmEngine | None = None) -> dict[str, Any]:
     for i, tier in enumerate(config.tiers):
         if isinstance(tier, DiskTierConfig):
             checks += [_directory(config, i, directory) for directory in _directories(tier, engine)]
-            if tier.encryption != "none":
-                checks.append(_sealing_secrets(config, i))
         elif isinstance(tier, RemoteTierConfig):
             checks += _remote(config, i)
         elif isinstance(tier, NodeTierConfig):
             checks.append(_node(config, i))
+        if isinstance(tier, DiskTierConfig | NodeTierConfig) and tier.encryption != "none":
+            checks.append(_sealing_secrets(config, i))
     checks.append(_host_memory(config, ranks))
     checks += [_disk_space(config, i, engine) for i, t in enumerate(config.tiers) if isinstance(t, DiskTierConfig)]
     return _report(path, checks, sharing(config, engine))
@@ -98,9 +99,9 @@ def _key_secret(config: StackConfig) -> Check:
 
 
 def _sealing_secrets(config: StackConfig, i: int) -> Check:
-    """A sealing disk tier's secrets: set and long enough, the ``cryptography`` package there."""
+    """A sealing disk or node tier's secrets: set and long enough, the ``cryptography`` package there."""
     tier = config.tiers[i]
-    assert isinstance(tier, DiskTierConfig)
+    assert isinstance(tier, DiskTierConfig | NodeTierConfig)
     name = f"{_tier_label(config, i)} secrets"
     try:
         tier.sealer()
@@ -205,8 +206,10 @@ def _node(config: StackConfig, i: int) -> Check:
     assert client.geometry is not None
     slots, slot_bytes = client.geometry
     details = {"node": client.node_id, "slots": slots, "slot_bytes": slot_bytes, "used_slots": stats["used_slots"]}
-    if config.block_bytes is not None and config.block_bytes > slot_bytes:
-        return Check(name, False, f"blocks of {config.block_bytes} bytes do not fit its slots of {slot_bytes}", details)
+    block = config.block_bytes
+    if block is not None and block + (0 if tier.encryption == "none" else SEAL_BYTES) > slot_bytes:
+        sealed = "" if tier.encryption == "none" else f" ({block + SEAL_BYTES} sealed)"
+        return Check(name, False, f"blocks of {block} bytes{sealed} do not fit its slots of {slot_bytes}", details)
     message = (
         f"{tier.socket} answers (node {client.node_id}, protocol {VERSION}): {slots} slots of {slot_bytes} bytes, "
         f"{stats['used_slots']} in use, {stats['connected'] - 1} other connection(s)"

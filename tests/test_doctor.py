@@ -485,9 +485,13 @@ def test_a_node_tier_whose_daemon_answers_passes_with_its_numbers(tmp_path, caps
         assert daemon.stats()["connected"] == 1  # (the doctor's connection is gone: only this one)
 
 
-def test_a_node_tier_without_a_daemon_or_with_slots_too_small_fails(tmp_path, capsys):
+def test_a_node_tier_without_a_daemon_or_with_slots_too_small_fails(tmp_path, capsys, secrets_set):
     message = only_failure(*doctor(capsys, write(tmp_path, node_stack(str(tmp_path / "none.sock")))), "daemon")
     assert "no node daemon socket" in message
     with node_daemon(tmp_path / "node", capacity="1MiB", block_bytes="64KiB") as daemon:
         message = only_failure(*doctor(capsys, write(tmp_path, node_stack(daemon, 2 * BLOCK))), "daemon")
         assert "do not fit its slots of 65536" in message
+        sealed = node_stack(daemon)
+        sealed["tiers"][0].update(encryption="aes-gcm", encryption_key_env=SECRET_ENV)
+        message = only_failure(*doctor(capsys, write(tmp_path, sealed)), "daemon")  # (its secrets pass)
+        assert f"blocks of {BLOCK} bytes ({BLOCK + 32} sealed) do not fit its slots of 65536" in message
