@@ -21,8 +21,10 @@ daemon hears what happened (at most one round trip per copy).
 
 A sealing tier (``NodeStorage.sealer``) seals a block into its slot instead of copying it there, the
 seal after the block's bytes, the block's node key bound; the header's checksum is then 0, and a load
-opens the block out of the slot into the caller's memory: the seal's tag, not the checksum, says it is
-the block (one that does not open is zeroed there and fails, like one that fails its checksum).
+copies the sealed block out into the caller's memory and opens it there: the seal's tag, not the
+checksum, says it is the block (one that does not open is zeroed there and fails, like one that fails
+its checksum). Not opened in the slab itself: any engine may write there while the cipher reads, and
+the tag would then vouch for bytes other than those decrypted.
 
 A copy runs on the backend's threads, or on the caller's own where it waits for it at once
 (``caller_runs``: ``TierStack.load_now``/``store_now``), with no thread woken.
@@ -239,11 +241,12 @@ def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece],
     length = block + (0 if sealer is None else SEAL_BYTES)
     if not 0 <= slot < view.geometry.slots or not _header_is(view, slot, gen, name, READY, length):
         return False
-    if sealer is not None:
+    if sealer is not None:  # (copied out first, then opened in the caller's memory: see the module doc)
         address = view.address(slot)
         seal = bytes(memory_view(address + block, SEAL_BYTES))
-        opened = sealer.open(_views(_laid_out(address, pieces)), _views(pieces), seal, name)
-        return opened and int(view.gen[slot]) == gen
+        for (target, size), (source, _) in zip(pieces, _laid_out(address, pieces), strict=True):
+            ctypes.memmove(target, source, size)
+        return sealer.open(_views(pieces), _views(pieces), seal, name) and int(view.gen[slot]) == gen
     expected = int(view.checksum[slot])
     h = checksum(gen, name)
     address = view.address(slot)
