@@ -203,7 +203,7 @@ class SealingSettings(ConfigModel):
         return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env).sealer()
 
 
-class DiskTierConfig(SizedTierConfig, SealingSettings):
+class DiskTierConfig(SealingSettings, SizedTierConfig):
     """A local directory holding a preallocated slab file that survives restarts.
 
     ``compression`` trades CPU for capacity: each block gets ``slot_bytes`` of room on disk instead of

@@ -14,7 +14,7 @@ from kvtier.core.media import HOST
 from kvtier.tiers.keyed import sized_by_owner
 
 
-class NodeTierConfig(TierConfigBase, SealingSettings):
+class NodeTierConfig(SealingSettings, TierConfigBase):
     """The slab of the machine's node daemon (``kvtier node serve``), shared by every engine process on the
     machine: always the last tier. The daemon sizes the slab and evicts from it, so the tier has no
     capacity, eviction policy or watermark; blocks reach it from the engine's memory (or from the host

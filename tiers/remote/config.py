@@ -85,7 +85,7 @@ move to and from the store as one piece (a separate header piece cost Mooncake's
 64 x 2 MiB batch); a page, so slots stay page-aligned."""
 
 
-class RemoteTierConfig(TierConfigBase, SealingSettings):
+class RemoteTierConfig(SealingSettings, TierConfigBase):
     """A store shared with other engines (Mooncake Store, Redis/Valkey): always the last tier.
 
     It has no capacity, eviction policy or watermark: the store manages its own memory and evicts by
