@@ -111,6 +111,19 @@ class Sealer:
         encryptor.finalize()
         return self._sealing.id + nonce + encryptor.tag
 
+    def seal_into(self, plain: Sequence[Buffer], out: Buffer, associated: bytes) -> bytes:
+        """``seal`` into one piece of memory ``out``, as long as the pieces ``plain`` together (a record's
+        or a slot's stored bytes)."""
+        target = memoryview(out).cast("B")
+        pieces, at = [], 0
+        for piece in plain:
+            size = memoryview(piece).nbytes
+            pieces.append(target[at : at + size])
+            at += size
+        if at != len(target):
+            raise ValueError(f"sealing {at} bytes into {len(target)}: the target must be exactly as long")
+        return self.seal(plain, pieces, associated)
+
     def open(self, sealed: Sequence[Buffer], out: Sequence[Buffer], seal: bytes, associated: bytes) -> bool:
         """Decrypt the pieces ``sealed`` into ``out`` (piece for piece, of equal lengths; a piece may be
         its own target) and check them against ``seal`` and ``associated``. False when they do not

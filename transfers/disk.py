@@ -247,11 +247,7 @@ class DiskBackend(TransferBackend):
         """Seal a block's ``pieces`` into ``target`` (as long as they are together), binding its header
         ``page``'s fields, and put the seal into that page."""
         assert slab.sealer is not None
-        targets, at = [], 0
-        for piece in pieces:
-            targets.append(target[at : at + len(piece)])
-            at += len(piece)
-        seal = slab.sealer.seal(pieces, targets, header_fields(page))
+        seal = slab.sealer.seal_into(pieces, target, header_fields(page))
         page[SEAL_AT : SEAL_AT + len(seal)] = seal
 
     def _header_pages(

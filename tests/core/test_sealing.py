@@ -108,12 +108,17 @@ def test_pieces_seal_and_open_as_one_block_wherever_they_are_cut(cuts, in_place)
     resealed = np.empty_like(data)
     seal2 = keys.sealer().seal(pieces, [resealed[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], IDENTITY)
     assert opens(keys, resealed, seal2)[0]
+    into = np.empty_like(data)
+    seal3 = keys.sealer().seal_into(pieces, into, IDENTITY)  # the pieces into one contiguous target
+    assert opens(keys, into, seal3)[0]
 
 
 def test_pieces_of_unequal_lengths_are_refused(rng):
     data = block(rng, 4096)
     with pytest.raises(ValueError, match="as long as its source"):
         SealingKeys(SECRET).sealer().seal([data], [np.empty(4095, np.uint8)], IDENTITY)
+    with pytest.raises(ValueError, match="sealing 4096 bytes into 4097"):
+        SealingKeys(SECRET).sealer().seal_into([data[:1000], data[1000:]], np.empty(4097, np.uint8), IDENTITY)
 
 
 @pytest.mark.parametrize(("value", "message"), [(None, "unset or empty"), ("short", "fewer than the 16")])

@@ -161,7 +161,7 @@ def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]
     address = view.address(slot)
     if sealer is not None:
         block = sum(size for _, size in pieces)
-        seal = sealer.seal(_views(pieces), _views(_laid_out(address, pieces)), name)
+        seal = sealer.seal_into(_views(pieces), memory_view(address, block), name)
         memory_view(address + block, SEAL_BYTES)[:] = seal
         view.checksum[slot] = 0
         view.writer[slot] = os.getpid()

@@ -154,7 +154,7 @@ class RecordFormat:
             if sealed_into is None:
                 raise ValueError("a sealed record needs memory for its ciphertext")
             fields = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_SEALED, 0)
-            seal = self.sealer.seal(data, _cut(sealed_into, data), fields.fields())
+            seal = self.sealer.seal_into(data, sealed_into, fields.fields())
             return replace(fields, mac=seal).pack()
         header = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_RAW, _checksum(data))
         if self._mac_key is None:
@@ -207,15 +207,6 @@ class RecordFormat:
         for piece in data:
             h.update(piece)
         return h.digest()
-
-
-def _cut(memory: memoryview, like: Sequence[memoryview]) -> list[memoryview]:
-    """``memory`` cut into pieces as long as those of ``like``, in order."""
-    pieces, at = [], 0
-    for piece in like:
-        pieces.append(memory[at : at + len(piece)])
-        at += len(piece)
-    return pieces
 
 
 def _checksum(data: Sequence[memoryview]) -> int:
