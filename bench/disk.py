@@ -96,7 +96,7 @@ import numpy as np
 import xxhash
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.sealing import Sealer, SealingKeys
+from kvtier.core.sealing import SealingKeys
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
@@ -214,9 +214,9 @@ class DiskSide:
         n: int,
         o_direct: str,
         rng: np.random.Generator,
-        sealer: Sealer | None = None,
+        sealing: SealingKeys | None = None,
     ) -> None:
-        self.root, self.layout, self.n, self.o_direct_mode, self.sealer = root, layout, n, o_direct, sealer
+        self.root, self.layout, self.n, self.o_direct_mode, self.sealing = root, layout, n, o_direct, sealing
         self.slots = list(range(n))
         self.src = HostSlab(n, layout)
         self.src.array[:] = np.frombuffer(rng.bytes(self.src.nbytes), dtype=np.uint8)  # every block differs
@@ -227,7 +227,7 @@ class DiskSide:
         self._fresh = itertools.count()
 
     def _open(self, path: str) -> tuple[DiskSlab, FileStorage]:
-        slab = DiskSlab(path, self.n, self.layout, NAMESPACE, self.o_direct_mode, sealer=self.sealer)
+        slab = DiskSlab(path, self.n, self.layout, NAMESPACE, self.o_direct_mode, sealing=self.sealing)
         return slab, FileStorage(slab, self.layout)
 
     def store(self, storage: FileStorage, keys: list[bytes]) -> Transfer:
@@ -423,7 +423,7 @@ def bench_size(size: Size, parent: str, args: argparse.Namespace, rng: np.random
     side = DiskSide(root, layout, size.blocks, args.o_direct, rng)
     sealed_root = os.path.join(root, "sealed")
     os.makedirs(sealed_root)
-    sealed = DiskSide(sealed_root, layout, size.blocks, args.o_direct, rng, SealingKeys(SEAL_SECRET).sealer())
+    sealed = DiskSide(sealed_root, layout, size.blocks, args.o_direct, rng, SealingKeys(SEAL_SECRET))
     ref = Reference(root, side.src.array, side.dst.array, want_direct=args.o_direct != "off")
     counting = CountingDiskBackend(args.io_threads)
     backend = DiskBackend(args.io_threads)

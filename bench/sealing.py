@@ -54,7 +54,7 @@ def measure(block_bytes: int, blocks: int, rounds: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
     staging = np.empty_like(data)
-    sealer = SealingKeys(SECRET).sealer(b"bench")
+    sealer = SealingKeys(SECRET).sealer(b"8bytetag")
     identities = [i.to_bytes(32, "little") for i in range(blocks)]
     seals: list[bytes] = []
     nbytes = data.nbytes

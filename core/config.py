@@ -32,7 +32,7 @@ from pydantic_core import CoreSchema, core_schema
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
 from kvtier.core.media import media, watch_media
-from kvtier.core.sealing import Sealer, SealingKeys
+from kvtier.core.sealing import SealingKeys
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.slots import slot_problem, slot_stride
 from kvtier.core.strict_yaml import read_yaml
@@ -194,13 +194,14 @@ class SealingSettings(ConfigModel):
             return [(("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")]
         return []
 
-    def sealer(self) -> Sealer | None:
-        """The sealer of the tier's blocks, or None where it does not seal; ConfigError for a secret that
-        is unset or short, or a missing ``cryptography`` package."""
+    def sealing(self) -> SealingKeys | None:
+        """The keys the tier's blocks are sealed with (each tenant's sealer derived from them), or None
+        where it does not seal; ConfigError for a secret that is unset or short, or a missing
+        ``cryptography`` package."""
         if self.encryption == "none":
             return None
         assert self.encryption_key_env is not None  # (sealing_problems)
-        return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env).sealer()
+        return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env)
 
 
 class DiskTierConfig(SealingSettings, SizedTierConfig):

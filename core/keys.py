@@ -10,6 +10,13 @@ hashes, so one caller cannot forge another prompt's keys and be served its KV. K
 everyone who shares a store (disk slot headers, KV events); with a per-deployment secret every hash
 of the chain is keyed, so nobody without the secret can compute a prompt's keys, not even the next
 key from a known one.
+
+A tenant's keys (a tenant: whoever an engine says a request belongs to, vLLM's ``cache_salt``, the API's
+``tenant=``) begin with its 8-byte tag (``tenant_tag``): a keyed hash of the tenant's id, so a store
+names no tenant, yet every tier reads whose a block is from its key alone (``tenant_of``: the seal it is
+encrypted under, the share it counts against). With a secret, each tenant's chain is keyed with a key
+of its own (derived from the secret and the tag), so equal tokens give unrelated chains in two tenants;
+without one the tag alone keeps their keys apart.
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ _ROOT_PERSON = b"kvtier-root-v2"
 _LINK_PERSON = b"kvtier-link-v2"
 _SECRET_PERSON = b"kvtier-secret-v2"
 _FOLD_PERSON = b"kvtier-fold-v1"
+_TAG_PERSON = b"kvtier-tenant-v1"
+_TENANT_KEY_PERSON = b"kvtier-tchain-v1"
+TENANT_TAG_BYTES = 8
+TENANT_KEY_BYTES = TENANT_TAG_BYTES + KEY_BYTES
+"""A tenant's key: its tag, then the block's chained hash. A key of any other length is no tenant's."""
+MAX_TENANT_BYTES = 255
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -56,11 +69,32 @@ def hash_key(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=32, person=_SECRET_PERSON).digest()
 
 
-@functools.lru_cache(maxsize=16)
-def _hashers(secret: bytes | None) -> tuple[hashlib.blake2b, hashlib.blake2b]:
-    """Root and link hashers, keyed with the secret when there is one, copied for every hash: a
-    copy skips BLAKE2b's parameter setup, a good part of the cost of hashing one small block."""
+def tenant_tag(tenant: str | bytes, secret: bytes | None = None) -> bytes:
+    """The 8-byte tag that begins a tenant's keys: BLAKE2b-64 of the tenant's id (str: UTF-8), keyed
+    with the key secret when there is one (then nobody without it can tell which tenant a key is
+    whose, nor compute a tenant's tag). b"" (no tenant) for an empty id."""
+    raw = _namespace_bytes(tenant)
+    if len(raw) > MAX_TENANT_BYTES:
+        raise ValueError(f"a tenant id is at most {MAX_TENANT_BYTES} bytes, got {len(raw)}")
+    if not raw:
+        return b""
     key = hash_key(secret) if secret is not None else b""
+    return hashlib.blake2b(raw, digest_size=TENANT_TAG_BYTES, key=key, person=_TAG_PERSON).digest()
+
+
+def tenant_of(key: bytes) -> bytes:
+    """The tag of the tenant whose block ``key`` names (b"": none, every key not TENANT_KEY_BYTES long)."""
+    return key[:TENANT_TAG_BYTES] if len(key) == TENANT_KEY_BYTES else b""
+
+
+@functools.lru_cache(maxsize=256)
+def _hashers(secret: bytes | None, tag: bytes = b"") -> tuple[hashlib.blake2b, hashlib.blake2b]:
+    """Root and link hashers, keyed with the secret when there is one (a tenant's: with a key derived
+    from the secret and its tag), copied for every hash: a copy skips BLAKE2b's parameter setup, a
+    good part of the cost of hashing one small block."""
+    key = hash_key(secret) if secret is not None else b""
+    if key and tag:
+        key = hashlib.blake2b(tag, digest_size=32, key=key, person=_TENANT_KEY_PERSON).digest()
     return (
         hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_ROOT_PERSON),
         hashlib.blake2b(digest_size=KEY_BYTES, key=key, person=_LINK_PERSON),
@@ -102,6 +136,7 @@ def chain_hashes(
     namespace: bytes | str = b"",
     parent: bytes | None = None,
     secret: bytes | None = None,
+    tag: bytes = b"",
 ) -> list[bytes]:
     """One 16-byte key per full block of ``block_size`` tokens; a trailing partial block gets none.
 
@@ -118,16 +153,23 @@ def chain_hashes(
     namespace is then already folded in; the secret must be the same). An engine whose sequences
     grow block by block hashes only the new blocks:
     ``keys + chain_hashes(new_tokens, block_size, parent=keys[-1])`` equals the keys of the whole sequence.
+
+    ``tag`` (``tenant_tag``) makes them a tenant's keys: each begins with the tag, and with a secret
+    the chain is keyed with the tenant's own key. ``parent`` is then one of that tenant's keys.
     """
-    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
-        raise ValueError(f"parent must be a {KEY_BYTES}-byte key, got {parent!r:.40}")
+    if tag and len(tag) != TENANT_TAG_BYTES:
+        raise ValueError(f"tag must be a {TENANT_TAG_BYTES}-byte tenant tag (tenant_tag), got {len(tag)} bytes")
+    if parent is not None:
+        if not isinstance(parent, bytes) or len(parent) != len(tag) + KEY_BYTES or not parent.startswith(tag):
+            raise ValueError(f"parent must be a {len(tag) + KEY_BYTES}-byte key of the same tenant, got {parent!r:.40}")
+        parent = parent[len(tag) :]
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer (tokens per block), got {block_size!r}")
     if secret is not None and (not isinstance(secret, bytes) or not secret):
         raise ValueError("secret must be non-empty bytes (or None for unkeyed keys)")
     block_size = int(block_size)
     data, n_tokens = _token_bytes(token_ids)
-    root, link = _hashers(secret)
+    root, link = _hashers(secret, tag)
     if parent is None:
         ns = _namespace_bytes(namespace)
         h = root.copy()
@@ -140,7 +182,7 @@ def chain_hashes(
         h.update(parent)
         h.update(data[i * stride : (i + 1) * stride])
         parent = h.digest()
-        keys.append(parent)
+        keys.append(tag + parent)
     return keys
 
 
@@ -254,6 +296,8 @@ class Namespace:
 __all__ = [
     "KEY_BYTES",
     "MAX_KEY_BYTES",
+    "TENANT_KEY_BYTES",
+    "TENANT_TAG_BYTES",
     "KeyFolder",
     "Namespace",
     "chain_hashes",
@@ -261,4 +305,6 @@ __all__ = [
     "fold_keys",
     "hash_key",
     "key_secret",
+    "tenant_of",
+    "tenant_tag",
 ]

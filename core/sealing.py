@@ -4,8 +4,9 @@ block that opens.
 
 - The cipher is the ``cryptography`` package's (OpenSSL underneath): nothing here is cryptography of
   its own, only how keys are derived and what is bound to a block.
-- Each tenant has its own key, derived (HKDF-SHA256) from the deployment's secret and the tenant's id:
-  a tenant's blocks neither open nor can be forged under another's key.
+- Each tenant has its own key, derived (HKDF-SHA256) from the deployment's secret and the tenant's tag
+  (``core/keys.py``: the first bytes of its block keys, a keyed hash of its id): a tenant's blocks
+  neither open nor can be forged under another's key, and a tier finds the key from the block's key.
 - Every seal takes a fresh random 96-bit nonce, and the block's identity (the caller's associated data:
   its namespace digest and key) is authenticated with it: a sealed block copied to another key,
   namespace or tenant fails to open, as does one with a flipped byte. GCM's tag authenticates the
@@ -24,14 +25,16 @@ import os
 from collections.abc import Sequence
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import key_secret
+from kvtier.core.keys import TENANT_TAG_BYTES, key_secret, tenant_of
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_ID_BYTES = 4
 SEAL_BYTES = KEY_ID_BYTES + NONCE_BYTES + TAG_BYTES
 """A seal's bytes: the key's id, the nonce, the tag (32: a record header's MAC field holds one)."""
-MAX_TENANT_BYTES = 255
+MAX_SEALERS = 4096
+"""Tenants' sealers kept derived at once (one HKDF each, about 20 us): a store of many tenants derives
+some again, never holds keys for every tenant that ever came."""
 _KEY_INFO = b"kvtier-seal-key-v1"
 _ID_PERSON = b"kvtier-seal-id1"
 
@@ -39,7 +42,7 @@ Buffer = memoryview | bytes | bytearray
 
 
 class TenantKey:
-    """One tenant's AES-256 key under one secret, and its id."""
+    """One tenant's AES-256 key under one secret (``tenant``: its tag, b"" for blocks of no tenant), and its id."""
 
     def __init__(self, secret: bytes, tenant: bytes) -> None:
         from cryptography.hazmat.primitives import hashes
@@ -52,7 +55,7 @@ class TenantKey:
 
 class SealingKeys:
     """The deployment's secret (``current``: seals and opens) and, during a rotation, the one before it
-    (``previous``: opens only). ``sealer(tenant)`` gives a tenant's sealer."""
+    (``previous``: opens only). ``for_key(key)`` gives the sealer of the tenant whose block ``key`` names."""
 
     def __init__(self, current: bytes, previous: bytes | None = None) -> None:
         self.current = current
@@ -75,14 +78,25 @@ class SealingKeys:
             ) from None
         return cls(current, previous)
 
-    def sealer(self, tenant: bytes = b"") -> Sealer:
-        """The sealer of ``tenant`` (b"": blocks no tenant was named for), derived once."""
-        sealer = self._sealers.get(tenant)
+    @property
+    def key_id(self) -> bytes:
+        """The id of the key blocks of no tenant are sealed with: names the secret (doctor compares them)."""
+        return self.sealer().key_id
+
+    def for_key(self, key: bytes) -> Sealer:
+        """The sealer of the tenant whose block ``key`` names (``keys.tenant_of``)."""
+        return self.sealer(tenant_of(key))
+
+    def sealer(self, tag: bytes = b"") -> Sealer:
+        """The sealer of the tenant tagged ``tag`` (b"": blocks of no tenant), derived once while kept."""
+        sealer = self._sealers.get(tag)
         if sealer is None:
-            if len(tenant) > MAX_TENANT_BYTES:
-                raise ValueError(f"a tenant id is at most {MAX_TENANT_BYTES} bytes, got {len(tenant)}")
+            if len(tag) not in (0, TENANT_TAG_BYTES):
+                raise ValueError(f"a tenant tag is {TENANT_TAG_BYTES} bytes, got {len(tag)}")
+            if len(self._sealers) >= MAX_SEALERS:
+                self._sealers.clear()
             secrets = [self.current] if self.previous is None else [self.current, self.previous]
-            sealer = self._sealers.setdefault(tenant, Sealer([TenantKey(secret, tenant) for secret in secrets]))
+            sealer = self._sealers.setdefault(tag, Sealer([TenantKey(secret, tag) for secret in secrets]))
         return sealer
 
 

@@ -104,7 +104,7 @@ def _sealing_secrets(config: StackConfig, i: int) -> Check:
     assert isinstance(tier, DiskTierConfig | NodeTierConfig)
     name = f"{_tier_label(config, i)} secrets"
     try:
-        tier.sealer()
+        tier.sealing()
     except ConfigError as exc:
         return Check(name, False, str(exc))
     return Check(name, True, f"{tier.encryption_key_env} is set: blocks are sealed (aes-gcm)")
@@ -159,7 +159,7 @@ def _remote(config: StackConfig, i: int) -> list[Check]:
     assert isinstance(tier, RemoteTierConfig)
     label = _tier_label(config, i)
     problems = []
-    for read_secret in (lambda: mac_key(tier.auth_key_env), tier.sealer):
+    for read_secret in (lambda: mac_key(tier.auth_key_env), tier.sealing):
         try:
             read_secret()
         except ConfigError as exc:

@@ -128,7 +128,7 @@ def _store_fields(config: StackConfig) -> dict[str, Any]:
     except ConfigError:
         mac_fingerprint = "unreadable"
     try:
-        sealing = remote.sealer()
+        sealing = remote.sealing()
         sealing_fingerprint = None if sealing is None else sealing.key_id.hex()
     except ConfigError:
         sealing_fingerprint = "unreadable"

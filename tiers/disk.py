@@ -58,7 +58,7 @@ from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import FILE_DEVICE, Capabilities, Medium, RankRequest, TierRequest
 from kvtier.core.namespaces import KnownNamespace
-from kvtier.core.sealing import Sealer
+from kvtier.core.sealing import SealingKeys
 from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier
@@ -424,7 +424,7 @@ class DiskSlab:
             tier_cfg.slot_bytes,
             shared_directory=tier_cfg.shared_directory,
             reinitialise=tier_cfg.reinitialise,
-            sealer=tier_cfg.sealer(),
+            sealing=tier_cfg.sealing(),
         )
 
     def __init__(
@@ -439,13 +439,13 @@ class DiskSlab:
         *,
         shared_directory: bool = False,
         reinitialise: bool = False,
-        sealer: Sealer | None = None,
+        sealing: SealingKeys | None = None,
     ) -> None:
         if o_direct not in ("auto", "on", "off"):  # before anything: a slab must not half-open on a typo
             raise ConfigError(f"o_direct must be auto, on or off, got {o_direct!r}")
         self.codec = codec(compression)  # first: a missing package must not leave a file behind
-        self.sealer = sealer  # seals every slot's bytes (``encryption: aes-gcm``), or None
-        self.codec_id = slab_codec_id(compression, sealer is not None)
+        self.sealing = sealing  # seals every slot's bytes (``encryption: aes-gcm``), or None
+        self.codec_id = slab_codec_id(compression, sealing is not None)
         self.dir = Path(path)
         self.path = self.dir / SLAB_NAME
         self.num_slots = num_slots
@@ -834,7 +834,7 @@ def disk_tier(
     try:
         io = "O_DIRECT" if slab.o_direct else "buffered I/O"
         packing = "" if slab.codec is None else f", {config.compression} into {slab.room} B slots"
-        packing += ", sealed (aes-gcm)" if slab.sealer is not None else ""
+        packing += ", sealed (aes-gcm)" if slab.sealing is not None else ""
         tier = DiskTier(name, FileStorage(slab, layout), policy, watermark, is_fenced, f"{slab.path}, {io}{packing}")
         slab.restoring = ChunkedRestore(tier, str(slab.path))
         recovered = slab.recover(slab.restoring.start)

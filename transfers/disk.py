@@ -14,7 +14,7 @@ with plain buffered I/O where the filesystem refuses O_DIRECT. Errors (ENOSPC, E
 fail exactly the blocks they hit; so does a key longer than a slot header holds (``MAX_KEY_BYTES``),
 before anything of its block is written.
 
-A sealing slab (``slab.sealer``) seals each block of a run into this thread's staging memory and
+A sealing slab (``slab.sealing``) seals each block of a run into this thread's staging memory and
 writes the run from there, each seal in its header page (``SEAL_AT``); a load reads a run straight
 into the caller's memory, as a plain one does, and opens each block in place: the seal's tag, not a
 checksum, says it is the block (one that does not open is zeroed there and fails).
@@ -177,7 +177,7 @@ class DiskBackend(TransferBackend):
         failed = self._refuse_long_keys(slab, blocks)
         todo = [b for b in blocks if b.index not in failed]
         if slab.codec is None:
-            runs = _runs(slab, todo, self._threads, staged=slab.sealer is not None)
+            runs = _runs(slab, todo, self._threads, staged=slab.sealing is not None)
             futures = [self._io.submit(self._store_run, slab, run) for run in runs]
         else:
             futures = [self._io.submit(self._store_packed, slab, b) for b in todo]
@@ -188,7 +188,7 @@ class DiskBackend(TransferBackend):
         while the others write), then all of them written in one call; when that fails, block by
         block, to find the ones the fault hits (and zero their headers)."""
         views = [b.views() for b in run]
-        if slab.sealer is None:
+        if slab.sealing is None:
             pages = self._header_pages(slab, run, [_checksum(v) for v in views], [b.nbytes for b in run])
         else:  # (sealed into this thread's staging memory, written from there; the tag checks the bytes)
             pages = self._header_pages(slab, run, [0] * len(run), [b.nbytes for b in run])
@@ -196,7 +196,7 @@ class DiskBackend(TransferBackend):
             sealed, at = [], 0
             for b, v, page in zip(run, views, pages, strict=True):
                 sealed.append([staging[at : at + b.nbytes]])
-                self._seal(slab, page, v, sealed[-1][0])
+                self._seal(slab, b.key, page, v, sealed[-1][0])
                 at += round_up_to_page(b.nbytes)
             views = sealed
         if len(run) > 1:
@@ -228,12 +228,12 @@ class DiskBackend(TransferBackend):
             return {b.index}
         padded = round_up_to_page(size)
         bounce = memoryview(self._scratch("packed", slab.room))
-        checksum = 0 if slab.sealer is not None else xxhash.xxh3_64_intdigest(raw.data)
+        checksum = 0 if slab.sealing is not None else xxhash.xxh3_64_intdigest(raw.data)
         page = self._header_pages(slab, [b], [checksum], [size])[0]
-        if slab.sealer is None:
+        if slab.sealing is None:
             bounce[:size] = payload
         else:
-            self._seal(slab, page, [payload], bounce[:size])
+            self._seal(slab, b.key, page, [payload], bounce[:size])
         bounce[size:padded] = bytes(padded - size)
         try:
             self._write_slots(slab, b.file_offset - PAGE, [(page, [bounce[:padded]])])
@@ -243,11 +243,11 @@ class DiskBackend(TransferBackend):
             return {b.index}
 
     @staticmethod
-    def _seal(slab: DiskSlab, page: memoryview, pieces: list[memoryview], target: memoryview) -> None:
-        """Seal a block's ``pieces`` into ``target`` (as long as they are together), binding its header
-        ``page``'s fields, and put the seal into that page."""
-        assert slab.sealer is not None
-        seal = slab.sealer.seal_into(pieces, target, header_fields(page))
+    def _seal(slab: DiskSlab, key: bytes, page: memoryview, pieces: list[memoryview], target: memoryview) -> None:
+        """Seal block ``key``'s ``pieces`` into ``target`` (as long as they are together) under its tenant's
+        key, binding its header ``page``'s fields, and put the seal into that page."""
+        assert slab.sealing is not None
+        seal = slab.sealing.for_key(key).seal_into(pieces, target, header_fields(page))
         page[SEAL_AT : SEAL_AT + len(seal)] = seal
 
     def _header_pages(
@@ -404,9 +404,9 @@ class DiskBackend(TransferBackend):
         if got < PAGE + header.payload:
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + header.payload} bytes")
         payload = memoryview(bounce)[PAGE : PAGE + header.payload]
-        if slab.sealer is not None:
+        if slab.sealing is not None:
             seal = page[SEAL_AT : SEAL_AT + SEAL_BYTES]
-            if not slab.sealer.open([payload], [payload], seal, header_fields(page)):
+            if not slab.sealing.for_key(b.key).open([payload], [payload], seal, header_fields(page)):
                 return False
         if slab.codec is None:
             raw = np.frombuffer(payload, np.uint8)
@@ -415,7 +415,7 @@ class DiskBackend(TransferBackend):
                 raw = slab.codec.decompress(payload, b.nbytes)
             except CorruptPayload:
                 return False
-        if slab.sealer is None and xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
+        if slab.sealing is None and xxhash.xxh3_64_intdigest(raw.data) != header.checksum:
             return False
         b.scatter(raw)
         return True
@@ -436,8 +436,9 @@ class DiskBackend(TransferBackend):
         header = SlotHeader.unpack(page)
         if header is None or not cls._header_matches(slab, b, header):
             return False
-        if slab.sealer is not None:
-            return slab.sealer.open(views, views, page[SEAL_AT : SEAL_AT + SEAL_BYTES], header_fields(page))
+        if slab.sealing is not None:
+            seal = page[SEAL_AT : SEAL_AT + SEAL_BYTES]
+            return slab.sealing.for_key(b.key).open(views, views, seal, header_fields(page))
         return header.checksum == _checksum(views)
 
     # --- helpers -------------------------------------------------------------------------------

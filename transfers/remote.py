@@ -81,7 +81,7 @@ class RemoteBackend(TransferBackend):
         if not isinstance(remote, RemoteStorage):
             raise TransferError(f"a remote transfer needs the store's RemoteStorage, got {type(remote).__name__}")
         assert transfer.keys is not None  # Transfer requires keys for a side addressed by key
-        sealing = self._staging if storing and remote.records.sealer is not None else None
+        sealing = self._staging if storing and remote.records.sealing is not None else None
         job = _Job(
             remote, list(transfer.keys), block_pieces(memory, slots), on_complete, transfer, memory.header_room, sealing
         )
@@ -284,7 +284,7 @@ def _checked_record(records: RecordFormat, record: bytes, key: bytes) -> tuple[s
     read-only, and nothing of a record that does not open reaches a load)."""
     view = memoryview(record)
     header, data = view[:HEADER_BYTES], view[HEADER_BYTES:]
-    if records.sealer is None:
+    if records.sealing is None:
         problem = records.problem(header, key, [data])
         return problem, record if problem is None else None
     opened = _scratch(len(view))

@@ -416,3 +416,30 @@ def held_runs(store, kv: KVTier, keys: list[bytes], longest: int) -> list[list[i
         elif here:
             runs.append([i])
     return runs
+
+
+# --- tenants -------------------------------------------------------------------------------------
+
+
+def test_two_tenants_sending_one_prompt_never_hit_each_others_sealed_records(config, store, monkeypatch):
+    """Each tenant's records are its own: another tenant's lookup of the same prompt misses in the store,
+    and each record is sealed under its tenant's key (the seal names it)."""
+    monkeypatch.setenv("KVTIER_TEST_SEAL", "a sealing secret of 32 bytes...")
+    cfg = config(store, seal_env="KVTIER_TEST_SEAL")
+    tokens, blocks = prompt(4, start=7), data(4, seed=7)
+    with KVTier.open(cfg) as kv:
+        assert kv.store(tokens, blocks, tenant="alice").result(WAIT).stored == 4
+        kv.wait_idle(WAIT)
+    with KVTier.open(cfg) as kv:
+        assert kv.lookup(tokens, tenant="bob") == 0 and kv.lookup(tokens) == 0
+        alice = kv.keys(tokens, tenant="alice")
+        assert remote(kv).query(alice) == 4 and remote(kv).query(kv.keys(tokens, tenant="bob")) == 0
+        sealing = remote(kv).records[0].sealing
+        raw = store.read(remote(kv).records[0].name(alice[0]), HEADER_BYTES + BLOCK)
+        assert (
+            raw is not None
+            and RecordHeader.unpack(raw[:HEADER_BYTES]).mac[:4] == sealing.for_key(alice[0]).key_id != sealing.key_id
+        )
+        assert load(kv, tokens, 4)[0].hits == 0
+        out = np.zeros_like(blocks)
+        assert kv.load(tokens, out, tenant="alice").result(WAIT).loaded == 4 and np.array_equal(out, blocks)

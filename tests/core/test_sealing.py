@@ -11,10 +11,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.keys import TENANT_TAG_BYTES, chain_hashes, tenant_tag
 from kvtier.core.sealing import SEAL_BYTES, SealingKeys
 
 SECRET = b"a deployment secret of 32 bytes!"
 OTHER_SECRET = b"another deployment's secret, 32b"
+TAG_A, TAG_B = tenant_tag("tenant-a", SECRET), tenant_tag("tenant-b", SECRET)
 IDENTITY = b"namespace digest" + b"block key 16 byt"
 PLANTED = b"PLANTED-KV-BYTES-0123456789abcdef"
 
@@ -59,12 +61,12 @@ def test_every_seal_takes_a_fresh_nonce(rng):
 def test_a_block_moved_or_changed_fails_to_open_and_leaves_nothing_behind(rng, change):
     keys = SealingKeys(SECRET)
     data = block(rng)
-    sealed, seal_ = seal(keys, data, tenant=b"tenant-a")
-    tenant, identity, opener = b"tenant-a", IDENTITY, keys
+    sealed, seal_ = seal(keys, data, tenant=TAG_A)
+    tenant, identity, opener = TAG_A, IDENTITY, keys
     if change == "identity":  # (copied to another key, or another namespace)
         identity = IDENTITY[:-1] + b"\x00"
     elif change == "tenant":
-        tenant = b"tenant-b"
+        tenant = TAG_B
     elif change == "secret":
         opener = SealingKeys(OTHER_SECRET)
     elif change == "ciphertext byte":
@@ -134,8 +136,24 @@ def test_a_missing_or_short_secret_is_one_clear_error(monkeypatch, value, messag
     assert SealingKeys.from_env("KVTIER_TEST_SEAL").current == SECRET
 
 
-def test_tenants_get_keys_of_their_own_derived_once():
+def test_tenants_get_keys_of_their_own_derived_once_and_named_by_their_block_keys():
     keys = SealingKeys(SECRET)
-    assert keys.sealer(b"a") is keys.sealer(b"a")
-    with pytest.raises(ValueError, match="at most 255 bytes"):
-        keys.sealer(b"x" * 256)
+    assert keys.sealer(TAG_A) is keys.sealer(TAG_A)
+    assert keys.sealer(TAG_A).key_id != keys.sealer(TAG_B).key_id != keys.key_id
+    with pytest.raises(ValueError, match="a tenant tag is 8 bytes, got 1"):
+        keys.sealer(b"a")
+    tenant_key = chain_hashes(list(range(16)), 16, b"ns", secret=SECRET, tag=TAG_A)[0]
+    assert keys.for_key(tenant_key) is keys.sealer(TAG_A)
+    assert keys.for_key(tenant_key[TENANT_TAG_BYTES:]) is keys.sealer()  # a 16-byte key: no tenant's
+
+
+def test_the_tenants_sealers_kept_are_bounded_and_derived_again_alike(monkeypatch):
+    monkeypatch.setattr("kvtier.core.sealing.MAX_SEALERS", 4)
+    keys = SealingKeys(SECRET)
+    data = np.arange(4096, dtype=np.uint8)
+    sealed, seal_ = seal(keys, data, TAG_A)
+    for i in range(10):
+        keys.sealer(i.to_bytes(TENANT_TAG_BYTES, "little"))
+    assert len(keys._sealers) <= 4
+    ok, out = opens(keys, sealed, seal_, TAG_A)
+    assert ok and np.array_equal(out, data)

@@ -21,7 +21,7 @@ from kvtier.core.config import TransferConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
-from kvtier.core.sealing import SEAL_BYTES, Sealer
+from kvtier.core.sealing import SEAL_BYTES, SealingKeys
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.tier import NodeStorage, NodeTier
@@ -34,30 +34,30 @@ def node_storage(config: NodeTierConfig, layout: BlockLayout, namespace: str | b
     protocol, runs as an untrusted user or has slots too small for ``layout``'s blocks, sealed where the
     tier seals, is a ConfigError), for blocks of ``namespace`` (and of one tensor-parallel ``rank``
     where the ranks' KV differs)."""
-    sealer = config.sealer()
+    sealing = config.sealing()
     trusted = [] if config.daemon_uid is None else [config.daemon_uid]
     client = NodeClient(config.socket, config.timeout, trusted)
     client.open()
     assert client.geometry is not None
-    stored = layout.block_bytes + (0 if sealer is None else SEAL_BYTES)
+    stored = layout.block_bytes + (0 if sealing is None else SEAL_BYTES)
     if stored > client.geometry.slot_bytes:
         client.close()
-        what = f"blocks of {layout.block_bytes} bytes" + ("" if sealer is None else f", {stored} sealed,")
+        what = f"blocks of {layout.block_bytes} bytes" + ("" if sealing is None else f", {stored} sealed,")
         raise ConfigError(
             f"node tier: {what} do not fit the daemon's slots of {client.geometry.slot_bytes} bytes at "
             f"{config.socket}: raise block_bytes in the daemon's YAML to at least {stored}"
         )
-    return NodeStorage(layout, client, node_namespace(namespace, layout, rank, sealer), sealer=sealer)
+    return NodeStorage(layout, client, node_namespace(namespace, layout, rank, sealing), sealing=sealing)
 
 
-def node_namespace(namespace: str | bytes, layout: BlockLayout, rank: int | None, sealer: Sealer | None) -> bytes:
+def node_namespace(namespace: str | bytes, layout: BlockLayout, rank: int | None, sealing: SealingKeys | None) -> bytes:
     """The digest the daemon knows a stack's blocks under (``NodeStorage.node_keys``): its namespace's, and
     where the tier seals, bound to the sealing key's id, so that engines sealing under another secret, or
     not at all, never find these blocks (nor take them for damaged ones of their own)."""
     digest = namespace_digest(namespace, layout, rank)
-    if sealer is None:
+    if sealing is None:
         return digest
-    return hashlib.blake2b(digest + sealer.key_id, digest_size=len(digest), person=_SEALED_PERSON).digest()
+    return hashlib.blake2b(digest + sealing.key_id, digest_size=len(digest), person=_SEALED_PERSON).digest()
 
 
 _SEALED_PERSON = b"kvtier-node-seal"
@@ -80,7 +80,7 @@ def _engine_tier(request: EngineTierRequest) -> NodeTier:
     """The tier of an engine's scheduler side: its own connection, asking for every rank's copy."""
     assert isinstance(request.config, NodeTierConfig)
     storage = node_storage(request.config, request.layout, request.namespace)
-    spaces = [node_namespace(request.namespace, request.layout, rank, storage.sealer) for rank in request.ranks]
+    spaces = [node_namespace(request.namespace, request.layout, rank, storage.sealing) for rank in request.ranks]
     return NodeTier(request.name, storage, rank_namespaces=spaces)
 
 

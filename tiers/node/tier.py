@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.misses import MissReason
-from kvtier.core.sealing import SEAL_BYTES, Sealer
+from kvtier.core.sealing import SEAL_BYTES, Sealer, SealingKeys
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.keyed import KeyedTier, RecentFailures
 from kvtier.tiers.node.client import NodeClient
@@ -73,8 +73,8 @@ class NodeStorage(BlockStorage):
     """The daemon's slab for blocks of one ``layout`` under one ``namespace`` digest (whose blocks they
     are), reached through ``client``: no addresses or slots of its own (slots are the daemon's, handed
     out per copy). Closing it closes the connection. ``on_skipped`` counts the blocks a store found in
-    the daemon already (another engine stored them). With a ``sealer`` a slot holds the block sealed,
-    then its seal (``stored_bytes``)."""
+    the daemon already (another engine stored them). With ``sealing`` keys a slot holds the block sealed
+    (under its tenant's key), then its seal (``stored_bytes``)."""
 
     by_key = True
 
@@ -84,13 +84,13 @@ class NodeStorage(BlockStorage):
         client: NodeClient,
         namespace: bytes,
         on_skipped: Callable[[int], None] | None = None,
-        sealer: Sealer | None = None,
+        sealing: SealingKeys | None = None,
     ) -> None:
         super().__init__(layout, 0, NODE_DEVICE, on_close=client.close)
         self.client = client
         self.namespace = namespace
-        self.sealer = sealer  # seals the blocks it writes into the slab (``encryption: aes-gcm``), or None
-        self.stored_bytes = layout.block_bytes + (0 if sealer is None else SEAL_BYTES)  # a block's bytes in a slot
+        self.sealing = sealing  # seals the blocks it writes into the slab (``encryption: aes-gcm``), or None
+        self.stored_bytes = layout.block_bytes + (0 if sealing is None else SEAL_BYTES)  # a block's bytes in a slot
         self.on_skipped = on_skipped
         self.failures = RecentFailures(FAILURES_KEPT)
         self._locations: OrderedDict[bytes, Location] = OrderedDict()  # node key -> where it was last seen
@@ -104,6 +104,10 @@ class NodeStorage(BlockStorage):
         another ``namespace`` digest (another rank's)."""
         person, namespace = _PERSON, self.namespace if namespace is None else namespace
         return [hashlib.blake2b(namespace + key, digest_size=NODE_KEY_BYTES, person=person).digest() for key in keys]
+
+    def sealer(self, key: bytes) -> Sealer | None:
+        """The sealer of block ``key`` (its tenant's), or None where this tier does not seal."""
+        return None if self.sealing is None else self.sealing.for_key(key)
 
     def failure(self, key: bytes) -> MissReason | None:
         """Why a load of ``key`` failed here lately, if it did."""

@@ -19,7 +19,7 @@ daemon hears what happened (at most one round trip per copy).
   daemon hears of the blocks read unpinned as uses for its policy (TOUCH), and the pins are released
   (RELEASE), all without waiting.
 
-A sealing tier (``NodeStorage.sealer``) seals a block into its slot instead of copying it there, the
+A sealing tier (``NodeStorage.sealing``) seals a block into its slot instead of copying it there, the
 seal after the block's bytes, the block's node key bound; the header's checksum is then 0, and a load
 copies the sealed block out into the caller's memory and opens it there: the seal's tag, not the
 checksum, says it is the block (one that does not open is zeroed there and fails, like one that fails
@@ -134,7 +134,7 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     written: list[int] = []
     try:
         for i in reserved:
-            if _write(view, given[i][0], given[i][1], names[i], pieces[i], node.sealer):
+            if _write(view, given[i][0], given[i][1], names[i], pieces[i], node.sealer(keys[i])):
                 written.append(i)
     except BaseException:
         written = []
@@ -183,7 +183,7 @@ def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> se
     unread: list[int] = []
     for i, name in enumerate(names):
         where = node.location(keys[i])
-        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i], node.sealer):
+        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i], node.sealer(keys[i])):
             read.append(name)
             node.failures.note(keys[i], None)
         else:
@@ -219,7 +219,7 @@ def _pin_and_read(
                 failed.add(i)
                 continue
             held.append(names[i])
-            if _read(view, answer[0], answer[1], names[i], pieces[i], node.sealer):
+            if _read(view, answer[0], answer[1], names[i], pieces[i], node.sealer(keys[i])):
                 node.failures.note(keys[i], None)
             else:
                 node.failures.note(keys[i], MissReason.DAMAGED)

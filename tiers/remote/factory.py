@@ -41,7 +41,7 @@ def record_format(
         layout.block_bytes,
         mac_key(config.auth_key_env),
         rank,
-        config.sealer(),
+        config.sealing(),
     )
 
 

@@ -33,7 +33,7 @@ import xxhash
 
 from kvtier.core.keys import MAX_KEY_BYTES, key_secret
 from kvtier.core.layout import BlockLayout
-from kvtier.core.sealing import SEAL_BYTES, Sealer
+from kvtier.core.sealing import SEAL_BYTES, SealingKeys
 
 MAGIC = b"KVTREC01"
 VERSION = 1
@@ -119,7 +119,7 @@ class RecordFormat:
     ``name(key)``: ``{prefix}/{namespace digest, 16 hex digits}/{key hex}``, plus ``/r{rank}`` under
     tensor parallelism (each rank's shard is its own record). ``header(key, data)`` for a record about
     to be written; ``problem(header, key, data)`` for one that arrived: None when it is the block asked
-    for, otherwise why not. With a ``sealer`` (``encryption: aes-gcm``) every record is sealed: its
+    for, otherwise why not. With ``sealing`` keys (``encryption: aes-gcm``) every record is sealed: its
     writer gives ``header`` the memory the ciphertext goes to, and ``problem`` opens a record into
     the memory it is given (its own, by default) as it checks it.
     """
@@ -131,15 +131,15 @@ class RecordFormat:
         block_bytes: int,
         mac_key: bytes | None = None,
         rank: int | None = None,
-        sealer: Sealer | None = None,
+        sealing: SealingKeys | None = None,
     ) -> None:
-        if mac_key is not None and sealer is not None:
+        if mac_key is not None and sealing is not None:
             raise ValueError("a sealed record is authenticated by its seal: no MAC key besides")
         self.prefix = prefix
         self.namespace = namespace
         self.block_bytes = block_bytes
         self.rank = rank
-        self.sealer = sealer
+        self.sealing = sealing
         self._mac_key = mac_key
         self._stem = f"{prefix}/{namespace.hex()[:16]}/"
         self._suffix = "" if rank is None else f"/r{rank}"
@@ -150,11 +150,11 @@ class RecordFormat:
     def header(self, key: bytes, data: Sequence[memoryview], sealed_into: memoryview | None = None) -> bytes:
         """The header of ``key``'s record whose bytes are ``data`` (the pieces of one block, in order);
         where this format seals, the block is sealed into ``sealed_into`` (the record's stored bytes)."""
-        if self.sealer is not None:
+        if self.sealing is not None:
             if sealed_into is None:
                 raise ValueError("a sealed record needs memory for its ciphertext")
             fields = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_SEALED, 0)
-            seal = self.sealer.seal_into(data, sealed_into, fields.fields())
+            seal = self.sealing.for_key(key).seal_into(data, sealed_into, fields.fields())
             return replace(fields, mac=seal).pack()
         header = RecordHeader(self.namespace, key, self.block_bytes, self.block_bytes, CODEC_RAW, _checksum(data))
         if self._mac_key is None:
@@ -179,16 +179,18 @@ class RecordFormat:
             return "the record belongs to another namespace, geometry or rank"
         if header.key != key:
             return "the record holds another key"
-        codec = CODEC_RAW if self.sealer is None else CODEC_SEALED
+        codec = CODEC_RAW if self.sealing is None else CODEC_SEALED
         if (header.length, header.stored, header.codec) != (self.block_bytes, self.block_bytes, codec):
             return (
                 f"the record holds {header.stored} bytes of a {header.length}-byte block (codec "
                 f"{header.codec}); this stack stores {self.block_bytes}-byte blocks "
-                f"{'raw' if self.sealer is None else 'sealed'}"
+                f"{'raw' if self.sealing is None else 'sealed'}"
             )
-        if self.sealer is not None:
+        if self.sealing is not None:
             seal = header.mac[:SEAL_BYTES]
-            if not self.sealer.open(data, data if opened_into is None else opened_into, seal, header.fields()):
+            if not self.sealing.for_key(key).open(
+                data, data if opened_into is None else opened_into, seal, header.fields()
+            ):
                 return "the record does not open (sealed under another secret or identity, or changed since)"
             return None
         if _checksum(data) != header.checksum:
