@@ -15,6 +15,7 @@ can use (``kvtier.tiers.remote.config``), a program's own wherever it registers 
 from __future__ import annotations
 
 import importlib.resources
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -31,12 +32,14 @@ from pydantic_core import CoreSchema, core_schema
 
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
+from kvtier.core.keys import key_secret, tenant_of, tenant_tag
 from kvtier.core.media import media, watch_media
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.slots import slot_problem, slot_stride
 from kvtier.core.strict_yaml import read_yaml
 from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy_name, eviction_policy_class
+from kvtier.policies.shares import TenantShares
 
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 """The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
@@ -73,6 +76,30 @@ class WatermarkConfig(ConfigModel):
         return self
 
 
+class TenantSharesConfig(ConfigModel):
+    """A tier's shares among tenants (``policies/shares.py``), as fractions of its capacity: ``shares``
+    names tenants (their ids, as the engine gives them: vLLM's ``cache_salt``, the API's ``tenant=``),
+    ``default_share`` is every other tenant's (blocks of no tenant too). The default 0 guarantees an
+    unnamed tenant nothing, and the tenant holding most gives first: the tenants present even out."""
+
+    default_share: float = Field(0.0, ge=0.0, le=1.0)
+    shares: dict[Annotated[str, Field(min_length=1, max_length=255)], Annotated[float, Field(gt=0.0, le=1.0)]] = {}
+
+    @model_validator(mode="after")
+    def _at_most_the_whole(self) -> TenantSharesConfig:
+        if sum(self.shares.values()) > 1.0 + 1e-9:
+            raise ValueError(
+                f"the named shares add up to {sum(self.shares.values()):.3g}, more than the whole tier (1): "
+                f"a share is a guarantee, and no tier can guarantee more than it holds"
+            )
+        return self
+
+    def policy(self, make: Callable[[], EvictionPolicy], key_secret: bytes | None) -> TenantShares:
+        """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``."""
+        shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
+        return TenantShares(make, tenant_of, shares, self.default_share)
+
+
 class TransferConfig(ConfigModel):
     """The transfer backend's knobs; ``threads`` is the CPU backend's copy pool size."""
 
@@ -102,6 +129,7 @@ class TierConfigBase(ConfigModel):
     capacity_blocks: int | None = Field(None, gt=0)
     eviction: str | None = None  # None: the measured default for the tier's place (StackConfig)
     watermark: WatermarkConfig | None = None
+    tenants: TenantSharesConfig | None = None  # shares of its capacity among tenants (None: one pool)
 
     @field_validator("eviction")
     @classmethod
@@ -313,8 +341,10 @@ class StackConfig(ConfigModel):
     def tier_policy(self, i: int) -> tuple[EvictionPolicy, Watermark | None]:
         """A new eviction policy for tier ``i`` (``tier_eviction``) and its watermark, if it has one: what
         every place that builds the tier's index (a stack, vLLM's scheduler side) gives it."""
-        wm = self.tiers[i].watermark
-        return eviction_policy(self.tier_eviction(i))(), Watermark(wm.high, wm.low) if wm is not None else None
+        tier = self.tiers[i]
+        make = eviction_policy(self.tier_eviction(i))
+        policy = make() if tier.tenants is None else tier.tenants.policy(make, key_secret(self.key_secret_env))
+        return policy, Watermark(tier.watermark.high, tier.watermark.low) if tier.watermark is not None else None
 
     @property
     def last_local_tier(self) -> int:

@@ -159,6 +159,12 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
         raise ConfigError(
             f"{name}: tiers[0]: the slab is a host tier (medium: host), got {shown(stack.tiers[0].medium)}"
         )
+    for i, tier in enumerate(stack.tiers):
+        if tier.tenants is not None:
+            raise ConfigError(
+                f"{name}: tiers[{i}]: tenants: the daemon's tiers have no tenant shares yet (it knows blocks "
+                f"by node keys, which do not name their tenant); give shares in the engines' own tiers"
+            )
     for i, tier in enumerate(stack.tiers[1:], 1):
         if tier.medium == "node":
             raise ConfigError(f"{name}: tiers[{i}]: the daemon serves the node tier; one cannot be below its slab")

@@ -50,6 +50,7 @@ def sized_by_owner(config: TierConfigBase, tier: str, owner: str) -> ProblemList
         ("capacity_blocks", "capacity"),
         ("eviction", "eviction policy"),
         ("watermark", "watermark"),
+        ("tenants", "tenant shares"),
     ):
         if getattr(config, key) is not None:
             problems.append(((key,), f"{tier} has no {what}: {owner}; remove {key}"))

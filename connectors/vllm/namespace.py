@@ -74,6 +74,15 @@ def request_namespace(engine: bytes, lora_name: str = "", lora_path: str = "", s
     return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
 
 
+def request_tenant(lora_name: str = "", salt: str = "") -> str:
+    """Whose a request's blocks are (``KVTier``'s ``tenant``): its cache salt, the way vLLM users already
+    keep tenants' prefixes apart; a request without one but with a LoRA adapter belongs to the adapter
+    (``lora:<name>``); "" (no tenant) otherwise."""
+    if salt:
+        return salt
+    return f"lora:{lora_name}" if lora_name else ""
+
+
 def _revision(revision: Any) -> str | None:
     """The commit a Hub revision resolved to (vLLM resolves ``main`` to a commit at start), else the
     revision as given."""

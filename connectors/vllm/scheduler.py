@@ -61,13 +61,13 @@ from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from kvtier.connectors.counters import miss_counts
 from kvtier.connectors.vllm.geometry import ServedGroup, tier_slots
 from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
-from kvtier.connectors.vllm.namespace import request_namespace
+from kvtier.connectors.vllm.namespace import request_namespace, request_tenant
 from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.core.config import DiskTierConfig, StackConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
-from kvtier.core.keys import chain_hashes
+from kvtier.core.keys import chain_hashes, tenant_tag
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import BASIC, Capabilities, EngineTierRequest, medium
 from kvtier.core.misses import Misses
@@ -120,6 +120,7 @@ class _RequestState:
 
     request: Request
     namespace: bytes
+    tag: bytes  # its tenant's (``keys.tenant_tag``): its keys begin with it; b"" for no tenant
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)  # per served group: vLLM's blocks (0: none there)
     stored: int = 0  # leading blocks already handed to the store planner
@@ -271,11 +272,11 @@ class SchedulerSide:
             if request.prompt_embeds is not None or request.mm_features:
                 return None
             lora = request.lora_request
+            lora_name, salt = lora.lora_name if lora else "", request.cache_salt or ""
             state = _RequestState(
                 request,
-                self.request_namespace(
-                    lora.lora_name if lora else "", request.cache_salt or "", lora.lora_path if lora else ""
-                ),
+                self.request_namespace(lora_name, salt, lora.lora_path if lora else ""),
+                tenant_tag(request_tenant(lora_name, salt), self.key_secret),
             )
             self._requests[request.request_id] = state
         return state
@@ -298,6 +299,7 @@ class SchedulerSide:
                 state.namespace if parent is None else b"",
                 parent=parent,
                 secret=self.key_secret,
+                tag=state.tag,
             )
         return state.keys
 

@@ -32,8 +32,10 @@ from kvtier.policies import (
     ARCPolicy,
     PrefixS3FIFOPolicy,
     S3FIFOPolicy,
+    LRUPolicy,
     eviction_policy_class,
 )
+from kvtier.policies.shares import TenantShares
 from kvtier.tiers.host import host_tier
 
 FACTORIES = {name: cls for name, cls in EVICTION_POLICIES.items()}
@@ -44,6 +46,10 @@ FACTORIES.update(
         "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
         "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
         "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
+        "shares(lru, 3 tenants)": lambda: TenantShares(LRUPolicy, lambda key: key[-1] % 3, {0: 0.5}, 0.25, capacity=8),
+        "shares(adaptive, 2 tenants)": lambda: TenantShares(
+            lambda: AdaptivePolicy(4, sample_every=1, score_limit=2), lambda key: key[-1] % 2, {}, 0.5, capacity=4
+        ),
     }
 )
 """Every policy under test: the registered ones as YAML builds them, and configured variants."""

@@ -449,7 +449,7 @@ class Engine:
         self.stats: list[dict] = []  # kv_connector_stats payloads vLLM put into its scheduler stats
         self._ids = 0
 
-    def add(self, prompt: list[int], max_tokens: int = 4) -> Request:
+    def add(self, prompt: list[int], max_tokens: int = 4, cache_salt: str | None = None) -> Request:
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = Request(
@@ -459,6 +459,7 @@ class Engine:
             pooling_params=None,
             mm_features=None,
             block_hasher=get_request_block_hasher(self.hash_block, sha256),
+            cache_salt=cache_salt,
         )  # vLLM's own prefix cache
         self.scheduler.add_request(request)
         return request

@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from helpers.vllm_helpers import BLOCK, assert_loads_back, forget_gpu, prompt
-from kvtier.connectors.vllm.namespace import engine_namespace
+from kvtier.connectors.vllm.namespace import engine_namespace, request_tenant
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import chain_hashes
+from kvtier.core.keys import chain_hashes, tenant_of, tenant_tag
 
 SECRET_ENV = "KVTIER_TEST_KEY_SECRET"
 WEIGHTS = "pytorch_model.bin"  # a name vLLM does not parse while it reads the config
@@ -179,3 +179,28 @@ def test_the_namespace_is_json_naming_every_field(make_config, kv_config, model_
         "namespace",
     }
     assert fields["model"] == str(model_dir) and fields["namespace"] == "prod" and len(fields["weights"]) == 32
+
+
+def test_a_cache_salt_is_a_tenant_whose_blocks_no_other_salt_finds(make_engine, monkeypatch):
+    """vLLM's ``cache_salt`` names the tenant: its keys begin with the salt's tag (sealed under its key
+    where a tier seals), and the same prompt with another salt, or none, finds none of its blocks."""
+    monkeypatch.setenv(SECRET_ENV, "a key-hashing secret of 32 bytes")
+    engine = make_engine(
+        {
+            "placement": "write_through",
+            "key_secret_env": SECRET_ENV,
+            "tiers": [{"medium": "host", "capacity_blocks": 8}],
+        }
+    )
+    tokens = prompt(4, 7, seed=3, prefix=1)
+    engine.run([engine.add(tokens, max_tokens=2, cache_salt="alice")])
+    forget_gpu(engine)
+    held = engine.kvtier.tier("host").ready_keys()
+    assert held and {tenant_of(key) for key in held} == {tenant_tag("alice", b"a key-hashing secret of 32 bytes")}
+    for salt in ("bob", None):
+        request = engine.add(tokens, max_tokens=2, cache_salt=salt)
+        assert engine.connector.get_num_new_matched_tokens(request, 0)[0] == 0
+    request = engine.add(tokens, max_tokens=2, cache_salt="alice")
+    assert engine.connector.get_num_new_matched_tokens(request, 0)[0] == 4 * BLOCK
+    assert request_tenant("adapter", "") == "lora:adapter" and request_tenant("adapter", "s") == "s"
+    assert request_tenant() == ""

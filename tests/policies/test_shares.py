@@ -1,0 +1,138 @@
+"""Fair shares among tenants (``kvtier.policies.shares.TenantShares``, a tier's ``tenants:`` settings): a
+tenant over its share gives up its own blocks first and never pushes another below its share; room no
+share holds is anyone's; the tenant holding most gives first where none is named; each tenant's blocks
+keep their own order; a tenant holding nothing is forgotten. Then the same through a real host tier of a
+``KVTier`` stack: a tenant flooding the tier leaves a steady tenant's blocks in place with shares, and
+evicts them without.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier import KVTier
+from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError
+from kvtier.node_config import load_node_config
+from kvtier.policies import LRUPolicy
+from kvtier.policies.shares import TenantShares
+
+
+def tenant(key: tuple[str, int]) -> str:
+    return key[0]
+
+
+def cache(shares: dict[str, float], default: float = 0.0, capacity: int = 10) -> TenantShares:
+    return TenantShares(LRUPolicy, tenant, shares, default, capacity=capacity)
+
+
+def fill(policy: TenantShares, who: str, n: int, start: int = 0) -> list[tuple[str, int]]:
+    keys = [(who, i) for i in range(start, start + n)]
+    for key in keys:
+        policy.insert(key)
+    return keys
+
+
+def test_a_tenant_over_its_share_gives_its_own_blocks_first_oldest_first():
+    policy = cache({"steady": 0.5})
+    steady = fill(policy, "steady", 4)
+    flood = fill(policy, "flood", 6)
+    assert policy.evict(3, set()) == flood[:3]
+    assert policy.held() == {"steady": 4, "flood": 3}
+    policy.touch(steady[0])
+    assert policy.evict(3, set()) == flood[3:]  # flood gives all it holds before steady gives one
+    assert policy.evict(2, set()) == [steady[1], steady[2]]  # then steady, least recent first
+
+
+def test_room_no_share_holds_is_anyones_and_the_tenant_furthest_over_gives_first():
+    policy = cache({"a": 0.2, "b": 0.2})
+    a = fill(policy, "a", 7)  # alone: a grows far past its share
+    b = fill(policy, "b", 3)
+    assert len(policy) == 10 and policy.held() == {"a": 7, "b": 3}
+    victims = policy.evict(4, set())
+    assert victims == a[:4]  # a is 5 over its 2, b 1 over: a gives until as far over as b
+    victims = policy.evict(2, set())
+    assert sorted(v[0] for v in victims) == ["a", "b"]  # level: one each
+
+
+def test_without_named_shares_the_tenant_holding_most_gives_first():
+    policy = cache({}, default=0.0)
+    fill(policy, "x", 6)
+    fill(policy, "y", 2)
+    fill(policy, "z", 2)
+    victims = policy.evict(5, set())
+    assert [v[0] for v in victims[:4]] == ["x"] * 4  # x down to the others' 2, then one of the three
+    assert sorted(policy.held().values()) == [1, 2, 2]
+
+
+def test_protected_blocks_stay_and_the_next_tenant_gives_instead():
+    policy = cache({"steady": 0.5})
+    steady = fill(policy, "steady", 4)
+    flood = fill(policy, "flood", 6)
+    assert policy.evict(2, set(flood)) == steady[:2]  # flood's are all in use: only steady's can go
+    assert policy.evict(20, set(flood) | set(steady)) == []
+
+
+def test_a_tenant_holding_nothing_is_forgotten():
+    policy = cache({})
+    keys = fill(policy, "gone", 2)
+    fill(policy, "stays", 1)
+    policy.remove(keys[0])
+    assert policy.evict(1, set()) in ([keys[1]], [("stays", 0)])
+    policy.remove(keys[1]) if keys[1] in policy else None
+    assert "gone" not in policy.held() and len(policy._policies) == 1
+
+
+def test_shares_that_claim_more_than_the_tier_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.tenants: the named shares add up to 1.2"):
+        load_config(
+            {
+                "block_bytes": 4096,
+                "tiers": [{"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"a": 0.7, "b": 0.5}}}],
+            }
+        )
+
+
+# --- through a real tier ---------------------------------------------------------------------------
+
+BLOCK = 4096
+TOKENS = 16
+
+
+def stack(shares: dict | None) -> dict:
+    host = {"medium": "host", "capacity_blocks": 8, "eviction": "lru"}
+    if shares is not None:
+        host["tenants"] = shares
+    return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [host]}
+
+
+@pytest.mark.parametrize("shares", [{"shares": {"steady": 0.5}}, None], ids=["shares", "no shares"])
+def test_a_flooding_tenant_leaves_a_steady_tenants_blocks_in_a_host_tier_with_shares(shares):
+    steady = list(range(4 * TOKENS))
+    blocks = np.random.default_rng(0).integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack(shares)) as kv:
+        assert kv.store_now(steady, blocks, tenant="steady").stored == 4
+        for i in range(10):  # unique prefixes, 4 blocks each: 40 blocks into an 8-block tier
+            flood = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 4 * TOKENS))
+            kv.store_now(flood, blocks, tenant="flood")
+        held = kv.lookup(steady, tenant="steady")
+        if shares is None:
+            assert held == 0  # LRU alone: the flood pushed every steady block out
+        else:
+            assert held == 4
+            out = np.zeros_like(blocks)
+            assert kv.load_now(steady, out, tenant="steady").loaded == 4 and np.array_equal(out, blocks)
+
+
+def test_tiers_kvtier_does_not_evict_from_refuse_shares_saying_whose_they_are(tmp_path):
+    remote = {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:1"}, "tenants": {}}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.tenants: a remote tier has no tenant shares: the store"):
+        load_config({"block_bytes": 4096, "tiers": [{"medium": "host", "capacity_blocks": 8}, remote]})
+    daemon = {
+        "node": {"socket": str(tmp_path / "s")},
+        "block_bytes": 4096,
+        "tiers": [{"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"a": 0.5}}}],
+    }
+    with pytest.raises(ConfigError, match=r"tiers\[0\]: tenants: the daemon's tiers have no tenant shares yet"):
+        load_node_config(daemon)
