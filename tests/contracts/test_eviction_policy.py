@@ -30,9 +30,9 @@ from kvtier.policies import (
     EVICTION_POLICIES,
     AdaptivePolicy,
     ARCPolicy,
+    LRUPolicy,
     PrefixS3FIFOPolicy,
     S3FIFOPolicy,
-    LRUPolicy,
     eviction_policy_class,
 )
 from kvtier.policies.shares import TenantShares

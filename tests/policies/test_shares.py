@@ -48,7 +48,7 @@ def test_a_tenant_over_its_share_gives_its_own_blocks_first_oldest_first():
 def test_room_no_share_holds_is_anyones_and_the_tenant_furthest_over_gives_first():
     policy = cache({"a": 0.2, "b": 0.2})
     a = fill(policy, "a", 7)  # alone: a grows far past its share
-    b = fill(policy, "b", 3)
+    fill(policy, "b", 3)
     assert len(policy) == 10 and policy.held() == {"a": 7, "b": 3}
     victims = policy.evict(4, set())
     assert victims == a[:4]  # a is 5 over its 2, b 1 over: a gives until as far over as b
