@@ -45,13 +45,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvtier.builder import build_stack
-from kvtier.core.config import StackConfig, capacity_in_blocks, load_config, parse_size
+from kvtier.core.config import StackConfig, TenantSharesConfig, capacity_in_blocks, load_config, parse_size
 from kvtier.core.errors import ConfigError, TransferError
-from kvtier.policies import EVICTION_POLICIES, eviction_policy_class
+from kvtier.core.keys import key_secret
+from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, eviction_policy_class
+from kvtier.policies.shares import TenantShares
 from kvtier.replay.cache import belady, replay
 from kvtier.replay.routing import SPLITS, route
 from kvtier.replay.sizing import DEFAULT_PREFILL_TOKENS_PER_S, Assumptions, LoadTimes, sizing, trace_seconds
 from kvtier.replay.stack import prefill_tokens_saved, replay_through_engines
+from kvtier.replay.tenants import count, keep_tenants_apart, tenant_summary, with_flood
 from kvtier.replay.trace import Request, load_trace, write_trace
 from kvtier.replay.workload import ChatWorkload, generate
 from kvtier.replay_engines import daemon_counts, divided, merged, node_daemon_for
@@ -110,6 +113,13 @@ def add_replay_parser(commands) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="generated workload: random seed")
     p.add_argument(
+        "--flood",
+        type=int,
+        metavar="BLOCKS",
+        help="after each request, one of tenant 'flood' with BLOCKS blocks never seen again (the other "
+        "requests become tenant 'steady's): what a tier's tenants: shares are for",
+    )
+    p.add_argument(
         "--engines",
         type=int,
         default=1,
@@ -160,8 +170,13 @@ def run_replay(args: argparse.Namespace, console: Console) -> int:
 
 def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
     requests, workload = _requests(args)
+    if args.flood is not None:
+        if args.flood < 1:
+            raise ReplayError(f"--flood must be at least 1 block, not {args.flood}")
+        requests, workload = with_flood(requests, args.flood), f"{workload}, flooded ({args.flood} blocks a request)"
     if args.save_trace:
         write_trace(requests, args.save_trace)
+    requests = keep_tenants_apart(requests)
     config = _config(args)
     governed = args.tier or config.tier_name(len(config.tiers) - 1)
     names = [config.tier_name(i) for i in range(len(config.tiers))]
@@ -210,7 +225,8 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
         try:
             if args.metadata_only:
                 total = capacity if capacity is not None else sum(_blocks(config, i) for i in range(len(names)))
-                return _metadata_run(requests, total, policy, args.block_tokens, advance)
+                shares = config.tiers[names.index(governed)].tenants
+                return _metadata_run(requests, total, policy, shares, args.block_tokens, advance)
             with ExitStack() as disk_dirs:
                 cfg = _fresh_disk_dirs(
                     _override(config, names.index(governed), policy, capacity, block_bytes), disk_dirs
@@ -357,22 +373,37 @@ def _belady_capacity(run: dict) -> int:
 
 
 def _metadata_run(
-    requests: Sequence[Request], capacity: int, policy: str, block_tokens: int, advance: Callable[[], None]
+    requests: Sequence[Request],
+    capacity: int,
+    policy: str,
+    shares: TenantSharesConfig | None,
+    block_tokens: int,
+    advance: Callable[[], None],
 ) -> tuple[dict, list]:
+    """One replay of the index alone: one cache of ``capacity`` blocks ordered by ``policy``, shared out
+    among the trace's tenants by ``shares`` (the governed tier's ``tenants:``) where given."""
     saved = [0]
+    by_tenant: dict[str, dict[str, int]] = {}
     occupancy: list[tuple[int, dict[str, int]]] = []
     every = max(1, -(-len(requests) // 400))
     index = [0]
 
     def observe(request: Request, hits: int, resident: int) -> None:
         saved[0] += prefill_tokens_saved(request, hits, block_tokens)
+        count(by_tenant, request, hits)
         if index[0] % every == 0 or index[0] == len(requests) - 1:
             occupancy.append((index[0], {"cache": resident}))
         index[0] += 1
         advance()
 
     started = time.perf_counter()
-    result = replay(requests, capacity, eviction_policy_class(policy)(), observe)
+    make = eviction_policy_class(policy)
+    if shares is None:
+        ordering: EvictionPolicy[int] = make()
+    else:
+        owner = {h: r.tenant or "" for r in requests for h in r.hash_ids}
+        ordering = TenantShares(make, owner.__getitem__, shares.shares, shares.default_share, capacity)
+    result = replay(requests, capacity, ordering, observe)
     seconds = time.perf_counter() - started
     prefill = sum(r.input_length or len(r.hash_ids) * block_tokens for r in requests)
     used = occupancy[-1][1]["cache"] if occupancy else 0
@@ -387,6 +418,7 @@ def _metadata_run(
         "prefill_tokens_saved": saved[0],
         "prefill_saved_ratio": saved[0] / prefill if prefill else 0.0,
         "seconds": seconds,
+        "tenants": tenant_summary(by_tenant),
         "tiers": {
             "cache": {
                 "medium": "index",
@@ -425,7 +457,12 @@ def _stack_run(
             description = stacks[0].describe()
             media = {t.name: t.medium for t in stacks[0].tiers}
             results = replay_through_engines(
-                requests, stacks, engine_of, args.block_tokens, on_request=lambda _: advance()
+                requests,
+                stacks,
+                engine_of,
+                args.block_tokens,
+                on_request=lambda _: advance(),
+                key_secret=key_secret(config.key_secret_env),
             )
         finally:
             for stack in stacks:
@@ -465,6 +502,7 @@ def _stack_run(
         "failed_blocks": result.failed_blocks,
         "stored_blocks": result.stored_blocks,
         "misses": result.misses,
+        "tenants": tenant_summary(result.tenants),
         "block_bytes": config.block_bytes,
         "placement": config.placement,
         "seconds": result.seconds,

@@ -107,6 +107,7 @@ def merged(results: list[StackReplayResult]) -> StackReplayResult:
         total.seconds = max(total.seconds, result.seconds)
         total.tiers = _summed(total.tiers, result.tiers)
         total.misses = _summed(total.misses, result.misses)
+        total.tenants = _summed(total.tenants, result.tenants)
         total.loads.merge(result.loads)
     total.occupancy = results[0].occupancy
     return total

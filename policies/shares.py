@@ -5,11 +5,13 @@ tier's capacity, its quota: a named share, or the default one. Each tenant's blo
 policy of their own (the tier's policy, one instance per tenant), so a flood of one tenant's blocks
 never reorders another's. Room is made by taking blocks from the tenant furthest over its quota (most
 blocks beyond it), its own least valuable first, until another is as far over: while any tenant is
-over its quota, a tenant within its quota loses nothing. Capacity no one's quota holds (shares summing
-to less than 1, tenants below theirs) is anyone's: a tenant may grow past its quota while there is
-room, and is the first to give blocks back once there is none.
+over its quota, a tenant within its quota loses nothing. Blocks a tenant is about to store count as
+its own already (the tier asks ``admit`` for each before it makes room): a tenant at its quota that
+stores more gives up its own blocks for them, rather than sharing the loss with a tenant at its quota.
 
-Shares are guarantees where they sum to at most 1; where the tenants present claim more, the one
+Capacity no one's quota holds (shares summing to less than 1, tenants below theirs) is anyone's: a
+tenant may grow past its quota while there is room, and is the first to give blocks back once there is
+none. Shares are guarantees where they sum to at most 1; where the tenants present claim more, the one
 furthest over its quota still gives first, so every tenant keeps as close to its share as fits.
 """
 
@@ -42,6 +44,7 @@ class TenantShares(EvictionPolicy[Key]):
         self._capacity = capacity
         self._policies: dict[Hashable, EvictionPolicy[Key]] = {}
         self._counts: dict[Hashable, int] = {}
+        self._incoming: dict[Hashable, int] = {}  # blocks admitted since the last evict, not inserted yet
 
     def bind(self, index: Mapping[Key, int], capacity: int) -> None:
         """Takes the tier's capacity (its quotas are shares of it); the tenants' policies keep keys of
@@ -70,13 +73,19 @@ class TenantShares(EvictionPolicy[Key]):
             del self._counts[tenant], self._policies[tenant]
 
     def admit(self, key: Key) -> bool:
-        policy = self._policies.get(self._tenant_of(key))
-        return (self._make() if policy is None else policy).admit(key)
+        tenant = self._tenant_of(key)
+        policy = self._policies.get(tenant)
+        admitted = (self._make() if policy is None else policy).admit(key)
+        if admitted:
+            self._incoming[tenant] = self._incoming.get(tenant, 0) + 1
+        return admitted
 
     def insert(self, key: Key) -> None:
         tenant = self._tenant_of(key)
         self._policy(tenant).insert(key)
         self._counts[tenant] += 1
+        if self._incoming.get(tenant):
+            self._incoming[tenant] -= 1
 
     def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         by_tenant: dict[Hashable, list[Key]] = {}
@@ -96,14 +105,20 @@ class TenantShares(EvictionPolicy[Key]):
         self._forget_if_empty(tenant)
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        """Up to ``n`` blocks, each taken from the tenant then furthest over its quota."""
+        """Up to ``n`` blocks, each taken from the tenant then furthest over its quota (counting the blocks
+        it is about to store)."""
+        incoming, self._incoming = self._incoming, {}
         if len(self._policies) == 1:  # one tenant: nobody else's share to keep
             ((tenant, policy),) = self._policies.items()
             victims = policy.evict(n, protected)
             self._counts[tenant] -= len(victims)
             self._forget_if_empty(tenant)
             return victims
-        heap = [(self.quota(t) - count, i, t) for i, (t, count) in enumerate(self._counts.items()) if count]
+        heap = [
+            (self.quota(t) - count - incoming.get(t, 0), i, t)
+            for i, (t, count) in enumerate(self._counts.items())
+            if count
+        ]
         heapq.heapify(heap)
         victims: list[Key] = []
         while heap and len(victims) < n:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.keys import tenant_tag
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import CUDA_DEVICE
 from kvtier.core.misses import MissCounter
@@ -55,14 +56,16 @@ from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import Tier
 from kvtier.replay.sizing import LoadTimes
+from kvtier.replay.tenants import count
 from kvtier.replay.trace import Request
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: distinct ids give distinct fills
 
 
-def block_key(block_id: int) -> bytes:
-    """The stack key of a trace block id (ids are 64-bit; load_trace checks the range)."""
-    return block_id.to_bytes(8, "little", signed=False)
+def block_key(block_id: int, tag: bytes = b"") -> bytes:
+    """The stack key of a trace block id (ids are 64-bit; load_trace checks the range); a tenant's
+    (``tag``: its ``keys.tenant_tag``) is a tenant's key, the tag then the id in 16 bytes."""
+    return tag + block_id.to_bytes(16 if tag else 8, "little", signed=False)
 
 
 def block_content(block_id: int, nbytes: int) -> np.ndarray:
@@ -101,6 +104,7 @@ class StackReplayResult:
     occupancy: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request index, used per tier)
     loads: LoadTimes = field(default_factory=LoadTimes)  # the loads one tier served alone, timed
     misses: dict[str, dict] = field(default_factory=dict)  # requests whose prefix missed (``MissCounter.stats``)
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # hits and references by tenant (``count``)
 
     @property
     def hit_ratio(self) -> float:
@@ -114,12 +118,14 @@ def replay_through_stack(
     on_request: Callable[[int], None] | None = None,
     samples: int = 400,
     timeout: float = 120.0,
+    key_secret: bytes | None = None,
 ) -> StackReplayResult:
     """Run ``requests`` through ``stack`` (which must be empty); ``on_request(i)`` after each one.
 
     Raises ValueError when a tier already holds blocks (hits would come from an earlier run).
     """
-    return replay_through_engines(requests, [stack], [0] * len(requests), block_tokens, on_request, samples, timeout)[0]
+    engines = [0] * len(requests)
+    return replay_through_engines(requests, [stack], engines, block_tokens, on_request, samples, timeout, key_secret)[0]
 
 
 def replay_through_engines(
@@ -130,12 +136,15 @@ def replay_through_engines(
     on_request: Callable[[int], None] | None = None,
     samples: int = 400,
     timeout: float = 120.0,
+    key_secret: bytes | None = None,
 ) -> list[StackReplayResult]:
     """Run ``requests`` in trace order, request ``i`` through ``stacks[engine_of[i]]`` (engines that may
-    share a tier: a node daemon's slab); each engine's result. Every stack must be empty (ValueError)."""
+    share a tier: a node daemon's slab); each engine's result. Every stack must be empty (ValueError).
+    A request of a tenant has its tenant's keys (tagged under the stacks' ``key_secret``)."""
     longest = max((len(r.hash_ids) for r in requests), default=0)
     every = max(1, -(-len(requests) // max(samples, 1)))
-    replayers = [_Replayer(stack, longest, block_tokens, timeout) for stack in stacks]
+    tags = {tenant: tenant_tag(tenant, key_secret) for tenant in {r.tenant for r in requests if r.tenant}}
+    replayers = [_Replayer(stack, longest, block_tokens, timeout, tags) for stack in stacks]
     started = time.perf_counter()
     for index, (request, engine) in enumerate(zip(requests, engine_of, strict=True)):
         replayer = replayers[engine]
@@ -151,7 +160,9 @@ def replay_through_engines(
 class _Replayer:
     """One engine of a replay: its stack, its memory, what it counted so far."""
 
-    def __init__(self, stack: TierStack, longest: int, block_tokens: int, timeout: float) -> None:
+    def __init__(
+        self, stack: TierStack, longest: int, block_tokens: int, timeout: float, tags: dict[str, bytes]
+    ) -> None:
         busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
         if busy:
             raise ValueError(
@@ -159,6 +170,7 @@ class _Replayer:
                 f"(a disk tier keeps its blocks across runs: give it an empty directory)"
             )
         self.stack = stack
+        self.tags = tags  # each tenant's tag, by name
         self.block_tokens = block_tokens
         self.timeout = timeout
         layout: BlockLayout = stack.tiers[0].storage.layout
@@ -177,7 +189,8 @@ class _Replayer:
         """Load the request's present prefix (checked bit-exact), reference the rest, store what is missing."""
         stack, result, bb, timeout = self.stack, self.result, self.block_bytes, self.timeout
         ids = request.hash_ids
-        keys = [block_key(h) for h in ids]
+        tag = self.tags[request.tenant] if request.tenant else b""
+        keys = [block_key(h, tag) for h in ids]
         load_started = time.perf_counter()
         loaded = stack.load(keys, self.loaded_into, range(len(keys)), self.dst_medium).result(timeout)
         load_seconds = time.perf_counter() - load_started
@@ -196,6 +209,7 @@ class _Replayer:
         if miss is not None:
             self.misses.add(miss)
         result.hits += good
+        count(result.tenants, request, good)
         result.references += len(ids)
         result.requests += 1
         result.prefill_tokens += request.input_length or len(ids) * self.block_tokens

@@ -20,13 +20,15 @@ from os import PathLike
 @dataclass(frozen=True)
 class Request:
     """One line of a Mooncake trace. ``hash_ids`` name the prompt's blocks, chained (equal id = equal prefix).
-    ``session``: the conversation it belongs to, where the generator knows it (a trace does not say)."""
+    ``session``: the conversation it belongs to, where the generator knows it (a trace does not say).
+    ``tenant``: whose request it is, where the trace says (kvtier's own field)."""
 
     timestamp: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
     session: int | None = None
+    tenant: str | None = None
 
 
 def load_trace(path: str | PathLike[str]) -> list[Request]:
@@ -50,7 +52,8 @@ def parse_request(line: str | bytes) -> Request:
     A line is a JSON object. ``hash_ids`` is required: a list, possibly empty, of distinct integers in
     [0, 2**64). ``timestamp`` (a finite number), ``input_length`` and ``output_length`` (integers in
     [0, 2**63)) are optional and 0 when left out; ``session`` (kvtier's own: the conversation, an
-    integer in [0, 2**63), as ``--save-trace`` writes it) is optional; other keys are ignored. Booleans
+    integer in [0, 2**63), as ``--save-trace`` writes it) and ``tenant`` (kvtier's own: whose request it is,
+    a string of 1 to 255 UTF-8 bytes) are optional; other keys are ignored. Booleans
     are not numbers here, and a float is no length (JSON's ``1e400`` reads as infinity), so a trace from
     a buggy generator is refused up front rather than crashing the replay or skewing its figures.
     """
@@ -68,13 +71,29 @@ def parse_request(line: str | bytes) -> Request:
     if not _is_number(timestamp):
         raise ValueError(f"timestamp: expected a finite number, got {_json_text(timestamp)}")
     session = _length(obj, "session") if "session" in obj else None
+    tenant = obj.get("tenant")
+    if tenant is not None and not _is_tenant(tenant):
+        raise ValueError(f"tenant: expected a string of 1 to 255 bytes, got {_json_text(tenant)}")
     return Request(
-        timestamp, _length(obj, "input_length"), _length(obj, "output_length"), _block_ids(obj["hash_ids"]), session
+        timestamp,
+        _length(obj, "input_length"),
+        _length(obj, "output_length"),
+        _block_ids(obj["hash_ids"]),
+        session,
+        tenant,
     )
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_tenant(value: object) -> bool:
+    """A string of 1 to 255 bytes as UTF-8 (JSON may carry lone surrogates, which UTF-8 cannot)."""
+    try:
+        return isinstance(value, str) and 0 < len(value.encode("utf-8")) <= 255
+    except UnicodeEncodeError:
+        return False
 
 
 def _is_number(value: object) -> bool:
@@ -109,7 +128,7 @@ def _json_text(value: object, limit: int = 60) -> str:
 
 def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
     """Write requests as a Mooncake JSONL trace, the format ``load_trace`` reads back (with ``session``
-    where a request has one)."""
+    and ``tenant`` where a request has them)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
             line = {
@@ -120,6 +139,8 @@ def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
             }
             if r.session is not None:
                 line["session"] = r.session
+            if r.tenant is not None:
+                line["tenant"] = r.tenant
             f.write(json.dumps(line) + "\n")
 
 
