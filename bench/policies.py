@@ -22,6 +22,11 @@ Context (not policies; they read the future)
     LRU that knows, at every reference, whether the block is referenced again within the next
     4 x capacity references, and evicts the blocks that are not first.
 
+Cost of fair shares
+    The ``--policy`` again, over the same workloads split between two tenants (alternate sessions),
+    plain and shared out by ``TenantShares`` (half the capacity each, ``policies/shares.py``): refs/s
+    with shares / without is ``shares_refs_ratio`` (goal >= 0.9), and each one's hit ratio beside it.
+
 Why
     The default policy must be at least as good as LRU on every workload and size, and much better
     where LRU is weak; one trace cannot show either.
@@ -43,10 +48,13 @@ import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvtier.policies import EVICTION_POLICIES
+from kvtier.policies.shares import TenantShares
 from kvtier.replay.cache import ReplayResult, belady, prefix_hits, replay
+from kvtier.replay.tenants import keep_tenants_apart
 from kvtier.replay.trace import Request, load_trace
 from kvtier.replay.workload import WORKLOADS, generate
 
@@ -158,6 +166,31 @@ CONTEXT = {
 }
 
 
+def two_tenants(requests: Sequence[Request]) -> list[Request]:
+    """The requests split between tenants ``t0`` and ``t1``, alternate sessions (alternate requests where
+    the workload has none), their blocks kept apart."""
+    return keep_tenants_apart(
+        [replace(r, tenant=f"t{(i if r.session is None else r.session) % 2}") for i, r in enumerate(requests)]
+    )
+
+
+def shares_cost(requests: Sequence[Request], capacity: int, policy: str) -> dict[str, float]:
+    """``policy`` over two tenants' requests, plain and shared half and half: seconds and hit ratio of each."""
+    split = two_tenants(requests)
+    owner = {h: r.tenant for r in split for h in r.hash_ids}
+    cls = EVICTION_POLICIES[policy]
+    made = {
+        "plain": cls,
+        "shares": lambda: TenantShares(cls, owner.__getitem__, {"t0": 0.5, "t1": 0.5}, 0.0, capacity),
+    }
+    out: dict[str, float] = {}
+    for label, make in made.items():
+        start = time.perf_counter()
+        out[f"{label}_hit_ratio"] = replay(split, capacity, make()).hit_ratio
+        out[f"{label}_seconds"] = time.perf_counter() - start
+    return out
+
+
 def workload(name: str, trace: Path) -> list[Request]:
     """The requests of a named workload: ``mooncake`` reads ``trace``, the others are generated."""
     return load_trace(trace) if name == "mooncake" else generate(WORKLOADS[name])
@@ -186,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cells: dict[str, dict[str, dict[str, float]]] = {}  # workload -> size -> row -> hit ratio
     seconds = dict.fromkeys(EVICTION_POLICIES, 0.0)
+    shares: dict[str, dict[str, dict[str, float]]] = {}  # workload -> size -> shares_cost
     replayed = 0
     for name in names:
         requests = workload(name, Path(args.trace))
@@ -203,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[policy] += time.perf_counter() - start
             for label, oracle in CONTEXT.items():
                 row[label] = oracle(requests, capacity).hit_ratio
+            shares.setdefault(name, {})[str(capacity)] = shares_cost(requests, capacity, args.policy)
         replayed += references * len(capacities)
         header = f"{'':<16}" + "".join(f"{f'{c} blocks':>18}" for c in capacities)
         print(header)
@@ -219,6 +254,18 @@ def main(argv: list[str] | None = None) -> int:
 
     per_second = {policy: replayed / seconds[policy] for policy in EVICTION_POLICIES}
     print("refs/s (every cell): " + ", ".join(f"{p} {per_second[p]:,.0f}" for p in EVICTION_POLICIES))
+
+    plain_s = sum(c["plain_seconds"] for by_size in shares.values() for c in by_size.values())
+    shared_s = sum(c["shares_seconds"] for by_size in shares.values() for c in by_size.values())
+    shares_refs_ratio = plain_s / shared_s
+    print(
+        f"{args.policy} over two tenants: refs/s with shares {shares_refs_ratio:.3f}x without; hit ratio "
+        + ", ".join(
+            f"{n}@{c} {v['shares_hit_ratio']:.3f} ({v['plain_hit_ratio']:.3f} plain)"
+            for n, by_size in shares.items()
+            for c, v in by_size.items()
+        )
+    )
 
     def share(name: str, capacity: int, label: str) -> float:
         row = cells[name][str(capacity)]
@@ -245,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 "policy": args.policy,
                 "where_belady_1.5x_lru": weak,
                 "refs_per_second": {p: round(v) for p, v in per_second.items()},
+                "shares_refs_ratio": round(shares_refs_ratio, 4),
+                "shares": shares,
                 "hit_ratio": cells,
                 "capacities": capacities,
                 "trace": str(args.trace),

@@ -17,12 +17,45 @@ furthest over its quota still gives first, so every tenant keeps as close to its
 
 from __future__ import annotations
 
-import heapq
+import math
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from kvtier.policies.base import EvictionPolicy, Key
+
+
+def level(over: Mapping[Hashable, float], n: int) -> dict[Hashable, int]:
+    """How many blocks each tenant gives so that ``n`` taken from those furthest over (``over``: blocks
+    beyond the quota, negative below it) leave them level, none giving more than brings it to the
+    level of the next: water-filling. Each part is whole; the remainder goes to the furthest over."""
+    ranked = sorted(over.items(), key=lambda item: -item[1])
+    total, waterline, k = 0.0, 0.0, 0
+    for k, (_, excess) in enumerate(ranked, 1):
+        total += excess
+        waterline = (total - n) / k
+        if k == len(ranked) or ranked[k][1] <= waterline:
+            break
+    parts = {name: max(0, math.floor(excess - waterline)) for name, excess in ranked[:k]}
+    short = n - sum(parts.values())
+    for name, _ in ranked[:short]:
+        parts[name] += 1
+    return {name: part for name, part in parts.items() if part}
+
+
+class _Tenant:
+    """One tenant's policy, and the blocks it was admitted to store since the last ``evict`` (not
+    inserted yet). The policy's per-block calls are kept bound (``admit`` None where the policy admits
+    everything): they run once per block, where one lookup more shows."""
+
+    __slots__ = ("admit", "incoming", "insert", "policy", "touch")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.admit = None if type(policy).admit is EvictionPolicy.admit else policy.admit
+        self.insert = policy.insert
+        self.touch = policy.touch
+        self.incoming = 0
 
 
 class TenantShares(EvictionPolicy[Key]):
@@ -42,9 +75,7 @@ class TenantShares(EvictionPolicy[Key]):
         self._shares = dict(shares)
         self._default_share = default_share
         self._capacity = capacity
-        self._policies: dict[Hashable, EvictionPolicy[Key]] = {}
-        self._counts: dict[Hashable, int] = {}
-        self._incoming: dict[Hashable, int] = {}  # blocks admitted since the last evict, not inserted yet
+        self._tenants: dict[Hashable, _Tenant] = {}
 
     def bind(self, index: Mapping[Key, int], capacity: int) -> None:
         """Takes the tier's capacity (its quotas are shares of it); the tenants' policies keep keys of
@@ -57,86 +88,82 @@ class TenantShares(EvictionPolicy[Key]):
 
     def held(self) -> dict[Hashable, int]:
         """Blocks each tenant holds now (tenants holding none left out)."""
-        return {tenant: n for tenant, n in self._counts.items() if n}
+        return {name: len(tenant.policy) for name, tenant in self._tenants.items() if len(tenant.policy)}
 
-    def _policy(self, tenant: Hashable) -> EvictionPolicy[Key]:
-        policy = self._policies.get(tenant)
-        if policy is None:
-            policy = self._policies[tenant] = self._make()
-            self._counts[tenant] = 0
-        return policy
+    def _new(self, name: Hashable) -> _Tenant:
+        tenant = self._tenants[name] = _Tenant(self._make())
+        return tenant
 
-    def _forget_if_empty(self, tenant: Hashable) -> None:
+    def _forget_if_empty(self, name: Hashable) -> None:
         """A tenant holding no block is forgotten: a tier's tenants are those holding blocks, however
         many came and went."""
-        if not self._counts[tenant]:
-            del self._counts[tenant], self._policies[tenant]
+        tenant = self._tenants[name]
+        if not len(tenant.policy) and not tenant.incoming:
+            del self._tenants[name]
+
+    # (admit, insert and touch run once per block stored or read: each looks its tenant up once, inline)
 
     def admit(self, key: Key) -> bool:
-        tenant = self._tenant_of(key)
-        policy = self._policies.get(tenant)
-        admitted = (self._make() if policy is None else policy).admit(key)
-        if admitted:
-            self._incoming[tenant] = self._incoming.get(tenant, 0) + 1
-        return admitted
+        name = self._tenant_of(key)
+        try:
+            tenant = self._tenants[name]
+        except KeyError:
+            tenant = self._new(name)
+        if tenant.admit is None or tenant.admit(key):
+            tenant.incoming += 1
+            return True
+        self._forget_if_empty(name)
+        return False
 
     def insert(self, key: Key) -> None:
-        tenant = self._tenant_of(key)
-        self._policy(tenant).insert(key)
-        self._counts[tenant] += 1
-        if self._incoming.get(tenant):
-            self._incoming[tenant] -= 1
+        name = self._tenant_of(key)
+        try:
+            tenant = self._tenants[name]
+        except KeyError:
+            tenant = self._new(name)
+        tenant.insert(key)
+        if tenant.incoming:
+            tenant.incoming -= 1
 
     def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         by_tenant: dict[Hashable, list[Key]] = {}
         for key in keys:
             by_tenant.setdefault(self._tenant_of(key), []).append(key)
-        for tenant, own in by_tenant.items():
-            self._policy(tenant).restore(own)
-            self._counts[tenant] += len(own)
+        for name, own in by_tenant.items():
+            (self._tenants.get(name) or self._new(name)).policy.restore(own)
 
     def touch(self, key: Key) -> None:
-        self._policies[self._tenant_of(key)].touch(key)
+        self._tenants[self._tenant_of(key)].touch(key)
 
     def remove(self, key: Key) -> None:
-        tenant = self._tenant_of(key)
-        self._policies[tenant].remove(key)
-        self._counts[tenant] -= 1
-        self._forget_if_empty(tenant)
+        name = self._tenant_of(key)
+        self._tenants[name].policy.remove(key)
+        self._forget_if_empty(name)
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
-        """Up to ``n`` blocks, each taken from the tenant then furthest over its quota (counting the blocks
-        it is about to store)."""
-        incoming, self._incoming = self._incoming, {}
-        if len(self._policies) == 1:  # one tenant: nobody else's share to keep
-            ((tenant, policy),) = self._policies.items()
-            victims = policy.evict(n, protected)
-            self._counts[tenant] -= len(victims)
-            self._forget_if_empty(tenant)
-            return victims
-        heap = [
-            (self.quota(t) - count - incoming.get(t, 0), i, t)
-            for i, (t, count) in enumerate(self._counts.items())
-            if count
-        ]
-        heapq.heapify(heap)
+        """Up to ``n`` blocks, from the tenants furthest over their quotas (counting the blocks each is
+        about to store), so many from each that they end level (``level``): one call of each tenant's
+        policy, again only where one could not give its part (its other blocks in use)."""
+        tenants = self._tenants
+        over = {name: len(t.policy) + t.incoming - self.quota(name) for name, t in tenants.items()}
+        for tenant in tenants.values():
+            tenant.incoming = 0
         victims: list[Key] = []
-        while heap and len(victims) < n:
-            under, i, tenant = heapq.heappop(heap)
-            # as many as bring it level with the next furthest over, at least one
-            take = min(n - len(victims), max(1, int(heap[0][0] - under)) if heap else n)
-            taken = self._policies[tenant].evict(take, protected)
-            victims += taken
-            self._counts[tenant] -= len(taken)
-            if len(taken) == take and self._counts[tenant]:  # (fewer: the rest of its blocks are protected)
-                heapq.heappush(heap, (under + len(taken), i, tenant))
-            else:
-                self._forget_if_empty(tenant)
+        while len(victims) < n and over:
+            for name, take in level(over, n - len(victims)).items():
+                policy = tenants[name].policy
+                taken = policy.evict(take, protected)
+                victims += taken
+                over[name] -= len(taken)
+                if len(taken) < take or not len(policy):  # it gave all it could
+                    del over[name]
+        for name in [name for name, tenant in tenants.items() if not len(tenant.policy)]:
+            del tenants[name]
         return victims
 
     def __len__(self) -> int:
-        return sum(self._counts.values())
+        return sum(len(tenant.policy) for tenant in self._tenants.values())
 
     def __contains__(self, key: object) -> bool:
-        policy = self._policies.get(self._tenant_of(key))  # type: ignore[arg-type]
-        return policy is not None and key in policy
+        tenant = self._tenants.get(self._tenant_of(key))  # type: ignore[arg-type]
+        return tenant is not None and key in tenant.policy

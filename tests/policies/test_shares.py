@@ -81,7 +81,7 @@ def test_a_tenant_holding_nothing_is_forgotten():
     policy.remove(keys[0])
     assert policy.evict(1, set()) in ([keys[1]], [("stays", 0)])
     policy.remove(keys[1]) if keys[1] in policy else None
-    assert "gone" not in policy.held() and len(policy._policies) == 1
+    assert "gone" not in policy.held() and len(policy._tenants) == 1
 
 
 def test_shares_that_claim_more_than_the_tier_are_refused_naming_the_key():
