@@ -95,9 +95,17 @@ class TenantSharesConfig(ConfigModel):
         return self
 
     def policy(self, make: Callable[[], EvictionPolicy], key_secret: bytes | None) -> TenantShares:
-        """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``."""
-        shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
-        return TenantShares(make, tenant_of, shares, self.default_share)
+        """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``, and
+        counted under its name; the others are counted as ``other`` (blocks of no tenant: ``none``)."""
+        names = {tenant_tag(name, key_secret): name for name in self.shares}
+        shares = {tag: self.shares[name] for tag, name in names.items()}
+        return TenantShares(
+            make,
+            tenant_of,
+            shares,
+            self.default_share,
+            label_of=lambda tag: names.get(tag) or ("other" if tag else "none"),
+        )
 
 
 class TransferConfig(ConfigModel):

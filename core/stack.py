@@ -45,6 +45,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.core.caller_runs import CallerRunsFuture, offering, wait_here
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
@@ -358,12 +359,16 @@ class TierStack:
         lines += [f"  {i}. {tier!r}" for i, tier in enumerate(self.tiers)]
         return "\n".join(lines)
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Per-tier counters plus current usage."""
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier its counters and current usage, and where it has ``tenants:`` shares, ``"tenants"``:
+        per tenant label, blocks stored, read, evicted and held (``Tier.tenant_counts``)."""
         out = {}
         for tier in self.tiers:
             usage = tier.usage()
             out[tier.name] = {**tier.stats.as_dict(), "used": usage.used, "capacity": usage.capacity}
+            tenants = tier.tenant_counts()
+            if tenants is not None:
+                out[tier.name]["tenants"] = tenants
         return out
 
     def __enter__(self) -> TierStack:

@@ -29,6 +29,7 @@ from kvtier.core.metrics import TierStats
 from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.shares import TenantShares
 from kvtier.policies.watermark import Watermark
 
 
@@ -603,6 +604,12 @@ class Tier:
         with self._lock:
             for name, n in counts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def tenant_counts(self) -> dict[str, dict[str, int]] | None:
+        """Per tenant label, blocks stored, read, evicted and held, where the tier has ``tenants:`` shares
+        (``TenantShares.counts``); None otherwise."""
+        with self._lock:
+            return self.policy.counts() if isinstance(self.policy, TenantShares) else None
 
     def usage(self) -> Usage:
         with self._lock:

@@ -488,6 +488,8 @@ def _stack_run(
             "read_errors": s["read_errors"],
             "mib_per_s": (s["bytes_in"] + s["bytes_out"]) / MiB / seconds,
         }
+        if "tenants" in s:  # a tier with tenants: shares, per tenant label (``Tier.tenant_counts``)
+            tiers[name]["tenants"] = s["tenants"]
     summary = {
         "mode": "stack",
         "requests": result.requests,

@@ -65,6 +65,27 @@ def misses_table(summary: dict) -> Table:
     return table
 
 
+def tenants_table(summary: dict) -> Table:
+    """Per tenant of the trace (the top ones by name, the rest summed): its hit ratio; and per tier with
+    ``tenants:`` shares, the blocks it stored, has had evicted and holds at the end."""
+    table = Table(title="tenants", box=box.SIMPLE_HEAD, pad_edge=False)
+    shared = {name: tier["tenants"] for name, tier in summary["tiers"].items() if "tenants" in tier}
+    table.add_column("tenant")
+    for column in [
+        "references",
+        "hit ratio",
+        *(f"{tier} {what}" for tier in shared for what in ("stored", "evicted", "held")),
+    ]:
+        table.add_column(column, justify="right")
+    for tenant, c in summary["tenants"].items():
+        row = [tenant, f"{c['references']:,}", f"{c['hit_ratio']:.3f}"]
+        for counts in shared.values():
+            mine = counts.get(tenant, {})
+            row += [f"{mine.get(what, 0):,}" for what in ("stored", "evicted", "held")]
+        table.add_row(*row)
+    return table
+
+
 def totals_lines(summary: dict) -> list[str]:
     """The headline figures in a few sentences."""
     s = summary
@@ -216,6 +237,8 @@ def print_summary(summary: dict, console: Console) -> None:
     console.print(sizing_table(summary))
     if "misses" in summary:
         console.print(misses_table(summary))
+    if summary.get("tenants"):
+        console.print(tenants_table(summary))
     if "sweep" in summary:
         console.print(sweep_table(summary))
         console.print(sizing_sweep_table(summary))

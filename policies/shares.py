@@ -43,24 +43,30 @@ def level(over: Mapping[Hashable, float], n: int) -> dict[Hashable, int]:
     return {name: part for name, part in parts.items() if part}
 
 
-class _Tenant:
-    """One tenant's policy, and the blocks it was admitted to store since the last ``evict`` (not
-    inserted yet). The policy's per-block calls are kept bound (``admit`` None where the policy admits
-    everything): they run once per block, where one lookup more shows."""
+COUNTS = ("stored", "read", "evicted")
+"""What each tenant's blocks went through in the tier (``TenantShares.counts``), with ``held`` now."""
 
-    __slots__ = ("admit", "incoming", "insert", "policy", "touch")
+
+class _Tenant:
+    """One tenant's policy, the blocks it was admitted to store since the last ``evict`` (not inserted
+    yet), and its ``COUNTS``. The policy's per-block calls are kept bound (``admit`` None where the
+    policy admits everything): they run once per block, where one lookup more shows."""
+
+    __slots__ = ("admit", "evicted", "incoming", "insert", "policy", "read", "stored", "touch")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self.admit = None if type(policy).admit is EvictionPolicy.admit else policy.admit
         self.insert = policy.insert
         self.touch = policy.touch
-        self.incoming = 0
+        self.incoming = self.stored = self.read = self.evicted = 0
 
 
 class TenantShares(EvictionPolicy[Key]):
     """One ``make()`` policy per tenant, and each tenant's count of blocks against its quota
-    (``share * capacity``, the capacity the tier ``bind``s, or ``capacity`` given here)."""
+    (``share * capacity``, the capacity the tier ``bind``s, or ``capacity`` given here). ``counts``
+    reports the tenants by ``label_of(tenant)``: a tier names the tenants of its shares and sums the
+    rest, so that however many tenants come, the labels stay few."""
 
     def __init__(
         self,
@@ -69,8 +75,11 @@ class TenantShares(EvictionPolicy[Key]):
         shares: Mapping[Hashable, float],
         default_share: float,
         capacity: int = 0,
+        label_of: Callable[[Hashable], str] = str,
     ) -> None:
         self._make = make
+        self._label_of = label_of
+        self._gone: dict[str, dict[str, int]] = {}  # the COUNTS of tenants forgotten, by label
         self._tenant_of = tenant_of
         self._shares = dict(shares)
         self._default_share = default_share
@@ -90,6 +99,23 @@ class TenantShares(EvictionPolicy[Key]):
         """Blocks each tenant holds now (tenants holding none left out)."""
         return {name: len(tenant.policy) for name, tenant in self._tenants.items() if len(tenant.policy)}
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per label (``label_of``): blocks stored, read and evicted so far, and held now."""
+        out = {label: {**counts, "held": 0} for label, counts in self._gone.items()}
+        for name, tenant in self._tenants.items():
+            counts = out.setdefault(self._label_of(name), {**dict.fromkeys(COUNTS, 0), "held": 0})
+            for what in COUNTS:
+                counts[what] += getattr(tenant, what)
+            counts["held"] += len(tenant.policy)
+        return out
+
+    def _drop(self, name: Hashable) -> None:
+        """Forget a tenant, keeping its counts under its label."""
+        tenant = self._tenants.pop(name)
+        gone = self._gone.setdefault(self._label_of(name), dict.fromkeys(COUNTS, 0))
+        for what in COUNTS:
+            gone[what] += getattr(tenant, what)
+
     def _new(self, name: Hashable) -> _Tenant:
         tenant = self._tenants[name] = _Tenant(self._make())
         return tenant
@@ -99,7 +125,7 @@ class TenantShares(EvictionPolicy[Key]):
         many came and went."""
         tenant = self._tenants[name]
         if not len(tenant.policy) and not tenant.incoming:
-            del self._tenants[name]
+            self._drop(name)
 
     # (admit, insert and touch run once per block stored or read: each looks its tenant up once, inline)
 
@@ -122,6 +148,7 @@ class TenantShares(EvictionPolicy[Key]):
         except KeyError:
             tenant = self._new(name)
         tenant.insert(key)
+        tenant.stored += 1
         if tenant.incoming:
             tenant.incoming -= 1
 
@@ -133,7 +160,9 @@ class TenantShares(EvictionPolicy[Key]):
             (self._tenants.get(name) or self._new(name)).policy.restore(own)
 
     def touch(self, key: Key) -> None:
-        self._tenants[self._tenant_of(key)].touch(key)
+        tenant = self._tenants[self._tenant_of(key)]
+        tenant.touch(key)
+        tenant.read += 1
 
     def remove(self, key: Key) -> None:
         name = self._tenant_of(key)
@@ -151,14 +180,15 @@ class TenantShares(EvictionPolicy[Key]):
         victims: list[Key] = []
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
-                policy = tenants[name].policy
-                taken = policy.evict(take, protected)
+                tenant = tenants[name]
+                taken = tenant.policy.evict(take, protected)
+                tenant.evicted += len(taken)
                 victims += taken
                 over[name] -= len(taken)
-                if len(taken) < take or not len(policy):  # it gave all it could
+                if len(taken) < take or not len(tenant.policy):  # it gave all it could
                     del over[name]
         for name in [name for name, tenant in tenants.items() if not len(tenant.policy)]:
-            del tenants[name]
+            self._drop(name)
         return victims
 
     def __len__(self) -> int:

@@ -48,6 +48,10 @@ def test_a_steady_tenant_keeps_its_hits_against_a_flood_with_shares_and_loses_th
     assert shared["tenants"]["flood"]["hits"] == unshared["tenants"]["flood"]["hits"] == 0
     if not mode:
         assert shared["corrupt_blocks"] == unshared["corrupt_blocks"] == 0
+        held = shared["tiers"]["host"]["tenants"]  # the tier's own counts, per tenant of its shares
+        assert set(held) == {"steady", "flood"} and held["flood"]["evicted"] > 10 * held["steady"]["evicted"]
+        assert held["steady"]["held"] + held["flood"]["held"] == shared["tiers"]["host"]["used"]
+        assert "tenants" not in unshared["tiers"]["host"]
 
 
 def test_two_tenants_sending_the_same_block_ids_never_hit_each_others(tmp_path, capsys):

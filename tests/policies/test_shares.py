@@ -136,3 +136,19 @@ def test_tiers_kvtier_does_not_evict_from_refuse_shares_saying_whose_they_are(tm
     }
     with pytest.raises(ConfigError, match=r"tiers\[0\]: tenants: the daemon's tiers have no tenant shares yet"):
         load_node_config(daemon)
+
+
+def test_a_tier_with_shares_counts_its_named_tenants_by_name_and_sums_the_others():
+    blocks = np.random.default_rng(1).integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack({"shares": {"steady": 0.5}})) as kv:
+        steady = list(range(4 * TOKENS))
+        kv.store_now(steady, blocks, tenant="steady")
+        for i, who in enumerate(["a", "b", "c", None]):  # 16 more blocks into an 8-block tier
+            kv.store_now(list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * TOKENS)), blocks, tenant=who)
+        assert kv.load_now(steady, np.zeros_like(blocks), tenant="steady").loaded == 4
+        counts = kv.stats()["host"]["tenants"]
+    assert set(counts) == {"steady", "other", "none"}  # however many tenants came: the named ones, then sums
+    assert counts["steady"] == {"stored": 4, "read": 4, "evicted": 0, "held": 4}
+    assert counts["other"]["stored"] == 12 and counts["none"]["stored"] == 4
+    assert sum(c["held"] for c in counts.values()) == 8
+    assert sum(c["stored"] - c["evicted"] for c in counts.values()) == 8
