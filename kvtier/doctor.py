@@ -68,6 +68,8 @@ def diagnose(path: str, engine: VllmEngine | None = None) -> dict[str, Any]:
             checks.append(_node(config, i))
         if isinstance(tier, DiskTierConfig | NodeTierConfig) and tier.encryption != "none":
             checks.append(_sealing_secrets(config, i))
+        if tier.tenants is not None:
+            checks.append(_tenants(config, i))
     checks.append(_host_memory(config, ranks))
     checks += [_disk_space(config, i, engine) for i, t in enumerate(config.tiers) if isinstance(t, DiskTierConfig)]
     return _report(path, checks, sharing(config, engine))
@@ -108,6 +110,27 @@ def _sealing_secrets(config: StackConfig, i: int) -> Check:
     except ConfigError as exc:
         return Check(name, False, str(exc))
     return Check(name, True, f"{tier.encryption_key_env} is set: blocks are sealed (aes-gcm)")
+
+
+def _tenants(config: StackConfig, i: int) -> Check:
+    """A tier's shares among tenants, in blocks where its size is known; whether tenants' names are hidden
+    in the keys everyone sharing a tier sees (their tags are keyed hashes only with a key secret)."""
+    tier = config.tiers[i]
+    tenants = tier.tenants
+    assert tenants is not None  # (asked for tiers with shares)
+    sized = config.block_bytes is not None or tier.capacity is None
+    blocks = capacity_in_blocks(tier, config.block_bytes, config.header_room) if sized else None
+    shares = {name: round(share * blocks) if blocks else share for name, share in tenants.shares.items()}
+    unit = "blocks" if blocks else "of the tier"
+    named = ", ".join(f"{name} {n}" for name, n in shares.items()) or "none named"
+    message = (
+        f"shares ({unit}): {named}; every other tenant {tenants.default_share:g} of the tier; "
+        f"{1 - sum(tenants.shares.values()):.2g} of the tier held by no named share"
+    )
+    if config.key_secret_env is None:
+        message += "; without key_secret_env a tenant's tag is a plain hash of its id: a guessed id can be checked"
+    details = {"shares": tenants.shares, "default_share": tenants.default_share, "capacity_blocks": blocks}
+    return Check(f"{_tier_label(config, i)} tenants", True, message, details)
 
 
 def _directories(tier: DiskTierConfig, engine: VllmEngine | None) -> list[Path]:

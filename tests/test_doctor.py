@@ -25,6 +25,7 @@ from helpers.redis_server import certificate_authority, redis_server, server_cer
 from helpers.stores import bounded
 from kvtier import KVTier
 from kvtier.cli import main
+from kvtier.doctor import diagnose
 from kvtier.tiers.disk_files import SLAB_NAME, DiskTierError
 
 BLOCK = 64 * 1024
@@ -495,3 +496,22 @@ def test_a_node_tier_without_a_daemon_or_with_slots_too_small_fails(tmp_path, ca
         sealed["tiers"][0].update(encryption="aes-gcm", encryption_key_env=SECRET_ENV)
         message = only_failure(*doctor(capsys, write(tmp_path, sealed)), "daemon")  # (its secrets pass)
         assert f"blocks of {BLOCK} bytes ({BLOCK + 32} sealed) do not fit its slots of 65536" in message
+
+
+def test_doctor_reports_a_tiers_tenant_shares_in_blocks_and_whether_tenants_names_are_hidden(tmp_path, monkeypatch):
+    host = {"medium": "host", "capacity_blocks": 100, "tenants": {"shares": {"alice": 0.25, "bob": 0.5}}}
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"block_bytes": 4096, "tiers": [host]}))
+    check = next(c for c in diagnose(str(path))["checks"] if c["name"].endswith("tenants"))
+    assert (
+        check["ok"]
+        and "alice 25, bob 50" in check["message"]
+        and "0.25 of the tier held by no named share" in check["message"]
+    )
+    assert "a guessed id can be checked" in check["message"]
+    monkeypatch.setenv("KVTIER_TEST_DOCTOR_SECRET", "a key-hashing secret of 32 bytes")
+    path.write_text(
+        yaml.safe_dump({"block_bytes": 4096, "key_secret_env": "KVTIER_TEST_DOCTOR_SECRET", "tiers": [host]})
+    )
+    check = next(c for c in diagnose(str(path))["checks"] if c["name"].endswith("tenants"))
+    assert "guessed" not in check["message"] and check["details"]["capacity_blocks"] == 100

@@ -7,7 +7,8 @@ prefixes, resetting vLLM's own prefix cache between prompts, so any reuse must c
 MODE "none" runs without a connector; "kvtier" with KVTierConnector and the given kvtier config;
 "kvtier-keep" the same without the resets (vLLM's own prefix cache then serves the prefixes);
 "scrambled" like "kvtier" but overwrites kvtier's host memory after the first prompt (a control:
-wrong KV must change the tokens, or the comparison proves nothing).
+wrong KV must change the tokens, or the comparison proves nothing); "kvtier-salted" like "kvtier" with
+the first half of the prompts sent with ``cache_salt`` "alice", the second half with "bob" (two tenants).
 
 The result names the engine's KV cache groups (``groups``: their specs' classes). With a connector
 it also holds kvtier's own counts (``hits`` per tier, ``leaks``), what the
@@ -57,6 +58,8 @@ def cpu_kernels_load() -> bool:
 def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
     from vllm import LLM, SamplingParams
 
+    from kvtier.core.keys import tenant_of
+
     kwargs = {}
     if mode != "none":
         kwargs["kv_transfer_config"] = {
@@ -80,7 +83,10 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
         sources, stats = _watch_connector(llm)
     tokens = []
     for i, prompt in enumerate(prompts()):
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        request = {"prompt_token_ids": prompt}
+        if mode == "kvtier-salted":
+            request["cache_salt"] = "alice" if i < len(prompts()) // 2 else "bob"
+        out = llm.generate([request], params, use_tqdm=False)
         tokens.append(list(out[0].outputs[0].token_ids))
         if mode != "kvtier-keep":
             assert llm.reset_prefix_cache()
@@ -100,6 +106,7 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
         result["hits"] = {t.name: t.stats.hits for t in side.tiers}
         result["committed"] = {t.name: t.stats.committed for t in side.tiers}
         result["leaks"] = side.leaks()
+        result["tenants"] = len({tenant_of(key) for t in side.tiers for key in t.ready_keys()})
         result["sources"] = dict(sources)
         result["stats"] = {k: round(v, 6) for k, v in stats.items() if v}
     return result

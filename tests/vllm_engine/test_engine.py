@@ -114,6 +114,17 @@ def test_same_tokens_with_prefixes_from_host(model_dir, reference):
     assert result["leaks"] == NO_LEAKS
 
 
+def test_two_cache_salts_are_two_tenants_that_never_share_a_prefix(model_dir, reference):
+    """Prompts 0-2 come with cache salt "alice", 3-5 with "bob", over two alternating prefixes: each
+    tenant hits only the prefix it sent before (alice's prompt 2, bob's prompt 5), never the other's,
+    and the tokens are those of a run without kvtier."""
+    result = run(model_dir, "kvtier-salted", {"tiers": [{"medium": "host", "capacity_blocks": 64}]})
+    assert result["tokens"] == reference
+    assert result["hits"] == {"host": PREFIX_BLOCKS * 2}
+    assert result["tenants"] == 2  # the host tier's blocks carry the two tenants' tags
+    assert result["leaks"] == NO_LEAKS
+
+
 def test_same_tokens_when_vllms_own_prefix_cache_serves(model_dir, reference):
     result = run(model_dir, "kvtier-keep", {"tiers": [{"medium": "host", "capacity_blocks": 64}]})
     assert result["tokens"] == reference
