@@ -9,7 +9,7 @@ exports them where it exports its own metrics, as Prometheus counters named ``<e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from kvtier.core.media import media, watch_media
@@ -17,7 +17,12 @@ from kvtier.core.misses import TOTAL, MissReason
 
 TOTALS = ("failed_load_blocks", "stored_blocks", "load_bytes", "load_seconds", "store_bytes", "store_seconds")
 
-LABELS = {"hit_blocks": ("tier",), "miss_reason": ("reason", "tier")}
+LABELS = {
+    "hit_blocks": ("tier",),
+    "miss_reason": ("reason", "tier"),
+    "tenant_hit_blocks": ("tenant",),
+    "tenant_stored_blocks": ("tenant",),
+}
 """The labels of each Prometheus metric beyond the engine's own; the others have none."""
 
 
@@ -70,6 +75,22 @@ def _recount() -> None:
 watch_media(_recount)
 
 
+TENANT_METRICS = ("tenant_hit_blocks", "tenant_stored_blocks")
+
+
+def tenant_counter(metric: str, label: str) -> str:
+    """The name of a ``TENANT_METRICS`` count of one tenant label (``core.config.tenant_labels``)."""
+    return f"{metric}:{label}"
+
+
+def tenant_counters(labels: Iterable[str]) -> tuple[Exported, ...]:
+    """The per-tenant counters of a config whose shares name tenants: each ``TENANT_METRICS`` metric per
+    label (the named tenants, ``other`` and ``none``); none where no tier names a tenant."""
+    return tuple(
+        Exported(tenant_counter(metric, label), metric, (label,)) for metric in TENANT_METRICS for label in labels
+    )
+
+
 def hit_media() -> tuple[str, ...]:
     """The media whose hits are counted: every registered medium but the engine's own (gpu)."""
     return _Names.hits
@@ -95,6 +116,9 @@ PROMETHEUS_HELP = {
     "load_seconds": "Seconds kvtier's loads took, summed over jobs and workers.",
     "store_bytes": "Bytes kvtier copied out of the engine's KV cache, summed over workers.",
     "store_seconds": "Seconds kvtier's stores took, summed over jobs and workers.",
+    "tenant_hit_blocks": "Prompt blocks kvtier loaded for a tenant's requests (vLLM's cache_salt), by tenant: the "
+    "tenants the config's shares name, the rest as other, requests of no tenant as none.",
+    "tenant_stored_blocks": "Blocks of a tenant kvtier stored, by tenant (as tenant_hit_blocks).",
     "miss_reason": "Prompt lookups in kvtier that ended before the prompt's last full block, once per request, by "
     "why its first missing block is not there: in total (tier all) and per tier.",
 }

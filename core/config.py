@@ -15,7 +15,7 @@ can use (``kvtier.tiers.remote.config``), a program's own wherever it registers 
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -96,16 +96,21 @@ class TenantSharesConfig(ConfigModel):
 
     def policy(self, make: Callable[[], EvictionPolicy], key_secret: bytes | None) -> TenantShares:
         """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``, and
-        counted under its name; the others are counted as ``other`` (blocks of no tenant: ``none``)."""
-        names = {tenant_tag(name, key_secret): name for name in self.shares}
-        shares = {tag: self.shares[name] for tag, name in names.items()}
-        return TenantShares(
-            make,
-            tenant_of,
-            shares,
-            self.default_share,
-            label_of=lambda tag: names.get(tag) or ("other" if tag else "none"),
-        )
+        counted under its label (``tenant_labels``)."""
+        shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
+        label_of = tenant_labels(self.shares, key_secret)
+        return TenantShares(make, tenant_of, shares, self.default_share, label_of=label_of)
+
+
+OTHER_TENANTS, NO_TENANT = "other", "none"
+
+
+def tenant_labels(names: Iterable[str], key_secret: bytes | None) -> Callable[[bytes], str]:
+    """The label a tenant's counts go under, from its tag: its name where ``names`` (a config's named
+    tenants) hold it, ``other`` for every other tenant, ``none`` for blocks of no tenant: as few labels
+    as the config names tenants, however many come."""
+    by_tag = {tenant_tag(name, key_secret): name for name in names}
+    return lambda tag: by_tag.get(tag) or (OTHER_TENANTS if tag else NO_TENANT)
 
 
 class TransferConfig(ConfigModel):
@@ -345,6 +350,10 @@ class StackConfig(ConfigModel):
         if eviction is not None:
             return eviction
         return LAST_TIER_EVICTION if i == self.last_local_tier else UPPER_TIER_EVICTION
+
+    def tenant_names(self) -> list[str]:
+        """The tenants some tier's ``tenants:`` shares name, sorted: counted by name (``tenant_labels``)."""
+        return sorted({name for tier in self.tiers if tier.tenants is not None for name in tier.tenants.shares})
 
     def tier_policy(self, i: int) -> tuple[EvictionPolicy, Watermark | None]:
         """A new eviction policy for tier ``i`` (``tier_eviction``) and its watermark, if it has one: what

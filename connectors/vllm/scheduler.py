@@ -64,10 +64,10 @@ from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.namespace import request_namespace, request_tenant
 from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
-from kvtier.core.config import DiskTierConfig, StackConfig
+from kvtier.core.config import DiskTierConfig, StackConfig, tenant_labels
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
-from kvtier.core.keys import chain_hashes, tenant_tag
+from kvtier.core.keys import chain_hashes, tenant_of, tenant_tag
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import BASIC, Capabilities, EngineTierRequest, medium
 from kvtier.core.misses import Misses
@@ -205,6 +205,8 @@ class SchedulerSide:
         # Write-through: a store's job also copies on into every tier below, stage after stage.
         self.hops = len(self.tiers) - 1 if config.placement == "write_through" else 0
         self.stats = KVTierConnectorStats()
+        named = config.tenant_names()  # counted by tenant where some tier's shares name tenants
+        self.tenant_label = tenant_labels(named, key_secret) if named else None
         self._requests: dict[str, _RequestState] = {}
         self._events: list[KVCacheEvent] = []
         self._disk_indexes: list[tuple[RankSlabs, ChunksBack]] = []  # disk tiers whose index shutdown leaves
@@ -515,6 +517,10 @@ class SchedulerSide:
             outcome = self._finish(plan, job)
             failed = len(outcome.lost) + count - plan.num_blocks  # lost on the way, or never planned
             self.stats.record_load(self._per_medium(outcome.served), failed)
+            if self.tenant_label is not None:
+                self.stats.record_tenant(
+                    "tenant_hit_blocks", self.tenant_label(state.tag), sum(outcome.served.values())
+                )
             self._job_ended(job.id, request.request_id, loading, reads=False)
 
         # (a block staged through host memory since the lookup still loads in this step, only slower)
@@ -639,7 +645,11 @@ class SchedulerSide:
 
         def done(job: Job) -> None:
             outcome = self._finish(plan, job, tokens)
-            self.stats.record_store(len(outcome.stored.get(self.tiers[0].name, ())))
+            stored = outcome.stored.get(self.tiers[0].name, [])
+            self.stats.record_store(len(stored))
+            if self.tenant_label is not None:
+                for label, n in Counter(self.tenant_label(tenant_of(key)) for key in stored).items():
+                    self.stats.record_tenant("tenant_stored_blocks", label, n)
             self._job_ended(job.id, req_id, gpu_blocks, reads=True)
 
         job = self._start(plan, done)

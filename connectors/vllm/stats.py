@@ -16,7 +16,16 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.connectors.counters import LABELS, PROMETHEUS_HELP, counter_names, counters, hit_media
+from kvtier.connectors.counters import (
+    LABELS,
+    PROMETHEUS_HELP,
+    counter_names,
+    counters,
+    hit_media,
+    tenant_counter,
+    tenant_counters,
+)
+from kvtier.core.config import NO_TENANT, OTHER_TENANTS
 
 STORAGE_COUNTERS = ("skipped_existing",)
 """Counted by the workers' storages (``RankRequest.count``), summed over ranks: ``skipped_existing``,
@@ -44,6 +53,12 @@ class KVTierConnectorStats(KVConnectorStats):
     def record_store(self, blocks: int) -> None:
         self.data["stored_blocks"] += blocks
 
+    def record_tenant(self, metric: str, label: str, blocks: int) -> None:
+        """Blocks of one tenant label loaded or stored (``counters.TENANT_METRICS``), where the config's
+        shares name tenants."""
+        name = tenant_counter(metric, label)
+        self.data[name] = self.data.get(name, 0) + blocks
+
     def record_misses(self, misses: dict[str, int]) -> None:
         """Lookups that ended early, by counter name (``counters.miss_counts``)."""
         for name, n in misses.items():
@@ -55,7 +70,8 @@ class KVTierConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         if not isinstance(other, KVTierConnectorStats):
             raise TypeError(f"cannot aggregate kvtier stats with {type(other).__name__}")
-        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in _names()})
+        names = {*_names(), *self.data, *other.data}  # (the tenants' counts are the config's)
+        return KVTierConnectorStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in names})
 
     def reduce(self) -> dict[str, int | float]:
         """What vLLM logs: every counter, less the miss counts that are 0 (most of them, most of the time)."""
@@ -66,13 +82,14 @@ class KVTierConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _names())
+        return not any(self.data.values())
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """kvtier's counters as Prometheus counters with vLLM's engine labels, and their own ``LABELS``
-    (hits by ``tier``, misses by ``reason`` and ``tier``): every series made at start, so each one is on
-    /metrics, at 0, before anything is counted."""
+    (hits by ``tier``, misses by ``reason`` and ``tier``; where the config's shares name tenants, blocks
+    loaded and stored by ``tenant``): every series made at start, so each one is on /metrics, at 0,
+    before anything is counted."""
 
     def __init__(
         self,
@@ -88,8 +105,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             )
             for name, text in PROMETHEUS_HELP.items()
         }
+        from kvtier.connectors.vllm.connector import connector_config  # (it imports this module)
+
+        named = connector_config(vllm_config).tenant_names()
+        exported = (*counters(), *tenant_counters([*named, OTHER_TENANTS, NO_TENANT] if named else []))
         self._per_engine: dict[int, dict[str, Any]] = {
-            engine: {c.name: metrics[c.metric].labels(*values, *c.labels) for c in counters()}
+            engine: {c.name: metrics[c.metric].labels(*values, *c.labels) for c in exported}
             for engine, values in per_engine_labelvalues.items()
         }
 

@@ -40,3 +40,32 @@ def test_counters_on_metrics_equal_the_reported_stats(make_engine, prometheus, t
     for name in ("failed_load_blocks", "stored_blocks", "load_bytes", "load_seconds", "store_bytes", "store_seconds"):
         assert registry.get_sample_value(f"vllm:kvtier_{name}_total", labels) == totals[name], name
     assert totals["load_bytes"] == 8 * engine.kvtier.tier("host").block_bytes
+
+
+def test_blocks_loaded_and_stored_per_tenant_reach_metrics_under_bounded_labels(make_engine, prometheus):
+    """Where the shares name tenants, /metrics counts blocks loaded and stored per tenant: a named one by
+    its name, every other salt as ``other``, requests without a salt as ``none``; nothing else."""
+    host = {"medium": "host", "capacity_blocks": 64, "tenants": {"shares": {"alice": 0.5}}}
+    engine = make_engine({"tiers": [host]})
+    tokens = {salt: prompt(4, 5, seed=i, prefix=i) for i, salt in enumerate(["alice", "bob", "carol", None])}
+    for salt, t in tokens.items():
+        engine.run([engine.add(t, max_tokens=2, cache_salt=salt)])
+    forget_gpu(engine)
+    for salt, t in tokens.items():  # each one's prefix again: loaded from host
+        engine.run([engine.add(t, max_tokens=2, cache_salt=salt)])
+    registry, prom = prometheus(engine.vllm_config)
+    for stats in engine.stats:
+        prom.observe(stats, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    hits = {
+        tenant: registry.get_sample_value("vllm:kvtier_tenant_hit_blocks_total", {**labels, "tenant": tenant})
+        for tenant in ("alice", "other", "none", "bob")
+    }
+    assert hits == {"alice": 4, "other": 8, "none": 4, "bob": None}  # bob and carol are "other"
+    stored = sum(
+        registry.get_sample_value("vllm:kvtier_tenant_stored_blocks_total", {**labels, "tenant": t})
+        for t in ("alice", "other", "none")
+    )
+    assert stored == registry.get_sample_value("vllm:kvtier_stored_blocks_total", labels) > 0
+    held = engine.kvtier.tier("host").tenant_counts()
+    assert set(held) == {"alice", "other", "none"} and held["other"]["held"] == 2 * held["alice"]["held"]
