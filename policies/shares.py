@@ -28,7 +28,7 @@ from kvtier.policies.base import EvictionPolicy, Key
 def level(over: Mapping[Hashable, float], n: int) -> dict[Hashable, int]:
     """How many blocks each tenant gives so that ``n`` taken from those furthest over (``over``: blocks
     beyond the quota, negative below it) leave them level, none giving more than brings it to the
-    level of the next: water-filling. Each part is whole; the remainder goes to the furthest over."""
+    level of the next: water-filling. Each part is whole, the remainder taken from those left furthest over."""
     ranked = sorted(over.items(), key=lambda item: -item[1])
     total, waterline, k = 0.0, 0.0, 0
     for k, (_, excess) in enumerate(ranked, 1):
@@ -38,8 +38,8 @@ def level(over: Mapping[Hashable, float], n: int) -> dict[Hashable, int]:
             break
     parts = {name: max(0, math.floor(excess - waterline)) for name, excess in ranked[:k]}
     short = n - sum(parts.values())
-    for name, _ in ranked[:short]:
-        parts[name] += 1
+    for name, _ in sorted(ranked[:k], key=lambda item: parts[item[0]] - item[1])[:short]:
+        parts[name] += 1  # the blocks the floors left: one each from those left furthest over
     return {name: part for name, part in parts.items() if part}
 
 

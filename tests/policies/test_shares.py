@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from kvtier import KVTier
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.node_config import load_node_config
 from kvtier.policies import LRUPolicy
-from kvtier.policies.shares import TenantShares
+from kvtier.policies.shares import TenantShares, level
 
 
 def tenant(key: tuple[str, int]) -> str:
@@ -152,3 +153,15 @@ def test_a_tier_with_shares_counts_its_named_tenants_by_name_and_sums_the_others
     assert counts["other"]["stored"] == 12 and counts["none"]["stored"] == 4
     assert sum(c["held"] for c in counts.values()) == 8
     assert sum(c["stored"] - c["evicted"] for c in counts.values()) == 8
+
+
+@given(
+    st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-50, 50, allow_nan=False), min_size=1),
+    st.integers(1, 200),
+)
+def test_level_takes_n_from_those_furthest_over_and_leaves_them_level(over, n):
+    parts = level(over, n)
+    assert sum(parts.values()) == n and all(part > 0 for part in parts.values())
+    after = {tenant: excess - parts.get(tenant, 0) for tenant, excess in over.items()}
+    for giver in parts:  # none gave so much that it ended more than a block below another
+        assert all(after[giver] >= other - 1 - 1e-9 for other in after.values())
