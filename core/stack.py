@@ -362,7 +362,7 @@ class TierStack:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier its counters and current usage, and where it has ``tenants:`` shares, ``"tenants"``:
         per tenant label, blocks stored, read, evicted and held (``Tier.tenant_counts``)."""
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for tier in self.tiers:
             usage = tier.usage()
             out[tier.name] = {**tier.stats.as_dict(), "used": usage.used, "capacity": usage.capacity}

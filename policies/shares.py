@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from kvtier.policies.base import EvictionPolicy, Key
 
+Tenant = TypeVar("Tenant", bound=Hashable)
+"""What ``tenant_of`` names a tenant by: a tier's tag (``bytes``), the replay's tenant name."""
 
-def level(over: Mapping[Hashable, float], n: int) -> dict[Hashable, int]:
+
+def level(over: Mapping[Tenant, float], n: int) -> dict[Tenant, int]:
     """How many blocks each tenant gives so that ``n`` taken from those furthest over (``over``: blocks
     beyond the quota, negative below it) leave them level, none giving more than brings it to the
     level of the next: water-filling. Each part is whole, the remainder taken from those left furthest over."""
@@ -62,7 +66,7 @@ class _Tenant:
         self.incoming = self.stored = self.read = self.evicted = 0
 
 
-class TenantShares(EvictionPolicy[Key]):
+class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
     """One ``make()`` policy per tenant, and each tenant's count of blocks against its quota
     (``share * capacity``, the capacity the tier ``bind``s, or ``capacity`` given here). ``counts``
     reports the tenants by ``label_of(tenant)``: a tier names the tenants of its shares and sums the
@@ -71,11 +75,11 @@ class TenantShares(EvictionPolicy[Key]):
     def __init__(
         self,
         make: Callable[[], EvictionPolicy[Key]],
-        tenant_of: Callable[[Key], Hashable],
-        shares: Mapping[Hashable, float],
+        tenant_of: Callable[[Key], Tenant],
+        shares: Mapping[Tenant, float],
         default_share: float,
         capacity: int = 0,
-        label_of: Callable[[Hashable], str] = str,
+        label_of: Callable[[Tenant], str] = str,
     ) -> None:
         self._make = make
         self._label_of = label_of
@@ -84,18 +88,18 @@ class TenantShares(EvictionPolicy[Key]):
         self._shares = dict(shares)
         self._default_share = default_share
         self._capacity = capacity
-        self._tenants: dict[Hashable, _Tenant] = {}
+        self._tenants: dict[Tenant, _Tenant] = {}
 
     def bind(self, index: Mapping[Key, int], capacity: int) -> None:
         """Takes the tier's capacity (its quotas are shares of it); the tenants' policies keep keys of
         their own, not bound to the tier's index (each would take arrays as long as the whole tier)."""
         self._capacity = capacity
 
-    def quota(self, tenant: Hashable) -> float:
+    def quota(self, tenant: Tenant) -> float:
         """The blocks ``tenant``'s share guarantees it."""
         return self._shares.get(tenant, self._default_share) * self._capacity
 
-    def held(self) -> dict[Hashable, int]:
+    def held(self) -> dict[Tenant, int]:
         """Blocks each tenant holds now (tenants holding none left out)."""
         return {name: len(tenant.policy) for name, tenant in self._tenants.items() if len(tenant.policy)}
 
@@ -109,18 +113,18 @@ class TenantShares(EvictionPolicy[Key]):
             counts["held"] += len(tenant.policy)
         return out
 
-    def _drop(self, name: Hashable) -> None:
+    def _drop(self, name: Tenant) -> None:
         """Forget a tenant, keeping its counts under its label."""
         tenant = self._tenants.pop(name)
         gone = self._gone.setdefault(self._label_of(name), dict.fromkeys(COUNTS, 0))
         for what in COUNTS:
             gone[what] += getattr(tenant, what)
 
-    def _new(self, name: Hashable) -> _Tenant:
+    def _new(self, name: Tenant) -> _Tenant:
         tenant = self._tenants[name] = _Tenant(self._make())
         return tenant
 
-    def _forget_if_empty(self, name: Hashable) -> None:
+    def _forget_if_empty(self, name: Tenant) -> None:
         """A tenant holding no block is forgotten: a tier's tenants are those holding blocks, however
         many came and went."""
         tenant = self._tenants[name]
@@ -153,7 +157,7 @@ class TenantShares(EvictionPolicy[Key]):
             tenant.incoming -= 1
 
     def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
-        by_tenant: dict[Hashable, list[Key]] = {}
+        by_tenant: dict[Tenant, list[Key]] = {}
         for key in keys:
             by_tenant.setdefault(self._tenant_of(key), []).append(key)
         for name, own in by_tenant.items():
