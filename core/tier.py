@@ -606,10 +606,13 @@ class Tier:
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
     def tenant_counts(self) -> dict[str, dict[str, int]] | None:
-        """Per tenant label, blocks stored, read, evicted and held, where the tier has ``tenants:`` shares
-        (``TenantShares.counts``); None otherwise."""
+        """Per tenant label, blocks stored, read, evicted and held, and the bytes held, where the tier has
+        ``tenants:`` shares (``TenantShares.counts``); None otherwise."""
         with self._lock:
-            return self.policy.counts() if isinstance(self.policy, TenantShares) else None
+            if not isinstance(self.policy, TenantShares):
+                return None
+            counts = self.policy.counts()
+        return {label: {**c, "held_bytes": c["held"] * self.block_bytes} for label, c in counts.items()}
 
     def usage(self) -> Usage:
         with self._lock:

@@ -69,8 +69,8 @@ class _Tenant:
 class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
     """One ``make()`` policy per tenant, and each tenant's count of blocks against its quota
     (``share * capacity``, the capacity the tier ``bind``s, or ``capacity`` given here). ``counts``
-    reports the tenants by ``label_of(tenant)``: a tier names the tenants of its shares and sums the
-    rest, so that however many tenants come, the labels stay few."""
+    reports the tenants by ``label_of(tenant)`` (by default all as one): a tier names the tenants of its
+    shares and sums the rest, so that however many tenants come, the labels stay few."""
 
     def __init__(
         self,
@@ -79,7 +79,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         shares: Mapping[Tenant, float],
         default_share: float,
         capacity: int = 0,
-        label_of: Callable[[Tenant], str] = str,
+        label_of: Callable[[Tenant], str] = lambda _: "all",
     ) -> None:
         self._make = make
         self._label_of = label_of

@@ -149,7 +149,7 @@ def test_a_tier_with_shares_counts_its_named_tenants_by_name_and_sums_the_others
         assert kv.load_now(steady, np.zeros_like(blocks), tenant="steady").loaded == 4
         counts = kv.stats()["host"]["tenants"]
     assert set(counts) == {"steady", "other", "none"}  # however many tenants came: the named ones, then sums
-    assert counts["steady"] == {"stored": 4, "read": 4, "evicted": 0, "held": 4}
+    assert counts["steady"] == {"stored": 4, "read": 4, "evicted": 0, "held": 4, "held_bytes": 4 * BLOCK}
     assert counts["other"]["stored"] == 12 and counts["none"]["stored"] == 4
     assert sum(c["held"] for c in counts.values()) == 8
     assert sum(c["stored"] - c["evicted"] for c in counts.values()) == 8
