@@ -237,7 +237,7 @@ def control_us(socket_path: str, block_bytes: int) -> dict[str, float]:
 
         def store() -> None:
             fresh = node.node_keys(kv.keys(request_tokens(1)))
-            (given,), epoch, _ = node.client.call(Op.RESERVE, fresh, [block_bytes] * BLOCKS)
+            (given,), epoch, _ = node.client.call(Op.RESERVE, fresh, [block_bytes] * BLOCKS, [b""] * BLOCKS)
             node.client.post(Op.ABORT, epoch, fresh)
             assert all(isinstance(answer, list) for answer in given)
 

@@ -94,12 +94,18 @@ class TenantSharesConfig(ConfigModel):
             )
         return self
 
-    def policy(self, make: Callable[[], EvictionPolicy], key_secret: bytes | None) -> TenantShares:
+    def policy(
+        self,
+        make: Callable[[], EvictionPolicy],
+        key_secret: bytes | None,
+        tag_of: Callable[[bytes], bytes] = tenant_of,
+    ) -> TenantShares:
         """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``, and
-        counted under its label (``tenant_labels``)."""
+        counted under its label (``tenant_labels``); a block's tenant is ``tag_of(key)`` (by default the
+        tag its key begins with)."""
         shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
         label_of = tenant_labels(self.shares, key_secret)
-        return TenantShares(make, tenant_of, shares, self.default_share, label_of=label_of)
+        return TenantShares(make, tag_of, shares, self.default_share, label_of=label_of)
 
 
 OTHER_TENANTS, NO_TENANT = "other", "none"
@@ -355,12 +361,19 @@ class StackConfig(ConfigModel):
         """The tenants some tier's ``tenants:`` shares name, sorted: counted by name (``tenant_labels``)."""
         return sorted({name for tier in self.tiers if tier.tenants is not None for name in tier.tenants.shares})
 
-    def tier_policy(self, i: int) -> tuple[EvictionPolicy, Watermark | None]:
+    def tier_policy(
+        self, i: int, tag_of: Callable[[bytes], bytes] = tenant_of
+    ) -> tuple[EvictionPolicy, Watermark | None]:
         """A new eviction policy for tier ``i`` (``tier_eviction``) and its watermark, if it has one: what
-        every place that builds the tier's index (a stack, vLLM's scheduler side) gives it."""
+        every place that builds the tier's index (a stack, vLLM's scheduler side, a node daemon) gives
+        it. With ``tenants:`` shares a block's tenant is ``tag_of(key)`` (a node daemon's keys do not
+        begin with it: the daemon keeps what the engines said)."""
         tier = self.tiers[i]
         make = eviction_policy(self.tier_eviction(i))
-        policy = make() if tier.tenants is None else tier.tenants.policy(make, key_secret(self.key_secret_env))
+        if tier.tenants is None:
+            policy = make()
+        else:
+            policy = tier.tenants.policy(make, key_secret(self.key_secret_env), tag_of)
         return policy, Watermark(tier.watermark.high, tier.watermark.low) if tier.watermark is not None else None
 
     @property

@@ -47,9 +47,10 @@ from kvtier.core.errors import ConfigError, shown
 from kvtier.core.media import HOST
 from kvtier.core.strict_yaml import read_yaml
 
-ENGINE_KEYS = ("namespace", "key_secret_env", "fragments", "block_tokens")
+ENGINE_KEYS = ("namespace", "fragments", "block_tokens")
 """Stack keys that describe an engine's blocks, not a daemon's: the daemon stores every engine's blocks
-under that engine's own keys, so they mean nothing here."""
+under that engine's own keys, so they mean nothing here. (``key_secret_env`` does: the engines' secret,
+which the daemon needs only to know the tenants its slab's shares name.)"""
 
 
 def default_slab() -> str:
@@ -159,11 +160,11 @@ def load_node_config(source: str | Path | dict) -> NodeConfig:
         raise ConfigError(
             f"{name}: tiers[0]: the slab is a host tier (medium: host), got {shown(stack.tiers[0].medium)}"
         )
-    for i, tier in enumerate(stack.tiers):
+    for i, tier in enumerate(stack.tiers[1:], 1):
         if tier.tenants is not None:
             raise ConfigError(
-                f"{name}: tiers[{i}]: tenants: the daemon's tiers have no tenant shares yet (it knows blocks "
-                f"by node keys, which do not name their tenant); give shares in the engines' own tiers"
+                f"{name}: tiers[{i}]: tenants: only the slab (tiers[0]) has tenant shares: the tiers below it "
+                f"keep what the slab copies down"
             )
     for i, tier in enumerate(stack.tiers[1:], 1):
         if tier.medium == "node":

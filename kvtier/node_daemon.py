@@ -55,6 +55,7 @@ from kvtier.tiers.node.protocol import (
     ERROR,
     FULL,
     HELD,
+    MAX_KEYS,
     OK,
     POSTED,
     VERSION,
@@ -163,13 +164,16 @@ class NodeDaemon:
             raise ConfigError(f"tiers[0]: the slab holds no slot of {geometry.slot_bytes} bytes; raise its capacity")
         self.slab = SlabFile(self.settings.slab, Geometry(slots, geometry.slot_bytes), self.settings.hugepages)
         self.stack: TierStack | None = None
+        # node key -> the tenant tag its writer gave (RESERVE), for the slab's shares: set while the key is
+        # not in the slab, kept while it is (so a block's tenant never changes under the policy)
+        self._tags: dict[bytes, bytes] = {}
         try:
             view = self.slab.view
             layout = BlockLayout((geometry.slot_bytes,))
 
             def slab_tier(jobs: JobManager) -> Tier:
                 storage = contiguous_storage(view.base, slots, layout, HOST_DEVICE, view)
-                policy, watermark = config.stack.tier_policy(0)
+                policy, watermark = config.stack.tier_policy(0, tag_of=lambda key: self._tags.get(key, b""))
                 name = config.stack.tier_name(0)
                 return Tier(name, HOST, storage, policy, watermark, jobs.is_fenced, note=self.settings.slab)
 
@@ -525,13 +529,15 @@ class NodeDaemon:
             else:
                 del pins[key]
 
-    def _reserve(self, session: Session, keys: list[bytes], lengths: list[int]) -> list[Any]:
+    def _reserve(self, session: Session, keys: list[bytes], lengths: list[int], tags: list[bytes]) -> list[Any]:
         """A slot per key that no writer has yet, that the slab's policy admits and that fits, at most
         the connection's room (evicting through the policy, all at once where room allows); per key
-        [slot, generation] or why not. The slots' generations move before anyone hears of them."""
+        [slot, generation] or why not. The slots' generations move before anyone hears of them. Each
+        key not in the slab takes the tenant ``tags`` gives it (``_tag``)."""
         tier, fits = self.tier, self.slab.geometry.slot_bytes
         states = [tier.state(key) for key in keys]
         fresh = [i for i, state in enumerate(states) if state is BlockState.FREE]
+        self._note_tags([keys[i] for i in fresh], [tags[i] for i in fresh])
         admitted = tier.admit([keys[i] for i in fresh])
         out: list[Any] = [
             [*self._where(key), HELD] if state is BlockState.READY else BUSY
@@ -571,6 +577,18 @@ class NodeDaemon:
         for outcome, name in ((BUSY, "busy"), (FULL, "full"), (DECLINED, "declined")):
             session.counts[name] += out.count(outcome)
         return out
+
+    def _note_tags(self, keys: list[bytes], tags: list[bytes]) -> None:
+        """Note the tenants of blocks not in the slab. Tags of blocks no longer in it are forgotten first,
+        once they outnumber its slots twice (a block brought up from a tier below after that is nobody's:
+        counted ``none``)."""
+        if len(self._tags) > 2 * self.tier.capacity + MAX_KEYS:
+            self._tags = {k: t for k, t in self._tags.items() if self.tier.state(k) is not BlockState.FREE}
+        for key, tag in zip(keys, tags, strict=True):
+            if tag:
+                self._tags[key] = tag
+            else:
+                self._tags.pop(key, None)
 
     def _hand_out(self, slots: np.ndarray, keys: list[bytes], lengths: list[int], writer: int) -> list[int]:
         """Write the headers of slots given to a writer: the generation first (a reader of what the slot
@@ -648,7 +666,7 @@ class NodeDaemon:
         return {**self._totals(), "this_connection": dict(session.counts, held=session.held)}
 
     def _totals(self) -> dict[str, Any]:
-        """The daemon's counts and the slab's use (under the lock)."""
+        """The daemon's counts, the slab's use and its tenants' (under the lock)."""
         totals = Counter(self._counts)
         for session in self._sessions:
             totals.update(session.counts)
@@ -662,6 +680,7 @@ class NodeDaemon:
             "slot_bytes": self.slab.geometry.slot_bytes,
             "connected": len(self._sessions),
             "held": sum(session.held for session in self._sessions),
+            "tenants": self.tier.tenant_counts() or {},  # per tenant label, where the slab has shares
         }
 
 

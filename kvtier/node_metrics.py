@@ -1,5 +1,6 @@
 """The node daemon's Prometheus endpoint (``kvtier node serve --metrics-port``): the daemon's counts, the
-slab's use and, per connected engine, its own counts, read from ``NodeDaemon.stats`` at every scrape."""
+slab's use, per connected engine its own counts and, where the slab has shares, per tenant its blocks,
+read from ``NodeDaemon.stats`` at every scrape."""
 
 from __future__ import annotations
 
@@ -63,6 +64,29 @@ class NodeCollector:
             for engine, counts in stats["engines"].items():
                 family.add_metric([engine], counts.get(name, 0))
             yield family
+        yield from tenant_families(stats["tenants"])
+
+
+TENANT_HELP = {
+    "stored": "blocks of a tenant stored in the slab",
+    "read": "blocks of a tenant read from the slab",
+    "evicted": "blocks of a tenant evicted from the slab",
+}
+
+
+def tenant_families(tenants: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    """Per tenant of the slab's shares (the tenants they name, ``other``, ``none``), where it has shares."""
+    if not tenants:
+        return
+    for name, text in TENANT_HELP.items():
+        family = CounterMetricFamily(f"kvtier_node_tenant_{name}", text, labels=["tenant"])
+        for tenant, counts in tenants.items():
+            family.add_metric([tenant], counts[name])
+        yield family
+    held = GaugeMetricFamily("kvtier_node_tenant_held", "blocks of a tenant in the slab now", labels=["tenant"])
+    for tenant, counts in tenants.items():
+        held.add_metric([tenant], counts["held"])
+    yield held
 
 
 def serve_metrics(daemon: NodeDaemon, port: int, address: str = "127.0.0.1") -> None:

@@ -126,16 +126,19 @@ def test_a_flooding_tenant_leaves_a_steady_tenants_blocks_in_a_host_tier_with_sh
             assert kv.load_now(steady, out, tenant="steady").loaded == 4 and np.array_equal(out, blocks)
 
 
-def test_tiers_kvtier_does_not_evict_from_refuse_shares_saying_whose_they_are(tmp_path):
+def test_tiers_kvtier_does_not_evict_from_and_those_below_a_node_slab_refuse_shares_saying_why(tmp_path):
     remote = {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:1"}, "tenants": {}}
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.tenants: a remote tier has no tenant shares: the store"):
         load_config({"block_bytes": 4096, "tiers": [{"medium": "host", "capacity_blocks": 8}, remote]})
     daemon = {
         "node": {"socket": str(tmp_path / "s")},
         "block_bytes": 4096,
-        "tiers": [{"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"a": 0.5}}}],
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"a": 0.5}}},
+            {"medium": "disk", "path": str(tmp_path / "d"), "capacity_blocks": 8, "tenants": {}},
+        ],
     }
-    with pytest.raises(ConfigError, match=r"tiers\[0\]: tenants: the daemon's tiers have no tenant shares yet"):
+    with pytest.raises(ConfigError, match=r"tiers\[1\]: tenants: only the slab \(tiers\[0\]\) has tenant shares"):
         load_node_config(daemon)
 
 

@@ -14,7 +14,8 @@ per message: a batch is one round trip per request phase.
                                         block of a tier below comes up into the slab first, ``length`` bytes)
     RELEASE [keys]                   (unpins this connection's pins)
     TOUCH   [keys]                   (blocks read without a pin: a use, for the slab's policy)
-    RESERVE [keys, lengths]          -> [OK, [[slot, gen], [slot, gen, HELD], [HELD] or BUSY / FULL / DECLINED]]
+    RESERVE [keys, lengths, tags]    -> [OK, [[slot, gen], [slot, gen, HELD], [HELD] or BUSY / FULL / DECLINED]]
+                                        (``tags``: each block's tenant, its key's tag or b"", for the slab's shares)
     COMMIT  [keys]                   (publishes this connection's reservations: READY from then on)
     ABORT   [keys]                   (gives this connection's reservations back)
     DROP    [[key, gen], ...]        (a load found these blocks damaged: unreadable for everyone)
@@ -33,9 +34,10 @@ from typing import Any
 
 import msgpack
 
+from kvtier.core.keys import TENANT_TAG_BYTES
 from kvtier.tiers.node.slab import NODE_KEY_BYTES
 
-VERSION = 1
+VERSION = 2
 """Bumped whenever a message changes: a daemon and an engine of different versions refuse each other."""
 MAX_FRAME = 1 << 20
 MAX_KEYS = 16384
@@ -154,11 +156,14 @@ def request(message: list[Any]) -> tuple[Op, list[Any]]:
         keys, length = _count(args, 2, op)
         return op, [_keys(keys, op), _int(length, "a block length", 1, 2**32 - 1)]
     if op is Op.RESERVE:
-        keys, lengths = _count(args, 2, op)
+        keys, lengths, tags = _count(args, 3, op)
         keys, lengths = _keys(keys, op), [_int(n, "a block length", 1, 2**32 - 1) for n in _list(lengths, op)]
-        if len(lengths) != len(keys):
-            raise ProtocolError(f"RESERVE of {len(keys)} keys with {len(lengths)} lengths")
-        return op, [keys, lengths]
+        tags = _list(tags, op)
+        if not all(isinstance(tag, bytes) and len(tag) in (0, TENANT_TAG_BYTES) for tag in tags):
+            raise ProtocolError(f"RESERVE's tenant tags must be empty or {TENANT_TAG_BYTES}-byte strings")
+        if not len(lengths) == len(tags) == len(keys):
+            raise ProtocolError(f"RESERVE of {len(keys)} keys with {len(lengths)} lengths and {len(tags)} tags")
+        return op, [keys, lengths, tags]
     (keys,) = _count(args, 1, op)
     return op, [_keys(keys, op)]
 

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvtier.core.caller_runs import caller_runs_here, offer
 from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
+from kvtier.core.keys import tenant_of
 from kvtier.core.media import HOST_DEVICE
 from kvtier.core.misses import MissReason
 from kvtier.core.sealing import SEAL_BYTES, Sealer
@@ -121,7 +122,8 @@ def _store(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> s
     """Reserve, copy and hash in, commit; the blocks that did not land."""
     names = node.node_keys(keys)
     try:
-        (given,), epoch, view = node.client.call(Op.RESERVE, names, [node.stored_bytes] * len(names))
+        tags = [tenant_of(key) for key in keys]
+        (given,), epoch, view = node.client.call(Op.RESERVE, names, [node.stored_bytes] * len(names), tags)
     except StoreError:
         return set(range(len(keys)))
     if not isinstance(given, list) or len(given) != len(names):  # (a daemon that answers another question)

@@ -39,7 +39,7 @@ kv = KVTier.open({"block_tokens": 16, "block_bytes": 65536, "tiers": [{"medium":
 node = kv.stack.tiers[0].storage
 names = node.node_keys(kv.keys(list(range(start, start + 16 * n))))
 if op == "reserve":
-    (given,), _, view = node.client.call(Op.RESERVE, names, [65536] * n)
+    (given,), _, view = node.client.call(Op.RESERVE, names, [65536] * n, [b""] * n)
     for slot, _ in given:
         view.block(slot, 65536)[:] = bytes([7]) * 65536  # half-written, never committed
 else:

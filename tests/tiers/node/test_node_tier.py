@@ -83,13 +83,15 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
     with KVTier.open(stack(daemon)) as writer, KVTier.open(stack(daemon)) as other:
         node = writer.stack.tiers[0].storage
         names = node.node_keys(writer.keys(tokens))
-        (given,), epoch, view = node.client.call(Op.RESERVE, names, [BLOCK, BLOCK])
+        (given,), epoch, view = node.client.call(Op.RESERVE, names, [BLOCK, BLOCK], [b"", b""])
         assert all(isinstance(entry, list) for entry in given)
         for (slot, _), block in zip(given, blocks, strict=True):
             view.block(slot, BLOCK)[:] = block  # the bytes are there, uncommitted
         assert other.lookup(tokens) == 0
         other_node = other.stack.tiers[0].storage
-        (busy,), _, _ = other_node.client.call(Op.RESERVE, other_node.node_keys(other.keys(tokens)), [BLOCK, BLOCK])
+        (busy,), _, _ = other_node.client.call(
+            Op.RESERVE, other_node.node_keys(other.keys(tokens)), [BLOCK, BLOCK], [b"", b""]
+        )
         assert busy == [BUSY, BUSY]
         (pinned,), _, _ = other_node.client.call(Op.PIN, names, BLOCK)
         assert pinned == [None, None]
@@ -99,7 +101,7 @@ def test_a_block_is_invisible_until_its_writer_commits(daemon, rng):
         daemon.wait_stores(before + 2)  # (a store returns once its COMMIT is posted; the daemon reads it later)
         out = np.zeros_like(blocks)
         assert other.load_now(tokens, out).loaded == 2 and np.array_equal(out, blocks)
-        (held,), _, _ = other_node.client.call(Op.RESERVE, names, [BLOCK, BLOCK])
+        (held,), _, _ = other_node.client.call(Op.RESERVE, names, [BLOCK, BLOCK], [b"", b""])
         assert [entry[2] for entry in held] == [HELD, HELD]  # (with where the blocks are)
         assert [entry[:2] for entry in held] == [
             entry[:2] for entry in other_node.client.call(Op.PIN, names, BLOCK)[0][0]
