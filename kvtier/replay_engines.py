@@ -67,6 +67,8 @@ def node_daemon_for(config: StackConfig) -> Iterator[tuple[StackConfig, NodeDaem
                     "node": {"socket": socket_path, "slab": slab, "max_held": 1.0},
                     "block_bytes": config.block_bytes,
                     "tiers": [slab_tier],
+                    # (the slab's shares know the tenants they name by their tags under the engines' secret)
+                    **({"key_secret_env": config.key_secret_env} if config.key_secret_env else {}),
                 }
             )
         )
@@ -121,7 +123,11 @@ def _summed(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def daemon_counts(daemon: NodeDaemon) -> dict[str, int]:
-    """The node tier's capacity, use and evictions: the daemon's slab's."""
+def daemon_counts(daemon: NodeDaemon) -> dict[str, Any]:
+    """The node tier's capacity, use and evictions: the daemon's slab's; its tenants' where it has shares."""
     usage = daemon.tier.usage()
-    return {"capacity": usage.capacity, "used": usage.used, "evicted": daemon.tier.stats.evicted}
+    counts: dict[str, Any] = {"capacity": usage.capacity, "used": usage.used, "evicted": daemon.tier.stats.evicted}
+    tenants = daemon.tier.tenant_counts()
+    if tenants is not None:
+        counts["tenants"] = tenants
+    return counts

@@ -54,6 +54,18 @@ def test_a_steady_tenant_keeps_its_hits_against_a_flood_with_shares_and_loses_th
         assert "tenants" not in unshared["tiers"]["host"]
 
 
+def test_engines_on_a_node_daemon_keep_a_steady_tenants_hits_with_the_slabs_shares(tmp_path, capsys):
+    """``--node --engines 2``: the config's last tier becomes a node daemon's slab, shares and all; the
+    engines tell it each block's tenant, and its shares hold the steady tenant's blocks."""
+    flooded = ["--conversations", "100", "--flood", "128", "--node", "--engines", "2"]
+    unshared = run_json(capsys, *flooded, "--config", config(tmp_path, None))
+    shared = run_json(capsys, *flooded, "--config", config(tmp_path, {"steady": 0.5, "flood": 0.5}))
+    assert shared["tenants"]["steady"]["hit_ratio"] > unshared["tenants"]["steady"]["hit_ratio"] + 0.15
+    slab = shared["tiers"]["host"]["tenants"]  # the daemon's own counts: steady holds its share at the end
+    assert slab["steady"]["held"] >= CAPACITY // 2 and slab["flood"]["evicted"] > 10 * slab["steady"]["evicted"]
+    assert shared["corrupt_blocks"] == unshared["corrupt_blocks"] == 0
+
+
 def test_two_tenants_sending_the_same_block_ids_never_hit_each_others(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     lines = [{"hash_ids": [1, 2, 3], "tenant": "a"}, {"hash_ids": [1, 2, 3], "tenant": "b"}, {"hash_ids": [1, 2, 3]}]
