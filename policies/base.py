@@ -52,6 +52,12 @@ class EvictionPolicy(ABC, Generic[Key]):
         for key in keys:
             self.insert(key)
 
+    def insert_many(self, keys: Sequence[Key]) -> None:
+        """``insert`` of each key, in order: blocks that became readable together (one store's). A
+        policy, or a wrapper of policies, may do better at once; the default inserts one by one."""
+        for key in keys:
+            self.insert(key)
+
     @abstractmethod
     def touch(self, key: Key) -> None:
         """A tracked block was read."""

@@ -17,6 +17,7 @@ furthest over its quota still gives first, so every tenant keeps as close to its
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
@@ -34,6 +35,8 @@ def level(over: Mapping[Tenant, float], n: int) -> dict[Tenant, int]:
     beyond the quota, negative below it) leave them level, none giving more than brings it to the
     level of the next: water-filling. Each part is whole, the remainder taken from those left furthest over."""
     ranked = sorted(over.items(), key=lambda item: -item[1])
+    if len(ranked) == 1 or ranked[0][1] - n >= ranked[1][1]:  # (the one furthest over gives them all)
+        return {ranked[0][0]: n}
     total, waterline, k = 0.0, 0.0, 0
     for k, (_, excess) in enumerate(ranked, 1):
         total += excess
@@ -156,6 +159,18 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         if tenant.incoming:
             tenant.incoming -= 1
 
+    def insert_many(self, keys: Sequence[Key]) -> None:
+        """Each run of one tenant's keys (a store's are all one tenant's) inserted at once."""
+        for name, run in itertools.groupby(keys, self._tenant_of):
+            try:
+                tenant = self._tenants[name]
+            except KeyError:
+                tenant = self._new(name)
+            own = list(run)
+            tenant.policy.insert_many(own)
+            tenant.stored += len(own)
+            tenant.incoming = max(0, tenant.incoming - len(own))
+
     def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         by_tenant: dict[Tenant, list[Key]] = {}
         for key in keys:
@@ -178,22 +193,33 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         about to store), so many from each that they end level (``level``): one call of each tenant's
         policy, again only where one could not give its part (its other blocks in use)."""
         tenants = self._tenants
-        over = {name: len(t.policy) + t.incoming - self.quota(name) for name, t in tenants.items()}
-        for tenant in tenants.values():
-            tenant.incoming = 0
+        if len(tenants) == 1:  # (one tenant: nobody else's share to keep)
+            ((name, tenant),) = tenants.items()
+            return self._take(name, tenant, n, protected)
+        shares, default, capacity = self._shares, self._default_share, self._capacity
+        over = {name: len(t.policy) + t.incoming - shares.get(name, default) * capacity for name, t in tenants.items()}
         victims: list[Key] = []
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
-                tenant = tenants[name]
-                taken = tenant.policy.evict(take, protected)
-                tenant.evicted += len(taken)
+                taken = self._take(name, tenants[name], take, protected)
                 victims += taken
                 over[name] -= len(taken)
-                if len(taken) < take or not len(tenant.policy):  # it gave all it could
+                if len(taken) < take or name not in tenants:  # it gave all it could
                     del over[name]
-        for name in [name for name, tenant in tenants.items() if not len(tenant.policy)]:
-            self._drop(name)
+        for name, tenant in list(tenants.items()):  # (what is admitted but not stored by now is not coming)
+            tenant.incoming = 0
+            if not len(tenant.policy):
+                self._drop(name)
         return victims
+
+    def _take(self, name: Tenant, tenant: _Tenant, n: int, protected: Container[Key]) -> list[Key]:
+        """Up to ``n`` of one tenant's blocks, by its own policy; a tenant left with none is forgotten."""
+        tenant.incoming = 0
+        taken = tenant.policy.evict(n, protected)
+        tenant.evicted += len(taken)
+        if not len(tenant.policy):
+            self._drop(name)
+        return taken
 
     def __len__(self) -> int:
         return sum(len(tenant.policy) for tenant in self._tenants.values())

@@ -127,9 +127,8 @@ def replay(
             evictions += len(victims)
             if len(victims) < need:
                 del missing[len(missing) - (need - len(victims)) :]
-        for h in missing:
-            resident.add(h)
-            policy.insert(h)
+        resident.update(missing)
+        policy.insert_many(missing)
         if on_request is not None:
             on_request(request, request_hits, len(resident))
     return ReplayResult(hits, references, evictions)

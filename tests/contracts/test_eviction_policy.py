@@ -164,6 +164,20 @@ def test_misuse_raises_key_error_and_changes_nothing(policy):
     assert policy.evict(2, ()) == [b"a"]
 
 
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_insert_many_is_inserting_one_by_one(name):
+    """A store's blocks inserted at once leave in the order, and at the times, they would one by one."""
+    keys = [b"k%02d" % i for i in range(12)]
+    one_by_one, at_once = filled(FACTORIES[name](), *keys[:6]), FACTORIES[name]()
+    at_once.insert_many(keys[:6])
+    for policy in (one_by_one, at_once):
+        policy.touch(keys[2])
+    one_by_one = filled(one_by_one, *keys[6:])
+    at_once.insert_many(keys[6:])
+    assert len(at_once) == len(one_by_one) == 12
+    assert [at_once.evict(3, {keys[0]}) for _ in range(4)] == [one_by_one.evict(3, {keys[0]}) for _ in range(4)]
+
+
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_restored_blocks_leave_oldest_first(name):
     """A disk tier restored at start hands its blocks oldest use first: they must leave in that
