@@ -76,6 +76,10 @@ class WatermarkConfig(ConfigModel):
         return self
 
 
+OTHER_TENANTS, NO_TENANT = "other", "none"
+"""The labels per-tenant counts use besides the tenants shares name (``tenant_labels``)."""
+
+
 class TenantSharesConfig(ConfigModel):
     """A tier's shares among tenants (``policies/shares.py``), as fractions of its capacity: ``shares``
     names tenants (their ids, as the engine gives them: vLLM's ``cache_salt``, the API's ``tenant=``),
@@ -87,6 +91,12 @@ class TenantSharesConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _at_most_the_whole(self) -> TenantSharesConfig:
+        taken = sorted({OTHER_TENANTS, NO_TENANT} & set(self.shares))
+        if taken:
+            raise ValueError(
+                f"{taken[0]!r} is the label of the tenants the shares do not name (other) or of blocks of no "
+                f"tenant (none); a tenant of that id cannot be named here"
+            )
         if sum(self.shares.values()) > 1.0 + 1e-9:
             raise ValueError(
                 f"the named shares add up to {sum(self.shares.values()):.3g}, more than the whole tier (1): "
@@ -106,9 +116,6 @@ class TenantSharesConfig(ConfigModel):
         shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
         label_of = tenant_labels(self.shares, key_secret)
         return TenantShares(make, tag_of, shares, self.default_share, label_of=label_of)
-
-
-OTHER_TENANTS, NO_TENANT = "other", "none"
 
 
 def tenant_labels(names: Iterable[str], key_secret: bytes | None) -> Callable[[bytes], str]:

@@ -168,3 +168,13 @@ def test_level_takes_n_from_those_furthest_over_and_leaves_them_level(over, n):
     after = {tenant: excess - parts.get(tenant, 0) for tenant, excess in over.items()}
     for giver in parts:  # none gave so much that it ended more than a block below another
         assert all(after[giver] >= other - 1 - 1e-9 for other in after.values())
+
+
+def test_a_share_cannot_name_a_tenant_after_a_counting_label():
+    with pytest.raises(ConfigError, match="'other' is the label of the tenants the shares do not name"):
+        load_config(
+            {
+                "block_bytes": 4096,
+                "tiers": [{"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"other": 0.2}}}],
+            }
+        )
