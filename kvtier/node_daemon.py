@@ -533,7 +533,7 @@ class NodeDaemon:
         """A slot per key that no writer has yet, that the slab's policy admits and that fits, at most
         the connection's room (evicting through the policy, all at once where room allows); per key
         [slot, generation] or why not. The slots' generations move before anyone hears of them. Each
-        key not in the slab takes the tenant ``tags`` gives it (``_tag``)."""
+        key not in the slab takes the tenant ``tags`` gives it (``_note_tags``)."""
         tier, fits = self.tier, self.slab.geometry.slot_bytes
         states = [tier.state(key) for key in keys]
         fresh = [i for i, state in enumerate(states) if state is BlockState.FREE]
