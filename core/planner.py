@@ -382,7 +382,11 @@ class Planner:
     def _reserve(self, index: int, keys: Sequence[bytes], room: Room) -> tuple[list[int | None], int]:
         """Slots of tier ``index`` for a prefix of ``keys`` (room made first; as many as are free
         then), and the slots of the tier still on their way."""
-        pending = self._make_room(index, len(keys), room) if keys else 0
+        if not keys:
+            return [], 0
+        if not self.tiers[index].by_key:
+            self.tiers[index].expect(keys)
+        pending = self._make_room(index, len(keys), room)
         return self._take_free(index, keys), pending
 
     def _reserve_or_drop(self, index: int, keys: Sequence[bytes], room: Room) -> list[int | None]:

@@ -212,6 +212,8 @@ class TierStack:
                 raise CapacityError(
                     f"{len(new)} new blocks can never fit in tier {top.name!r} of {top.capacity} blocks"
                 )
+            if not top.by_key:
+                top.expect(list(new))  # (room is made before the plan: shares count the blocks coming)
             self._await_room(0, len(new))
             planned = self.planner.store(list(new), list(new.values()))
             self._run_demotions(planned.room)

@@ -554,6 +554,8 @@ class NodeDaemon:
         for i in wanted[self._room(session) :]:
             out[i] = FULL
         wanted = wanted[: self._room(session)]
+        if wanted:
+            tier.expect([keys[i] for i in wanted])
         slots = tier.reserve([keys[i] for i in wanted]) if wanted else []
         if slots is None:  # (no room for all: as many as it has, one by one)
             slots = []

@@ -35,6 +35,11 @@ class EvictionPolicy(ABC, Generic[Key]):
         default admits every block."""
         return True
 
+    def expect(self, keys: Sequence[Key]) -> None:
+        """Blocks about to be written into the tier, for which room is made next (each is then inserted,
+        or not). A policy that shares the tier out among owners counts them as their owners' already
+        (``TenantShares``); the default ignores them."""
+
     def bind(self, index: Mapping[Key, int], capacity: int) -> None:
         """A tier hands over its index (key -> slot below ``capacity``) once, before the policy tracks
         any key: every key inserted has its slot there until ``remove`` or ``evict`` gave it up. A

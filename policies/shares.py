@@ -6,7 +6,7 @@ policy of their own (the tier's policy, one instance per tenant), so a flood of 
 never reorders another's. Room is made by taking blocks from the tenant furthest over its quota (most
 blocks beyond it), its own least valuable first, until another is as far over: while any tenant is
 over its quota, a tenant within its quota loses nothing. Blocks a tenant is about to store count as
-its own already (the tier asks ``admit`` for each before it makes room): a tenant at its quota that
+its own already (the tier says which, ``expect``, before it makes room): a tenant at its quota that
 stores more gives up its own blocks for them, rather than sharing the loss with a tenant at its quota.
 
 Capacity no one's quota holds (shares summing to less than 1, tenants below theirs) is anyone's: a
@@ -51,11 +51,12 @@ def level(over: Mapping[Tenant, float], n: int) -> dict[Tenant, int]:
 
 
 COUNTS = ("stored", "read", "evicted")
-"""What each tenant's blocks went through in the tier (``TenantShares.counts``), with ``held`` now."""
+"""What each tenant's blocks went through in the tier (``TenantShares.counts``), with ``held`` now and
+``caused``: the evictions its stores caused (split by the blocks each tenant was about to store)."""
 
 
 class _Tenant:
-    """One tenant's policy, the blocks it was admitted to store since the last ``evict`` (not inserted
+    """One tenant's policy, the blocks expected since the last ``evict`` (``expect``: not inserted
     yet), and its ``COUNTS``. The policy's per-block calls are kept bound (``admit`` None where the
     policy admits everything): they run once per block, where one lookup more shows."""
 
@@ -87,6 +88,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         self._make = make
         self._label_of = label_of
         self._gone: dict[str, dict[str, int]] = {}  # the COUNTS of tenants forgotten, by label
+        self._caused: dict[str, int] = {}  # evictions caused, by label
         self._tenant_of = tenant_of
         self._shares = dict(shares)
         self._default_share = default_share
@@ -108,12 +110,15 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per label (``label_of``): blocks stored, read and evicted so far, and held now."""
-        out = {label: {**counts, "held": 0} for label, counts in self._gone.items()}
+        blank = {**dict.fromkeys(COUNTS, 0), "held": 0, "caused": 0}
+        out = {label: {**blank, **counts} for label, counts in self._gone.items()}
         for name, tenant in self._tenants.items():
-            counts = out.setdefault(self._label_of(name), {**dict.fromkeys(COUNTS, 0), "held": 0})
+            counts = out.setdefault(self._label_of(name), dict(blank))
             for what in COUNTS:
                 counts[what] += getattr(tenant, what)
             counts["held"] += len(tenant.policy)
+        for label, n in self._caused.items():
+            out.setdefault(label, dict(blank))["caused"] += n
         return out
 
     def _drop(self, name: Tenant) -> None:
@@ -143,10 +148,23 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         except KeyError:
             tenant = self._new(name)
         if tenant.admit is None or tenant.admit(key):
-            tenant.incoming += 1
             return True
         self._forget_if_empty(name)
         return False
+
+    def expect(self, keys: Sequence[Key]) -> None:
+        """Each tenant's coming blocks count as its own from now until they are inserted (or the next
+        eviction is over). The same store may be announced twice (before the stack makes room, then
+        before the tier reserves it): a tenant's coming blocks are the most announced at once."""
+        coming: dict[Tenant, int] = {}
+        for name, run in itertools.groupby(keys, self._tenant_of):
+            coming[name] = coming.get(name, 0) + sum(1 for _ in run)
+        for name, n in coming.items():
+            try:
+                tenant = self._tenants[name]
+            except KeyError:
+                tenant = self._new(name)
+            tenant.incoming = max(tenant.incoming, n)
 
     def insert(self, key: Key) -> None:
         name = self._tenant_of(key)
@@ -195,7 +213,11 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         tenants = self._tenants
         if len(tenants) == 1:  # (one tenant: nobody else's share to keep)
             ((name, tenant),) = tenants.items()
-            return self._take(name, tenant, n, protected)
+            incoming = {name: tenant.incoming}
+            victims = self._take(name, tenant, n, protected)
+            self._blame(incoming, len(victims))
+            return victims
+        incoming = {name: t.incoming for name, t in tenants.items() if t.incoming}
         shares, default, capacity = self._shares, self._default_share, self._capacity
         over = {name: len(t.policy) + t.incoming - shares.get(name, default) * capacity for name, t in tenants.items()}
         victims: list[Key] = []
@@ -210,7 +232,21 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             tenant.incoming = 0
             if not len(tenant.policy):
                 self._drop(name)
+        self._blame(incoming, len(victims))
         return victims
+
+    def _blame(self, incoming: dict[Tenant, int], evicted: int) -> None:
+        """Count ``evicted`` blocks as caused by the tenants about to store (``incoming``), in proportion
+        (none where nobody was: a watermark's eviction in the background)."""
+        total = sum(incoming.values())
+        if not total or not evicted:
+            return
+        parts = {name: evicted * k // total for name, k in incoming.items()}
+        for name in sorted(incoming, key=incoming.__getitem__, reverse=True)[: evicted - sum(parts.values())]:
+            parts[name] += 1
+        for name, part in parts.items():
+            label = self._label_of(name)
+            self._caused[label] = self._caused.get(label, 0) + part
 
     def _take(self, name: Tenant, tenant: _Tenant, n: int, protected: Container[Key]) -> list[Key]:
         """Up to ``n`` of one tenant's blocks, by its own policy; a tenant left with none is forgotten."""

@@ -152,7 +152,8 @@ def test_a_tier_with_shares_counts_its_named_tenants_by_name_and_sums_the_others
         assert kv.load_now(steady, np.zeros_like(blocks), tenant="steady").loaded == 4
         counts = kv.stats()["host"]["tenants"]
     assert set(counts) == {"steady", "other", "none"}  # however many tenants came: the named ones, then sums
-    assert counts["steady"] == {"stored": 4, "read": 4, "evicted": 0, "held": 4, "held_bytes": 4 * BLOCK}
+    assert counts["steady"] == {"stored": 4, "read": 4, "evicted": 0, "held": 4, "caused": 0, "held_bytes": 4 * BLOCK}
+    assert sum(c["caused"] for c in counts.values()) == sum(c["evicted"] for c in counts.values()) == 12
     assert counts["other"]["stored"] == 12 and counts["none"]["stored"] == 4
     assert sum(c["held"] for c in counts.values()) == 8
     assert sum(c["stored"] - c["evicted"] for c in counts.values()) == 8
@@ -178,3 +179,36 @@ def test_a_share_cannot_name_a_tenant_after_a_counting_label():
                 "tiers": [{"medium": "host", "capacity_blocks": 8, "tenants": {"shares": {"other": 0.2}}}],
             }
         )
+
+
+def test_a_tenant_at_its_share_that_stores_more_gives_its_own_blocks_for_them():
+    """Both tenants at their quota, the tier full: what one stores next comes out of its own blocks (the
+    stack tells the policy whose blocks are coming before it makes room), and it caused those evictions."""
+    blocks = np.random.default_rng(2).integers(0, 256, (4, BLOCK), dtype=np.uint8)
+    with KVTier.open(stack({"shares": {"a": 0.5, "b": 0.5}})) as kv:
+        a, b = list(range(4 * TOKENS)), list(range(5000, 5000 + 4 * TOKENS))
+        kv.store_now(a, blocks, tenant="a")
+        kv.store_now(b, blocks, tenant="b")
+        more = list(range(9000, 9000 + 2 * TOKENS))
+        assert kv.store_now(more, blocks[:2], tenant="a").stored == 2
+        assert kv.lookup(b, tenant="b") == 4 and kv.lookup(more, tenant="a") == 2
+        counts = kv.stats()["host"]["tenants"]
+    assert (counts["a"]["evicted"], counts["a"]["caused"], counts["b"]["evicted"], counts["b"]["caused"]) == (
+        2,
+        2,
+        0,
+        0,
+    )
+
+
+def test_expected_blocks_count_once_however_often_a_store_is_announced():
+    policy = cache({"a": 0.5, "b": 0.5}, capacity=8)
+    fill(policy, "a", 4)
+    b = fill(policy, "b", 4)
+    coming = [("a", 10), ("a", 11)]
+    policy.expect(coming)
+    policy.expect(coming)  # (the stack, then the tier's reserve)
+    assert policy.evict(2, set()) == [("a", 0), ("a", 1)]
+    policy.insert_many(coming)
+    assert policy.evict(1, set()) in ([("a", 2)], [b[0]])  # nothing stale left: both at quota again
+    assert policy.counts()["all"]["caused"] == 2
