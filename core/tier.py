@@ -321,8 +321,9 @@ class Tier:
     def expect(self, keys: Sequence[bytes]) -> None:
         """Tell the policy that ``keys`` are about to be written here, before room is made for them
         (``EvictionPolicy.expect``)."""
-        with self._lock:
-            self.policy.expect(keys)
+        if self.policy.expects:
+            with self._lock:
+                self.policy.expect(keys)
 
     def reserve(self, keys: Sequence[bytes], allow_evict: bool = True) -> list[int] | None:
         """Claim one slot per key to write; the blocks stay invisible to readers until ``commit``.

@@ -28,6 +28,9 @@ Key = TypeVar("Key", bound=Hashable)
 class EvictionPolicy(ABC, Generic[Key]):
     """Orders a tier's readable blocks for eviction. Keys are opaque: a tier's are ``bytes``."""
 
+    expects = False
+    """Whether ``expect`` does anything: a tier skips the call (and its lock) for a policy where it does not."""
+
     def admit(self, key: Key) -> bool:
         """Whether a block that is not in the tier should be written into it; asked once per block
         about to be stored, before room is made for it. A declined block is not stored and no

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -75,6 +76,8 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
     (``share * capacity``, the capacity the tier ``bind``s, or ``capacity`` given here). ``counts``
     reports the tenants by ``label_of(tenant)`` (by default all as one): a tier names the tenants of its
     shares and sums the rest, so that however many tenants come, the labels stay few."""
+
+    expects = True
 
     def __init__(
         self,
@@ -156,10 +159,9 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         """Each tenant's coming blocks count as its own from now until they are inserted (or the next
         eviction is over). The same store may be announced twice (before the stack makes room, then
         before the tier reserves it): a tenant's coming blocks are the most announced at once."""
-        coming: dict[Tenant, int] = {}
-        for name, run in itertools.groupby(keys, self._tenant_of):
-            coming[name] = coming.get(name, 0) + sum(1 for _ in run)
-        for name, n in coming.items():
+        names = set(map(self._tenant_of, keys))
+        counted = {names.pop(): len(keys)} if len(names) == 1 else Counter(map(self._tenant_of, keys))
+        for name, n in counted.items():
             try:
                 tenant = self._tenants[name]
             except KeyError:
@@ -211,16 +213,17 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         about to store), so many from each that they end level (``level``): one call of each tenant's
         policy, again only where one could not give its part (its other blocks in use)."""
         tenants = self._tenants
+        victims: list[Key] = []
         if len(tenants) == 1:  # (one tenant: nobody else's share to keep)
             ((name, tenant),) = tenants.items()
-            incoming = {name: tenant.incoming}
+            coming = tenant.incoming
             victims = self._take(name, tenant, n, protected)
-            self._blame(incoming, len(victims))
+            if coming and victims:
+                self._blame({name: coming}, len(victims))
             return victims
         incoming = {name: t.incoming for name, t in tenants.items() if t.incoming}
         shares, default, capacity = self._shares, self._default_share, self._capacity
         over = {name: len(t.policy) + t.incoming - shares.get(name, default) * capacity for name, t in tenants.items()}
-        victims: list[Key] = []
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
                 taken = self._take(name, tenants[name], take, protected)
@@ -238,6 +241,12 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
     def _blame(self, incoming: dict[Tenant, int], evicted: int) -> None:
         """Count ``evicted`` blocks as caused by the tenants about to store (``incoming``), in proportion
         (none where nobody was: a watermark's eviction in the background)."""
+        if len(incoming) == 1:
+            ((name, coming),) = incoming.items()
+            if coming and evicted:
+                label = self._label_of(name)
+                self._caused[label] = self._caused.get(label, 0) + evicted
+            return
         total = sum(incoming.values())
         if not total or not evicted:
             return

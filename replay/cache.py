@@ -113,7 +113,8 @@ def replay(
                 missing.append(h)
             else:
                 declined = True  # later missing blocks could not be prefix hits: asked, not stored
-        policy.expect(missing)
+        if policy.expects:
+            policy.expect(missing)
         need = len(resident) + len(missing) - capacity
         if need > 0:
             protected = set(ids)
