@@ -71,6 +71,7 @@ TENANT_HELP = {
     "stored": "blocks of a tenant stored in the slab",
     "read": "blocks of a tenant read from the slab",
     "evicted": "blocks of a tenant evicted from the slab",
+    "caused": "evictions from the slab a tenant's stores caused",
 }
 
 
