@@ -103,10 +103,6 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         their own, not bound to the tier's index (each would take arrays as long as the whole tier)."""
         self._capacity = capacity
 
-    def quota(self, tenant: Tenant) -> float:
-        """The blocks ``tenant``'s share guarantees it."""
-        return self._shares.get(tenant, self._default_share) * self._capacity
-
     def held(self) -> dict[Tenant, int]:
         """Blocks each tenant holds now (tenants holding none left out)."""
         return {name: len(tenant.policy) for name, tenant in self._tenants.items() if len(tenant.policy)}
