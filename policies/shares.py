@@ -131,6 +131,10 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         tenant = self._tenants[name] = _Tenant(self._make())
         return tenant
 
+    def _tenant(self, name: Tenant) -> _Tenant:
+        """The tenant ``name``, new where it holds nothing yet (per batch; per block, inline)."""
+        return self._tenants.get(name) or self._new(name)
+
     def _forget_if_empty(self, name: Tenant) -> None:
         """A tenant holding no block is forgotten: a tier's tenants are those holding blocks, however
         many came and went."""
@@ -158,10 +162,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         names = set(map(self._tenant_of, keys))
         counted = {names.pop(): len(keys)} if len(names) == 1 else Counter(map(self._tenant_of, keys))
         for name, n in counted.items():
-            try:
-                tenant = self._tenants[name]
-            except KeyError:
-                tenant = self._new(name)
+            tenant = self._tenant(name)
             tenant.incoming = max(tenant.incoming, n)
 
     def insert(self, key: Key) -> None:
@@ -178,10 +179,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
     def insert_many(self, keys: Sequence[Key]) -> None:
         """Each run of one tenant's keys (a store's are all one tenant's) inserted at once."""
         for name, run in itertools.groupby(keys, self._tenant_of):
-            try:
-                tenant = self._tenants[name]
-            except KeyError:
-                tenant = self._new(name)
+            tenant = self._tenant(name)
             own = list(run)
             tenant.policy.insert_many(own)
             tenant.stored += len(own)
@@ -192,7 +190,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         for key in keys:
             by_tenant.setdefault(self._tenant_of(key), []).append(key)
         for name, own in by_tenant.items():
-            (self._tenants.get(name) or self._new(name)).policy.restore(own)
+            self._tenant(name).policy.restore(own)
 
     def touch(self, key: Key) -> None:
         tenant = self._tenants[self._tenant_of(key)]
