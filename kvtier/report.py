@@ -66,23 +66,26 @@ def misses_table(summary: dict) -> Table:
 
 
 def tenants_table(summary: dict) -> Table:
-    """Per tenant of the trace (the top ones by name, the rest summed): its hit ratio; and per tier with
-    ``tenants:`` shares, the blocks it stored, has had evicted and holds at the end."""
+    """Per tenant of the trace (the top ones by name, the rest summed): its references and hit ratio."""
     table = Table(title="tenants", box=box.SIMPLE_HEAD, pad_edge=False)
-    shared = {name: tier["tenants"] for name, tier in summary["tiers"].items() if "tenants" in tier}
     table.add_column("tenant")
-    for column in [
-        "references",
-        "hit ratio",
-        *(f"{tier} {what}" for tier in shared for what in ("stored", "evicted", "held")),
-    ]:
+    for column in ("references", "hits", "hit ratio"):
         table.add_column(column, justify="right")
     for tenant, c in summary["tenants"].items():
-        row = [tenant, f"{c['references']:,}", f"{c['hit_ratio']:.3f}"]
-        for counts in shared.values():
-            mine = counts.get(tenant, {})
-            row += [f"{mine.get(what, 0):,}" for what in ("stored", "evicted", "held")]
-        table.add_row(*row)
+        table.add_row(tenant, f"{c['references']:,}", f"{c['hits']:,}", f"{c['hit_ratio']:.3f}")
+    return table
+
+
+def tier_tenants_table(name: str, counts: dict) -> Table:
+    """A tier's own counts per tenant label (the tenants its shares name, ``other``, ``none``: not the
+    trace's tenants, whom a tier knows only by their shares)."""
+    table = Table(title=f"tenants in {name} (by its shares)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("tenant")
+    columns = ("stored", "read", "evicted", "caused", "held")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for label, c in counts.items():
+        table.add_row(label, *(f"{c[what]:,}" for what in columns))
     return table
 
 
@@ -239,6 +242,9 @@ def print_summary(summary: dict, console: Console) -> None:
         console.print(misses_table(summary))
     if summary.get("tenants"):
         console.print(tenants_table(summary))
+    for name, tier in summary["tiers"].items():
+        if "tenants" in tier:
+            console.print(tier_tenants_table(name, tier["tenants"]))
     if "sweep" in summary:
         console.print(sweep_table(summary))
         console.print(sizing_sweep_table(summary))

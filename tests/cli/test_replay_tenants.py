@@ -100,3 +100,15 @@ def test_a_bad_tenant_field_is_one_clear_error(tmp_path, capsys, tenant):
     write(tmp_path / "ok.jsonl", [[1]])
     assert main(["replay", str(tmp_path / "ok.jsonl"), "--metadata-only", "--flood", "0"]) == 2
     assert "--flood must be at least 1 block" in capsys.readouterr().err
+
+
+def test_the_printed_report_gives_the_traces_tenants_and_each_tiers_own_labels_apart(tmp_path, capsys):
+    """The trace's tenants (hit ratios) and a tier's counts (by the labels of its shares) are two tables:
+    a tenant the shares do not name is the tier's ``other``, never a row of zeros under its own name."""
+    shares = config(tmp_path, {"steady": 0.5})
+    assert main(["replay", "--conversations", "20", "--flood", "64", "--config", shares]) == 0
+    out = capsys.readouterr().out
+    trace_table, tier_table = out.split("tenants in host (by its shares)")
+    assert "flood" in trace_table and "steady" in trace_table
+    rows = {line.split()[0] for line in tier_table.splitlines() if line.strip()[:1].isalpha()}
+    assert {"steady", "other"} <= rows and "flood" not in rows
