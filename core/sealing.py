@@ -83,6 +83,11 @@ class SealingKeys:
         """The id of the key blocks of no tenant are sealed with: names the secret (doctor compares them)."""
         return self.sealer().key_id
 
+    @property
+    def key_ids(self) -> list[bytes]:
+        """``key_id``, then during a rotation the previous secret's (a node tier files blocks under each)."""
+        return self.sealer().key_ids
+
     def for_key(self, key: bytes) -> Sealer:
         """The sealer of the tenant whose block ``key`` names (``keys.tenant_of``)."""
         return self.sealer(tenant_of(key))
@@ -111,6 +116,11 @@ class Sealer:
     def key_id(self) -> bytes:
         """The id of the key it seals with (a hash of the key, never the key: doctor compares them)."""
         return self._sealing.id
+
+    @property
+    def key_ids(self) -> list[bytes]:
+        """The ids of the keys it opens with, the one it seals with first."""
+        return list(self._keys)
 
     def seal(self, plain: Sequence[Buffer], out: Sequence[Buffer], associated: bytes) -> bytes:
         """Encrypt the pieces ``plain`` into ``out`` (piece for piece, of equal lengths), binding

@@ -47,17 +47,25 @@ def node_storage(config: NodeTierConfig, layout: BlockLayout, namespace: str | b
             f"node tier: {what} do not fit the daemon's slots of {client.geometry.slot_bytes} bytes at "
             f"{config.socket}: raise block_bytes in the daemon's YAML to at least {stored}"
         )
-    return NodeStorage(layout, client, node_namespace(namespace, layout, rank, sealing), sealing=sealing)
+    current, *older = node_namespaces(namespace, layout, rank, sealing)
+    return NodeStorage(layout, client, current, sealing=sealing, older=older)
 
 
-def node_namespace(namespace: str | bytes, layout: BlockLayout, rank: int | None, sealing: SealingKeys | None) -> bytes:
-    """The digest the daemon knows a stack's blocks under (``NodeStorage.node_keys``): its namespace's, and
+def node_namespaces(
+    namespace: str | bytes, layout: BlockLayout, rank: int | None, sealing: SealingKeys | None
+) -> list[bytes]:
+    """The digests the daemon knows a stack's blocks under (``NodeStorage.node_keys``): its namespace's, and
     where the tier seals, bound to the sealing key's id, so that engines sealing under another secret, or
-    not at all, never find these blocks (nor take them for damaged ones of their own)."""
+    not at all, never find these blocks (nor take them for damaged ones of their own). During a rotation
+    the previous secret's digest follows the current one: blocks engines still on the previous secret
+    stored are found (and open) under it; nothing is stored there."""
     digest = namespace_digest(namespace, layout, rank)
     if sealing is None:
-        return digest
-    return hashlib.blake2b(digest + sealing.key_id, digest_size=len(digest), person=_SEALED_PERSON).digest()
+        return [digest]
+    return [
+        hashlib.blake2b(digest + key_id, digest_size=len(digest), person=_SEALED_PERSON).digest()
+        for key_id in sealing.key_ids
+    ]
 
 
 _SEALED_PERSON = b"kvtier-node-seal"
@@ -80,7 +88,7 @@ def _engine_tier(request: EngineTierRequest) -> NodeTier:
     """The tier of an engine's scheduler side: its own connection, asking for every rank's copy."""
     assert isinstance(request.config, NodeTierConfig)
     storage = node_storage(request.config, request.layout, request.namespace)
-    spaces = [node_namespace(request.namespace, request.layout, rank, storage.sealing) for rank in request.ranks]
+    spaces = [node_namespaces(request.namespace, request.layout, rank, storage.sealing) for rank in request.ranks]
     return NodeTier(request.name, storage, rank_namespaces=spaces)
 
 

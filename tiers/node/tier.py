@@ -74,7 +74,8 @@ class NodeStorage(BlockStorage):
     are), reached through ``client``: no addresses or slots of its own (slots are the daemon's, handed
     out per copy). Closing it closes the connection. ``on_skipped`` counts the blocks a store found in
     the daemon already (another engine stored them). With ``sealing`` keys a slot holds the block sealed
-    (under its tenant's key), then its seal (``stored_bytes``)."""
+    (under its tenant's key), then its seal (``stored_bytes``); ``older`` namespace digests (a previous
+    secret's, during a rotation) are looked up and loaded from after ``namespace``, never stored into."""
 
     by_key = True
 
@@ -85,10 +86,12 @@ class NodeStorage(BlockStorage):
         namespace: bytes,
         on_skipped: Callable[[int], None] | None = None,
         sealing: SealingKeys | None = None,
+        older: Sequence[bytes] = (),
     ) -> None:
         super().__init__(layout, 0, NODE_DEVICE, on_close=client.close)
         self.client = client
         self.namespace = namespace
+        self.namespaces = [namespace, *older]  # where its blocks may be found, the one they are stored under first
         self.sealing = sealing  # seals the blocks it writes into the slab (``encryption: aes-gcm``), or None
         self.stored_bytes = layout.block_bytes + (0 if sealing is None else SEAL_BYTES)  # a block's bytes in a slot
         self.on_skipped = on_skipped
@@ -154,21 +157,22 @@ class NodeTier(KeyedTier):
     """The daemon behind ``storage``: asked which blocks it holds (one LOOKUP per query), loaded from and
     stored into by ``NodeBackend`` (straight between the caller's memory and the slab). With
     ``rank_namespaces`` (an engine's scheduler side, whose workers write one copy per tensor-parallel
-    rank under each rank's digest) a block is present when every rank's copy is."""
+    rank under each rank's digest; each rank's digests as ``NodeStorage.namespaces``) a block is present
+    when every rank's copy is."""
 
     def __init__(
         self,
         name: str,
         storage: NodeStorage,
         known_for: float | None = None,
-        rank_namespaces: Sequence[bytes] = (),
+        rank_namespaces: Sequence[Sequence[bytes]] = (),
     ) -> None:
         client = storage.client
         note = f"node daemon at {client.path} ({client.node_id or 'not connected'}), timeout {client.timeout:g} s"
         known_for = KNOWN_FOR_S if known_for is None else known_for
         super().__init__(name, "node", storage, note, known_for, loads_direct=True)
         self._node_storage = storage  # (typed: ``storage`` is any BlockStorage to the base class)
-        self._rank_namespaces = list(rank_namespaces)
+        self._rank_namespaces = [list(spaces) for spaces in rank_namespaces]
         storage.on_skipped = lambda n: self.count(skipped_existing=n)
 
     @property
@@ -176,18 +180,25 @@ class NodeTier(KeyedTier):
         return self._node_storage.client.timeout
 
     def _present(self, keys: list[bytes]) -> list[bool]:
-        """One LOOKUP (of every rank's copy); the locations it gives are remembered for the loads that
-        follow (of this storage's own blocks)."""
+        """One LOOKUP (of every rank's copy, under each of its digests); the locations it gives are
+        remembered for the loads that follow (of this storage's own blocks)."""
         storage = self._node_storage
-        spaces = self._rank_namespaces or [storage.namespace]
-        names = [name for space in spaces for name in storage.node_keys(keys, space)]
+        ranks = self._rank_namespaces or [storage.namespaces]
+        names = [name for spaces in ranks for space in spaces for name in storage.node_keys(keys, space)]
         (found,), epoch, view = storage.client.call(Op.LOOKUP, names)
         if not isinstance(found, list) or len(found) != len(names):
             raise TransferError(f"the node daemon answered a lookup of {len(names)} keys with {found!r:.80}")
-        if not self._rank_namespaces:
-            storage.located(keys, names, found, view, epoch)
-        n = len(keys)
-        return [all(isinstance(found[r * n + i], list) for r in range(len(spaces))) for i in range(n)]
+        n, present, at = len(keys), [True] * len(keys), 0
+        for spaces in ranks:
+            chosen = []  # per key, where its answer is in ``found``: under the first digest that holds it
+            for i in range(n):
+                held = [at + s * n + i for s in range(len(spaces)) if isinstance(found[at + s * n + i], list)]
+                chosen.append(held[0] if held else at + i)
+            if not self._rank_namespaces:
+                storage.located(keys, [names[j] for j in chosen], [found[j] for j in chosen], view, epoch)
+            present = [p and isinstance(found[j], list) for p, j in zip(present, chosen, strict=True)]
+            at += len(spaces) * n
+        return present
 
     def disconnect(self) -> None:
         self._node_storage.client.close()

@@ -179,29 +179,35 @@ def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]
 
 
 def _load(node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]]) -> set[int]:
-    """Read each block where it was said to be, or pin it; the blocks that did not arrive good."""
-    names = node.node_keys(keys)
+    """Read each block where it was said to be, or pin it (under each of the storage's namespaces in turn,
+    for the blocks not held under the ones before); the blocks that did not arrive good."""
     read: list[bytes] = []
     unread: list[int] = []
-    for i, name in enumerate(names):
-        where = node.location(keys[i])
-        if where is not None and _read(where.view, where.slot, where.gen, name, pieces[i], node.sealer(keys[i])):
-            read.append(name)
-            node.failures.note(keys[i], None)
+    for i, key in enumerate(keys):
+        where = node.location(key)
+        if where is not None and _read(where.view, where.slot, where.gen, where.name, pieces[i], node.sealer(key)):
+            read.append(where.name)
+            node.failures.note(key, None)
         else:
             unread.append(i)
     epoch = node.client.epoch
-    failed = _pin_and_read(node, keys, names, pieces, unread) if unread else set()
+    failed: set[int] = set()
+    for space in node.namespaces:
+        if not unread:
+            break
+        failed_here, unread = _pin_and_read(node, keys, pieces, unread, space)
+        failed |= failed_here
     if read:
         node.client.post(Op.TOUCH, epoch, read)
-    return failed
+    return failed | set(unread)
 
 
 def _pin_and_read(
-    node: NodeStorage, keys: list[bytes], names: list[bytes], pieces: list[list[Piece]], which: list[int]
-) -> set[int]:
-    """Pin blocks ``which`` (one round trip), read and check them, release; the ones that failed."""
-    asked = [names[i] for i in which]
+    node: NodeStorage, keys: list[bytes], pieces: list[list[Piece]], which: list[int], space: bytes
+) -> tuple[set[int], list[int]]:
+    """Pin blocks ``which`` under namespace ``space`` (one round trip), read and check them, release; the
+    ones that failed and the ones not held there."""
+    asked = node.node_keys([keys[i] for i in which], space)
     try:
         (pinned,), epoch, view = node.client.call(Op.PIN, asked, node.stored_bytes)
         if not isinstance(pinned, list) or len(pinned) != len(asked):
@@ -209,31 +215,32 @@ def _pin_and_read(
     except StoreError:
         for i in which:
             node.failures.note(keys[i], MissReason.REMOTE_ERROR)
-        return set(which)
+        return set(which), []
     node.located([keys[i] for i in which], asked, pinned, view, epoch)
     failed: set[int] = set()
+    missing: list[int] = []
     held: list[bytes] = []
-    damaged: list[int] = []
+    damaged: list[tuple[int, bytes, int]] = []
     try:
-        for i, answer in zip(which, pinned, strict=True):
+        for i, name, answer in zip(which, asked, pinned, strict=True):
             if not is_slot_gen(answer):
                 node.failures.note(keys[i], MissReason.EVICTED)
-                failed.add(i)
+                missing.append(i)
                 continue
-            held.append(names[i])
-            if _read(view, answer[0], answer[1], names[i], pieces[i], node.sealer(keys[i])):
+            held.append(name)
+            if _read(view, answer[0], answer[1], name, pieces[i], node.sealer(keys[i])):
                 node.failures.note(keys[i], None)
             else:
                 node.failures.note(keys[i], MissReason.DAMAGED)
-                damaged.append(i)
+                damaged.append((i, name, answer[1]))
                 failed.add(i)
     finally:
         node.client.post(Op.RELEASE, epoch, held)
     if damaged:
         log.warning("kvtier node tier: %d of %d blocks failed their checks and were dropped", len(damaged), len(keys))
-        node.forget(keys[i] for i in damaged)
-        node.client.post(Op.DROP, epoch, [[names[i], pinned[which.index(i)][1]] for i in damaged])
-    return failed
+        node.forget(keys[i] for i, _, _ in damaged)
+        node.client.post(Op.DROP, epoch, [[name, gen] for _, name, gen in damaged])
+    return failed, missing
 
 
 def _read(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece], sealer: Sealer | None) -> bool:

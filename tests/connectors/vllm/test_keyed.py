@@ -92,7 +92,7 @@ class SharedNode:
     def drop(self, engine, tokens: list[int], rank: int, index: int) -> None:
         """Drop rank ``rank``'s copy of block ``index`` of ``tokens``, as a load that found it damaged does."""
         tier = engine.kvtier.keyed
-        (name,) = tier.storage.node_keys([_keys(engine, tokens)[index]], tier._rank_namespaces[rank])
+        (name,) = tier.storage.node_keys([_keys(engine, tokens)[index]], tier._rank_namespaces[rank][0])
         client = tier.storage.client
         (pinned,), epoch, _ = client.call(Op.PIN, [name], tier.block_bytes)
         client.post(Op.RELEASE, epoch, [name])

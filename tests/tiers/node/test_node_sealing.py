@@ -6,7 +6,9 @@ What it shows: engines holding the secret share blocks bit-exact, and the slab (
 process that maps it could) holds none of their bytes; an engine with another secret, or a plain one,
 finds none of them and leaves them alone (they are under a namespace of the sealing key's); a slot's
 bytes changed, or another block's sealed bytes copied over them, do not open: a miss, nothing in the
-caller's memory, the block dropped; a daemon whose slots have no room for the seal is one error at start.
+caller's memory, the block dropped; a daemon whose slots have no room for the seal is one error at start;
+during a rotation an engine given the previous secret finds and opens what engines still on it stored,
+and stores only under the new one.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def daemon(tmp_path_factory):
         yield running
 
 
-def stack(daemon, secret: str | None = SECRET) -> dict:
-    tier = daemon.tier() if secret is None else daemon.tier(encryption="aes-gcm", encryption_key_env=secret)
+def stack(daemon, secret: str | None = SECRET, previous: str | None = None) -> dict:
+    sealing = {"encryption": "aes-gcm", "encryption_key_env": secret, "encryption_previous_key_env": previous}
+    tier = daemon.tier() if secret is None else daemon.tier(**{k: v for k, v in sealing.items() if v})
     return {"block_tokens": TOKENS, "block_bytes": BLOCK, "tiers": [tier]}
 
 
@@ -114,3 +117,29 @@ def test_a_daemon_whose_slots_have_no_room_for_the_seal_is_one_error_at_start(tm
             KVTier.open(stack(small))
         with KVTier.open(stack(small, secret=None)) as plain:  # (a plain engine's blocks fit)
             assert plain.store_now(prompt(1), blocks(1, seed=4)).stored == 1
+
+
+def test_during_a_rotation_blocks_under_the_previous_secret_are_found_and_new_ones_go_under_the_current(daemon):
+    old_tokens, old = prompt(3, start=400), blocks(3, seed=4)
+    new_tokens, new = prompt(2, start=500), blocks(2, seed=5)
+    with KVTier.open(stack(daemon, OTHER)) as before, KVTier.open(stack(daemon, SECRET, previous=OTHER)) as rotating:
+        assert before.store_now(old_tokens, old).stored == 3
+        before.wait_idle(10)
+        out = np.zeros_like(old)
+        assert rotating.lookup(old_tokens) == 3
+        assert rotating.load_now(old_tokens, out).loaded == 3 and np.array_equal(out, old)
+        # found again by pinning, without what the lookup said: the current namespace first, then the previous
+        node = rotating.stack.tiers[0].storage
+        keys = rotating.keys(old_tokens)
+        node.forget(keys)
+        out[:] = 0
+        assert rotating.load_now(old_tokens, out).loaded == 3 and np.array_equal(out, old)
+        assert [node.location(key).name for key in keys] == node.node_keys(keys, node.namespaces[1])
+
+        assert rotating.store_now(new_tokens, new).stored == 2
+        rotating.wait_idle(10)
+        assert before.lookup(new_tokens) == 0  # stored under the current secret only
+    with KVTier.open(stack(daemon, SECRET)) as after:  # the rotation over: the new secret alone
+        out = np.zeros_like(new)
+        assert after.load_now(new_tokens, out).loaded == 2 and np.array_equal(out, new)
+        assert after.lookup(old_tokens) == 0
