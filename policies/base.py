@@ -70,6 +70,26 @@ class EvictionPolicy(ABC, Generic[Key]):
     def touch(self, key: Key) -> None:
         """A tracked block was read."""
 
+    def access(self, keys: Sequence[Key], resident: Container[Key]) -> list[Key]:
+        """One request's blocks in order, as a cache replay sees them: ``touch`` each one in ``resident``
+        and ask ``admit`` of each other one; returns those admitted before the first declined (later
+        ones are asked, what a policy learns from, but could not be prefix hits: not stored), which are
+        then about to be stored (``expect``ed). A wrapper of policies hands each owner's blocks over at
+        once; the default calls one by one."""
+        admitted: list[Key] = []
+        declined = False
+        touch, admit = self.touch, self.admit
+        for key in keys:
+            if key in resident:
+                touch(key)
+            elif admit(key) and not declined:
+                admitted.append(key)
+            else:
+                declined = True
+        if self.expects:
+            self.expect(admitted)
+        return admitted
+
     @abstractmethod
     def remove(self, key: Key) -> None:
         """A tracked block left the tier without being chosen by ``evict``; forget it."""

@@ -178,12 +178,40 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
 
     def insert_many(self, keys: Sequence[Key]) -> None:
         """Each run of one tenant's keys (a store's are all one tenant's) inserted at once."""
-        for name, run in itertools.groupby(keys, self._tenant_of):
+        for name, own in self._runs(keys):
             tenant = self._tenant(name)
-            own = list(run)
             tenant.policy.insert_many(own)
             tenant.stored += len(own)
             tenant.incoming = max(0, tenant.incoming - len(own))
+
+    def access(self, keys: Sequence[Key], resident: Container[Key]) -> list[Key]:
+        """Each run of one tenant's keys (a request's are all one tenant's) handed to its policy at once,
+        what it admits counted as coming (``expect``)."""
+        admitted: list[Key] = []
+        declined = False
+        runs = self._runs(keys)
+        for name, own in runs:
+            tenant = self._tenant(name)
+            reads = sum(map(resident.__contains__, own))
+            got = tenant.policy.access(own, resident)
+            tenant.read += reads
+            if not declined:
+                admitted += got
+                declined = len(got) < len(own) - reads
+        if len(runs) == 1:
+            tenant.incoming = max(tenant.incoming, len(admitted))
+        else:
+            self.expect(admitted)
+        for name in {name for name, _ in runs}:
+            self._forget_if_empty(name)
+        return admitted
+
+    def _runs(self, keys: Sequence[Key]) -> list[tuple[Tenant, Sequence[Key]]]:
+        """``keys`` in runs of one tenant's, in order: one run, not copied, where all are one tenant's."""
+        names = set(map(self._tenant_of, keys))
+        if len(names) == 1:
+            return [(names.pop(), keys)]
+        return [(name, list(run)) for name, run in itertools.groupby(keys, self._tenant_of)]
 
     def restore(self, keys: Sequence[Key], slots: Sequence[int] | np.ndarray | None = None) -> None:
         by_tenant: dict[Tenant, list[Key]] = {}

@@ -104,17 +104,7 @@ def replay(
         references += len(ids)
         request_hits = prefix_hits(ids, resident)
         hits += request_hits
-        missing = []
-        declined = False
-        for h in ids:
-            if h in resident:
-                policy.touch(h)
-            elif policy.admit(h) and not declined:
-                missing.append(h)
-            else:
-                declined = True  # later missing blocks could not be prefix hits: asked, not stored
-        if policy.expects:
-            policy.expect(missing)
+        missing = policy.access(ids, resident)
         need = len(resident) + len(missing) - capacity
         if need > 0:
             protected = set(ids)

@@ -202,3 +202,38 @@ def test_every_short_name_builds_and_drives_a_tier(name):
     tier.unpin([b"f"])
     tier.check_invariants()
     tier.close()
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_access_is_touching_and_admitting_one_by_one(name):
+    """A request's blocks handed over at once (``access``, the cache replay's call) leave the policy as
+    touching the resident ones and asking ``admit`` of the others one by one, then making room for and
+    storing those admitted before the first declined, would."""
+    keys = [b"k%02d" % i for i in range(16)]
+    at_once, one_by_one = filled(FACTORIES[name](), *keys[:8]), filled(FACTORIES[name](), *keys[:8])
+    resident = set(keys[:8])
+    for request in (keys[2:12], keys[5:16:2], keys[0:16:3]):
+        admitted = at_once.access(request, resident)
+        expected: list[bytes] = []
+        declined = False
+        for key in request:
+            if key in resident:
+                one_by_one.touch(key)
+            elif one_by_one.admit(key) and not declined:
+                expected.append(key)
+            else:
+                declined = True
+        if one_by_one.expects:
+            one_by_one.expect(expected)
+        assert admitted == expected
+        need = len(resident) + len(admitted) - 10  # room for them in a cache of 10, as the replay makes it
+        victims = at_once.evict(need, set(request))
+        assert victims == one_by_one.evict(need, set(request))
+        resident.difference_update(victims)
+        for policy in (at_once, one_by_one):
+            policy.insert_many(admitted)
+        resident.update(admitted)
+    assert len(at_once) == len(one_by_one) == len(resident)
+    if isinstance(at_once, TenantShares):
+        assert at_once.counts() == one_by_one.counts()  # reads and stores counted alike
+    assert [at_once.evict(3, {keys[0]}) for _ in range(6)] == [one_by_one.evict(3, {keys[0]}) for _ in range(6)]
