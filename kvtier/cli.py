@@ -20,6 +20,7 @@ try:
     from rich.text import Text
 
     from kvtier.replay_cli import add_replay_parser, run_replay
+    from kvtier.report import command_console
 except ImportError as exc:  # the command's own dependencies are an extra: engines never need them
     raise SystemExit(f"the kvtier command needs its extra: pip install 'kvtier[cli]' ({exc})") from None
 from kvtier.core.errors import ArgumentError, ConfigError
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "node":
         return run_node(args)
-    console = Console()
+    console = command_console()
     if args.command == "doctor":
         return run_doctor(args, console)
     if args.command == "inspect":

@@ -6,11 +6,36 @@ only render it, so the table and the JSON line can never disagree.
 
 from __future__ import annotations
 
+import sys
+
 from rich import box
-from rich.console import Console
+from rich.console import Console, RenderableType, RenderHook
 from rich.table import Table
 
 MiB = 2**20
+LOG_WIDTH = 4096
+"""Columns of the kvtier command's output where it is not a terminal (a log, a pipe): wide enough for
+any table, which then takes only the width it needs; rich would otherwise assume 80."""
+
+
+class _FoldTables(RenderHook):
+    """Cells too wide for their column fold onto more lines, never end in "…": a cut path or figure
+    reads as a whole one."""
+
+    def process_renderables(self, renderables: list[RenderableType]) -> list[RenderableType]:
+        for renderable in renderables:
+            if isinstance(renderable, Table):
+                for column in renderable.columns:
+                    column.overflow = "fold"
+        return renderables
+
+
+def command_console() -> Console:
+    """The kvtier command's console: a terminal's width on a terminal, ``LOG_WIDTH`` elsewhere, and
+    tables that fold what does not fit rather than cut it."""
+    console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)
+    console.push_render_hook(_FoldTables())
+    return console
 
 
 def tier_table(summary: dict) -> Table:

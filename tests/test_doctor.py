@@ -515,3 +515,20 @@ def test_doctor_reports_a_tiers_tenant_shares_in_blocks_and_whether_tenants_name
     )
     check = next(c for c in diagnose(str(path))["checks"] if c["name"].endswith("tenants"))
     assert "guessed" not in check["message"] and check["details"]["capacity_blocks"] == 100
+
+
+def test_the_printed_report_keeps_a_long_path_whole_in_a_log(tmp_path, capsys):
+    """Printed where stdout is no terminal (a log), a check naming a disk path longer than 80 columns
+    holds the whole path on one line: rich would cut it to fit 80 columns with "…"."""
+    deep = tmp_path / ("a-directory-name-long-enough-" * 3) / "to-pass-eighty-columns-in-a-table" / "kv"
+    config = {
+        "block_tokens": TOKENS,
+        "block_bytes": BLOCK,
+        "tiers": [
+            {"medium": "host", "capacity_blocks": 8},
+            {"medium": "disk", "capacity_blocks": 8, "path": str(deep)},
+        ],
+    }
+    assert main(["doctor", write(tmp_path, config)]) == 0
+    out = capsys.readouterr().out
+    assert str(deep) in out and "…" not in out
