@@ -52,11 +52,6 @@ class ARCPolicy(EvictionPolicy[Key]):
         """The cache size ARC adapts against (given, or learned)."""
         return learned_capacity(self._fixed, self._learned, 0)
 
-    @property
-    def target_t1(self) -> float:
-        """ARC's current target for the size of T1 (0..capacity)."""
-        return self._p
-
     def insert(self, key: Key) -> None:
         if key in self._t1 or key in self._t2:
             raise KeyError(f"key {key!r} is already tracked")

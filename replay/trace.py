@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from os import PathLike
 
@@ -143,7 +143,3 @@ def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
                 line["tenant"] = r.tenant
             f.write(json.dumps(line) + "\n")
 
-
-def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
-    """Requests made of bare id lists, for tests and synthetic traces."""
-    return [Request(0, 0, 0, tuple(ids)) for ids in chains]

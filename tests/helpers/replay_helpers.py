@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 
 from hypothesis import strategies as st
+
+from kvtier.replay.trace import Request
 
 BB = 4096
 """Block bytes of the stacks the hand-worked trace runs through."""
@@ -12,6 +15,11 @@ BB = 4096
 # The trace worked through by hand (tests/replay/test_replay_stack.py, and `kvtier replay` in
 # tests/cli/test_replay_cli.py); capacities: upper tier 2 blocks, lower tier 4 blocks.
 TRACE = [[1, 2], [1, 3], [2, 4], [1, 2, 5], [4, 5, 6], [3, 7], [1, 2]]
+
+
+def requests_from_ids(chains: Iterable[Sequence[int]]) -> list[Request]:
+    """Requests made of bare id lists."""
+    return [Request(0, 0, 0, tuple(ids)) for ids in chains]
 
 
 @st.composite

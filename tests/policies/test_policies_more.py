@@ -53,9 +53,9 @@ def test_arc_keeps_a_reused_key_through_a_scan():
 def test_arc_ghost_hit_goes_to_t2_and_adapts_the_target():
     arc = filled(ARCPolicy(2), b"a", b"b")
     assert arc.evict(1, ()) == [b"a"]  # T1 is over its target (0): its oldest leaves, into B1
-    assert arc.target_t1 == 0
+    assert arc._p == 0
     arc.insert(b"a")  # remembered in B1: T1 was too small
-    assert arc.target_t1 == 1
+    assert arc._p == 1
     arc.insert(b"c")  # T1 = [b, c], T2 = [a]
     assert arc.evict(1, ()) == [b"b"]  # |T1| = 2 > p = 1
     assert arc.evict(1, ()) == [b"a"]  # |T1| = 1, not over p: T2's oldest
@@ -87,7 +87,7 @@ def test_arc_ghost_lists_stay_bounded(ops):
             arc.insert(k)
         assert len(arc._t1) + len(arc._b1) <= c
         assert len(arc) + len(arc._b1) + len(arc._b2) <= 2 * c
-        assert 0 <= arc.target_t1 <= c
+        assert 0 <= arc._p <= c
 
 
 def test_arc_without_capacity_learns_the_largest_size_tracked():

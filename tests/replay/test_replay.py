@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers.replay_helpers import chained_traces
+from helpers.replay_helpers import chained_traces, requests_from_ids
 from kvtier.core.errors import StateError
 from kvtier.policies import EVICTION_POLICIES, ARCPolicy, LRUPolicy, PrefixS3FIFOPolicy, S3FIFOPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.replay.cache import ReplayResult, belady, replay
-from kvtier.replay.trace import load_trace, requests_from_ids
+from kvtier.replay.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from helpers.replay_helpers import BB, TRACE, chained_traces
+from helpers.replay_helpers import BB, TRACE, chained_traces, requests_from_ids
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.tier import BlockState
 from kvtier.policies import LRUPolicy
 from kvtier.replay.cache import replay
 from kvtier.replay.stack import block_content, block_key, prefill_tokens_saved, replay_through_stack
-from kvtier.replay.trace import Request, requests_from_ids
+from kvtier.replay.trace import Request
 
 
 def two_tier(upper: dict, lower: dict):
