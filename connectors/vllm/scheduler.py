@@ -6,14 +6,17 @@ tiers the configuration puts below vLLM's GPU blocks (host; host and disk; ...);
 plans to the workers as the per-step metadata and finishes each plan once every rank has reported its
 job. A block's life here is the tier's (``core/tier.py``): a store reserves slots (WRITING) and
 commits them when every rank has reported the copy; a load pins its sources until every rank has
-reported. The parts, one job each, as vLLM splits its own offloading connector:
+reported. The work is done by parts with one job each, as vLLM's own offloading connector keeps its
+tiers (its ``OffloadingManager``) apart from its hooks; this class calls them in the hooks' order:
 
 - ``tiers.py``: the tiers' indexes, the job manager and the planner, built from the configuration
   (and the disk blocks a restart took back);
 - ``request_state.py``: what is tracked per request (keys, block tables, hit, jobs in flight);
 - ``lookup.py``: how long a hit is, for every KV cache group, asking a keyed store without waiting;
+- ``stores.py``: which blocks each step stores (eager or lazy);
 - ``step.py``: each step's metadata for the workers, and the fence over vLLM's GPU blocks;
-- ``events.py``: vLLM's KV cache events.
+- ``events.py``: vLLM's KV cache events;
+- ``geometry.GroupKeys``: where each KV cache group's blocks lie among a request's keys.
 
 Hooks, in the order vLLM calls them in one step: ``get_num_new_matched_tokens`` (how many leading
 blocks past vLLM's own prefix hit some tier holds, leaving the last prompt token to compute; it pins
@@ -30,7 +33,6 @@ use until the workers report that call over.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,7 @@ from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.request_state import BlockRef, Requests, RequestState
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.connectors.vllm.step import StepMetadata
+from kvtier.connectors.vllm.stores import StorePicker
 from kvtier.connectors.vllm.tiers import SchedulerTiers
 from kvtier.core.config import StackConfig, tenant_labels
 from kvtier.core.jobs import Job, WorkerReport
@@ -101,28 +104,21 @@ class SchedulerSide:
         self.block_tokens = block_tokens
         self.num_workers = num_workers
         self.serves_hits = serves_hits
-        self.lazy_ahead = lazy_ahead
         # Replicated KV on several ranks: the one copy in the shared host slab must be staged (by rank 0)
         # before any rank reads it, so a staged load ships in two parts at two steps (``StepMetadata``).
         self.split_staged_loads = replicated and num_workers > 1
         # (not with a shared slab: a block staged into it since the lookup would be read before it arrived)
         self.in_step_host_hits = in_step_host_hits and len(self.groups) == 1 and not self.split_staged_loads
-        self.stack = SchedulerTiers(config, layout, namespace, num_workers, replicated, capabilities)
-        self.jobs, self.tiers, self.planner, self.keyed = (
-            self.stack.jobs,
-            self.stack.tiers,
-            self.stack.planner,
-            self.stack.keyed,
-        )
+        self.stack = stack = SchedulerTiers(config, layout, namespace, num_workers, replicated, capabilities)
+        self.jobs, self.tiers, self.planner, self.keyed = stack.jobs, stack.tiers, stack.planner, stack.keyed
         self.requests = Requests(self.geometry, namespace, key_secret, self.tiers[0])
         self.lookup = HitLookup(self.planner, self.geometry, self.keyed)
         self.step = StepMetadata(self.geometry, self.jobs, num_workers)
         self.events = KVEvents(self.geometry, self.planner.tier, self.stack.restores)
+        self.stores = StorePicker(self.requests, self.planner, self.step, lazy_ahead, self._store)
         self.stats = KVTierConnectorStats()
         named = config.tenant_names()  # counted by tenant where some tier's shares name tenants
         self.tenant_label = tenant_labels(named, key_secret) if named else None
-        self._gpu_keys: dict[int, BlockRef] = {}  # lazy: GPU block -> the block of a request it holds
-        self._block_pool: BlockPool | None = None
 
     def tier(self, name: str) -> Tier:
         return self.stack.tier(name)
@@ -132,8 +128,7 @@ class SchedulerSide:
         return self.requests.request_namespace(lora, salt, lora_path)
 
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
-        """vLLM's GPU block pool: lazy mode walks its free queue for blocks about to be reused."""
-        self._block_pool = block_pool
+        self.stores.bind_gpu_block_pool(block_pool)
 
     def on_new_request(self, request: Request) -> None:
         self.requests.state(request)
@@ -234,56 +229,6 @@ class SchedulerSide:
 
     # --- stores --------------------------------------------------------------------------------
 
-    def _store_full(self, state: RequestState, num_tokens: int) -> None:
-        """Store the request's full blocks no tier holds yet. Those that find no room now (the first
-        tier's victims are still being demoted) are tried again at the request's next step, in chain
-        order."""
-        full = self.requests.unstored_full(state, num_tokens)
-        if len(self.groups) == 1:  # (the common case, every step: no per-group work)
-            ids = state.block_ids[0]
-            todo = [(i, 0) for i in full if self._storable(state.keys[i], ids[i])]
-        else:
-            todo = [
-                (i, p)
-                for i in full
-                for p in self.requests.held_in(state, i)
-                if self._storable(self.geometry.key(state.keys[i], p), self.requests.block_id_at(state, i, p))
-            ]
-        taken, declined = self._store([self.requests.block(state, i, p) for i, p in todo], state)
-        # Blocks the first tier's policy declined are not offered again by this request (a second ask
-        # would count as a second sight); the others that found no room are, at its next step.
-        state.stored = todo[taken][0] if taken < len(todo) - declined else full.stop
-
-    def _note_full(self, state: RequestState, num_tokens: int) -> None:
-        """Lazy: remember which of the request's blocks each of its full GPU blocks holds, for when vLLM's
-        free queue nears it (``_lazy_candidates``)."""
-        full = self.requests.unstored_full(state, num_tokens)
-        for i in full:
-            for p in self.requests.held_in(state, i):
-                self._gpu_keys[self.requests.block_id_at(state, i, p)] = self.requests.block(state, i, p)
-        state.stored = full.stop
-
-    def _storable(self, key: bytes, block_id: int) -> bool:
-        """Neither being loaded (so a tier has it) nor held or being written by any tier already."""
-        return not self.step.being_loaded(block_id) and self.planner.is_new(key)
-
-    def _lazy_candidates(self) -> list[BlockRef]:
-        """Cached GPU blocks among the next ``lazy_ahead`` vLLM will reuse, whose KV no tier holds yet;
-        one per key (requests with the same prompt computed in one step hold the same KV twice)."""
-        if self._block_pool is None:
-            raise RuntimeError("lazy stores walk vLLM's GPU block pool, which vLLM has not bound (bind_gpu_block_pool)")
-        picked: dict[bytes, BlockRef] = {}
-        for block in itertools.islice(self._block_pool.free_block_queue.iter_blocks_after(None), self.lazy_ahead):
-            ref = self._gpu_keys.get(block.block_id)
-            if (
-                block.block_hash is not None
-                and ref is not None
-                and ref.key not in picked
-                and self._storable(ref.key, block.block_id)
-            ):
-                picked[ref.key] = ref
-        return list(picked.values())
-
     def _store(self, picked: list[BlockRef], state: RequestState | None) -> tuple[int, int]:
         """A store of these blocks into the first tier (and on down, write-through), with this step's
         stores; fewer when room runs out or the tier's policy declines the last ones. Returns how many
@@ -370,20 +315,7 @@ class SchedulerSide:
             self.requests.new_blocks(req_id, block_id_groups, is_full_table, live)
         flush = self.step.flush(self.requests.jobs_of(scheduler_output.preempted_req_ids or ()))
         if self.serves_hits:
-            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-                state = self.requests.get(req_id)
-                if state is None:
-                    continue
-                num_tokens = state.request.num_computed_tokens + scheduled
-                if self.lazy_ahead is None:
-                    self._store_full(state, num_tokens)
-                else:
-                    self._note_full(state, num_tokens)
-            if self.lazy_ahead is not None:
-                candidates = self._lazy_candidates()
-                _, declined = self._store(candidates, None)
-                for ref in candidates[len(candidates) - declined :]:  # declined: not offered again (_store_full)
-                    self._gpu_keys.pop(self.geometry.block_id(ref.gpu_block), None)
+            self.stores.store_step(scheduler_output)
         for index, tier in enumerate(self.tiers):  # above a high mark: demote or evict down to the low mark
             if tier.watermark is not None:
                 self._ship(self.planner.relieve(index))
