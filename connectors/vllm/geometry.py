@@ -56,7 +56,7 @@ class GroupKeys:
     arithmetic the scheduler side's lookup, loads, stores, fence and events share, said once.
 
     Keys are ``block_tokens`` apart; a group whose blocks span ``keys_per_block`` keys has a block
-    every that many keys, keyed where it ends (``key``: the chain key, tagged with the group where
+    every that many keys, keyed where it ends (``group_key``: the chain key, tagged with the group where
     there are several). A hit ends on every group's block boundary (``hit_keys``); it needs every
     full-attention group's blocks from its start and a sliding-window group's only within the window
     before its end (``window_start``). A group's vLLM block ``b`` is GPU slot ``g * gpu_blocks + b``
@@ -72,16 +72,16 @@ class GroupKeys:
         self.uniform = all(m == 1 for m in self.keys_per_block)  # every group's block is one key
         self.hit_keys = math.lcm(*self.keys_per_block)  # a hit ends on a block boundary of every group
 
-    def key(self, key: bytes, group: int) -> bytes:
+    def group_key(self, key: bytes, group: int) -> bytes:
         """The key of a block of served group ``group``: the chain key, tagged when there are several groups."""
         return key if len(self.groups) == 1 else key + group.to_bytes(2, "big")
 
-    def keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
+    def group_keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
         """The blocks of these served groups that end within keys ``start`` to ``end``, in key order."""
         groups = list(groups)
         if groups == [0] and len(self.groups) == 1:
             return keys[start:end]
-        return [self.key(keys[i], p) for i, p in self.ends(start, end, groups)]
+        return [self.group_key(keys[i], p) for i, p in self.ends(start, end, groups)]
 
     def ends(self, start: int, end: int, groups: Iterable[int]) -> list[tuple[int, int]]:
         """(key index, served group) of each block of these groups that ends within keys ``start`` to
@@ -95,13 +95,13 @@ class GroupKeys:
         """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
         if self.uniform:  # (every lookup of a windowed model: block i of each group ends at key i)
             return [
-                self.key(keys[i], p)
+                self.group_key(keys[i], p)
                 for i in range(start, end)
                 for p, group in enumerate(self.groups)
                 if group.window_blocks is None or i >= end - group.window_blocks
             ]
         return [
-            self.key(keys[i], p)
+            self.group_key(keys[i], p)
             for i, p in self.ends(start, end, range(len(self.groups)))
             if self.table_index(i, p) >= self.window_start(p, end)
         ]

@@ -63,8 +63,8 @@ class HitLookup:
         ``partial`` block after it (vLLM computes that one itself: ``partial_block``). Explained on the
         blocks of the first full-attention group, which every hit needs."""
         group = self.geometry.full_groups[0] if self.geometry.full_groups else 0
-        looked_up = self.geometry.keys(keys, start, limit, [group])
-        hits = len(self.geometry.keys(keys, start, end, [group]))
+        looked_up = self.geometry.group_keys(keys, start, limit, [group])
+        hits = len(self.geometry.group_keys(keys, start, end, [group]))
         self.misses.count(self.misses.explain(looked_up, hits, partial))
 
     def shutdown(self) -> None:
@@ -78,7 +78,7 @@ class HitLookup:
         groups need every block from ``start``, a sliding-window group those within its window."""
         geometry = self.geometry
         if geometry.full_groups:
-            found = self.planner.lookup(geometry.keys(keys, start, limit, geometry.full_groups), LOAD_MEDIUM)
+            found = self.planner.lookup(geometry.group_keys(keys, start, limit, geometry.full_groups), LOAD_MEDIUM)
             if found.hits is None:
                 return None, found
             if geometry.uniform:
@@ -111,7 +111,7 @@ class HitLookup:
                 if group.window_blocks is not None:
                     m = geometry.keys_per_block[p]
                     first = max(start // m, end // m - group.window_blocks)
-                    window = [geometry.key(keys[(b + 1) * m - 1], p) for b in range(first, end // m)]
+                    window = [geometry.group_key(keys[(b + 1) * m - 1], p) for b in range(first, end // m)]
                     held = self.planner.lookup(window).hits or 0
                     if held < len(window):
                         end, settled = (first + held) * m, False
@@ -125,7 +125,7 @@ class HitLookup:
         assert self.keyed is not None and self._queries is not None
         query = state.store_query
         if query is None or query.first > first or query.end < end or query.expires <= time.monotonic():
-            keys = self.geometry.keys(state.keys, first, end, range(len(self.geometry.groups)))
+            keys = self.geometry.group_keys(state.keys, first, end, range(len(self.geometry.groups)))
             future = self._queries.submit(self.keyed.query, keys)
             future.add_done_callback(_log_failure)
             query = state.store_query = StoreQuery(first, end, time.monotonic() + self.keyed.known_for, future)

@@ -206,7 +206,7 @@ class Requests:
         first = i + 1 - self.geometry.keys_per_block[group]
         tokens = state.request.all_token_ids[first * block_tokens : (i + 1) * block_tokens]
         gpu_slot = self.geometry.gpu_slot(group, self.block_id_at(state, i, group))
-        return BlockRef(self.geometry.key(state.keys[i], group), gpu_slot, tuple(tokens))
+        return BlockRef(self.geometry.group_key(state.keys[i], group), gpu_slot, tuple(tokens))
 
     def block_id_at(self, state: RequestState, i: int, group: int) -> int:
         """vLLM's block id of the request's block of ``group`` that ends at key ``i``."""
@@ -231,7 +231,7 @@ class Requests:
             return keys[start:end], tuple(tables[0][start:end]), list(range(start, end))
         geometry = self.geometry
         rows = [
-            (geometry.key(keys[i], p), geometry.gpu_slot(p, tables[p][b]), i)
+            (geometry.group_key(keys[i], p), geometry.gpu_slot(p, tables[p][b]), i)
             for i, p in geometry.ends(start, end, range(len(tables)))
             if tables[p][b := geometry.table_index(i, p)]
         ]

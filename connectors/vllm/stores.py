@@ -79,7 +79,7 @@ class StorePicker:
                 (i, p)
                 for i in full
                 for p in requests.held_in(state, i)
-                if self._storable(requests.geometry.key(state.keys[i], p), requests.block_id_at(state, i, p))
+                if self._storable(requests.geometry.group_key(state.keys[i], p), requests.block_id_at(state, i, p))
             ]
         taken, declined = self._store([requests.block(state, i, p) for i, p in todo], state)
         # Blocks the first tier's policy declined are not offered again by this request; the others
