@@ -15,7 +15,8 @@ it cannot serve a Mamba group's state, and says so (``state_groups``). vLLM's bl
 group are one storage (``kv_cache_storage``): slot ``g * num_blocks + b`` is block ``b`` of served group
 ``g``. Groups may differ in tokens per block (vLLM picks block sizes that give every group the same
 page): kvtier keys blocks by the largest size all of them are multiples of (``block_tokens``), and a
-group's block by the key where it ends (``ServedGroup.keys_per_block``), as vLLM's own offloading does.
+group's block by the key where it ends (``ServedGroup.keys_per_block``), as vLLM's own offloading does;
+``GroupKeys`` is that arithmetic, for every part of the scheduler side.
 
 How many such blocks each kvtier tier holds (``tier_slots``) is geometry too: the scheduler side and
 every worker derive it here, so they agree on every tier's slot count. Nothing here imports vLLM
@@ -26,6 +27,7 @@ the names of its classes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.core.config import StackConfig, capacity_in_blocks
@@ -47,6 +49,85 @@ class ServedGroup(NamedTuple):
     vllm_index: int
     window_blocks: int | None = None
     keys_per_block: int = 1
+
+
+class GroupKeys:
+    """Where each served group's blocks lie among a request's keys and among vLLM's block ids: the
+    arithmetic the scheduler side's lookup, loads, stores, fence and events share, said once.
+
+    Keys are ``block_tokens`` apart; a group whose blocks span ``keys_per_block`` keys has a block
+    every that many keys, keyed where it ends (``group_key``: the chain key, tagged with the group where
+    there are several). A hit ends on every group's block boundary (``hit_keys``); it needs every
+    full-attention group's blocks from its start and a sliding-window group's only within the window
+    before its end (``window_start``). A group's vLLM block ``b`` is GPU slot ``g * gpu_blocks + b``
+    (``kv_cache_storage``)."""
+
+    def __init__(self, groups: Sequence[ServedGroup], block_tokens: int, gpu_blocks: int) -> None:
+        self.groups = list(groups)
+        self.block_tokens = block_tokens
+        self.gpu_blocks = gpu_blocks  # vLLM's blocks per group
+        self.full_groups = [p for p, g in enumerate(self.groups) if g.window_blocks is None]
+        self.windowed = len(self.full_groups) < len(self.groups)
+        self.keys_per_block = [g.keys_per_block for g in self.groups]
+        self.uniform = all(m == 1 for m in self.keys_per_block)  # every group's block is one key
+        self.hit_keys = math.lcm(*self.keys_per_block)  # a hit ends on a block boundary of every group
+
+    def group_key(self, key: bytes, group: int) -> bytes:
+        """The key of a block of served group ``group``: the chain key, tagged when there are several groups."""
+        return key if len(self.groups) == 1 else key + group.to_bytes(2, "big")
+
+    def group_keys(self, keys: list[bytes], start: int, end: int, groups: Iterable[int]) -> list[bytes]:
+        """The blocks of these served groups that end within keys ``start`` to ``end``, in key order."""
+        groups = list(groups)
+        if groups == [0] and len(self.groups) == 1:
+            return keys[start:end]
+        return [self.group_key(keys[i], p) for i, p in self.ends(start, end, groups)]
+
+    def ends(self, start: int, end: int, groups: Iterable[int]) -> list[tuple[int, int]]:
+        """(key index, served group) of each block of these groups that ends within keys ``start`` to
+        ``end``, in key order (every key ends a block of a group whose blocks are one key)."""
+        groups = list(groups)
+        if self.uniform:
+            return [(i, p) for i in range(start, end) for p in groups]
+        return [(i, p) for i in range(start, end) for p in groups if (i + 1) % self.keys_per_block[p] == 0]
+
+    def needed(self, keys: list[bytes], start: int, end: int) -> list[bytes]:
+        """The blocks a hit from ``start`` to ``end`` loads, in key order, group by group."""
+        if self.uniform:  # (every lookup of a windowed model: block i of each group ends at key i)
+            return [
+                self.group_key(keys[i], p)
+                for i in range(start, end)
+                for p, group in enumerate(self.groups)
+                if group.window_blocks is None or i >= end - group.window_blocks
+            ]
+        return [
+            self.group_key(keys[i], p)
+            for i, p in self.ends(start, end, range(len(self.groups)))
+            if self.table_index(i, p) >= self.window_start(p, end)
+        ]
+
+    def window_start(self, group: int, end: int) -> int:
+        """The first of served group ``group``'s blocks a hit ending at key ``end`` needs (0: all of them)."""
+        window = self.groups[group].window_blocks
+        return 0 if window is None else end // self.keys_per_block[group] - window
+
+    def table_index(self, i: int, group: int) -> int:
+        """Which of served group ``group``'s blocks ends at key ``i`` (its index in the block table)."""
+        return (i + 1) // self.keys_per_block[group] - 1
+
+    def gpu_slot(self, group: int, block_id: int) -> int:
+        """The GPU slot of vLLM's block ``block_id`` of served group ``group`` (``kv_cache_storage``)."""
+        return group * self.gpu_blocks + block_id
+
+    def block_id(self, gpu_slot: int) -> int:
+        """vLLM's block id of a GPU slot: what vLLM allocates and frees, whatever the group."""
+        return gpu_slot % self.gpu_blocks if self.gpu_blocks else gpu_slot
+
+    def tokens_of(self, key: bytes) -> int:
+        """Tokens in the block a key names: its group's block size (the key's tag names the group)."""
+        if self.uniform:
+            return self.block_tokens
+        return self.block_tokens * self.keys_per_block[int.from_bytes(key[-2:], "big")]
 
 
 STATE_SPECS = {"MambaSpec"}

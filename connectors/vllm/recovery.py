@@ -60,7 +60,7 @@ _READING = "reading every rank's slot headers"
 
 class ChunksBack(ChunkedRestore):
     """A disk tier's blocks put back in the background (``ChunkedRestore``), each chunk reported once it
-    is in, for the scheduler side's KV events (``SchedulerSide.take_events``, on vLLM's thread, which
+    is in, for the scheduler side's KV events (``events.KVEvents.take``, on vLLM's thread, which
     alone stores and drops blocks): the restore's thread puts ``(first, went_in)`` into ``back`` in the
     same step under the tier's lock as the chunk goes in, ``first`` the index of its first block in
     ``keys`` and ``went_in`` which of its blocks went in (a key stored meanwhile keeps the stored block,

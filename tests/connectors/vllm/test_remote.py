@@ -78,7 +78,7 @@ def test_a_host_hit_never_asks_the_store(make_engine, redis):
         start = time.monotonic()
         assert engine.connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)  # at once, in step
         assert time.monotonic() - start < TIMEOUT / 2
-        assert engine.kvtier._requests[again.request_id].store_query is None
+        assert engine.kvtier.requests.get(again.request_id).store_query is None
         out = step_until_scheduled(engine, again)
         assert out.num_scheduled_tokens[again.request_id] == 9 and engine.blocks_match(again, range(4))
     finally:
@@ -98,7 +98,7 @@ def test_only_the_blocks_past_the_local_hit_are_asked_for(make_engine, redis):
     before = sum(s.get("hit_blocks_remote", 0) for s in reader.stats)
     again = reader.add(prompt(6, 9, seed=2), max_tokens=2)
     assert answer(reader, again) == (6 * BLOCK, True)
-    query = reader.kvtier._requests[again.request_id].store_query
+    query = reader.kvtier.requests.get(again.request_id).store_query
     assert (query.first, query.end) == (2, 6)
     job = next(_loads(reader, again))
     # the 4 blocks past the host hit staged from the store, then all 6 from the host tier into vLLM's blocks
