@@ -58,7 +58,7 @@ def node_daemon_for(config: StackConfig) -> Iterator[tuple[StackConfig, NodeDaem
         )
     directory = tempfile.mkdtemp(prefix="kvn", dir="/tmp")
     socket_path = os.path.join(directory, "node.sock")
-    slab = f"/dev/shm/kvtier-replay-{uuid.uuid4().hex[:12]}"
+    slab = f"/dev/shm/kvtier-replay-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # (whose it is, if one is ever left)
     slab_tier = last.model_dump(exclude_none=True, exclude={"name"})
     try:
         daemon = NodeDaemon(

@@ -63,13 +63,13 @@ def test_private_engines_split_the_capacity_and_add_up(tmp_path, capsys):
 
 def test_through_a_node_daemon_one_engines_blocks_are_anothers_hits(tmp_path, capsys):
     trace = write(tmp_path / "t.jsonl", [[1, 2]] * 4)
-    before = set(os.listdir("/dev/shm"))
     s = run_json(capsys, trace, "--config", config(tmp_path), "--engines", 2, "--node")
     assert [e["hits"] for e in s["engines"]] == [2, 4]  # engine 1's first request hits engine 0's blocks
     assert (s["hits"], s["verified_blocks"], s["corrupt_blocks"], s["failed_blocks"]) == (6, 6, 0, 0)
     assert s["tiers"]["host"]["medium"] == "node" and s["tiers"]["host"]["capacity"] == 8
     assert s["private"]["hits"] == 4 and s["hit_gain"] == pytest.approx(6 / 4)
-    assert set(os.listdir("/dev/shm")) == before  # the daemon's slab is gone with it
+    ours = f"kvtier-replay-{os.getpid()}-"  # (other tests, running at once, may hold slabs of their own)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(ours)]  # the daemon's slab is gone with it
 
 
 @pytest.mark.parametrize("split", ["round_robin", "session"])
