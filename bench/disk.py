@@ -98,7 +98,7 @@ import xxhash
 from kvtier.core.layout import BlockLayout
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.transfer import Transfer
-from kvtier.tiers.disk import DiskSlab, FileStorage
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
 from kvtier.transfers.disk import DiskBackend
 

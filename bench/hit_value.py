@@ -71,7 +71,7 @@ from kvtier.core.keys import chain_hashes
 from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import StridedStorage
-from kvtier.tiers.disk_files import SLAB_NAME
+from kvtier.tiers.disk.files import SLAB_NAME
 from kvtier.tiers.gpu import device_storage
 from kvtier.transfers import backends_for
 

@@ -111,10 +111,11 @@ from kvtier.core.sizes import format_size, parse_size
 from kvtier.core.slots import PAGE, slot_stride
 from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
-from kvtier.tiers.compression import CODEC_IDS
-from kvtier.tiers.disk import SLAB_NAME, DiskSlab, pack_slot_header
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
-from kvtier.tiers.disk_restore import ChunkedRestore
+from kvtier.tiers.disk.compression import CODEC_IDS
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk.format import pack_slot_header
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slab import DiskSlab
 
 BATCH = 32  # keys per store, and per lookup: a request's chain of blocks
 POLICIES = ("lru", "adaptive")  # the defaults: an upper tier, the last tier

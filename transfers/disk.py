@@ -48,8 +48,9 @@ from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.sealing import SEAL_BYTES
 from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
-from kvtier.tiers.compression import CorruptPayload
-from kvtier.tiers.disk import SEAL_AT, DiskSlab, FileStorage, SlotHeader, header_fields, pack_slot_header
+from kvtier.tiers.disk.compression import CorruptPayload
+from kvtier.tiers.disk.format import SEAL_AT, SlotHeader, header_fields, pack_slot_header
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 
 
 @dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build

@@ -46,10 +46,11 @@ from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import Tier
-from kvtier.tiers.disk import rank_directory, rank_slabs_identity, read_block_headers
-from kvtier.tiers.disk_files import SNAPSHOT_NAME, open_directory
-from kvtier.tiers.disk_restore import ChunkedRestore
-from kvtier.tiers.disk_snapshot import Snapshot, take_snapshot, write_snapshot
+from kvtier.tiers.disk.files import SNAPSHOT_NAME, open_directory
+from kvtier.tiers.disk.inspect import read_block_headers
+from kvtier.tiers.disk.ranks import rank_directory, rank_slabs_identity
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.snapshot import Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
 

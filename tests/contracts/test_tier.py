@@ -54,7 +54,7 @@ from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.policies import LRUPolicy, Watermark
-from kvtier.tiers.disk import disk_tier
+from kvtier.tiers.disk.tier import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
 from kvtier.tiers.node.client import NodeClient

@@ -42,7 +42,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.media import KEYED_DEVICE, media
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend
-from kvtier.tiers.disk import DiskSlab, FileStorage
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
 from kvtier.tiers.node.tier import NODE_DEVICE, NodeStorage

@@ -57,11 +57,12 @@ from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_sta
 from helpers.stack_helpers import ready
 from kvtier.core.slots import slot_stride
 from kvtier.core.tier import BlockState, Tier
-from kvtier.tiers.compression import CODEC_IDS
-from kvtier.tiers.disk import SLAB_NAME, VERSION, namespace_digest, read_block_headers
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
-from kvtier.tiers.disk_restore import ChunkedRestore
-from kvtier.tiers.disk_snapshot import SlabIdentity, write_snapshot
+from kvtier.tiers.disk.compression import CODEC_IDS
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk.format import VERSION, namespace_digest
+from kvtier.tiers.disk.inspect import read_block_headers
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.snapshot import SlabIdentity, write_snapshot
 
 SLOTS = 16  # the disk tier's capacity in these tests
 N = 10  # blocks stored before the close

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from kvtier.core.layout import BlockLayout
+from kvtier.core.slots import PAGE
 from kvtier.core.transfer import Transfer
-from kvtier.tiers.disk import PAGE, DiskSlab, FileStorage
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.host import HostSlab
 from kvtier.transfers.disk import _RUN_BYTES, _RUN_SLOTS, DiskBackend
 
