@@ -49,7 +49,7 @@ from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
 from kvtier.tiers.disk.inspect import inspect_slab, read_block_headers
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
-from kvtier.transfers.disk import DiskBackend
+from kvtier.tiers.disk.transfer import DiskBackend
 
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")

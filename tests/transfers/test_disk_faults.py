@@ -38,8 +38,8 @@ from kvtier.core.slots import PAGE
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk.files import SNAPSHOT_NAME, DiskTierError
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers.cpu import CPUBackend
-from kvtier.transfers.disk import DiskBackend
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

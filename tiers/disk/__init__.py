@@ -13,7 +13,7 @@ refused for good (``Tier.refuse``): the tier above drops it rather than offering
 Why it is crash-safe without a separate index or a sync per store: a slot's header holds the checksum
 of the bytes it describes, and every read checks header and checksum, so a slot that a crash tore
 (new header over old bytes, old header over new bytes, half a block) is a miss, never wrong data.
-Each slot is written header and bytes in one call (``kvtier.transfers.disk``); a process killed mid-store leaves each
+Each slot is written header and bytes in one call (``io``); a process killed mid-store leaves each
 slot old or new. Reopening the directory rebuilds the index by scanning slot headers; a torn slot
 found there fails its first load and is dropped.
 
@@ -29,6 +29,9 @@ after a crash there is none, and the scan above recovers everything. A snapshot 
 - ``files``: opening the directory, the slab and the files beside it without trusting the directory;
 - ``slab``: the slab a process owns (``DiskSlab``): opened, fitted to its geometry, recovered, closed;
   and the slab as block storage (``FileStorage``);
+- ``io``: where a block's bytes hit the disk and come back: the write and read paths (vectored runs,
+  bounce buffers, sealing, compression), every load verified;
+- ``transfer``: the transfer backend between host memory and a slab (``DiskBackend``), running ``io``;
 - ``tier``: the tier over a slab (``DiskTier``, built by ``disk_tier``);
 - ``snapshot``: the index snapshot a clean close leaves, and its checks at the next open;
 - ``restore``: putting a reopened slab's blocks back into the index while the tier serves;
@@ -37,18 +40,19 @@ after a crash there is none, and the scan above recovers everything. A snapshot 
 - ``inspect``: reading a slab another process may own, without its lock (``kvtier inspect``, recovery);
 - ``ranks``: an engine's ranks' slabs, one directory each, and the identity an index of them names.
 
-This module builds the medium's registry entry (``MEDIUM``).
+This module builds the medium's registry entry (``MEDIUM``), which names the medium's transfer backend.
 """
 
 from __future__ import annotations
 
-from kvtier.core.config import DiskTierConfig
+from kvtier.core.config import DiskTierConfig, TransferConfig
 from kvtier.core.media import Capabilities, Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
 from kvtier.tiers.disk.ranks import rank_directory
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.disk.tier import disk_tier
+from kvtier.tiers.disk.transfer import DiskBackend
 
 
 def _tier(request: TierRequest) -> Tier:
@@ -91,6 +95,10 @@ def _direct(other: str, caps: Capabilities) -> bool:
     return other == "gpu" and caps.gpu_direct_storage
 
 
+def _backend(transfer: TransferConfig) -> DiskBackend:
+    return DiskBackend(transfer.io_threads)
+
+
 MEDIUM = Medium(
     "disk",
     DiskTierConfig,
@@ -100,6 +108,7 @@ MEDIUM = Medium(
     event_medium="STORAGE",
     hit_source="DISK",
     survives_restart=True,
+    backend=_backend,
 )
 
 

@@ -20,6 +20,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -142,7 +143,8 @@ class DiskSlab:
         self._snapshot: Snapshot | None = None  # taken at open, until ``recover``
         # keys of blocks of other namespaces a scan found (a disk tier's: ``DiskTier.hold_elsewhere``)
         self.foreign: set[bytes] | None = None
-        self.sequence = 0
+        self.sequence = 0  # the newest slot header's (``next_sequences``)
+        self._sequence_lock = threading.Lock()
         self.dir_fd: int | None = open_directory(self.dir, shared=shared_directory, create=True)
         try:
             self._open(self.dir_fd, shared_directory, reinitialise, o_direct)
@@ -161,8 +163,19 @@ class DiskSlab:
             raise ClosedError(f"disk tier slab {str(self.path)!r} is closed")
         return self.fd
 
+    @property
+    def data_fd(self) -> int:
+        """The descriptor blocks are read and written through: the O_DIRECT one where there is one."""
+        return self.direct_fd if self.direct_fd is not None else self.open_fd
+
     def slot_offset(self, slot: int) -> int:
         return PAGE + slot * self.slot_stride
+
+    def next_sequences(self, n: int) -> int:
+        """The first of ``n`` new sequence numbers for slot headers, one after the other."""
+        with self._sequence_lock:
+            self.sequence += n
+            return self.sequence - n + 1
 
     # --- opening -------------------------------------------------------------------------------
 
