@@ -108,7 +108,6 @@ from kvtier.core.keys import KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import SlotCount
 from kvtier.core.sizes import format_size, parse_size
-from kvtier.core.slots import PAGE, slot_stride
 from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
 from kvtier.tiers.disk.compression import CODEC_IDS
@@ -116,6 +115,7 @@ from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
 from kvtier.tiers.disk.format import pack_slot_header
 from kvtier.tiers.disk.restore import ChunkedRestore
 from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE, slot_stride
 
 BATCH = 32  # keys per store, and per lookup: a request's chain of blocks
 POLICIES = ("lru", "adaptive")  # the defaults: an upper tier, the last tier

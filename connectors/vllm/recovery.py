@@ -42,10 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import Tier
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.files import SNAPSHOT_NAME, open_directory
 from kvtier.tiers.disk.inspect import read_block_headers
 from kvtier.tiers.disk.ranks import rank_directory, rank_slabs_identity

@@ -64,7 +64,7 @@ from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.namespace import request_namespace, request_tenant
 from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
-from kvtier.core.config import DiskTierConfig, StackConfig, tenant_labels
+from kvtier.core.config import StackConfig, tenant_labels
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread
 from kvtier.core.keys import chain_hashes, tenant_of, tenant_tag
@@ -73,6 +73,7 @@ from kvtier.core.media import BASIC, Capabilities, EngineTierRequest, medium
 from kvtier.core.misses import Misses
 from kvtier.core.planner import Lookup, Outcome, Plan, Planner, Room, SlotCount
 from kvtier.core.tier import Tier
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.keyed import KeyedTier
 
 if TYPE_CHECKING:

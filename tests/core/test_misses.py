@@ -24,10 +24,10 @@ from kvtier.core.namespaces import (
     encode_entry,
     listing,
 )
-from kvtier.core.slots import PAGE
 from kvtier.core.stack import TierStack
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
 from kvtier.transfers.cpu import CPUBackend

@@ -42,12 +42,12 @@ from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
 from kvtier.tiers.disk.inspect import inspect_slab
 from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE
 
 # --- round trips --------------------------------------------------------------------------------
 

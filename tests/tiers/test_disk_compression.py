@@ -39,12 +39,12 @@ from kvtier.builder import build_stack
 from kvtier.core.config import capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import StridedStorage, buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk.files import SLAB_NAME
 from kvtier.tiers.disk.format import SlotHeader
 from kvtier.tiers.disk.inspect import inspect_slab
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers.cpu import CPUBackend
 

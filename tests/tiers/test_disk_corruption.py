@@ -41,12 +41,12 @@ from helpers.stack_helpers import assert_no_leaks, content, flip, key, ready
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME, DiskTierError
 from kvtier.tiers.disk.format import SlotHeader
 from kvtier.tiers.disk.inspect import inspect_slab
+from kvtier.tiers.disk.slots import PAGE
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

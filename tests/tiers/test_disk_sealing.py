@@ -19,10 +19,10 @@ import pytest
 from helpers.stack_helpers import flip
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
-from kvtier.core.slots import PAGE
 from kvtier.doctor import diagnose
 from kvtier.tiers.disk.files import SLAB_NAME
 from kvtier.tiers.disk.format import SEAL_AT, SlotHeader, read_slot_headers
+from kvtier.tiers.disk.slots import PAGE
 
 BLOCK = 64 * 1024
 TOKENS = 16

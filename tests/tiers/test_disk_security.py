@@ -43,12 +43,12 @@ from helpers.disk_helpers import CHILD_OPEN, KEYS, LAYOUT, assert_exact, config_
 from helpers.stack_helpers import key
 from kvtier.cli import main
 from kvtier.core.keys import MAX_KEY_BYTES
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import buffer_storage
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
 from kvtier.tiers.disk.inspect import inspect_slab, read_block_headers
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.transfer import DiskBackend
 
 NOBODY = 65534  # another user

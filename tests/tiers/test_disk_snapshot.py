@@ -55,13 +55,13 @@ import xxhash
 
 from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put, umask
 from helpers.stack_helpers import ready
-from kvtier.core.slots import slot_stride
 from kvtier.core.tier import BlockState, Tier
 from kvtier.tiers.disk.compression import CODEC_IDS
 from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
 from kvtier.tiers.disk.format import VERSION, namespace_digest
 from kvtier.tiers.disk.inspect import read_block_headers
 from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slots import slot_stride
 from kvtier.tiers.disk.snapshot import SlabIdentity, write_snapshot
 
 SLOTS = 16  # the disk tier's capacity in these tests

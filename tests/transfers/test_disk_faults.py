@@ -34,10 +34,10 @@ from helpers.stack_helpers import assert_no_leaks, content, key, ready
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
 from kvtier.tiers.disk.files import SNAPSHOT_NAME, DiskTierError
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers.cpu import CPUBackend
 

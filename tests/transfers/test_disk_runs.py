@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.core.transfer import Transfer
 from kvtier.tiers.disk.io import _RUN_BYTES, _RUN_SLOTS
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.tiers.host import HostSlab
 

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 import kvtier.transfers
-from kvtier.core.config import DiskTierConfig, TransferConfig
+from kvtier.core.config import TransferConfig
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend, TransferRegistry
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers import backends_for
 from kvtier.transfers.cpu import CPUBackend

@@ -25,6 +25,8 @@ its index in chunks meanwhile (``restore``). The open removes it before anything
 after a crash there is none, and the scan above recovers everything. A snapshot can only cause misses
 (every load checks its slot's header), never wrong data.
 
+- ``config``: the tier's YAML schema (``medium: disk``);
+- ``slots``: a slot's geometry (header page, room for a block, its footprint), shared by schema and slab;
 - ``format``: the slab's layout on disk: file header, slot headers (packed, unpacked, checked), geometry;
 - ``files``: opening the directory, the slab and the files beside it without trusting the directory;
 - ``slab``: the slab a process owns (``DiskSlab``): opened, fitted to its geometry, recovered, closed;
@@ -45,10 +47,11 @@ This module builds the medium's registry entry (``MEDIUM``), which names the med
 
 from __future__ import annotations
 
-from kvtier.core.config import DiskTierConfig, TransferConfig
+from kvtier.core.config import TransferConfig
 from kvtier.core.media import Capabilities, Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.ranks import rank_directory
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.disk.tier import disk_tier

@@ -21,8 +21,8 @@ import xxhash
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE, slot_problem, slot_room
 from kvtier.tiers.disk.compression import CODEC_IDS, CODEC_NAMES
+from kvtier.tiers.disk.slots import PAGE, slot_problem, slot_room
 
 FILE_MAGIC = b"KVTSLAB1"
 SLOT_MAGIC = b"KVTBLK01"

@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError, lock_holder, open_slab_for_reading
 from kvtier.tiers.disk.format import (
     FILE_HEADER_BYTES,
@@ -30,6 +29,7 @@ from kvtier.tiers.disk.format import (
     slots_in_file,
     unpack_file_header,
 )
+from kvtier.tiers.disk.slots import PAGE
 
 log = logging.getLogger(__name__)
 

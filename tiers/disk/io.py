@@ -43,10 +43,10 @@ import xxhash
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.sealing import SEAL_BYTES
-from kvtier.core.slots import PAGE, round_up_to_page
 from kvtier.tiers.disk.compression import CorruptPayload
 from kvtier.tiers.disk.format import SEAL_AT, SlotHeader, header_fields, pack_slot_header
 from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE, round_up_to_page
 
 
 @dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build

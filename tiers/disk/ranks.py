@@ -10,12 +10,12 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.core.config import DiskTierConfig
 from kvtier.core.layout import BlockLayout
-from kvtier.core.slots import PAGE
 from kvtier.tiers.disk.compression import CODEC_IDS
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.files import open_slab_for_reading
 from kvtier.tiers.disk.format import VERSION, checked_slot_room, namespace_digest
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.snapshot import SlabIdentity
 
 

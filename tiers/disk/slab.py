@@ -27,14 +27,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import ClosedError, ConfigError, StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import FILE_DEVICE
 from kvtier.core.sealing import SealingKeys
-from kvtier.core.slots import PAGE
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.disk.compression import codec
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError, open_directory, open_slab, remove_slab, reopen_slab
 from kvtier.tiers.disk.format import (
     FILE_MAGIC,
@@ -51,6 +50,7 @@ from kvtier.tiers.disk.format import (
     unpack_file_header,
 )
 from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.snapshot import SlabIdentity, Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)

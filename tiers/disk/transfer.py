@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
-from kvtier.core.slots import PAGE
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.disk.io import BlockIO, SlabIO
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.slots import PAGE
 
 
 class DiskBackend(SlabIO, TransferBackend):

@@ -19,8 +19,8 @@ from helpers.vllm_helpers import (
     step_until_scheduled,
 )
 from kvtier.core.keys import chain_hashes
-from kvtier.core.slots import PAGE
 from kvtier.core.tier import BlockState
+from kvtier.tiers.disk.slots import PAGE
 
 
 def disk_config(path, placement: str = "write_through", namespace: str = "") -> dict:
