@@ -38,7 +38,7 @@ What is measured
     preallocation a real slab gets at its first open, which there is not 1 TiB of disk for; a real
     slab's later opens skip it too). Two paths:
 
-    * after a clean close, from the index snapshot (``disk_snapshot``): the slab is closed with its
+    * after a clean close, from the index snapshot (``kvtier.tiers.disk.snapshot``): the slab is closed with its
       blocks listed (``held_blocks``, what ``disk_tier`` hands it), which writes the snapshot of
       every slot, always at the FULL slot count: for 2 MiB over the slab whose headers are all
       written, for 64 KiB directly, over a slab whose headers are not written (a snapshot is read

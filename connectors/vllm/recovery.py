@@ -5,7 +5,7 @@ scheduler side chose, the same on every rank. The scheduler side (another proces
 which own the slabs and their locks) holds the index: which key is at which slot.
 
 Restart in seconds: at its clean shutdown the scheduler side leaves an index of its disk tier's
-READY blocks at the tier's path (``disk_snapshot``'s format and file rules, ``<path>/index.kvt``),
+READY blocks at the tier's path (``kvtier.tiers.disk.snapshot``'s format and file rules, ``<path>/index.kvt``),
 naming the geometry, namespace, number of ranks and every rank's slab file as it was then (inode,
 size, mtime: ``rank_slabs_identity``). vLLM stops the workers before the scheduler side (its engine
 core shuts the executor down first), so the slabs are sealed by their workers' clean closes by then,

@@ -53,7 +53,7 @@ from kvtier.tiers.disk.transfer import DiskBackend
 
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")
-# The file header's layout (tiers/disk.py): magic, version, block_bytes, slot_stride, num_slots, codec id,
+# The file header's layout (tiers/disk/format.py): magic, version, block_bytes, slot_stride, num_slots, codec id,
 # then an xxh3-64 checksum of those fields.
 FILE_HEADER = struct.Struct("<8sIQQQB")
 FILE_HEADER_FIELDS = ("magic", "version", "block_bytes", "slot_stride", "num_slots", "codec")

@@ -23,7 +23,7 @@ Invariants checked:
   restore's to drop: ``test_disk_restore.py``);
 - a forged snapshot that passes every check but points keys at each other's slots only causes misses:
   those loads fail and their bytes are never returned, every other block loads bit-exact;
-- restoring while serving (``disk_restore``, chunks of two blocks held by a gate): every slot is taken
+- restoring while serving (``tiers/disk/restore.py``, chunks of two blocks held by a gate): every slot is taken
   at open and a block not back yet is a miss, never an error; blocks load bit-exact once their chunk
   is in, oldest first; a store of a block still to come back wins (its bytes stay, the old slot is
   freed: free slots counted); a close mid-restore lists what is back, what was stored meanwhile and
@@ -69,7 +69,7 @@ N = 10  # blocks stored before the close
 NAMESPACE = "model-a"  # disk_helpers' default
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")
-# The snapshot's documented layout (tiers/disk_snapshot.py): magic (8 bytes), block count (u64), key
+# The snapshot's documented layout (tiers/disk/snapshot.py): magic (8 bytes), block count (u64), key
 # width (u32), ...; rows of key lengths, keys and slots; then the xxh3-64 of everything before it.
 COUNT_AT, WIDTH_AT = 8, 16
 
@@ -439,7 +439,7 @@ def test_a_directory_under_the_snapshots_name_costs_the_snapshot_not_the_tier(tm
     stack.close()
 
 
-# --- restoring while the tier serves (``disk_restore``) ----------------------------------------------
+# --- restoring while the tier serves (``tiers/disk/restore.py``) -------------------------------------
 
 
 class Gate:
