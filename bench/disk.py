@@ -1,7 +1,7 @@
 """Store and load throughput of the disk tier's I/O path, against plain O_DIRECT I/O of the same bytes.
 
 What is measured
-    ``kvtier.transfers.disk.DiskBackend`` moving a batch of blocks between a host slab
+    ``kvtier.tiers.disk.transfer.DiskBackend`` moving a batch of blocks between a host slab
     (``kvtier.tiers.host.HostSlab``, page-aligned memory) and a disk slab (``DiskSlab`` +
     ``FileStorage``, one preallocated file of 4 KiB slot header + block bytes per slot), for 2 MiB
     and 64 KiB blocks:
@@ -98,9 +98,9 @@ import xxhash
 from kvtier.core.layout import BlockLayout
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.transfer import Transfer
-from kvtier.tiers.disk import DiskSlab, FileStorage
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.tiers.host import HostSlab
-from kvtier.transfers.disk import DiskBackend
 
 GB = 1e9
 MB = 1e6

@@ -71,7 +71,7 @@ from kvtier.core.keys import chain_hashes
 from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import StridedStorage
-from kvtier.tiers.disk_files import SLAB_NAME
+from kvtier.tiers.disk.files import SLAB_NAME
 from kvtier.tiers.gpu import device_storage
 from kvtier.transfers import backends_for
 
@@ -171,7 +171,7 @@ def stack_config(pairs, block_tokens: int, blocks: int, disk_dir: str) -> dict:
 def open_stack(config: dict, device: str) -> TierStack:
     """The stack with the backends a load into ``device`` needs too (the CUDA one on a GPU)."""
     parsed = load_config(config)
-    backends = backends_for(parsed.transfer, {HOST_DEVICE, FILE_DEVICE, device})
+    backends = backends_for(parsed.transfer, {HOST_DEVICE, FILE_DEVICE, device}, parsed.tiers)
     return build_stack(parsed, config_layout(parsed), backends)
 
 

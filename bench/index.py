@@ -38,7 +38,7 @@ What is measured
     preallocation a real slab gets at its first open, which there is not 1 TiB of disk for; a real
     slab's later opens skip it too). Two paths:
 
-    * after a clean close, from the index snapshot (``disk_snapshot``): the slab is closed with its
+    * after a clean close, from the index snapshot (``kvtier.tiers.disk.snapshot``): the slab is closed with its
       blocks listed (``held_blocks``, what ``disk_tier`` hands it), which writes the snapshot of
       every slot, always at the FULL slot count: for 2 MiB over the slab whose headers are all
       written, for 64 KiB directly, over a slab whose headers are not written (a snapshot is read
@@ -108,13 +108,14 @@ from kvtier.core.keys import KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import SlotCount
 from kvtier.core.sizes import format_size, parse_size
-from kvtier.core.slots import PAGE, slot_stride
 from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
-from kvtier.tiers.compression import CODEC_IDS
-from kvtier.tiers.disk import SLAB_NAME, DiskSlab, pack_slot_header
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
-from kvtier.tiers.disk_restore import ChunkedRestore
+from kvtier.tiers.disk.compression import CODEC_IDS
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk.format import pack_slot_header
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE, slot_stride
 
 BATCH = 32  # keys per store, and per lookup: a request's chain of blocks
 POLICIES = ("lru", "adaptive")  # the defaults: an upper tier, the last tier

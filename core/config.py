@@ -8,8 +8,9 @@ ignored or coerced, because a silently ignored typo in a cache config shows up l
 does not do what its author thinks.
 
 Each tier is validated by its medium's model, picked by ``medium`` among the media registered
-(``kvtier.core.media``): the gpu, host and disk models are here, the remote one beside the stores it
-can use (``kvtier.tiers.remote.config``), a program's own wherever it registers it.
+(``kvtier.core.media``): the gpu and host models are here, the disk one in its package
+(``kvtier.tiers.disk.config``), the remote one beside the stores it can use
+(``kvtier.tiers.remote.config``), a program's own wherever it registers it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from kvtier.core.keys import key_secret, tenant_of, tenant_tag
 from kvtier.core.media import media, watch_media
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
-from kvtier.core.slots import slot_problem, slot_stride
 from kvtier.core.strict_yaml import read_yaml
 from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy_name, eviction_policy_class
 from kvtier.policies.shares import TenantShares
@@ -256,52 +256,6 @@ class SealingSettings(ConfigModel):
             return None
         assert self.encryption_key_env is not None  # (sealing_problems)
         return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env)
-
-
-class DiskTierConfig(SealingSettings, SizedTierConfig):
-    """A local directory holding a preallocated slab file that survives restarts.
-
-    ``compression`` trades CPU for capacity: each block gets ``slot_bytes`` of room on disk instead of
-    ``block_bytes`` (see kvtier.tiers.disk.slot_room for the default), so a byte ``capacity`` holds
-    more blocks; blocks that do not compress into that room are not stored.
-    """
-
-    medium: Literal["disk"]
-    path: str = Field(min_length=1)
-    o_direct: Literal["auto", "on", "off"] = "auto"
-    compression: Literal["none", "lz4", "zstd"] = "none"
-    slot_bytes: Size | None = None
-    # Trust: by default the directory and slab must be the running user's and writable by nobody else.
-    # True accepts a directory a group of services shares on purpose (docs/security.md): every user who
-    # can write it can then plant blocks that this tier loads.
-    shared_directory: bool = False
-    # True lets the tier overwrite a file named like its slab that is not a kvtier slab; by default that
-    # is an error, so a mistyped path never destroys someone's data.
-    reinitialise: bool = False
-
-    @field_validator("slot_bytes")
-    @classmethod
-    def _at_least_a_page(cls, value: int | None) -> int | None:
-        if value is not None and value < 4096:
-            raise ValueError(f"{format_size(value)} ({value} bytes) is less than 4KiB, the smallest slot")
-        return value
-
-    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
-        """A slot: a 4 KiB header and ``slot_bytes`` of room, which compression makes smaller than the block."""
-        return slot_stride(block_bytes, self.compression, self.slot_bytes)
-
-    @model_validator(mode="after")
-    def _sealing(self) -> DiskTierConfig:
-        problems = self.sealing_problems()
-        if problems:
-            raise Problems(problems)
-        return self
-
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
-        if stack.block_bytes is None:
-            return []
-        problem = slot_problem(stack.block_bytes, self.compression, self.slot_bytes)
-        return [] if problem is None else [(("slot_bytes",), problem)]
 
 
 def tier_configs() -> dict[str, type[TierConfigBase]]:
@@ -548,7 +502,6 @@ def _import_policies(config: StackConfig, name: str) -> None:
 
 __all__ = [
     "ConfigModel",
-    "DiskTierConfig",
     "EnvName",
     "GpuTierConfig",
     "HostTierConfig",

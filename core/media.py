@@ -6,7 +6,7 @@ medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone 
 which media it copies to without staging, its labels), so a new medium is its tier module and one
 ``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
 medium every route passes through. A medium whose copies no backend of ``kvtier.transfers`` runs (the
-``node`` medium's) names its own (``Medium.backend``).
+``disk`` and ``node`` media's) names its own (``Medium.backend``).
 
 A device is a storage's own, what a transfer backend serves: ``cuda`` memory, ``cpu`` memory, a
 ``file``, or a store whose records are named by key (``remote``). They differ where it matters: a GPU

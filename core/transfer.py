@@ -5,9 +5,10 @@ destination address, byte count) triples, one per fragment, merged where consecu
 adjacent on both sides (``CopyList``). A ``TransferBackend`` runs those copies and reports, once per
 transfer and asynchronously, the indices of the blocks that failed, and any it must ``Quarantine``:
 blocks whose memory a call that outlived its deadline may still touch (a remote store's). The
-backends themselves live in ``kvtier.transfers`` (CPU memmove, CUDA, disk I/O, remote stores): this
-module holds only what the stack needs to drive any of them (``TransferRegistry`` picks one per
-device pair), so core/ never imports an implementation.
+backends themselves live in ``kvtier.transfers`` (CPU memmove, CUDA, remote stores) and beside the
+media that name their own (disk I/O: ``kvtier.tiers.disk.transfer``; the node slab's): this module
+holds only what the stack needs to drive any of them (``TransferRegistry`` picks one per device
+pair), so core/ never imports an implementation.
 """
 
 from __future__ import annotations

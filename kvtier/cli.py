@@ -27,7 +27,8 @@ from kvtier.core.errors import ArgumentError, ConfigError
 from kvtier.doctor import diagnose
 from kvtier.doctor_sharing import VllmEngine, differences, other_sharing, recorded_report, verdict, vllm_dtype
 from kvtier.node_cli import add_node_parser, run_node
-from kvtier.tiers.disk import DiskTierError, inspect_slab
+from kvtier.tiers.disk.files import DiskTierError
+from kvtier.tiers.disk.inspect import inspect_slab
 
 
 def print_inspection(info: dict, console: Console) -> None:

@@ -22,14 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import DiskTierConfig, StackConfig, capacity_in_blocks, load_config
+from kvtier.core.config import StackConfig, capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.keys import key_secret
 from kvtier.core.media import HOST
 from kvtier.core.sealing import SEAL_BYTES
 from kvtier.doctor_sharing import VllmEngine, sharing
-from kvtier.tiers.disk import rank_directory
-from kvtier.tiers.disk_files import SLAB_NAME, DiskTierError, lock_holder, open_slab_for_reading
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError, lock_holder, open_slab_for_reading
+from kvtier.tiers.disk.ranks import rank_directory
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.protocol import VERSION, Op

@@ -14,7 +14,7 @@ from helpers.redis_server import redis_server
 from kvtier import KVTier
 from kvtier.core.misses import TOTAL, MissReason
 from kvtier.core.namespaces import ENTRY_BYTES, REGISTRY_BYTES, decode_entry
-from kvtier.tiers.disk_namespaces import NAMESPACES_NAME
+from kvtier.tiers.disk.namespaces import NAMESPACES_NAME
 from kvtier.tiers.remote.record import HEADER_BYTES
 
 BLOCK = 4096
@@ -204,10 +204,10 @@ def test_a_hostile_namespaces_json_is_ignored_with_one_log_line(tmp_path, caplog
     path = tmp_path / "disk"
     tokens = stored_by_another(path)
     plant(path, how, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk_namespaces"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk.namespaces"):
         kv = KVTier.open(on_disk(path, block_tokens=32))
     with kv:
-        (warning,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers.disk_namespaces"]
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers.disk.namespaces"]
         assert f"{NAMESPACES_NAME} ignored" in warning
         assert kv.lookup(tokens) == 0
         assert kv.stack.misses.take()[MissReason.NEVER_STORED, "disk"] == 1, "the other namespace is not known"

@@ -26,7 +26,7 @@ from helpers.stores import bounded
 from kvtier import KVTier
 from kvtier.cli import main
 from kvtier.doctor import diagnose
-from kvtier.tiers.disk_files import SLAB_NAME, DiskTierError
+from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
 
 BLOCK = 64 * 1024
 TOKENS = 16  # block_tokens

@@ -13,7 +13,9 @@ import pytest
 from helpers.node_daemon import node_daemon
 from kvtier import KVTier
 from kvtier.core.keys import KEY_BYTES, TENANT_KEY_BYTES, TENANT_TAG_BYTES, chain_hashes, tenant_of, tenant_tag
-from kvtier.tiers.disk import PAGE, SEAL_AT, SLAB_NAME
+from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.format import SEAL_AT
+from kvtier.tiers.disk.slots import PAGE
 
 BLOCK = 64 * 1024
 TOKENS = 16

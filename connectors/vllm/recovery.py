@@ -5,7 +5,7 @@ scheduler side chose, the same on every rank. The scheduler side (another proces
 which own the slabs and their locks) holds the index: which key is at which slot.
 
 Restart in seconds: at its clean shutdown the scheduler side leaves an index of its disk tier's
-READY blocks at the tier's path (``disk_snapshot``'s format and file rules, ``<path>/index.kvt``),
+READY blocks at the tier's path (``kvtier.tiers.disk.snapshot``'s format and file rules, ``<path>/index.kvt``),
 naming the geometry, namespace, number of ranks and every rank's slab file as it was then (inode,
 size, mtime: ``rank_slabs_identity``). vLLM stops the workers before the scheduler side (its engine
 core shuts the executor down first), so the slabs are sealed by their workers' clean closes by then,
@@ -42,14 +42,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import Tier
-from kvtier.tiers.disk import rank_directory, rank_slabs_identity, read_block_headers
-from kvtier.tiers.disk_files import SNAPSHOT_NAME, open_directory
-from kvtier.tiers.disk_restore import ChunkedRestore
-from kvtier.tiers.disk_snapshot import Snapshot, take_snapshot, write_snapshot
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.files import SNAPSHOT_NAME, open_directory
+from kvtier.tiers.disk.inspect import read_block_headers
+from kvtier.tiers.disk.ranks import rank_directory, rank_slabs_identity
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.snapshot import Snapshot, take_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
 

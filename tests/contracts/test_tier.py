@@ -48,13 +48,13 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvtier.core.config import DiskTierConfig
 from kvtier.core.errors import CapacityError, FenceError, StateError, TransferError
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.tier import BlockState, Tier, Usage
 from kvtier.policies import LRUPolicy, Watermark
-from kvtier.tiers.disk import disk_tier
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.tier import disk_tier
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
 from kvtier.tiers.node.client import NodeClient

@@ -42,7 +42,8 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.media import KEYED_DEVICE, media
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend
-from kvtier.tiers.disk import DiskSlab, FileStorage
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
 from kvtier.tiers.node.tier import NODE_DEVICE, NodeStorage
@@ -52,7 +53,6 @@ from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import RemoteStorage
 from kvtier.transfers.cpu import CPUBackend
 from kvtier.transfers.cuda import CUDABackend
-from kvtier.transfers.disk import DiskBackend
 from kvtier.transfers.remote import RemoteBackend
 
 LAYOUTS = {"paged": BlockLayout((4096,) * 4), "odd": BlockLayout((1000, 24, 3077))}

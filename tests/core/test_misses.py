@@ -26,7 +26,8 @@ from kvtier.core.namespaces import (
 )
 from kvtier.core.stack import TierStack
 from kvtier.policies import LRUPolicy
-from kvtier.tiers.disk import PAGE, SLAB_NAME
+from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.gpu import gpu_tier
 from kvtier.tiers.host import host_tier
 from kvtier.transfers.cpu import CPUBackend

@@ -110,7 +110,7 @@ CHILD_OPEN = """
 import json, sys
 from kvtier.builder import build_stack
 from kvtier.core.config import load_config
-from kvtier.tiers.disk import DiskTierError
+from kvtier.tiers.disk.files import DiskTierError
 try:
     stack = build_stack(load_config(json.loads(sys.argv[1])))
 except DiskTierError as exc:

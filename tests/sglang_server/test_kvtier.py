@@ -54,7 +54,8 @@ def disk_config(path: Path) -> dict:
 
 def disk_blocks(path: Path) -> int:
     """Pages kvtier's disk tier holds (rank 0's slab, read without its lock while the server runs)."""
-    from kvtier.tiers.disk import DiskTierError, inspect_slab
+    from kvtier.tiers.disk.files import DiskTierError
+    from kvtier.tiers.disk.inspect import inspect_slab
 
     try:
         return inspect_slab(path / "rank0")["blocks"]
@@ -106,7 +107,7 @@ def test_a_flushed_prompt_comes_back_from_kvtiers_disk_also_after_a_restart_and_
     assert after_restart.ids == first.ids
     restarted.stop()
 
-    from kvtier.tiers.disk import inspect_slab
+    from kvtier.tiers.disk.inspect import inspect_slab
 
     slab = inspect_slab(disk / "rank0")
     stride, used = slab["slot_stride"], slab["blocks"]

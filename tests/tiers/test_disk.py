@@ -44,7 +44,10 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskSlab, DiskTierError, inspect_slab
+from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
+from kvtier.tiers.disk.inspect import inspect_slab
+from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE
 
 # --- round trips --------------------------------------------------------------------------------
 

@@ -41,9 +41,12 @@ from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import StridedStorage, buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, SLAB_NAME, SlotHeader, inspect_slab
+from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.format import SlotHeader
+from kvtier.tiers.disk.inspect import inspect_slab
+from kvtier.tiers.disk.slots import PAGE
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers.cpu import CPUBackend
-from kvtier.transfers.disk import DiskBackend
 
 BLOCK = 256 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

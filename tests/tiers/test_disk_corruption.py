@@ -43,8 +43,10 @@ from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskTierError, SlotHeader, inspect_slab
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME, DiskTierError
+from kvtier.tiers.disk.format import SlotHeader
+from kvtier.tiers.disk.inspect import inspect_slab
+from kvtier.tiers.disk.slots import PAGE
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

@@ -19,7 +19,9 @@ from helpers.stack_helpers import flip, ready
 from kvtier.builder import config_layout
 from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
-from kvtier.tiers.disk import PAGE, SLAB_NAME, inspect_slab, read_block_headers
+from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.inspect import inspect_slab, read_block_headers
+from kvtier.tiers.disk.slots import PAGE
 
 LAYOUT = config_layout(load_config(config_dict("unused")))
 

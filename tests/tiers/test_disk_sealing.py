@@ -20,7 +20,9 @@ from helpers.stack_helpers import flip
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
 from kvtier.doctor import diagnose
-from kvtier.tiers.disk import PAGE, SEAL_AT, SLAB_NAME, SlotHeader, read_slot_headers
+from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.format import SEAL_AT, SlotHeader, read_slot_headers
+from kvtier.tiers.disk.slots import PAGE
 
 BLOCK = 64 * 1024
 TOKENS = 16

@@ -45,12 +45,15 @@ from kvtier.cli import main
 from kvtier.core.keys import MAX_KEY_BYTES
 from kvtier.core.storage import buffer_storage
 from kvtier.core.transfer import Transfer
-from kvtier.tiers.disk import PAGE, SLAB_NAME, DiskSlab, DiskTierError, FileStorage, inspect_slab, read_block_headers
-from kvtier.transfers.disk import DiskBackend
+from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
+from kvtier.tiers.disk.inspect import inspect_slab, read_block_headers
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.slots import PAGE
+from kvtier.tiers.disk.transfer import DiskBackend
 
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")
-# The file header's layout (tiers/disk.py): magic, version, block_bytes, slot_stride, num_slots, codec id,
+# The file header's layout (tiers/disk/format.py): magic, version, block_bytes, slot_stride, num_slots, codec id,
 # then an xxh3-64 checksum of those fields.
 FILE_HEADER = struct.Struct("<8sIQQQB")
 FILE_HEADER_FIELDS = ("magic", "version", "block_bytes", "slot_stride", "num_slots", "codec")

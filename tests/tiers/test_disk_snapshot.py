@@ -23,7 +23,7 @@ Invariants checked:
   restore's to drop: ``test_disk_restore.py``);
 - a forged snapshot that passes every check but points keys at each other's slots only causes misses:
   those loads fail and their bytes are never returned, every other block loads bit-exact;
-- restoring while serving (``disk_restore``, chunks of two blocks held by a gate): every slot is taken
+- restoring while serving (``tiers/disk/restore.py``, chunks of two blocks held by a gate): every slot is taken
   at open and a block not back yet is a miss, never an error; blocks load bit-exact once their chunk
   is in, oldest first; a store of a block still to come back wins (its bytes stay, the old slot is
   freed: free slots counted); a close mid-restore lists what is back, what was stored meanwhile and
@@ -55,20 +55,21 @@ import xxhash
 
 from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put, umask
 from helpers.stack_helpers import ready
-from kvtier.core.slots import slot_stride
 from kvtier.core.tier import BlockState, Tier
-from kvtier.tiers.compression import CODEC_IDS
-from kvtier.tiers.disk import SLAB_NAME, VERSION, namespace_digest, read_block_headers
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
-from kvtier.tiers.disk_restore import ChunkedRestore
-from kvtier.tiers.disk_snapshot import SlabIdentity, write_snapshot
+from kvtier.tiers.disk.compression import CODEC_IDS
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk.format import VERSION, namespace_digest
+from kvtier.tiers.disk.inspect import read_block_headers
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slots import slot_stride
+from kvtier.tiers.disk.snapshot import SlabIdentity, write_snapshot
 
 SLOTS = 16  # the disk tier's capacity in these tests
 N = 10  # blocks stored before the close
 NAMESPACE = "model-a"  # disk_helpers' default
 NOBODY = 65534  # another user
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root (chown)")
-# The snapshot's documented layout (tiers/disk_snapshot.py): magic (8 bytes), block count (u64), key
+# The snapshot's documented layout (tiers/disk/snapshot.py): magic (8 bytes), block count (u64), key
 # width (u32), ...; rows of key lengths, keys and slots; then the xxh3-64 of everything before it.
 COUNT_AT, WIDTH_AT = 8, 16
 
@@ -438,7 +439,7 @@ def test_a_directory_under_the_snapshots_name_costs_the_snapshot_not_the_tier(tm
     stack.close()
 
 
-# --- restoring while the tier serves (``disk_restore``) ----------------------------------------------
+# --- restoring while the tier serves (``tiers/disk/restore.py``) -------------------------------------
 
 
 class Gate:

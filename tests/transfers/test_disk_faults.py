@@ -36,10 +36,10 @@ from kvtier.core.config import load_config
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE, DiskTierError
-from kvtier.tiers.disk_files import SNAPSHOT_NAME
+from kvtier.tiers.disk.files import SNAPSHOT_NAME, DiskTierError
+from kvtier.tiers.disk.slots import PAGE
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers.cpu import CPUBackend
-from kvtier.transfers.disk import DiskBackend
 
 BLOCK = 16 * 1024
 LAYOUT = BlockLayout((BLOCK // 4,) * 4)

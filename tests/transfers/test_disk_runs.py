@@ -1,4 +1,4 @@
-"""How the disk backend groups consecutive slots into vectored calls (``kvtier.transfers.disk._runs``),
+"""How the disk backend groups consecutive slots into vectored calls (``kvtier.tiers.disk.io._runs``),
 seen through its real system calls on a real slab file.
 
 Invariants checked:
@@ -18,9 +18,11 @@ import pytest
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
-from kvtier.tiers.disk import PAGE, DiskSlab, FileStorage
+from kvtier.tiers.disk.io import _RUN_BYTES, _RUN_SLOTS
+from kvtier.tiers.disk.slab import DiskSlab, FileStorage
+from kvtier.tiers.disk.slots import PAGE
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.tiers.host import HostSlab
-from kvtier.transfers.disk import _RUN_BYTES, _RUN_SLOTS, DiskBackend
 
 THREADS = 2
 

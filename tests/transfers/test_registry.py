@@ -9,7 +9,8 @@ Invariants checked:
 - a pair no backend serves is one TransferError naming the pair, the backends there are and what the
   copy is for;
 - ``backends_for`` picks the backends a set of storage devices needs: CPU always, CUDA first where a
-  storage is on CUDA, disk where one is a slab file, each configured from ``transfer``.
+  storage is on CUDA, and disk where a tier is a disk tier (its medium's own, ``Medium.backend``), each
+  configured from ``transfer``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend, TransferRegistry
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.transfer import DiskBackend
 from kvtier.transfers import backends_for
 from kvtier.transfers.cpu import CPUBackend
 from kvtier.transfers.cuda import CUDABackend
-from kvtier.transfers.disk import DiskBackend
 
 LAYOUT = BlockLayout.contiguous(64)
+DISK_TIER = DiskTierConfig.model_validate({"medium": "disk", "path": "unused", "capacity_blocks": 1})
+"""A disk tier's settings: the tier whose slab files ("file") need the disk backend (never opened here)."""
 
 
 class Recording(TransferBackend):
@@ -131,7 +135,8 @@ def fake_cuda(monkeypatch):
     ],
 )
 def test_backends_for_builds_what_the_devices_need_cuda_first(fake_cuda, devices, names):
-    backends = backends_for(TransferConfig(threads=3, io_threads=2, cuda_copy="kernel"), devices)
+    tiers = [DISK_TIER] if "file" in devices else []
+    backends = backends_for(TransferConfig(threads=3, io_threads=2, cuda_copy="kernel"), devices, tiers)
     try:
         assert [b.name for b in backends] == names
         cpu = next(b for b in backends if b.name == "cpu")
@@ -143,7 +148,7 @@ def test_backends_for_builds_what_the_devices_need_cuda_first(fake_cuda, devices
 
 
 def test_the_backends_a_stack_needs_reach_disk_only_from_host_memory(fake_cuda):
-    registry = TransferRegistry(backends_for(TransferConfig(), {"cuda", "cpu", "file"}))
+    registry = TransferRegistry(backends_for(TransferConfig(), {"cuda", "cpu", "file"}, [DISK_TIER]))
     try:
         for pair in [("cuda", "cpu"), ("cpu", "cuda"), ("cpu", "cpu"), ("cpu", "file"), ("file", "cpu")]:
             registry.backend(*pair)

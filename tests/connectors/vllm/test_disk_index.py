@@ -33,10 +33,13 @@ from helpers.vllm_helpers import (
 )
 from kvtier.connectors.vllm import recovery
 from kvtier.core.keys import chain_hashes
-from kvtier.tiers.disk import PAGE, DiskSlab, rank_directory, rank_slabs_identity, read_block_headers
-from kvtier.tiers.disk_files import SLAB_NAME, SNAPSHOT_NAME
-from kvtier.tiers.disk_restore import ChunkedRestore
-from kvtier.tiers.disk_snapshot import write_snapshot
+from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
+from kvtier.tiers.disk.inspect import read_block_headers
+from kvtier.tiers.disk.ranks import rank_directory, rank_slabs_identity
+from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE
+from kvtier.tiers.disk.snapshot import write_snapshot
 
 PREFIXES = (1, 2, 3)
 TP = 2

@@ -20,7 +20,7 @@ from helpers.vllm_helpers import (
 )
 from kvtier.core.keys import chain_hashes
 from kvtier.core.tier import BlockState
-from kvtier.tiers.disk import PAGE
+from kvtier.tiers.disk.slots import PAGE
 
 
 def disk_config(path, placement: str = "write_through", namespace: str = "") -> dict:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from vllm.v1.request import RequestStatus
 
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt
-from kvtier.tiers.disk import PAGE
+from kvtier.tiers.disk.slots import PAGE
 
 stacks = st.fixed_dictionaries(
     {

@@ -83,7 +83,7 @@ def stuck_disk(tmp_path, monkeypatch):
     ``reads`` holds the reads asked for."""
     import kvtier.node_daemon as node_daemon_module
     from kvtier.core.media import FILE_DEVICE
-    from kvtier.transfers.disk import DiskBackend
+    from kvtier.tiers.disk.transfer import DiskBackend
 
     monkeypatch.setattr(node_daemon_module, "PROMOTE_TIMEOUT_S", 0.3)
     released, reads = threading.Event(), []

@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 
 from kvtier.core.keys import MAX_KEY_BYTES
-from kvtier.tiers.disk_files import SNAPSHOT_NAME, open_file_for_reading, remove_file, replace_file
+from kvtier.tiers.disk.files import SNAPSHOT_NAME, open_file_for_reading, remove_file, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class SlabIdentity:
 
 class KeyColumn(Sequence[bytes]):
     """A snapshot's keys, each made into a bytes object only when read: a disk tier takes them back
-    chunk by chunk while it already serves (``disk_restore``), where making 15.8 M of them at once
+    chunk by chunk while it already serves (``restore``), where making 15.8 M of them at once
     would keep it from answering for a second. A slice gives a list of keys."""
 
     def __init__(self, lengths: np.ndarray, matrix: np.ndarray) -> None:
@@ -144,7 +144,7 @@ def take_snapshot(dir_fd: int, directory: Path, *, shared: bool, identity: SlabI
     """The blocks of the snapshot in ``dir_fd`` (the slab's checked directory ``directory``), which is
     removed durably whatever it holds; call it holding the slab's lock, before anything writes to the
     slab. None when there is none, and, with one log line saying why, when it cannot be removed, fails
-    the slab's file checks (``disk_files``), is unreadable, damaged or out of bounds, or does not
+    the slab's file checks (``files``), is unreadable, damaged or out of bounds, or does not
     describe the slab ``identity`` names (None: the open changes the slab's geometry)."""
     path = directory / SNAPSHOT_NAME
     fd = None

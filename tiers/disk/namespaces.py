@@ -2,7 +2,7 @@
 
 A stack that opens the directory records its namespace there (``record``), so a later stack of another
 block size or namespace that misses a block the slab holds can say so (``core/namespaces.py``). The
-file follows the slab's rules (``disk_files``): read only when it is one regular file of the running
+file follows the slab's rules (``files``): read only when it is one regular file of the running
 user that nobody else can write (never through a link), written under a temporary name and renamed
 over, 0600. It is a statistic's input, so anything wrong with it (missing, hostile, damaged, too
 large, unreadable, unwritable) is one log line and an empty registry, never an error of the tier.
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from kvtier.core.namespaces import REGISTRY_BYTES, KnownNamespace, decode_entries, encode_entries, listing
-from kvtier.tiers.disk_files import open_file_for_reading, replace_file
+from kvtier.tiers.disk.files import open_file_for_reading, replace_file
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The disk transfer backend: positioned reads and writes between host memory and a slab file.
+"""Where a block's bytes hit the disk and come back: the write and read paths of a slab's slots.
 
 A store writes each slot, header page and block bytes, in one call (a run of consecutive slots in one
 ``pwritev``): no fdatasync and no separate header write. The header holds the checksum of the bytes
@@ -34,26 +34,23 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import MAX_KEY_BYTES
-from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.sealing import SEAL_BYTES
-from kvtier.core.slots import PAGE, round_up_to_page
-from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
-from kvtier.tiers.compression import CorruptPayload
-from kvtier.tiers.disk import SEAL_AT, DiskSlab, FileStorage, SlotHeader, header_fields, pack_slot_header
+from kvtier.tiers.disk.compression import CorruptPayload
+from kvtier.tiers.disk.format import SEAL_AT, SlotHeader, header_fields, pack_slot_header
+from kvtier.tiers.disk.slab import DiskSlab
+from kvtier.tiers.disk.slots import PAGE, round_up_to_page
 
 
 @dataclass(slots=True)  # not frozen: a job builds thousands, and a frozen dataclass is slower to build
-class _BlockIO:
+class BlockIO:
     """One block's bytes: memory pieces (address, size) that fill one contiguous file range."""
 
     index: int
@@ -86,94 +83,19 @@ def _checksum(views: list[memoryview]) -> int:
     return h.intdigest()
 
 
-class DiskBackend(TransferBackend):
-    """Moves blocks between host memory ("cpu") and slab files ("file") on a pool of I/O threads."""
+class SlabIO:
+    """Stores and loads blocks of slabs on a pool of I/O threads, each thread with its own aligned
+    scratch buffers: ``store`` and ``load`` return the indices of the blocks that failed. The disk
+    transfer backend (``transfer.DiskBackend``) is one, running each copy it is given as a job here."""
 
-    name = "disk"
-    pairs = frozenset({(HOST_DEVICE, FILE_DEVICE), (FILE_DEVICE, HOST_DEVICE)})
-
-    def __init__(self, io_threads: int = 8) -> None:
-        if io_threads < 1:
-            raise ValueError("the disk backend needs at least one I/O thread")
+    def __init__(self, io_threads: int) -> None:
         self._threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-disk-io", initializer=mark_kvtier_thread)
-        self._jobs = ThreadPoolExecutor(2, thread_name_prefix="kvtier-disk-job", initializer=mark_kvtier_thread)
         self._bounce = threading.local()
-        self._sequence_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, transfer: Transfer, on_complete: OnComplete) -> None:
-        if not self.can_copy(transfer.src.device, transfer.dst.device):
-            raise TransferError(f"the disk backend cannot copy {transfer.src.device} -> {transfer.dst.device}")
-        if transfer.keys is None:
-            raise TransferError("disk transfers need the blocks' keys (they are written into slot headers)")
-        writing = transfer.dst.device == FILE_DEVICE
-        storage = transfer.dst if writing else transfer.src
-        assert isinstance(storage, FileStorage)
-        blocks = self._blocks(transfer, transfer.keys, writing)
-        run = self._store if writing else self._load
-        with self._lock:
-            if self._closed:
-                raise ClosedError("the disk backend is closed")
-            try:
-                self._jobs.submit(self._finish, run, storage.slab, blocks, on_complete, transfer)
-            except RuntimeError as exc:  # concurrent.futures stops every pool when the interpreter exits
-                raise ClosedError(f"the disk transfer backend takes no more copies: {exc}") from None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._jobs.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-
-    # --- planning ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _blocks(transfer: Transfer, keys: Sequence[bytes], writing: bool) -> list[_BlockIO]:
-        """Each block's memory pieces, in the order they fill its slot (fragments that follow on in
-        memory merged), and the file offset of its bytes. Planned block by block, never merged across
-        blocks: a compressed slot may be exactly as long as a block, and then the next slot's bytes
-        start where this block's raw bytes would end (``_runs`` groups whole slots instead)."""
-        memory, memory_slots = (transfer.src, transfer.src_slots) if writing else (transfer.dst, transfer.dst_slots)
-        file, file_slots = (transfer.dst, transfer.dst_slots) if writing else (transfer.src, transfer.src_slots)
-        addresses = memory.fragment_addresses(memory_slots)
-        offsets = file.fragment_addresses(file_slots)[:, 0].tolist()
-        slots = [int(s) for s in file_slots]
-        layout = memory.layout
-        size = layout.block_bytes
-        if (addresses[:, 1:] == addresses[:, :-1] + layout.sizes[None, :-1]).all():  # each block one piece
-            page_aligned = (addresses[:, 0] % PAGE == 0) & (size % PAGE == 0)
-            starts = addresses[:, 0].tolist()
-            return [
-                _BlockIO(i, slot, key, offset, ((address, size),), size, a)
-                for i, (slot, key, offset, address, a) in enumerate(
-                    zip(slots, keys, offsets, starts, page_aligned.tolist(), strict=True)
-                )
-            ]
-        out = []
-        for i, (row, offset) in enumerate(zip(addresses.tolist(), offsets, strict=True)):
-            pieces: list[tuple[int, int]] = []
-            for address, n in zip(row, layout.fragment_bytes, strict=True):
-                if pieces and sum(pieces[-1]) == address:
-                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + n)
-                else:
-                    pieces.append((address, n))
-            aligned = all(address % PAGE == 0 and n % PAGE == 0 for address, n in pieces)
-            out.append(_BlockIO(i, slots[i], keys[i], offset, tuple(pieces), size, aligned))
-        return out
-
-    def _finish(self, run, slab: DiskSlab, blocks: list[_BlockIO], on_complete: OnComplete, keep: Transfer) -> None:
-        # ``keep`` holds the transfer (and the memory it points into) until the I/O is over.
-        try:
-            failed = run(slab, blocks)
-        except Exception:  # a bug must fail the job, not lose its completion
-            failed = {b.index for b in blocks}
-        on_complete(failed)
 
     # --- store ---------------------------------------------------------------------------------
 
-    def _store(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
+    def store(self, slab: DiskSlab, blocks: list[BlockIO]) -> set[int]:
         failed = self._refuse_long_keys(slab, blocks)
         todo = [b for b in blocks if b.index not in failed]
         if slab.codec is None:
@@ -183,7 +105,7 @@ class DiskBackend(TransferBackend):
             futures = [self._io.submit(self._store_packed, slab, b) for b in todo]
         return failed.union(*(f.result() for f in futures))
 
-    def _store_run(self, slab: DiskSlab, run: list[_BlockIO]) -> set[int]:
+    def _store_run(self, slab: DiskSlab, run: list[BlockIO]) -> set[int]:
         """Blocks in consecutive slots: every header made from its block's bytes (on this I/O thread,
         while the others write), then all of them written in one call; when that fails, block by
         block, to find the ones the fault hits (and zero their headers)."""
@@ -214,7 +136,7 @@ class DiskBackend(TransferBackend):
         self._clear_headers(slab, [b for b in run if b.index in failed])
         return failed
 
-    def _store_packed(self, slab: DiskSlab, b: _BlockIO) -> set[int]:
+    def _store_packed(self, slab: DiskSlab, b: BlockIO) -> set[int]:
         """Compress one block (and seal it, where the slab seals) and write it, zero-padded to whole pages,
         through this thread's aligned buffer. A payload larger than the slot fails the block and is
         refused for good. A sealed slot's checksum is 0: the seal's tag checks its bytes."""
@@ -251,11 +173,11 @@ class DiskBackend(TransferBackend):
         page[SEAL_AT : SEAL_AT + len(seal)] = seal
 
     def _header_pages(
-        self, slab: DiskSlab, blocks: list[_BlockIO], checksums: list[int], payloads: list[int]
+        self, slab: DiskSlab, blocks: list[BlockIO], checksums: list[int], payloads: list[int]
     ) -> list[memoryview]:
         """The blocks' header pages, built in place in one buffer, with consecutive sequence numbers."""
         buffer = bytearray(len(blocks) * PAGE)
-        first = self._next_sequences(slab, len(blocks))
+        first = slab.next_sequences(len(blocks))
         for i, (b, checksum, payload) in enumerate(zip(blocks, checksums, payloads, strict=True)):
             pack_slot_header(
                 buffer, i * PAGE, b.key, slab.namespace, b.nbytes, checksum, first + i, payload, slab.codec_id
@@ -264,7 +186,7 @@ class DiskBackend(TransferBackend):
         return [view[i * PAGE : (i + 1) * PAGE] for i in range(len(blocks))]
 
     @staticmethod
-    def _refuse_long_keys(slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
+    def _refuse_long_keys(slab: DiskSlab, blocks: list[BlockIO]) -> set[int]:
         """Blocks whose key a slot header cannot hold whole (longer than MAX_KEY_BYTES): failed before
         anything of theirs is written, and refused for good (``slab.refuse``), like a payload that can
         never fit. The rest of the job goes on."""
@@ -273,7 +195,7 @@ class DiskBackend(TransferBackend):
             slab.refuse([b.key for b in long])
         return {b.index for b in long}
 
-    def _write_block(self, slab: DiskSlab, b: _BlockIO, page: memoryview, views: list[memoryview]) -> None:
+    def _write_block(self, slab: DiskSlab, b: BlockIO, page: memoryview, views: list[memoryview]) -> None:
         if slab.direct_fd is not None and not b.aligned:  # O_DIRECT needs aligned memory: bounce
             padded = round_up_to_page(b.nbytes)
             bounce = self._scratch("write", padded)
@@ -305,7 +227,7 @@ class DiskBackend(TransferBackend):
             for i in range(len(slots)):
                 self._write(slab, [headers[i * PAGE : (i + 1) * PAGE]], offset + i * slab.slot_stride)
 
-    def _clear_headers(self, slab: DiskSlab, blocks: list[_BlockIO]) -> None:
+    def _clear_headers(self, slab: DiskSlab, blocks: list[BlockIO]) -> None:
         """Zero the slot headers of blocks that failed to store or load, best effort: a restart must not
         find them. A header that cannot be zeroed may describe bytes it does not match; every load
         checks them, so such a block fails its load once and is dropped."""
@@ -318,14 +240,14 @@ class DiskBackend(TransferBackend):
 
     def _write(self, slab: DiskSlab, buffers, offset: int) -> None:
         expected = sum(len(memoryview(buf)) for buf in buffers)
-        written = self._pwritev(_data_fd(slab), buffers, offset)
+        written = self._pwritev(slab.data_fd, buffers, offset)
         if written != expected:
             raise OSError(errno.EIO, f"short write: {written} of {expected} bytes")
 
     # --- load ----------------------------------------------------------------------------------
 
-    def _load(self, slab: DiskSlab, blocks: list[_BlockIO]) -> set[int]:
-        def read_run(run: list[_BlockIO]) -> tuple[set[int], list[tuple[_BlockIO, bytes]]]:
+    def load(self, slab: DiskSlab, blocks: list[BlockIO]) -> set[int]:
+        def read_run(run: list[BlockIO]) -> tuple[set[int], list[tuple[BlockIO, bytes]]]:
             """(blocks whose read failed, [(block, its header page)] read and still to verify)."""
             if len(run) > 1:
                 try:
@@ -340,7 +262,7 @@ class DiskBackend(TransferBackend):
                     failed.add(b.index)
             return failed, read
 
-        def read_packed(b: _BlockIO) -> set[int]:
+        def read_packed(b: BlockIO) -> set[int]:
             try:
                 return set() if self._read_packed(slab, b) else {b.index}
             except OSError:
@@ -359,7 +281,7 @@ class DiskBackend(TransferBackend):
         self._clear_headers(slab, [b for b in blocks if b.index in failed])
         return failed
 
-    def _read_run(self, slab: DiskSlab, run: list[_BlockIO]) -> list[tuple[_BlockIO, bytes]]:
+    def _read_run(self, slab: DiskSlab, run: list[BlockIO]) -> list[tuple[BlockIO, bytes]]:
         """Blocks in consecutive slots in one preadv (headers into scratch pages, bytes into place);
         returns each block with its header page, to verify."""
         headers = memoryview(self._scratch("headers", _max_run(slab) * PAGE))
@@ -367,17 +289,17 @@ class DiskBackend(TransferBackend):
         for i, b in enumerate(run):
             buffers += [headers[i * PAGE : (i + 1) * PAGE], *b.views()]
         expected = len(run) * slab.slot_stride
-        got = self._preadv(_data_fd(slab), buffers, run[0].file_offset - PAGE)
+        got = self._preadv(slab.data_fd, buffers, run[0].file_offset - PAGE)
         if got != expected:
             raise OSError(errno.EIO, f"short read: {got} of {expected} bytes")
         return [(b, bytes(headers[i * PAGE : (i + 1) * PAGE])) for i, b in enumerate(run)]
 
-    def _read_block(self, slab: DiskSlab, b: _BlockIO) -> bytes:
+    def _read_block(self, slab: DiskSlab, b: BlockIO) -> bytes:
         """Read one block into its memory pieces; returns its header page, to verify."""
         views = b.views()
         if slab.direct_fd is None or b.aligned:
             header_page = self._scratch("page", PAGE)
-            got = self._preadv(_data_fd(slab), [header_page, *views], b.file_offset - PAGE)
+            got = self._preadv(slab.data_fd, [header_page, *views], b.file_offset - PAGE)
             page = bytes(header_page)
         else:  # O_DIRECT needs aligned memory: read through a bounce buffer
             bounce = self._scratch("read", PAGE + round_up_to_page(b.nbytes))
@@ -391,12 +313,12 @@ class DiskBackend(TransferBackend):
             raise OSError(errno.EIO, f"short read: {got} of {PAGE + b.nbytes} bytes")
         return page
 
-    def _read_packed(self, slab: DiskSlab, b: _BlockIO) -> bool:
+    def _read_packed(self, slab: DiskSlab, b: BlockIO) -> bool:
         """Read a whole slot, check its header, open (sealed) and decompress (compressed) it and verify
         the raw bytes (the seal's tag, else the checksum); only then copy them into the block's memory.
         False when the block fails any check."""
         bounce = self._scratch("slot", slab.slot_stride)
-        got = self._preadv(_data_fd(slab), [bounce], b.file_offset - PAGE)
+        got = self._preadv(slab.data_fd, [bounce], b.file_offset - PAGE)
         page = bytes(bounce[:PAGE])
         header = SlotHeader.unpack(page) if got >= PAGE else None
         if header is None or not self._header_matches(slab, b, header):
@@ -421,7 +343,7 @@ class DiskBackend(TransferBackend):
         return True
 
     @staticmethod
-    def _header_matches(slab: DiskSlab, b: _BlockIO, header: SlotHeader) -> bool:
+    def _header_matches(slab: DiskSlab, b: BlockIO, header: SlotHeader) -> bool:
         return (
             header.key == b.key
             and header.namespace == slab.namespace
@@ -430,7 +352,7 @@ class DiskBackend(TransferBackend):
         )
 
     @classmethod
-    def _verify(cls, slab: DiskSlab, b: _BlockIO, page: bytes, views: list[memoryview]) -> bool:
+    def _verify(cls, slab: DiskSlab, b: BlockIO, page: bytes, views: list[memoryview]) -> bool:
         """Whether the block read into ``views`` is ``b``'s: its header, then its checksum, or where the
         slab seals, its seal (opened in place: zeroed when it does not open)."""
         header = SlotHeader.unpack(page)
@@ -442,12 +364,6 @@ class DiskBackend(TransferBackend):
         return header.checksum == _checksum(views)
 
     # --- helpers -------------------------------------------------------------------------------
-
-    def _next_sequences(self, slab: DiskSlab, n: int) -> int:
-        """The first of ``n`` new sequence numbers of ``slab``, one after the other."""
-        with self._sequence_lock:
-            slab.sequence += n
-            return slab.sequence - n + 1
 
     def _scratch(self, name: str, size: int) -> mmap.mmap:
         """This thread's page-aligned scratch buffer ``name``, exactly ``size`` bytes (a multiple of PAGE)."""
@@ -462,10 +378,6 @@ class DiskBackend(TransferBackend):
 
     def _preadv(self, fd: int, buffers, offset: int) -> int:
         return os.preadv(fd, buffers, offset)
-
-
-def _data_fd(slab: DiskSlab) -> int:
-    return slab.direct_fd if slab.direct_fd is not None else slab.open_fd
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -490,7 +402,7 @@ def _staged_run(slab: DiskSlab) -> int:
     return max(1, _RUN_BYTES // slab.slot_stride)
 
 
-def _runs(slab: DiskSlab, blocks: list[_BlockIO], threads: int, staged: bool = False) -> list[list[_BlockIO]]:
+def _runs(slab: DiskSlab, blocks: list[BlockIO], threads: int, staged: bool = False) -> list[list[BlockIO]]:
     """Group blocks that sit in consecutive slots into runs that one vectored call can move.
 
     A block joins a run only when it fills its slot exactly (no padding to skip) and, with O_DIRECT,
@@ -501,7 +413,7 @@ def _runs(slab: DiskSlab, blocks: list[_BlockIO], threads: int, staged: bool = F
     limit = max(1, _RUN_BYTES // slab.slot_stride, min(_RUN_SLOTS, -(-len(blocks) // threads)))
     if staged:
         limit = _staged_run(slab)
-    runs: list[list[_BlockIO]] = []
+    runs: list[list[BlockIO]] = []
     iovecs = 0
     open_run = False  # whether the last run may be extended
     for b in sorted(blocks, key=lambda b: b.file_offset):

@@ -1,10 +1,11 @@
-"""The geometry of a disk tier's slots: arithmetic on sizes that the configuration and the disk tier share.
+"""The geometry of a disk tier's slots: arithmetic on sizes that the tier's schema and its slab share.
 
 A slot on disk is one header page followed by room for a block's bytes, rounded up to whole pages
 for O_DIRECT. Uncompressed the room is the whole block; with compression it is ``slot_bytes`` (by
-default a codec-dependent fraction of the block), so the same file holds more slots. The config needs
-these rules to count a ``capacity`` in bytes as blocks and to refuse a ``slot_bytes`` that cannot work,
-without importing the disk tier; the disk tier lays its file out by them.
+default a codec-dependent fraction of the block), so the same file holds more slots. The schema
+(``config``) needs these rules to count a ``capacity`` in bytes as blocks and to refuse a
+``slot_bytes`` that cannot work, before any slab is opened; the slab's format (``format``) lays its
+file out by them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The slab itself carries the lock (``flock``, taken right after the open): two pr
 slab, whatever else is deleted from the directory. Who holds it is read from /proc/locks, never probed
 with a lock of our own (a probe could make an engine that opens the slab at that moment fail).
 
-The index snapshot a clean close leaves beside the slab (``disk_snapshot``) passes the same checks as
+The index snapshot a clean close leaves beside the slab (``snapshot``) passes the same checks as
 the slab when it is read, and is written under a temporary name and renamed over its own: a crash
 mid-write leaves the old state, never half a snapshot under the real name. The temporary name is
 removed before it is created (``O_EXCL``), so a file planted there, such as a second name of the
