@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from rich import box
-from rich.console import Console, RenderableType, RenderHook
+from rich.console import Console, ConsoleRenderable, RenderHook
 from rich.table import Table
 
 MiB = 2**20
@@ -22,7 +22,7 @@ class _FoldTables(RenderHook):
     """Cells too wide for their column fold onto more lines, never end in "…": a cut path or figure
     reads as a whole one."""
 
-    def process_renderables(self, renderables: list[RenderableType]) -> list[RenderableType]:
+    def process_renderables(self, renderables: list[ConsoleRenderable]) -> list[ConsoleRenderable]:
         for renderable in renderables:
             if isinstance(renderable, Table):
                 for column in renderable.columns:

@@ -142,4 +142,3 @@ def write_trace(requests: Iterable[Request], path: str | PathLike[str]) -> None:
             if r.tenant is not None:
                 line["tenant"] = r.tenant
             f.write(json.dumps(line) + "\n")
-
