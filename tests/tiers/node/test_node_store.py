@@ -153,7 +153,7 @@ def test_a_killed_store_costs_misses_while_the_slab_serves_on(machines, store, r
         assert (node["lookup_errors"], node["read_errors"]) == (0, 0)
     for daemon in (a, b):
         assert daemon.process is not None and daemon.process.poll() is None
-        wait_for(lambda: daemon.stats()["held"] == 0)  # (the daemon sees the engines go in its own time)
+        wait_for(lambda d=daemon: d.stats()["held"] == 0)  # (the daemon sees the engines go in its own time)
     assert b.stats()["promoted"] == 0 and b.stats()["copied_down"] == 0
 
 
