@@ -88,12 +88,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+from rig import TransferFailed, run_transfer
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.sealing import SealingKeys
@@ -110,10 +110,6 @@ PAGE = 4096
 REF_CHUNK = 8 * MiB
 NAMESPACE = "bench-disk"
 SEAL_SECRET = b"bench disk sealing secret, 32 b!"
-
-
-class TransferFailed(RuntimeError):
-    pass
 
 
 class Mismatch(RuntimeError):
@@ -176,27 +172,6 @@ class CountingDiskBackend(DiskBackend):
     def _preadv(self, fd, buffers, offset):
         next(self.counts["preadv"])
         return super()._preadv(fd, buffers, offset)
-
-
-def run_transfer(backend: DiskBackend, transfer: Transfer, timeout: float = 120.0) -> float:
-    """Seconds from submit until on_complete has run; raises TransferFailed if any block failed."""
-    done = threading.Event()
-    result: dict[str, set[int]] = {}
-
-    def on_complete(failed: set[int]) -> None:
-        result["failed"] = failed
-        done.set()
-
-    start = time.perf_counter()
-    backend.submit(transfer, on_complete)
-    if not done.wait(timeout):
-        raise TransferFailed(f"a disk transfer of {transfer.num_blocks} blocks did not complete in {timeout} s")
-    elapsed = time.perf_counter() - start
-    if result["failed"]:
-        raise TransferFailed(
-            f"{len(result['failed'])} of {transfer.num_blocks} blocks failed (first: {min(result['failed'])})"
-        )
-    return elapsed
 
 
 def make_keys(block_bytes: int, generation: int, n: int) -> list[bytes]:
@@ -742,46 +717,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
-    args = parse_args(argv)
-    rng = np.random.default_rng(args.seed)
-    sizes = (Size(2 * MiB, args.large_mib // 2), Size(64 * KiB, args.small_mib * 16))
-    parent = args.dir if args.dir is not None else tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=parent)
-    fstype, mount, source = filesystem_of(root)
-    fio_version = None
-    if args.fio:
-        try:
-            fio_version = subprocess.run(
-                [args.fio, "--version"], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            fio_version = "unknown version"
-
-    rows: list[dict] = []
-    info: dict[int, dict] = {}
+def fio_version(args: argparse.Namespace) -> str | None:
+    """The fio binary's version where fio runs (``args.fio``), else None."""
+    if not args.fio:
+        return None
     try:
-        for size in sizes:
-            size_rows, info[size.block_bytes] = bench_size(size, root, args, rng)
-            rows += size_rows
-    except Mismatch as exc:
-        print(f"CORRECTNESS FAILURE: {exc}", file=sys.stderr)
-        return 1
-    except TransferFailed as exc:
-        print(f"TRANSFER FAILURE: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        return subprocess.run([args.fio, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown version"
 
-    try:
-        compression, compression_notes = bench_compression(args.compress_mib * MiB, max(args.repeat, 3), args.seed)
-    except Mismatch as exc:
-        print(f"CORRECTNESS FAILURE: {exc}", file=sys.stderr)
-        return 1
-    xxh3 = checksum_gbps(64 * MiB, 3)
 
+def print_setup(args: argparse.Namespace, root: str, where: tuple[str, str, str], info: dict, fio: str | None) -> None:
+    """What was measured against what: the directory, the reference, fio, what a kvtier time covers."""
+    fstype, mount, source = where
     big = info[2 * MiB]
     why = "--o-direct off" if args.o_direct == "off" else "the filesystem refused O_DIRECT"
     direct = "O_DIRECT" if big["o_direct"] else f"buffered I/O ({why}; caches dropped before reads)"
@@ -794,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.fio:
         print(
-            f"fio: {fio_version}, libaio, iodepth={args.io_threads}, bs = block size, direct=1, "
+            f"fio: {fio}, libaio, iodepth={args.io_threads}, bs = block size, direct=1, "
             f"write with end_fsync=1 (fio's bw figure, best of {args.repeat})"
         )
         for block_bytes, i in info.items():
@@ -806,10 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         "kvtier times are whole jobs, submit to on_complete (a store writes each slot's header page and bytes "
         "in one call, runs of slots in one pwritev, no fdatasync)"
     )
-    print(f"xxh3-64 checksum, one thread: {xxh3:.1f} GB/s (every block is hashed on store and on load)")
-    print()
-    print_table(rows, f"kvtier DiskBackend(io_threads={args.io_threads}) host <-> disk vs plain sequential I/O")
-    print()
+
+
+def print_sealed(info: dict) -> None:
     print("sealed slots (encryption: aes-gcm) against plain ones, reused slots, GB/s (best) and ratio (paired median):")
     for block_bytes, i in info.items():
         z = i["sealed"]
@@ -817,72 +764,102 @@ def main(argv: list[str] | None = None) -> int:
             f"  {block_bytes // KiB:>5} KiB  store {z['store_gbps']:.2f} / {z['plain_store_gbps']:.2f} = "
             f"{z['store_ratio']:.2f}   load {z['load_gbps']:.2f} / {z['plain_load_gbps']:.2f} = {z['load_ratio']:.2f}"
         )
-    print_compression(compression, compression_notes, args.compress_mib * MiB)
 
+
+def figures(rows: list[dict], info: dict, block_bytes: int) -> dict:
+    """One block size's figures for the JSON line: kvtier's GB/s and ratios, the references', fio's."""
     by = {(r["block_bytes"], r["op"]): r for r in rows}
+    f = {
+        "block_bytes": block_bytes,
+        "blocks": by[(block_bytes, "load")]["blocks"],
+        "bytes": by[(block_bytes, "load")]["bytes"],
+    }
+    for op in ("store fresh", "store reused", "load"):
+        r = by[(block_bytes, op)]
+        key = op.replace(" ", "_")
+        f[f"{key}_gbps"] = r["gbps"]
+        f[f"{key}_ratio"] = r["ratio"]
+    f["store_gbps"] = min(f["store_fresh_gbps"], f["store_reused_gbps"])
+    f["store_ratio"] = min(f["store_fresh_ratio"], f["store_reused_ratio"])
+    f["reference_write_fresh_gbps"] = by[(block_bytes, "store fresh")]["reference_gbps"]
+    f["reference_write_gbps"] = by[(block_bytes, "store reused")]["reference_gbps"]
+    f["reference_read_gbps"] = by[(block_bytes, "load")]["reference_gbps"]
+    fio = info[block_bytes]["fio"]
+    f["fio_write_gbps"] = fio["write_gbps"] if fio else None
+    f["fio_read_gbps"] = fio["read_gbps"] if fio else None
+    return f
 
-    def figures(block_bytes: int) -> dict:
-        f = {
-            "block_bytes": block_bytes,
-            "blocks": by[(block_bytes, "load")]["blocks"],
-            "bytes": by[(block_bytes, "load")]["bytes"],
-        }
-        for op in ("store fresh", "store reused", "load"):
-            r = by[(block_bytes, op)]
-            key = op.replace(" ", "_")
-            f[f"{key}_gbps"] = r["gbps"]
-            f[f"{key}_ratio"] = r["ratio"]
-        f["store_gbps"] = min(f["store_fresh_gbps"], f["store_reused_gbps"])
-        f["store_ratio"] = min(f["store_fresh_ratio"], f["store_reused_ratio"])
-        f["reference_write_fresh_gbps"] = by[(block_bytes, "store fresh")]["reference_gbps"]
-        f["reference_write_gbps"] = by[(block_bytes, "store reused")]["reference_gbps"]
-        f["reference_read_gbps"] = by[(block_bytes, "load")]["reference_gbps"]
-        fio = info[block_bytes]["fio"]
-        f["fio_write_gbps"] = fio["write_gbps"] if fio else None
-        f["fio_read_gbps"] = fio["read_gbps"] if fio else None
-        return f
 
-    large, small = figures(2 * MiB), figures(64 * KiB)
+def fio_summary(args: argparse.Namespace, info: dict, version: str | None) -> dict:
+    if args.fio:
+        return {"installed": True, "version": version, **{str(b): i["fio"] for b, i in info.items()}}
+    note = "fio not run" if args.no_fio else "fio is not installed"
+    return {"installed": bool(shutil.which("fio")), "skipped": args.no_fio, "note": note}
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    sizes = (Size(2 * MiB, args.large_mib // 2), Size(64 * KiB, args.small_mib * 16))
+    parent = args.dir if args.dir is not None else tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=parent)
+    where, fio = filesystem_of(root), fio_version(args)
+    rows: list[dict] = []
+    info: dict[int, dict] = {}
+    try:
+        for size in sizes:
+            size_rows, info[size.block_bytes] = bench_size(size, root, args, rng)
+            rows += size_rows
+        compression, compression_notes = bench_compression(args.compress_mib * MiB, max(args.repeat, 3), args.seed)
+    except Mismatch as exc:
+        print(f"CORRECTNESS FAILURE: {exc}", file=sys.stderr)
+        return 1
+    except TransferFailed as exc:
+        print(f"TRANSFER FAILURE: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    xxh3 = checksum_gbps(64 * MiB, 3)
+
+    print_setup(args, root, where, info, fio)
+    print(f"xxh3-64 checksum, one thread: {xxh3:.1f} GB/s (every block is hashed on store and on load)")
+    print()
+    print_table(rows, f"kvtier DiskBackend(io_threads={args.io_threads}) host <-> disk vs plain sequential I/O")
+    print()
+    print_sealed(info)
+    print_compression(compression, compression_notes, args.compress_mib * MiB)
+    large, small = figures(rows, info, 2 * MiB), figures(rows, info, 64 * KiB)
     runtime = time.perf_counter() - started
     print()
     print(f"total runtime {runtime:.1f} s; loads verified bit-exact against the stored bytes for both block sizes")
-    print(
-        json.dumps(
-            {
-                "bench": "disk",
-                "ratio": round(min(large["store_ratio"], large["load_ratio"]), 3),
-                "small_ratio": round(min(small["store_ratio"], small["load_ratio"]), 3),
-                "sealed_ratio": info[2 * MiB]["sealed"]["ratio"],
-                "sealed": {str(b): i["sealed"] for b, i in info.items()},
-                **{k: v for k, v in large.items()},
-                "small": small,
-                "fs_type": fstype,
-                "mount": mount,
-                "o_direct": big["o_direct"],
-                "reference_o_direct": big["reference_o_direct"],
-                "reference": f"sequential {REF_CHUNK // MiB} MiB O_DIRECT pwrite + fdatasync / preadv, same directory, "
-                f"same host memory as kvtier",
-                "fio": (
-                    {"installed": True, "version": fio_version, **{str(b): i["fio"] for b, i in info.items()}}
-                    if args.fio
-                    else {
-                        "installed": bool(shutil.which("fio")),
-                        "skipped": args.no_fio,
-                        "note": "fio not run" if args.no_fio else "fio is not installed",
-                    }
-                ),
-                "io_threads": args.io_threads,
-                "repeat": args.repeat,
-                "cpus": os.cpu_count(),
-                "checksum_xxh3_gbps": round(xxh3, 2),
-                "verified": True,
-                "runtime_s": round(runtime, 1),
-                "table": rows,
-                "compression": compression,
-                "compression_notes": compression_notes,
-            }
-        )
-    )
+    summary = {
+        "bench": "disk",
+        "ratio": round(min(large["store_ratio"], large["load_ratio"]), 3),
+        "small_ratio": round(min(small["store_ratio"], small["load_ratio"]), 3),
+        "sealed_ratio": info[2 * MiB]["sealed"]["ratio"],
+        "sealed": {str(b): i["sealed"] for b, i in info.items()},
+        **large,
+        "small": small,
+        "fs_type": where[0],
+        "mount": where[1],
+        "o_direct": info[2 * MiB]["o_direct"],
+        "reference_o_direct": info[2 * MiB]["reference_o_direct"],
+        "reference": f"sequential {REF_CHUNK // MiB} MiB O_DIRECT pwrite + fdatasync / preadv, same directory, "
+        f"same host memory as kvtier",
+        "fio": fio_summary(args, info, fio),
+        "io_threads": args.io_threads,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "checksum_xxh3_gbps": round(xxh3, 2),
+        "verified": True,
+        "runtime_s": round(runtime, 1),
+        "table": rows,
+        "compression": compression,
+        "compression_notes": compression_notes,
+    }
+    print(json.dumps(summary))
     return 0
 
 

@@ -72,7 +72,6 @@ import itertools
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +79,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from rig import TransferFailed, run_transfer
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.transfer import Transfer
@@ -122,29 +122,6 @@ VARIANTS = (
     Variant("K/V split", kv_heads=8, kv_split=True),  # 32 KiB fragments, 64 per block
     Variant("K/V split", kv_heads=4, kv_split=True),  # 16 KiB fragments, 64 per block
 )
-
-
-class TransferFailed(RuntimeError):
-    pass
-
-
-def run_transfer(backend: CPUBackend, transfer: Transfer, timeout: float = 120.0) -> float:
-    """Seconds from submit until on_complete has run; raises if any block failed."""
-    done = threading.Event()
-    result: dict[str, set[int]] = {}
-
-    def on_complete(failed: set[int]) -> None:
-        result["failed"] = failed
-        done.set()
-
-    start = time.perf_counter()
-    backend.submit(transfer, on_complete)
-    if not done.wait(timeout):
-        raise TransferFailed(f"a transfer of {transfer.num_blocks} blocks did not complete in {timeout} s")
-    elapsed = time.perf_counter() - start
-    if result["failed"]:
-        raise TransferFailed(f"{len(result['failed'])} of {transfer.num_blocks} blocks failed")
-    return elapsed
 
 
 class Reference:

@@ -222,7 +222,7 @@ def workload(name: str, trace: Path) -> list[Request]:
     return load_trace(trace) if name == "mooncake" else generate(WORKLOADS[name])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="the Mooncake JSONL trace of workload 'mooncake'")
     parser.add_argument(
@@ -232,20 +232,76 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--capacities", default="1000,4000,16000", help="cache sizes in blocks, comma separated")
     parser.add_argument("--policy", default="adaptive", help="the policy the JSON line judges against LRU")
-    args = parser.parse_args(argv)
-    capacities = sorted(int(c) for c in args.capacities.split(","))
-    names = args.workloads.split(",")
+    return parser.parse_args(argv)
+
+
+def bad_args(args: argparse.Namespace, names: list[str]) -> str | None:
+    """Why the arguments cannot run, or None."""
     unknown = [n for n in names if n != "mooncake" and n not in WORKLOADS]
     if unknown or args.policy not in EVICTION_POLICIES:
-        print(f"unknown workload or policy: {unknown or args.policy}", file=sys.stderr)
-        return 2
+        return f"unknown workload or policy: {unknown or args.policy}"
     if "mooncake" in names and not Path(args.trace).is_file():
-        print(f"trace not found: {args.trace} (pass --trace, or leave mooncake out of --workloads)", file=sys.stderr)
-        return 2
+        return f"trace not found: {args.trace} (pass --trace, or leave mooncake out of --workloads)"
+    return None
 
+
+def measure(
+    requests: Sequence[Request], capacities: list[int], policy: str, seconds: dict[str, float]
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """One workload at every size: each row's hit ratio, and what shares cost ``policy``; each policy's
+    replay seconds added to ``seconds``."""
+    cells, shares = {}, {}
+    for capacity in capacities:
+        row = cells[str(capacity)] = {"belady": belady(requests, capacity).hit_ratio}
+        for name, cls in EVICTION_POLICIES.items():
+            start = time.perf_counter()
+            row[name] = replay(requests, capacity, cls()).hit_ratio
+            seconds[name] += time.perf_counter() - start
+        for label, oracle in CONTEXT.items():
+            row[label] = oracle(requests, capacity).hit_ratio
+        shares[str(capacity)] = shares_cost(requests, capacity, policy)
+    return cells, shares
+
+
+def print_workload(cells: dict[str, dict[str, float]], capacities: list[int]) -> None:
+    header = f"{'':<16}" + "".join(f"{f'{c} blocks':>18}" for c in capacities)
+    print(header)
+    print("-" * len(header))
+    for label in ["belady", *EVICTION_POLICIES, *CONTEXT]:
+        print(
+            f"{label:<16}"
+            + "".join(
+                f"{cells[str(c)][label]:>9.3f} ({cells[str(c)][label] / cells[str(c)]['lru']:.2f}x)"
+                if cells[str(c)]["lru"]
+                else f"{cells[str(c)][label]:>18.3f}"
+                for c in capacities
+            )
+        )
+
+
+def print_shares(policy: str, shares: dict, refs_ratio: float, tier_ratio: float, capacity: int) -> None:
+    print(
+        f"{policy} over two tenants: refs/s with shares {refs_ratio:.3f}x without (stores into a full "
+        f"host tier of {capacity} blocks: {tier_ratio:.3f}x); hit ratio "
+        + ", ".join(
+            f"{n}@{c} {v['shares_hit_ratio']:.3f} ({v['plain_hit_ratio']:.3f} plain)"
+            for n, by_size in shares.items()
+            for c, v in by_size.items()
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    capacities = sorted(int(c) for c in args.capacities.split(","))
+    names = args.workloads.split(",")
+    problem = bad_args(args, names)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     cells: dict[str, dict[str, dict[str, float]]] = {}  # workload -> size -> row -> hit ratio
-    seconds = dict.fromkeys(EVICTION_POLICIES, 0.0)
     shares: dict[str, dict[str, dict[str, float]]] = {}  # workload -> size -> shares_cost
+    seconds = dict.fromkeys(EVICTION_POLICIES, 0.0)
     replayed = 0
     for name in names:
         requests = workload(name, Path(args.trace))
@@ -254,46 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{name}: {len(requests)} requests, {references} block references, "
             f"{len({h for r in requests for h in r.hash_ids})} distinct blocks"
         )
-        cells[name] = {}
-        for capacity in capacities:
-            row = cells[name][str(capacity)] = {"belady": belady(requests, capacity).hit_ratio}
-            for policy, cls in EVICTION_POLICIES.items():
-                start = time.perf_counter()
-                row[policy] = replay(requests, capacity, cls()).hit_ratio
-                seconds[policy] += time.perf_counter() - start
-            for label, oracle in CONTEXT.items():
-                row[label] = oracle(requests, capacity).hit_ratio
-            shares.setdefault(name, {})[str(capacity)] = shares_cost(requests, capacity, args.policy)
+        cells[name], shares[name] = measure(requests, capacities, args.policy, seconds)
         replayed += references * len(capacities)
-        header = f"{'':<16}" + "".join(f"{f'{c} blocks':>18}" for c in capacities)
-        print(header)
-        print("-" * len(header))
-        for label in ["belady", *EVICTION_POLICIES, *CONTEXT]:
-            line = f"{label:<16}" + "".join(
-                f"{cells[name][str(c)][label]:>9.3f} ({cells[name][str(c)][label] / cells[name][str(c)]['lru']:.2f}x)"
-                if cells[name][str(c)]["lru"]
-                else f"{cells[name][str(c)][label]:>18.3f}"
-                for c in capacities
-            )
-            print(line)
+        print_workload(cells[name], capacities)
     print("\n(hit ratio, and in brackets its share of LRU's at the same size; the last three read the future)")
-
     per_second = {policy: replayed / seconds[policy] for policy in EVICTION_POLICIES}
     print("refs/s (every cell): " + ", ".join(f"{p} {per_second[p]:,.0f}" for p in EVICTION_POLICIES))
-
     plain_s = sum(c["plain_seconds"] for by_size in shares.values() for c in by_size.values())
-    shared_s = sum(c["shares_seconds"] for by_size in shares.values() for c in by_size.values())
-    shares_refs_ratio = plain_s / shared_s
+    shares_refs_ratio = plain_s / sum(c["shares_seconds"] for by_size in shares.values() for c in by_size.values())
     shares_tier_ratio = tier_shares_cost(capacities[0], args.policy)
-    print(
-        f"{args.policy} over two tenants: refs/s with shares {shares_refs_ratio:.3f}x without (stores into a full "
-        f"host tier of {capacities[0]} blocks: {shares_tier_ratio:.3f}x); hit ratio "
-        + ", ".join(
-            f"{n}@{c} {v['shares_hit_ratio']:.3f} ({v['plain_hit_ratio']:.3f} plain)"
-            for n, by_size in shares.items()
-            for c, v in by_size.items()
-        )
-    )
+    print_shares(args.policy, shares, shares_refs_ratio, shares_tier_ratio, capacities[0])
 
     def share(name: str, capacity: int, label: str) -> float:
         row = cells[name][str(capacity)]
@@ -312,23 +338,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.policy}: worst share of LRU {ratio:.3f} (at the {len(small)} smallest sizes {vs_lru_small:.3f}); "
         f"where Belady >= 1.5x LRU: {weak}; refs/s {per_second[args.policy] / per_second['lru']:.2f}x LRU's"
     )
-    print(
-        json.dumps(
-            {
-                "ratio": round(ratio, 4),
-                "vs_lru_small": round(vs_lru_small, 4),
-                "policy": args.policy,
-                "where_belady_1.5x_lru": weak,
-                "refs_per_second": {p: round(v) for p, v in per_second.items()},
-                "shares_refs_ratio": round(shares_refs_ratio, 4),
-                "shares_tier_ratio": round(shares_tier_ratio, 4),
-                "shares": shares,
-                "hit_ratio": cells,
-                "capacities": capacities,
-                "trace": str(args.trace),
-            }
-        )
-    )
+    summary = {
+        "ratio": round(ratio, 4),
+        "vs_lru_small": round(vs_lru_small, 4),
+        "policy": args.policy,
+        "where_belady_1.5x_lru": weak,
+        "refs_per_second": {p: round(v) for p, v in per_second.items()},
+        "shares_refs_ratio": round(shares_refs_ratio, 4),
+        "shares_tier_ratio": round(shares_tier_ratio, 4),
+        "shares": shares,
+        "hit_ratio": cells,
+        "capacities": capacities,
+        "trace": str(args.trace),
+    }
+    print(json.dumps(summary))
     return 0
 
 
