@@ -367,29 +367,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def reference_memory(max_bytes: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """The references' memory, touched: the plain copy's source and target, and the take's, allocated as
+    kvtier's copies find theirs (a torch tensor as large as the device cache, and a host slab)."""
+    ref_src = rng.integers(0, 256, size=max_bytes, dtype=np.uint8)
+    ref_dst = np.empty(max_bytes, dtype=np.uint8)
+    ref_dst.fill(0xA5)
+    take_src = torch.empty(max(max_bytes, NUM_LAYERS * LAYER_TENSOR_BYTES), dtype=torch.uint8)
+    take_src.fill_(0x5A)  # (the rows' values do not matter to the copy)
+    take_dst = HostSlab(1, BlockLayout.per_layer(1, max_bytes)).array
+    take_dst.fill(0xA5)
+    return ref_src, ref_dst, take_src.numpy(), take_dst
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))  # only for filling and checking, not timed
 
-    max_bytes = max(args.blocks) * max(v.layout.block_bytes for v in VARIANTS)
-    ref_src = rng.integers(0, 256, size=max_bytes, dtype=np.uint8)
-    ref_dst = np.empty(max_bytes, dtype=np.uint8)
-    ref_dst.fill(0xA5)  # pre-touch
-    # The take's memory is allocated as kvtier's copies find theirs: a torch tensor as large as the device
-    # cache, and a host slab (one slot of every byte).
-    take_src = torch.empty(max(max_bytes, NUM_LAYERS * LAYER_TENSOR_BYTES), dtype=torch.uint8)
-    take_src.fill_(0x5A)  # touched: the rows' values do not matter to the copy
-    take_dst = HostSlab(1, BlockLayout.per_layer(1, max_bytes)).array
-    take_dst.fill(0xA5)
-
+    memory = reference_memory(max(args.blocks) * max(v.layout.block_bytes for v in VARIANTS), rng)
     rows: list[dict] = []
     for threads in sorted({args.threads, 1}, reverse=True):  # the backend's threads, and one against one
-        backend, reference = (
-            CPUBackend(threads=threads),
-            Reference(ref_src, ref_dst, take_src.numpy(), take_dst, threads),
-        )
+        backend, reference = CPUBackend(threads=threads), Reference(*memory, threads)
         try:
             for variant in VARIANTS:
                 rows += bench_variant(variant, backend, args.blocks, args.repeat, reference, rng)

@@ -599,16 +599,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
-    args = parse_args(argv)
-    costs = object_costs()
-    print(
-        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs. One 16-byte key: {costs['key']:.0f} B traced "
-        f"(getsizeof {costs['key_getsizeof']}); one slot int: {costs['int']:.0f} B traced "
-        f"(getsizeof {costs['int_getsizeof']})"
-    )
-
+def index_figures(args: argparse.Namespace, costs: dict) -> dict[int, dict[str, dict]]:
+    """A plain dict and every policy's index at each size, each in a child process of its own."""
     results: dict[int, dict[str, dict]] = {}
     for n in args.blocks:
         results[n] = {}
@@ -621,32 +613,56 @@ def main(argv: list[str] | None = None) -> int:
     for n, cases in results.items():
         for kind, r in cases.items():
             print_parts(f"{kind}, {n} blocks", r["parts_bytes_per_block"], r["unattributed_bytes_per_block"])
+    return results
 
+
+def churn_figures(args: argparse.Namespace, costs: dict) -> dict[str, dict]:
+    """Each policy's index bytes as a full tier keeps storing new keys (none without ``--churn-blocks``)."""
     churn: dict[str, dict] = {}
-    if args.churn_blocks:
-        print(f"\nafter churn: a full tier of {args.churn_blocks} blocks storing {args.churn} x as many new keys")
-        for policy in POLICIES:
-            churn[policy] = r = in_child(churn_case, policy, args.churn_blocks, args.churn, args.seed, costs)
-            rounds = ", ".join(f"{b:.0f}" for b in r["index_bytes_per_block_by_round"])
-            print(
-                f"  {policy}: index bytes per block after each n stored: {rounds} "
-                f"({r['evicted']} evicted, {r['declined']} declined)"
-            )
-            print_parts(f"{policy} at the end", r["parts_bytes_per_block"], r["unattributed_bytes_per_block"])
+    if not args.churn_blocks:
+        return churn
+    print(f"\nafter churn: a full tier of {args.churn_blocks} blocks storing {args.churn} x as many new keys")
+    for policy in POLICIES:
+        churn[policy] = r = in_child(churn_case, policy, args.churn_blocks, args.churn, args.seed, costs)
+        rounds = ", ".join(f"{b:.0f}" for b in r["index_bytes_per_block_by_round"])
+        print(
+            f"  {policy}: index bytes per block after each n stored: {rounds} "
+            f"({r['evicted']} evicted, {r['declined']} declined)"
+        )
+        print_parts(f"{policy} at the end", r["parts_bytes_per_block"], r["unattributed_bytes_per_block"])
+    return churn
 
-    recovery: list[dict] = []
-    restore = None
-    if not args.skip_recovery:
-        free = shutil.disk_usage(args.dir).free
-        print(f"\n{args.dir} on {filesystem_type(args.dir)}, {format_size(free)} free")
-        for block_bytes in (2 * MiB, 64 * KiB):
-            recovery.append(in_child(restart_case, args.dir, block_bytes, args.slab_bytes, args.disk_share, args.seed))
-        restore = in_child(restore_case, args.restore_blocks, args.seed)
-        for r in recovery:
-            growth = max(1.0, restore["exponent"])  # (below 1: noise of two short timings)
-            r["restore_s_estimated"] = restore["restore_s"] * (r["slots"] / restore["blocks"]) ** growth
-        print_recovery(recovery, restore)
 
+def recovery_figures(args: argparse.Namespace) -> tuple[list[dict], dict | None]:
+    """A disk slab's recovery at a restart, for both block sizes, and a policy's restore of its blocks."""
+    if args.skip_recovery:
+        return [], None
+    free = shutil.disk_usage(args.dir).free
+    print(f"\n{args.dir} on {filesystem_type(args.dir)}, {format_size(free)} free")
+    recovery = [
+        in_child(restart_case, args.dir, block_bytes, args.slab_bytes, args.disk_share, args.seed)
+        for block_bytes in (2 * MiB, 64 * KiB)
+    ]
+    restore = in_child(restore_case, args.restore_blocks, args.seed)
+    for r in recovery:
+        growth = max(1.0, restore["exponent"])  # (below 1: noise of two short timings)
+        r["restore_s_estimated"] = restore["restore_s"] * (r["slots"] / restore["blocks"]) ** growth
+    print_recovery(recovery, restore)
+    return recovery, restore
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    costs = object_costs()
+    print(
+        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs. One 16-byte key: {costs['key']:.0f} B traced "
+        f"(getsizeof {costs['key_getsizeof']}); one slot int: {costs['int']:.0f} B traced "
+        f"(getsizeof {costs['int_getsizeof']})"
+    )
+    results = index_figures(args, costs)
+    churn = churn_figures(args, costs)
+    recovery, restore = recovery_figures(args)
     largest = results[args.blocks[-1]]
     ref = largest["dict"]
     ratio = max(largest[p]["total_bytes_per_block"] for p in POLICIES) / ref["total_bytes_per_block"]
@@ -657,30 +673,27 @@ def main(argv: list[str] | None = None) -> int:
         f"\nat {args.blocks[-1]} blocks, worse policy vs plain dict: {ratio:.2f}x the bytes, "
         f"{lookup_ratio:.2f}x the lookups/s, {insert_ratio:.2f}x the inserts/s; total runtime {runtime:.0f} s"
     )
-    print(
-        json.dumps(
-            {
-                "bench": "index",
-                "ratio": round(ratio, 3),
-                "lookup_ratio": round(lookup_ratio, 3),
-                "insert_ratio": round(insert_ratio, 3),
-                "blocks": args.blocks[-1],
-                **{f"{p}_{k}": round(largest[p][k], 1) for p in POLICIES for k in ("index_bytes_per_block",)},
-                "key_bytes_per_block": round(ref["key_bytes_per_block"], 1),
-                "dict_index_bytes_per_block": round(ref["index_bytes_per_block"], 1),
-                "object_costs": costs,
-                "index": {str(n): cases for n, cases in results.items()},
-                "churn": churn,
-                "recovery_s": round(max(r["recovery_s"] for r in recovery), 3) if recovery else None,
-                "restored_s": round(max(r["restored_s"] for r in recovery), 3) if recovery else None,
-                "recovery": recovery,
-                "restore": restore,
-                "cpus": os.cpu_count(),
-                "python": sys.version.split()[0],
-                "runtime_s": round(runtime, 1),
-            }
-        )
-    )
+    summary = {
+        "bench": "index",
+        "ratio": round(ratio, 3),
+        "lookup_ratio": round(lookup_ratio, 3),
+        "insert_ratio": round(insert_ratio, 3),
+        "blocks": args.blocks[-1],
+        **{f"{p}_index_bytes_per_block": round(largest[p]["index_bytes_per_block"], 1) for p in POLICIES},
+        "key_bytes_per_block": round(ref["key_bytes_per_block"], 1),
+        "dict_index_bytes_per_block": round(ref["index_bytes_per_block"], 1),
+        "object_costs": costs,
+        "index": {str(n): cases for n, cases in results.items()},
+        "churn": churn,
+        "recovery_s": round(max(r["recovery_s"] for r in recovery), 3) if recovery else None,
+        "restored_s": round(max(r["restored_s"] for r in recovery), 3) if recovery else None,
+        "recovery": recovery,
+        "restore": restore,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "runtime_s": round(runtime, 1),
+    }
+    print(json.dumps(summary))
     return 0
 
 

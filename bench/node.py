@@ -323,9 +323,7 @@ def hit_ratios(trace: Path, blocks: int) -> dict:
     return out
 
 
-def main() -> None:
-    from helpers.node_daemon import node_daemon
-
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", default="1,2,4,8")
     parser.add_argument("--block-bytes", default="262144,2097152")
@@ -333,7 +331,62 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake trace for the hit ratios")
     parser.add_argument("--hit-blocks", type=int, default=4000, help="the node slab's blocks in the hit-ratio runs")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure_size(args: argparse.Namespace, block_bytes: int, procs: list[int], figures: dict) -> None:
+    """One block size: a daemon's control costs, then each process count through the node slab and
+    through private host tiers, into ``figures``."""
+    from helpers.node_daemon import node_daemon
+
+    held = args.prefixes * BLOCKS * block_bytes
+    capacity = 2 * held + 4 * BLOCKS * block_bytes * max(procs)  # the set, and room for stores to churn
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        node_daemon(
+            Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), eviction="lru", max_held=1.0
+        ) as daemon,
+    ):
+        assert daemon.process is not None
+        control = control_us(daemon.socket, block_bytes)
+        figures[f"control_us_{block_bytes}"] = control["load"]
+        figures[f"store_control_us_{block_bytes}"] = control["store"]
+        figures[f"checksum_us_{block_bytes}"] = control["checksum"]
+        print(
+            f"control per 16 blocks: load (PIN + RELEASE) {control['load']:.0f} us, store (RESERVE + ABORT) "
+            f"{control['store']:.0f} us, checksum {control['checksum']:.0f} us; a bare round trip "
+            f"{figures['socket_rt_us']:.0f} us",
+            flush=True,
+        )
+        for n in procs:
+            base = {"block_tokens": TOKENS, "block_bytes": block_bytes}
+            paths = {
+                "node": (base | {"tiers": [daemon.tier(timeout=5.0)]}, daemon.process.pid),
+                "private": (base | {"tiers": [{"medium": "host", "capacity": capacity, "eviction": "lru"}]}, None),
+            }
+            row = {}
+            for path, (config, pid) in paths.items():
+                row[path] = f = run_path(
+                    config, n, block_bytes, args.prefixes, args.seconds, capacity, pid, daemon.slab
+                )
+                print(
+                    f"{block_bytes // 1024:>6}Ki {n:>5}  {path:8} {f['load_gbps']:>9.2f} {f['store_gbps']:>10.2f} "
+                    f"{f['load_cpu_ms_per_request']:>11.2f} {f['store_cpu_ms_per_request']:>12.2f} "
+                    f"{f['tier_pss_bytes'] / 2**20:>12.0f} {f['pss_bytes'] / 2**20:>8.0f}",
+                    flush=True,
+                )
+            key = f"{block_bytes}_{n}"
+            figures[key] = row
+            load = row["node"]["load_gbps"] / row["private"]["load_gbps"]
+            store = row["node"]["store_gbps"] / row["private"]["store_gbps"]
+            figures[f"load_ratio_{key}"], figures[f"store_ratio_{key}"] = load, store
+            if block_bytes == 262144:
+                figures[f"ratio_{n}"] = min(load, store)
+            figures[f"pss_ratio_{key}"] = row["node"]["tier_pss_bytes"] / row["private"]["tier_pss_bytes"]
+
+
+def main() -> None:
+    args = parse_args()
     procs = [int(p) for p in args.procs.split(",")]
     sizes = [int(b) for b in args.block_bytes.split(",")]
     figures: dict = {"socket_rt_us": socket_round_trip_us()}
@@ -342,55 +395,10 @@ def main() -> None:
         f"{'store ms CPU':>12} {'tier PSS MiB':>12} {'PSS MiB':>8}"
     )
     for block_bytes in sizes:
-        held = args.prefixes * BLOCKS * block_bytes
-        capacity = 2 * held + 4 * BLOCKS * block_bytes * max(procs)  # the set, and room for stores to churn
-        with (
-            tempfile.TemporaryDirectory() as directory,
-            node_daemon(
-                Path(directory), capacity=str(capacity), block_bytes=str(block_bytes), eviction="lru", max_held=1.0
-            ) as daemon,
-        ):
-            assert daemon.process is not None
-            control = control_us(daemon.socket, block_bytes)
-            figures[f"control_us_{block_bytes}"] = control["load"]
-            figures[f"store_control_us_{block_bytes}"] = control["store"]
-            figures[f"checksum_us_{block_bytes}"] = control["checksum"]
-            print(
-                f"control per 16 blocks: load (PIN + RELEASE) {control['load']:.0f} us, store (RESERVE + ABORT) "
-                f"{control['store']:.0f} us, checksum {control['checksum']:.0f} us; a bare round trip "
-                f"{figures['socket_rt_us']:.0f} us",
-                flush=True,
-            )
-            for n in procs:
-                base = {"block_tokens": TOKENS, "block_bytes": block_bytes}
-                paths = {
-                    "node": (base | {"tiers": [daemon.tier(timeout=5.0)]}, daemon.process.pid),
-                    "private": (base | {"tiers": [{"medium": "host", "capacity": capacity, "eviction": "lru"}]}, None),
-                }
-                row = {}
-                for path, (config, pid) in paths.items():
-                    row[path] = run_path(
-                        config, n, block_bytes, args.prefixes, args.seconds, capacity, pid, daemon.slab
-                    )
-                    f = row[path]
-                    print(
-                        f"{block_bytes // 1024:>6}Ki {n:>5}  {path:8} {f['load_gbps']:>9.2f} {f['store_gbps']:>10.2f} "
-                        f"{f['load_cpu_ms_per_request']:>11.2f} {f['store_cpu_ms_per_request']:>12.2f} "
-                        f"{f['tier_pss_bytes'] / 2**20:>12.0f} {f['pss_bytes'] / 2**20:>8.0f}",
-                        flush=True,
-                    )
-                key = f"{block_bytes}_{n}"
-                figures[key] = row
-                load = row["node"]["load_gbps"] / row["private"]["load_gbps"]
-                store = row["node"]["store_gbps"] / row["private"]["store_gbps"]
-                figures[f"load_ratio_{key}"], figures[f"store_ratio_{key}"] = load, store
-                if block_bytes == 262144:
-                    figures[f"ratio_{n}"] = min(load, store)
-                figures[f"pss_ratio_{key}"] = row["node"]["tier_pss_bytes"] / row["private"]["tier_pss_bytes"]
+        measure_size(args, block_bytes, procs, figures)
     figures["hits"] = hit_ratios(args.trace, args.hit_blocks)
     figures["hit_gain"] = min(run["gain"] for run in figures["hits"].values())
-    most = max(procs)
-    figures["pss_ratio"] = figures[f"pss_ratio_{sizes[0]}_{most}"]
+    figures["pss_ratio"] = figures[f"pss_ratio_{sizes[0]}_{max(procs)}"]
     figures["ratio"] = figures.get("ratio_1", figures.get(f"ratio_{procs[0]}"))
     figures["wrong"] = sum(
         row[path]["wrong"] for key, row in figures.items() if key[0].isdigit() and isinstance(row, dict) for path in row

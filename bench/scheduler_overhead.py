@@ -393,7 +393,7 @@ def measure(model_dir: Path, kvtier: dict | None, extra: dict, args, window: int
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--prefixes", type=int, default=24)
@@ -417,11 +417,12 @@ def main() -> int:
         default=None,
         help="where the tiering runs' disk tier puts its slab (default: a temporary directory)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    _, block_bytes = kv_cache_config(1)
-    host_bytes = args.cpu_blocks * -(-block_bytes // 4096) * 4096  # vLLM's CPU blocks are page-aligned
-    setups = {  # each connector's kvtier config (None: vLLM's OffloadingConnector) and extra config
+
+def setups_for(host_bytes: int) -> dict[str, tuple[dict | None, dict]]:
+    """Each connector's kvtier config (None: vLLM's OffloadingConnector) and extra config."""
+    return {
         "kvtier": ({"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}, {}),
         "vllm": (None, {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
         TIERING: (
@@ -429,11 +430,10 @@ def main() -> int:
             {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"},
         ),
     }
-    models = {"full": None, "hybrid": args.window}
-    chunks = {
-        model: stream_chunks(args, len(kv_cache_config(1, window)[0].kv_cache_groups))
-        for model, window in models.items()
-    }
+
+
+def best_runs(args: argparse.Namespace, setups: dict, models: dict, chunks: dict) -> dict[tuple[str, str], dict]:
+    """Every model under every connector, ``args.repeat`` times interleaved: the fastest run of each."""
     best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -452,10 +452,10 @@ def main() -> int:
                             shutil.rmtree(disk, ignore_errors=True)
                     if (model, name) not in best or result["ms_per_step"] < best[(model, name)]["ms_per_step"]:
                         best[(model, name)] = result
-    print(
-        f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
-        f"{args.gpu_blocks} GPU blocks, {host_bytes / 2**30:.2f} GiB of host memory; best of {args.repeat}"
-    )
+    return best
+
+
+def print_table(best: dict[tuple[str, str], dict], setups: dict, models: dict, chunks: dict) -> None:
     width = max(map(len, setups))
     print(
         f"{'model':7} {'connector':{width}} {'steps':>6} {'ms/step':>9} {'cpu ms':>7} {'loaded':>7} {'stored':>7}  "
@@ -475,26 +475,41 @@ def main() -> int:
             f"(room for {chunks[model]}, {r['disk_evicted']} evicted); its last cascades finished {r['drain_s']} s "
             f"after the stream"
         )
-    ratios = {
-        model: round(best[(model, "kvtier")]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
-        for model in models
+
+
+def main() -> int:
+    args = parse_args()
+    _, block_bytes = kv_cache_config(1)
+    host_bytes = args.cpu_blocks * -(-block_bytes // 4096) * 4096  # vLLM's CPU blocks are page-aligned
+    setups = setups_for(host_bytes)
+    models = {"full": None, "hybrid": args.window}
+    chunks = {
+        model: stream_chunks(args, len(kv_cache_config(1, window)[0].kv_cache_groups))
+        for model, window in models.items()
     }
-    tiering_ratios = {
-        model: round(best[(model, TIERING)]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
-        for model in models
-    }
+    best = best_runs(args, setups, models, chunks)
     print(
-        json.dumps(
-            {
-                "ratio": max(ratios.values()),
-                "ratios": ratios,
-                "tiering_ratio": max(tiering_ratios.values()),
-                "tiering_ratios": tiering_ratios,
-                "models": {model: {name: best[(model, name)] for name in setups} for model in models},
-                "args": {**vars(args), "dir": str(args.dir) if args.dir else None},
-            }
-        )
+        f"{args.requests} requests over {args.prefixes} prefixes of {args.prefix_blocks} blocks, "
+        f"{args.gpu_blocks} GPU blocks, {host_bytes / 2**30:.2f} GiB of host memory; best of {args.repeat}"
     )
+    print_table(best, setups, models, chunks)
+
+    def ratio_to_vllm(name: str) -> dict[str, float]:
+        return {
+            model: round(best[(model, name)]["ms_per_step"] / best[(model, "vllm")]["ms_per_step"], 3)
+            for model in models
+        }
+
+    ratios, tiering_ratios = ratio_to_vllm("kvtier"), ratio_to_vllm(TIERING)
+    summary = {
+        "ratio": max(ratios.values()),
+        "ratios": ratios,
+        "tiering_ratio": max(tiering_ratios.values()),
+        "tiering_ratios": tiering_ratios,
+        "models": {model: {name: best[(model, name)] for name in setups} for model in models},
+        "args": {**vars(args), "dir": str(args.dir) if args.dir else None},
+    }
+    print(json.dumps(summary))
     return 0
 
 

@@ -452,7 +452,7 @@ def remote_store(backend: str, prefix_blocks: int, work: str) -> Iterator[dict]:
         raise RuntimeError(f"the {backend} store cannot run here: {exc}") from None
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-blocks", type=int, default=16, help="shared prefix length in 128-token blocks")
     parser.add_argument("--prompts", type=int, default=5, help="timed prompts per mode and round")
@@ -485,21 +485,11 @@ def main() -> int:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--disk", help=argparse.SUPPRESS)
     parser.add_argument("--remote-tier", type=json.loads, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_cpus  # (the engines' processes inherit it)
-    if args.child:
-        if args.switch_interval is not None:
-            sys.setswitchinterval(args.switch_interval)
-        print(
-            "RESULT "
-            + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk, args.remote_tier))
-        )
-        return 0
+    return parser.parse_args()
 
-    modes = [
-        m for m in MODES if (m != "kvtier-remote" or args.remote != "none") and (m != "lmcache" or args.lmcache == "on")
-    ]
-    prefix = args.prefix_blocks * BLOCK
+
+def run_rounds(modes: list[str], args: argparse.Namespace) -> dict[str, dict] | str:
+    """Every mode once per round, its engine's results merged per mode; or why a mode's run is wrong."""
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as work:
         model_dir = os.path.join(work, "model")
         make_model(model_dir)
@@ -509,13 +499,16 @@ def main() -> int:
                 result = run_mode(model_dir, mode, args, work)
                 problem = wrong_hits(mode, result, args)
                 if problem is not None:
-                    print(f"{mode}: {problem}", file=sys.stderr)
-                    return 1
+                    return f"{mode}: {problem}"
                 merged = results.setdefault(mode, {"seconds": [], "steps": [], "cached": [], "hits": {}})
                 for key in ("seconds", "steps", "cached"):
                     merged[key] += result[key]
                 for tier, n in result.get("hits", {}).items():
                     merged["hits"][tier] = merged["hits"].get(tier, 0) + n
+    return results
+
+
+def print_report(modes: list[str], results: dict[str, dict], args: argparse.Namespace) -> None:
     ttft = {mode: statistics.median(r["seconds"]) for mode, r in results.items()}
     print(
         f"{cpu_model()}: prefix {args.prefix_blocks} blocks x {BLOCK} tokens + {TAIL}-token tail, {args.prompts} "
@@ -525,8 +518,7 @@ def main() -> int:
     for mode in modes:
         speedup = ttft["recompute"] / ttft[mode]
         print(f"  {mode:<20} {ttft[mode] * 1000:9.1f} ms   (speedup over recompute {speedup:.2f}x)")
-    hits = {mode: r["hits"] for mode, r in results.items() if r["hits"]}
-    print("  hits: " + ", ".join(f"{mode} {h}" for mode, h in hits.items()))
+    print("  hits: " + ", ".join(f"{mode} {r['hits']}" for mode, r in results.items() if r["hits"]))
     splits = {mode: step_split(r) for mode, r in results.items()}
     for mode in ("vllm-cache", "vllm-cache-connector", "kvtier-host", "kvtier-host-in-step", "kvtier-node", "lmcache"):
         if mode in splits:
@@ -534,6 +526,11 @@ def main() -> int:
                 f"  {mode:<20} compute step {splits[mode]['compute_step']:7.2f} ms, other steps "
                 f"{splits[mode]['other_steps']:5.2f} ms, outside steps {splits[mode]['outside_steps']:5.2f} ms"
             )
+
+
+def summary_of(results: dict[str, dict], args: argparse.Namespace) -> dict:
+    """The JSON line: the ratios first, then the figures behind them."""
+    ttft = {mode: statistics.median(r["seconds"]) for mode, r in results.items()}
     summary = {
         "ratio": round(ttft["vllm-cache"] / ttft["kvtier-host"], 4),
         "ratio_in_step": round(ttft["vllm-cache"] / ttft["kvtier-host-in-step"], 4),
@@ -551,26 +548,44 @@ def main() -> int:
     if "lmcache" in ttft:
         summary["lmcache_over_host"] = round(ttft["lmcache"] / ttft["kvtier-host"], 4)
         summary["lmcache_over_node"] = round(ttft["lmcache"] / ttft["kvtier-node"], 4)
-    print(
-        json.dumps(
-            {
-                **summary,
-                "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
-                "steps_ms": splits,
-                "seconds": {mode: r["seconds"] for mode, r in results.items()},
-                "cached_tokens": {mode: sorted(set(r["cached"])) for mode, r in results.items()},
-                "hits": hits,
-                "prefix_tokens": prefix,
-                "tail_tokens": TAIL,
-                "prompts": args.prompts,
-                "rounds": args.rounds,
-                "cpu": cpu_model(),
-                "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
-                "omp_cpus": args.omp_cpus,
-                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (docs/benchmarks.md)
-            }
+    return {
+        **summary,
+        "ttft_ms": {mode: round(t * 1000, 2) for mode, t in ttft.items()},
+        "steps_ms": {mode: step_split(r) for mode, r in results.items()},
+        "seconds": {mode: r["seconds"] for mode, r in results.items()},
+        "cached_tokens": {mode: sorted(set(r["cached"])) for mode, r in results.items()},
+        "hits": {mode: r["hits"] for mode, r in results.items() if r["hits"]},
+        "prefix_tokens": args.prefix_blocks * BLOCK,
+        "tail_tokens": TAIL,
+        "prompts": args.prompts,
+        "rounds": args.rounds,
+        "cpu": cpu_model(),
+        "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
+        "omp_cpus": args.omp_cpus,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the engines inherit them (docs/benchmarks.md)
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_cpus  # (the engines' processes inherit it)
+    if args.child:
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
+        print(
+            "RESULT "
+            + json.dumps(child(args.model, args.child, args.prefix_blocks, args.prompts, args.disk, args.remote_tier))
         )
-    )
+        return 0
+    modes = [
+        m for m in MODES if (m != "kvtier-remote" or args.remote != "none") and (m != "lmcache" or args.lmcache == "on")
+    ]
+    results = run_rounds(modes, args)
+    if isinstance(results, str):
+        print(results, file=sys.stderr)
+        return 1
+    print_report(modes, results, args)
+    print(json.dumps(summary_of(results, args)))
     return 0
 
 
