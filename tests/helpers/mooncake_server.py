@@ -295,14 +295,25 @@ class SegmentOwner(_Server):
 
     def __enter__(self) -> SegmentOwner:
         require_mooncake()
-        before = set(self.master.segments())
         try:
-            self._spawn()
-            self._wait(lambda: self._mounted(before), "to mount its segment")
+            self._start()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _start(self) -> None:
+        """Spawn the owner and wait for its segment; an owner that exits at start (on a loaded machine one
+        may give up on the master) is started once more, on other ports."""
+        before = set(self.master.segments())
+        try:
+            self._spawn()
+        except RuntimeError:
+            self.kill()
+            self.port, self.http_port = free_port(), free_port()
+            before = set(self.master.segments())
+            self._spawn()
+        self._wait(lambda: self._mounted(before), "to mount its segment")
 
     def _argv(self) -> list[str]:
         return [
