@@ -113,7 +113,9 @@ def store_and_load(rig: Rig, layout: BlockLayout, rng: np.random.Generator, far_
 
 
 class TransferBackendTests(ContractTests):
-    """The transfer backend contract; a subclass provides ``rig``."""
+    """The transfer backend contract; a subclass provides ``rig``. For a backend that does not copy host
+    memory to CUDA memory: a test asks it for that pair and expects a refusal (kvtier's CUDA backend has
+    tests of its own, in tests/gpu)."""
 
     @pytest.fixture
     def rig(self) -> Rig:
