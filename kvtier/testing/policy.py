@@ -161,8 +161,8 @@ class EvictionPolicyTests:
         assert [at_once.evict(3, {keys[0]}) for _ in range(4)] == [one_by_one.evict(3, {keys[0]}) for _ in range(4)]
 
     def test_restored_blocks_are_tracked_and_leave_oldest_first(self, policy):
-        """A disk tier restored at start hands its blocks oldest use first: they must leave in that
-        order, also under the prefix variant, which reverses batches of inserts (a chain), not these."""
+        """A disk tier restored at start hands its blocks oldest use first: they must leave in that order,
+        also under a policy that reorders batches of inserts (kvtier's s3fifo_prefix reverses a chain)."""
         restored = [b"a", b"b", b"c", b"d"]
         policy.restore(restored)
         assert len(policy) == 4 and b"d" in policy
