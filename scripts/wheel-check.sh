@@ -15,14 +15,14 @@ rm -rf "$dist" build/lib build/bdist.*
 wheel="$(ls "$dist"/kvtier-*.whl)"
 echo "built $wheel"
 
-# Every module of every folder the package maps (kvtier/ itself, and kvtier/<folder>/ for core/, tiers/, ...),
-# found in the wheel under its package path; the package data beside them.
+# Every module of every folder the package maps (kvtier/ itself with testing/, and kvtier/<folder>/ for core/,
+# tiers/, ...), found in the wheel under its package path; the package data beside them.
 "$venv/bin/python" - "$wheel" <<'PY'
 import pathlib, sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 folders = {name.split("/")[1] for name in names if name.startswith("kvtier/") and name.count("/") >= 2}
 expected = {f"kvtier/{p}" for p in ("default.yaml", "replay.yaml")}
-expected |= {f"kvtier/{p.name}" for p in pathlib.Path("kvtier").glob("*.py")}
+expected |= {p.as_posix() for p in pathlib.Path("kvtier").rglob("*.py") if "__pycache__" not in p.parts}
 for folder in folders:
     expected |= {f"kvtier/{p.as_posix()}" for p in pathlib.Path(folder).rglob("*.py") if "__pycache__" not in p.parts}
 missing = sorted(expected - names)

@@ -23,10 +23,10 @@ import yaml
 from helpers.node_blocks import wait_for
 from helpers.node_daemon import node_daemon
 from helpers.redis_server import certificate_authority, redis_server, server_certificate
-from helpers.stores import bounded
 from kvtier import KVTier
 from kvtier.cli import main
 from kvtier.doctor import diagnose
+from kvtier.testing.store import bounded
 from kvtier.tiers.disk.files import SLAB_NAME, DiskTierError
 
 BLOCK = 64 * 1024

@@ -1,31 +1,16 @@
-"""The ``EvictionPolicy`` contract (kvtier.policies.base), run over every policy registered in
-``kvtier.policies.EVICTION_POLICIES`` as it builds with no arguments, and over configured variants
-(``FACTORIES``: a given capacity, other shares).
+"""The ``EvictionPolicy`` contract (``kvtier.testing.policy.EvictionPolicyTests``, whose docstring lists what it
+checks), run over every policy registered in ``kvtier.policies.EVICTION_POLICIES`` as YAML builds it (its
+short name, no arguments), over configured variants, and over tenant shares.
 
-To add a policy: register it in ``EVICTION_POLICIES`` and every test here runs over it (a test below
-fails for a registered policy that misses any of this); to also check it with arguments, add an entry
-to ``FACTORIES``. Each policy's own orderings (LRU's recency, ARC's ghosts, S3-FIFO's queues, the
-adaptive filter) are tested in tests/policies.
-
-Invariants checked, for every policy:
-- under any sequence of valid insert/touch/remove/evict/admit calls, ``evict(n, protected)`` returns
-  distinct tracked keys, none protected, exactly min(n, unprotected tracked) of them, and forgets them;
-  ``remove`` forgets a key; ``len`` and ``in`` always agree with a plain set model; misuse (insert of a
-  tracked key, touch/remove of an untracked one) raises KeyError; whatever is left drains;
-- ``evict`` of zero or a negative count, or with every key protected, takes nothing and forgets nothing;
-- ``admit`` answers a bool and tracks nothing; a key evicted may be inserted again;
-- misuse raises KeyError and changes nothing; ``restore`` of a key already tracked raises KeyError;
-- restored blocks leave oldest use first;
-- every registered short name builds with no arguments and drives a real tier: a pinned block is never
-  its victim.
+To add a policy: register it in ``EVICTION_POLICIES`` and every test of the suite runs over it; to also check
+it with arguments, add an entry to ``POLICIES``. Each policy's own orderings (LRU's recency, ARC's ghosts,
+S3-FIFO's queues, the adaptive filter, the shares) are tested in tests/policies.
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
-from kvtier.core.layout import BlockLayout
 from kvtier.policies import (
     EVICTION_POLICIES,
     AdaptivePolicy,
@@ -36,204 +21,38 @@ from kvtier.policies import (
     eviction_policy_class,
 )
 from kvtier.policies.shares import TenantShares
-from kvtier.tiers.host import host_tier
+from kvtier.testing.policy import EvictionPolicyTests
 
-FACTORIES = {name: cls for name, cls in EVICTION_POLICIES.items()}
-FACTORIES.update(
+POLICIES = {name: eviction_policy_class(name) for name in EVICTION_POLICIES}
+POLICIES.update(
     {
         "arc(capacity=4)": lambda: ARCPolicy(4),
         "s3fifo(capacity=4)": lambda: S3FIFOPolicy(4),
         "s3fifo(capacity=4, promote_after=2, small=0.5)": lambda: S3FIFOPolicy(4, small_fraction=0.5, promote_after=2),
         "s3fifo_prefix(capacity=4)": lambda: PrefixS3FIFOPolicy(4),
         "adaptive(capacity=4, every key sampled)": lambda: AdaptivePolicy(4, sample_every=1, score_limit=2),
-        "shares(lru, 3 tenants)": lambda: TenantShares(LRUPolicy, lambda key: key[-1] % 3, {0: 0.5}, 0.25, capacity=8),
-        "shares(adaptive, 2 tenants)": lambda: TenantShares(
-            lambda: AdaptivePolicy(4, sample_every=1, score_limit=2), lambda key: key[-1] % 2, {}, 0.5, capacity=4
-        ),
     }
 )
-"""Every policy under test: the registered ones as YAML builds them, and configured variants."""
+"""Every policy under test but the shares: the registered ones as YAML builds them, and configured variants."""
 
-# One operation: (kind, key index, n, protected key indexes); keys are drawn from a small pool so
-# that reinsertion after eviction (ghost hits) happens often.
-operations = st.lists(
-    st.tuples(
-        st.sampled_from(["insert", "insert", "touch", "touch", "remove", "evict", "admit"]),
-        st.integers(0, 11),
-        st.integers(0, 5),
-        st.frozensets(st.integers(0, 11), max_size=6),
+SHARES = {
+    "shares(lru, 3 tenants)": lambda: TenantShares(LRUPolicy, lambda key: key[-1] % 3, {0: 0.5}, 0.25, capacity=8),
+    "shares(adaptive, 2 tenants)": lambda: TenantShares(
+        lambda: AdaptivePolicy(4, sample_every=1, score_limit=2), lambda key: key[-1] % 2, {}, 0.5, capacity=4
     ),
-    max_size=80,
-)
+}
+"""Tenant shares over policies: a tier's blocks shared out among tenants (the last byte of a key here)."""
 
 
-def key(i: int) -> bytes:
-    return b"k%02d" % i
+class TestEvictionPolicies(EvictionPolicyTests):
+    @pytest.fixture(params=sorted(POLICIES))
+    def make_policy(self, request):
+        return POLICIES[request.param]
 
 
-@pytest.fixture(params=sorted(FACTORIES))
-def policy(request):
-    """A fresh policy of each kind under test."""
-    return FACTORIES[request.param]()
+class TestTenantShares(EvictionPolicyTests):
+    RESTORES_IN_ORDER = False  # each tenant's blocks leave oldest first, the tenants by their shares
 
-
-def filled(policy, *keys):
-    for k in keys:
-        policy.insert(k)
-    return policy
-
-
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-@settings(max_examples=150, deadline=None)
-@given(ops=operations)
-def test_contract_under_random_operations(name, ops):
-    policy = FACTORIES[name]()
-    tracked: set[bytes] = set()
-    for kind, i, n, protected_ids in ops:
-        k = key(i)
-        if kind == "insert":
-            if k in tracked:
-                with pytest.raises(KeyError):
-                    policy.insert(k)
-            else:
-                policy.insert(k)
-                tracked.add(k)
-        elif kind == "admit":
-            if k not in tracked:  # a tier asks only about blocks it does not hold; asking tracks nothing
-                assert isinstance(policy.admit(k), bool)
-        elif kind in ("touch", "remove"):
-            if k in tracked:
-                getattr(policy, kind)(k)
-                if kind == "remove":
-                    tracked.discard(k)
-            else:
-                with pytest.raises(KeyError):
-                    getattr(policy, kind)(k)
-        else:
-            protected = {key(j) for j in protected_ids}
-            victims = policy.evict(n, protected)
-            assert len(victims) == len(set(victims)), "a key evicted twice"
-            assert set(victims) <= tracked, "evicted a key that is not tracked"
-            assert not set(victims) & protected, "evicted a protected key"
-            assert len(victims) == min(max(n, 0), len(tracked - protected)), "evicted too few or too many"
-            tracked -= set(victims)
-        assert len(policy) == len(tracked)
-        assert all(k in policy for k in tracked)
-        assert all(key(j) not in policy for j in range(12) if key(j) not in tracked)
-    # Whatever is left can be drained, and then nothing is tracked.
-    assert sorted(policy.evict(len(tracked) + 1, ())) == sorted(tracked)
-    assert len(policy) == 0
-
-
-def test_evict_of_nothing_or_of_protected_keys_only_takes_and_forgets_nothing(policy):
-    filled(policy, b"a", b"b", b"c")
-    assert policy.evict(0, ()) == [] and policy.evict(-2, ()) == []
-    assert policy.evict(3, {b"a", b"b", b"c"}) == []
-    assert len(policy) == 3 and all(k in policy for k in (b"a", b"b", b"c"))
-    assert sorted(policy.evict(3, ())) == [b"a", b"b", b"c"]
-
-
-def test_admit_tracks_nothing_and_an_evicted_key_may_come_back(policy):
-    filled(policy, b"a", b"b")
-    assert isinstance(policy.admit(b"z"), bool)
-    assert b"z" not in policy and len(policy) == 2
-    (victim,) = policy.evict(1, ())
-    assert victim not in policy
-    policy.insert(victim)
-    assert victim in policy and len(policy) == 2
-
-
-def test_remove_forgets_a_key_and_evict_never_returns_it(policy):
-    filled(policy, b"a", b"b", b"c")
-    policy.remove(b"b")
-    assert b"b" not in policy and len(policy) == 2
-    assert sorted(policy.evict(3, ())) == [b"a", b"c"]
-
-
-def test_misuse_raises_key_error_and_changes_nothing(policy):
-    filled(policy, b"a")
-    for misuse in (
-        lambda: policy.insert(b"a"),
-        lambda: policy.touch(b"zz"),
-        lambda: policy.remove(b"zz"),
-        lambda: policy.restore([b"a"]),
-    ):
-        with pytest.raises(KeyError):
-            misuse()
-    assert len(policy) == 1 and b"a" in policy and b"zz" not in policy
-    assert policy.evict(2, ()) == [b"a"]
-
-
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_insert_many_is_inserting_one_by_one(name):
-    """A store's blocks inserted at once leave in the order, and at the times, they would one by one."""
-    keys = [b"k%02d" % i for i in range(12)]
-    one_by_one, at_once = filled(FACTORIES[name](), *keys[:6]), FACTORIES[name]()
-    at_once.insert_many(keys[:6])
-    for policy in (one_by_one, at_once):
-        policy.touch(keys[2])
-    one_by_one = filled(one_by_one, *keys[6:])
-    at_once.insert_many(keys[6:])
-    assert len(at_once) == len(one_by_one) == 12
-    assert [at_once.evict(3, {keys[0]}) for _ in range(4)] == [one_by_one.evict(3, {keys[0]}) for _ in range(4)]
-
-
-@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
-def test_restored_blocks_leave_oldest_first(name):
-    """A disk tier restored at start hands its blocks oldest use first: they must leave in that
-    order, also under the prefix variant, which reverses batches of inserts (a chain), not these."""
-    policy = EVICTION_POLICIES[name]()
-    policy.restore([b"a", b"b", b"c", b"d"])
-    assert len(policy) == 4 and b"d" in policy
-    assert policy.evict(4, ()) == [b"a", b"b", b"c", b"d"]
-
-
-@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
-def test_every_short_name_builds_and_drives_a_tier(name):
-    cls = eviction_policy_class(name)
-    tier = host_tier("host", 4, BlockLayout.contiguous(8), cls())
-    for batch in ([b"a", b"b", b"c"], [b"d"], [b"e", b"f"]):
-        tier.reserve(batch)
-        tier.commit(batch)
-        tier.check_invariants()
-    assert tier.usage().used == 4 and tier.stats.evicted == 2  # the last batch made room
-    tier.pin([b"f"])
-    assert b"f" not in tier.evict(4) and tier.lookup([b"f"]) == 1
-    tier.unpin([b"f"])
-    tier.check_invariants()
-    tier.close()
-
-
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_access_is_touching_and_admitting_one_by_one(name):
-    """A request's blocks handed over at once (``access``, the cache replay's call) leave the policy as
-    touching the resident ones and asking ``admit`` of the others one by one, then making room for and
-    storing those admitted before the first declined, would."""
-    keys = [b"k%02d" % i for i in range(16)]
-    at_once, one_by_one = filled(FACTORIES[name](), *keys[:8]), filled(FACTORIES[name](), *keys[:8])
-    resident = set(keys[:8])
-    for request in (keys[2:12], keys[5:16:2], keys[0:16:3]):
-        admitted = at_once.access(request, resident)
-        expected: list[bytes] = []
-        declined = False
-        for key in request:
-            if key in resident:
-                one_by_one.touch(key)
-            elif one_by_one.admit(key) and not declined:
-                expected.append(key)
-            else:
-                declined = True
-        if one_by_one.expects:
-            one_by_one.expect(expected)
-        assert admitted == expected
-        need = len(resident) + len(admitted) - 10  # room for them in a cache of 10, as the replay makes it
-        victims = at_once.evict(need, set(request))
-        assert victims == one_by_one.evict(need, set(request))
-        resident.difference_update(victims)
-        for policy in (at_once, one_by_one):
-            policy.insert_many(admitted)
-        resident.update(admitted)
-    assert len(at_once) == len(one_by_one) == len(resident)
-    if isinstance(at_once, TenantShares):
-        assert at_once.counts() == one_by_one.counts()  # reads and stores counted alike
-    assert [at_once.evict(3, {keys[0]}) for _ in range(6)] == [one_by_one.evict(3, {keys[0]}) for _ in range(6)]
+    @pytest.fixture(params=sorted(SHARES))
+    def make_policy(self, request):
+        return SHARES[request.param]

@@ -1,12 +1,13 @@
 """A medium kvtier does not ship, registered by the tests: ``ram``, blocks in a plain numpy array of this
 process (neither pinned nor shared). It is what a new medium takes: a config model, a standalone tier
 factory, a per-rank storage factory and one ``Medium`` entry; ``registered`` adds it for a test and
-removes it afterwards. Nothing in kvtier names it."""
+removes it afterwards. Nothing in kvtier names it. The worked example of docs/extending.md: its tiers
+pass kvtier's tier contract (``TestRamMedium`` in tests/contracts/test_tier.py)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import numpy as np
@@ -16,6 +17,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.core.media import Medium, RankRequest, TierRequest, register_medium, unregister_medium
 from kvtier.core.storage import BlockStorage, buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.policies import EvictionPolicy, Watermark
 
 
 class RamTierConfig(SizedTierConfig):
@@ -29,10 +31,23 @@ def ram_storage(slots: int, layout: BlockLayout) -> BlockStorage:
     return buffer_storage(np.zeros((slots, layout.block_bytes), np.uint8), layout, writable=True)
 
 
+def ram_tier(
+    name: str,
+    num_slots: int,
+    layout: BlockLayout,
+    policy: EvictionPolicy[bytes],
+    watermark: Watermark | None = None,
+    is_fenced: Callable[[str, int], bool] | None = None,
+) -> Tier:
+    """A tier of ``num_slots`` blocks in this process's memory (what ``host_tier`` is to the host medium)."""
+    return Tier(
+        name, "ram", ram_storage(num_slots, layout), policy, watermark, is_fenced, "a numpy array (a test medium)"
+    )
+
+
 def _tier(request: TierRequest) -> Tier:
     policy, watermark = request.policy()
-    storage = ram_storage(request.slots, request.layout)
-    return Tier(request.name, "ram", storage, policy, watermark, request.is_fenced, "a numpy array (a test medium)")
+    return ram_tier(request.name, request.slots, request.layout, policy, watermark, request.is_fenced)
 
 
 def _rank_storage(request: RankRequest) -> BlockStorage:

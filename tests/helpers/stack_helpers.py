@@ -89,13 +89,3 @@ def flip(path, offset: int, mask: int = 0xFF) -> None:
         os.pwrite(fd, bytes([b ^ mask]), offset)
     finally:
         os.close(fd)
-
-
-def assert_clean(kv) -> None:
-    """A ``KVTier`` with nothing in flight: every tier consistent, nothing pinned or being written, no
-    error from its background work."""
-    kv.wait_idle()
-    for tier in kv.stack.tiers:
-        tier.check_invariants()
-        assert tier.leaks() == {"pinned": 0, "writing": 0}, tier.name
-    assert kv.stack.background_errors == []

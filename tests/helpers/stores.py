@@ -1,20 +1,11 @@
-"""Every shared store kvtier's remote tier runs on, behind one test interface, so that a suite written once
-(tests/contracts: the ``StoreClient`` contract, the remote transfer backend, a stack over a store) runs
-against each of them for real: a Redis server, a Redis Cluster, a Mooncake master with a segment owner.
+"""Every shared store kvtier's remote tier runs on, as a ``kvtier.testing.store.StoreUnderTest`` each, so
+that the suites over a store (``StoreClientTests``, ``RemoteStackTests``; tests/contracts) run against
+each of them for real: a Redis server, a Redis Cluster, a Mooncake master with a segment owner, the same
+with a fetch buffer.
 
-    with STORES["redis"](tmp_path) as store:
-        client = store.client(timeout=1.0)        # kvtier's StoreClient for this backend
-        store.tier(timeout=1.0, prefix="t1")      # a stack's remote tier mapping for it
-        store.write(name, data); store.read(name, size); store.holds(names)  # around kvtier's client
-        store.kill(); store.restart(); store.hang(); store.resume()          # faults
-        store.existence_queries()                 # batched existence queries the server answered so far
-
-What the backends are allowed to do differently is stated as data on each class (``DEAD_WITHIN_S``,
-``hung_window``, ``RECONNECTS_AT_ONCE``, ``SMALL``, ``CLOSED_CALLS_RAISE``), so the suites assert the
-same behaviour with each backend's own bounds, and a backend whose bounds change says so here, once.
-
-To add a store: subclass ``StoreUnderTest`` (start its servers in ``__enter__`` on ``self._stack``, which
-``__exit__`` closes) and add it to ``STORES``; every suite parametrised over ``STORES`` then runs against it.
+To add a store to kvtier's own runs: subclass ``StoreUnderTest`` and add it to ``STORES``; every suite
+parametrised over ``STORES`` (``EveryStore``) then runs against it. What the backends are allowed to do
+differently is stated as data on each class, so a backend whose bounds change says so here, once.
 
 A store's servers are real processes: ``__enter__`` skips the test (fails it under KVTIER_REQUIRE_REMOTE=1)
 when the server or its client package is missing, naming the install line, as the servers' helpers do.
@@ -23,162 +14,16 @@ when the server or its client package is missing, naming the install line, as th
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
+import pytest
 
-from helpers.mooncake_server import MooncakeMaster, SegmentOwner
+from helpers.mooncake_server import MooncakeMaster, SegmentOwner, http_get
 from helpers.redis_cluster import RedisCluster, redis_cluster
 from helpers.redis_server import RedisServer, redis_server
-from kvtier.core.errors import ClosedError, StoreError
-
-CALL_LIMIT_S = 30.0
-"""No store call in a test may take longer: a test that hits it fails instead of hanging."""
-
-
-def bounded(call: Callable[..., Any], *args: Any, limit: float = CALL_LIMIT_S) -> tuple[Any, float]:
-    """``call(*args)`` on a thread, failing the test if it is still running after ``limit`` seconds; its
-    result (or its exception, raised here) and how long it took. A hung store must fail a test, never hang it."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        start = time.monotonic()
-        try:
-            outcome["result"] = call(*args)
-        except BaseException as exc:  # handed to the test's thread below
-            outcome["error"] = exc
-        outcome["seconds"] = time.monotonic() - start
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    assert not thread.is_alive(), f"{getattr(call, '__name__', call)} still running after {limit} s"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"], outcome["seconds"]
-
-
-def retry(call: Callable[[], Any], until: Callable[[Any], bool] = lambda _: True, seconds: float = 10.0) -> Any:
-    """``call()`` until it returns without StoreError and ``until`` its result, for ``seconds`` at most: a
-    store that came back may refuse the first calls of a client that has not noticed yet."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            result, _ = bounded(call)
-            if until(result) or time.monotonic() > deadline:
-                return result
-        except StoreError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
-
-
-def pieces_of(array: np.ndarray) -> list[tuple[int, int]]:
-    """One record's single piece: the whole of a contiguous uint8 ``array``."""
-    return [(array.ctypes.data, array.nbytes)]
-
-
-class StoreUnderTest(ABC):
-    """One running store, as the suites over every store see it. A context manager: entering starts the
-    servers (or skips the test), leaving kills them."""
-
-    name: ClassVar[str]
-    DEAD_WITHIN_S: ClassVar[float]
-    """A call to a store whose servers were killed raises StoreError within this many seconds."""
-    RECONNECTS_AT_ONCE: ClassVar[bool]
-    """Whether a client's first call after a server restart already succeeds (else it may raise for a while)."""
-    SMALL: ClassVar[tuple[int, int]]
-    """(records, bytes each) that overfill the store ``small()`` starts."""
-    SMALL_OPTIONS: ClassVar[dict[str, Any]]
-    """What the constructor takes to start a store too small for ``SMALL``."""
-    CLOSED_CALLS_RAISE: ClassVar[type[Exception] | None]
-    """What a call on a closed client raises; None where it answers instead (all False, writing nothing)."""
-    FETCHES: ClassVar[bool]
-    """Whether its clients ``fetch`` (read records into memory of their own first)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._raw: Any = None
-        self._stack = contextlib.ExitStack()  # the servers ``__enter__`` starts, stopped by ``__exit__``
-
-    @abstractmethod
-    def __enter__(self) -> StoreUnderTest: ...
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self._close_raw()
-        finally:
-            self._stack.close()
-
-    @abstractmethod
-    def client(self, timeout: float = 1.0):
-        """A new kvtier ``StoreClient`` of this store (the caller closes it)."""
-
-    @abstractmethod
-    def tier(self, timeout: float = 1.0, **options: Any) -> dict:
-        """A stack's remote tier mapping for this store; ``options`` are further keys of the tier."""
-
-    @abstractmethod
-    def hung_window(self, timeout: float) -> tuple[float, float]:
-        """Seconds within which a call to a hung store (``hang()``) raises StoreError, for a client of ``timeout``."""
-
-    @abstractmethod
-    def kill(self) -> None:
-        """Kill every server of the store: it is dead."""
-
-    @abstractmethod
-    def restart(self) -> None:
-        """Kill the store and start it again at the same address: it comes back empty."""
-
-    @abstractmethod
-    def hang(self) -> None:
-        """Stop every server (SIGSTOP): they keep their sockets and answer nothing."""
-
-    @abstractmethod
-    def resume(self) -> None: ...
-
-    @abstractmethod
-    def existence_queries(self) -> int:
-        """How many batched existence queries the store has answered so far."""
-
-    @classmethod
-    @contextlib.contextmanager
-    def small(cls, directory: Path) -> Iterator[StoreUnderTest]:
-        """A store of its own with too little memory for ``SMALL``: it must evict."""
-        with cls(directory, **cls.SMALL_OPTIONS) as store:
-            yield store
-
-    # Around kvtier's client, through a client the store keeps for itself (opened on first use).
-
-    def write(self, name: str, data: bytes) -> None:
-        """Put ``data`` as the record ``name``, replacing any (damage, forgery, another stack's copy)."""
-        array = np.frombuffer(data, np.uint8).copy()
-        assert bounded(self._raw_client().put, [name], [pieces_of(array)])[0] == [True]
-
-    def read(self, name: str, size: int) -> bytes | None:
-        """The record ``name`` when it holds exactly ``size`` bytes, else None."""
-        array = np.zeros(size, np.uint8)
-        ok, _ = bounded(self._raw_client().get, [name], [pieces_of(array)])
-        return array.tobytes() if ok[0] else None
-
-    def holds(self, names: Sequence[str]) -> list[bool]:
-        """Which of ``names`` the store holds now."""
-        return bounded(self._raw_client().exists, list(names))[0]
-
-    def _raw_client(self):
-        if self._raw is None:
-            self._raw = self.client(timeout=5.0)
-        return self._raw
-
-    def _close_raw(self) -> None:
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            bounded(raw.close)
+from kvtier.core.errors import ClosedError
+from kvtier.testing.store import StoreUnderTest, bounded
 
 
 class RedisStore(StoreUnderTest):
@@ -391,8 +236,6 @@ class MooncakeStore(StoreUnderTest):
         self.master.cont()
 
     def existence_queries(self) -> int:
-        from helpers.mooncake_server import http_get
-
         assert self.master is not None
         body = http_get(self.master.metrics_port, "/metrics")
         assert body is not None, "the master's metrics did not answer"
@@ -439,3 +282,13 @@ STORES: dict[str, type[StoreUnderTest]] = {
     "mooncake-fetch": MooncakeFetchStore,
 }
 """Every store a suite parametrised over stores runs against (its ids are these names)."""
+
+
+class EveryStore:
+    """Mixed into a suite over a store (before it): its tests run against every store in ``STORES``, their
+    ids the stores' names."""
+
+    @pytest.fixture(scope="class", params=sorted(STORES))
+    @classmethod
+    def store_class(cls, request) -> type[StoreUnderTest]:
+        return STORES[request.param]

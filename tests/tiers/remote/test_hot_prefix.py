@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers.stores import STORES, StoreUnderTest
+from helpers.stores import STORES
 from kvtier import KVTier
 from kvtier.core.layout import BlockLayout
+from kvtier.testing.store import StoreUnderTest
 from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import UNREADABLE_KEPT, RemoteStorage
 from kvtier.transfers.remote import RemoteBackend

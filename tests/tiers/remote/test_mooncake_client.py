@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner, free_port, require_mooncake
-from helpers.stores import bounded
 from kvtier.core.errors import ConfigError
+from kvtier.testing.store import bounded
 from kvtier.tiers.remote import mooncake_client
 from kvtier.tiers.remote.client import StoreError
 from kvtier.tiers.remote.link import Connector, StoreLink

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 from helpers.mooncake_server import MooncakeMaster, SegmentOwner, mooncake_store
-from helpers.stack_helpers import assert_clean
-from helpers.stores import bounded
 from kvtier import KVTier, LoadResult
+from kvtier.testing.common import assert_clean
+from kvtier.testing.store import bounded
 from kvtier.tiers.remote.mooncake_client import MooncakeClient
 from kvtier.transfers.remote import RemoteBackend
 

@@ -24,8 +24,8 @@ from redis.crc import key_slot
 
 from helpers.config_helpers import error_of
 from helpers.redis_cluster import CLI, RedisCluster, redis_cluster
-from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
+from kvtier.testing.common import assert_clean
 from kvtier.tiers.remote.redis_cluster import RedisClusterClient
 
 BLOCK = 64 * 1024

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import redis_server
-from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
 from kvtier.core.errors import ConfigError
+from kvtier.testing.common import assert_clean
 from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
 from kvtier.transfers.remote import RemoteBackend

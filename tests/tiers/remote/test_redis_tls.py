@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from helpers.redis_server import certificate_authority, redis_server, server_certificate
-from helpers.stack_helpers import assert_clean
 from kvtier import KVTier
+from kvtier.testing.common import assert_clean
 
 BLOCK = 64 * 1024
 TIMEOUT = 1.0
