@@ -34,7 +34,6 @@ from pydantic_core import CoreSchema, core_schema
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
 from kvtier.core.keys import key_secret, tenant_of, tenant_tag
-from kvtier.core.media import media, watch_media
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
 from kvtier.core.strict_yaml import read_yaml
@@ -258,9 +257,22 @@ class SealingSettings(ConfigModel):
         return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env)
 
 
+_TIER_CONFIGS: dict[str, type[TierConfigBase]] = {}
+
+
+def use_tier_configs(schemas: dict[str, type[TierConfigBase]]) -> None:
+    """The registered media's schemas, by medium, as the registry (``kvtier.core.media``) has them now:
+    the tier union is rebuilt with them. The registry calls this, so that the schema needs no import of
+    the registry, whose entries name the schema's types."""
+    _TIER_CONFIGS.clear()
+    _TIER_CONFIGS.update(schemas)
+    if schemas:
+        StackConfig.model_rebuild(force=True)
+
+
 def tier_configs() -> dict[str, type[TierConfigBase]]:
     """Every registered medium's schema, by medium (``kvtier.core.media``)."""
-    return {m.name: m.config for m in media()}
+    return dict(_TIER_CONFIGS)
 
 
 class _RegisteredMedia:
@@ -406,15 +418,6 @@ class StackConfig(ConfigModel):
         if problems:
             raise Problems(problems)
         return self
-
-
-def _rebuild() -> None:
-    """A medium registered or left: the tier union changes with it."""
-    if media():
-        StackConfig.model_rebuild(force=True)
-
-
-watch_media(_rebuild)
 
 
 def capacity_in_blocks(tier_cfg: TierConfigBase, block_bytes: int | None, header_room: int = 0) -> int | None:

@@ -1,54 +1,31 @@
-"""The media kvtier keeps blocks in, each one registry entry, and the devices copies run between.
+"""The media kvtier keeps blocks in, each one registry entry.
 
 A medium is what configuration, routes, eviction and an engine's counters speak of: ``gpu``, ``host``,
 ``disk``, ``remote``, and any medium a program registers. Everything the rest of kvtier asks of a
 medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an engine,
 which media it copies to without staging, its labels), so a new medium is its tier module and one
 ``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
-medium every route passes through. A medium whose copies no backend of ``kvtier.transfers`` runs (the
-``disk`` and ``node`` media's) names its own (``Medium.backend``).
+medium every route passes through (and ``gpu``, an engine's own blocks: ``kvtier.core.devices``). A
+medium whose copies no backend of ``kvtier.transfers`` runs (the ``disk`` and ``node`` media's) names
+its own (``Medium.backend``).
 
-A device is a storage's own, what a transfer backend serves: ``cuda`` memory, ``cpu`` memory, a
-``file``, or a store whose records are named by key (``remote``). They differ where it matters: a GPU
-tier on CPU tensors (a machine without CUDA) is a ``gpu`` medium on a ``cpu`` device, and its copies
-are memmoves; an engine's own blocks have a device but no tier, and count as the medium
-``caller_medium`` says when a route is planned to them.
+The names of devices and of those two media are ``kvtier.core.devices``', which imports nothing of
+kvtier: the entries here name the schema, storage and tier types, and those modules use the names.
+The schema learns the registered media from here (``use_tier_configs``), not the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (config.py imports this module: the registry is what its tier union is built from)
-    from kvtier.core.config import StackConfig, TierConfigBase, TransferConfig
-    from kvtier.core.layout import BlockLayout
-    from kvtier.core.storage import BlockStorage
-    from kvtier.core.tier import Tier
-    from kvtier.core.transfer import TransferBackend
-    from kvtier.policies import EvictionPolicy, Watermark
-
-HOST = "host"
-"""The medium every other reaches directly: routes stage through it, and engines' loads land via it."""
-
-CUDA_DEVICE = "cuda"
-HOST_DEVICE = "cpu"
-FILE_DEVICE = "file"
-KEYED_DEVICE = "remote"
-"""The device of a store addressed by key: its storage has no addresses, a copy names keys."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What the machine can do beyond the basics."""
-
-    gpu_direct_storage: bool = False  # disk <-> GPU without a host bounce (NVIDIA GDS)
-    gpu_in_host_memory: bool = False  # the engine's own KV blocks ("gpu") are host memory: an engine built for CPU
-
-
-BASIC = Capabilities()
-"""A machine with none of them."""
+from kvtier.core.config import StackConfig, TierConfigBase, TransferConfig, use_tier_configs
+from kvtier.core.devices import Capabilities
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import BlockStorage
+from kvtier.core.tier import Tier
+from kvtier.core.transfer import TransferBackend
+from kvtier.policies import EvictionPolicy, Watermark
 
 
 @dataclass(frozen=True)
@@ -151,7 +128,8 @@ def unregister_medium(name: str) -> None:
 
 
 def watch_media(callback: Callable[[], None]) -> None:
-    """Call ``callback`` whenever the registry changes (the config schema rebuilds its tier union)."""
+    """Call ``callback`` now and whenever the registry changes (the config schema rebuilds its tier union,
+    the adapters' counters name every medium)."""
     _watchers.append(callback)
     callback()
 
@@ -174,6 +152,5 @@ def medium(name: str) -> Medium:
     return found
 
 
-def caller_medium(device: str) -> str:
-    """The medium a caller's blocks on ``device`` count as: GPU memory on CUDA, host memory otherwise."""
-    return "gpu" if device == CUDA_DEVICE else HOST
+# The schema's tier union is built from the registry: rebuilt whenever it changes.
+watch_media(lambda: use_tier_configs({m.name: m.config for m in media()}))

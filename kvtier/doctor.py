@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.config import StackConfig, capacity_in_blocks, load_config
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.keys import key_secret
-from kvtier.core.media import HOST
 from kvtier.core.sealing import SEAL_BYTES
 from kvtier.doctor_sharing import VllmEngine, sharing
 from kvtier.tiers.disk.config import DiskTierConfig

@@ -43,8 +43,8 @@ from pydantic import Field, ValidationError, field_validator
 
 from kvtier.core.config import ConfigModel, StackConfig, load_config
 from kvtier.core.config_messages import explain
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError, shown
-from kvtier.core.media import HOST
 from kvtier.core.strict_yaml import read_yaml
 
 ENGINE_KEYS = ("namespace", "fragments", "block_tokens")

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.config import GpuTierConfig
+from kvtier.core.devices import CUDA_DEVICE, HOST_DEVICE, Capabilities
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE, Capabilities, Medium, TierRequest
+from kvtier.core.media import Medium, TierRequest
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy

@@ -24,9 +24,10 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.core.config import HostTierConfig
+from kvtier.core.devices import HOST, HOST_DEVICE
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST, HOST_DEVICE, Medium, RankRequest, TierRequest
+from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage, contiguous_storage
 from kvtier.core.tier import Tier
 from kvtier.policies.base import EvictionPolicy

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from kvtier.connectors.vllm.geometry import tier_slots
 from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
 from kvtier.core.config import StackConfig
+from kvtier.core.devices import Capabilities
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import Capabilities, EngineTierRequest, medium
+from kvtier.core.media import EngineTierRequest, medium
 from kvtier.core.planner import Planner, SlotCount
 from kvtier.core.tier import Tier
 from kvtier.tiers.disk.config import DiskTierConfig

@@ -43,9 +43,10 @@ from kvtier.connectors.vllm.geometry import (
 )
 from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
 from kvtier.core.config import StackConfig
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
-from kvtier.core.media import HOST_DEVICE, RankRequest, medium
+from kvtier.core.media import RankRequest, medium
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopiesHere, TransferRegistry

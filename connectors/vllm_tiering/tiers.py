@@ -56,9 +56,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.builder import build_stack
 from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
 from kvtier.connectors.vllm_tiering.settings import tier_settings
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import BlockState
 

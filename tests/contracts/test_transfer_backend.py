@@ -37,9 +37,10 @@ from helpers.node_daemon import node_daemon
 from helpers.stack_helpers import flip
 from helpers.stores import RedisStore
 from kvtier.core.config import TransferConfig
+from kvtier.core.devices import KEYED_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import KEYED_DEVICE, media
+from kvtier.core.media import media
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage

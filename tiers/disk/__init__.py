@@ -48,7 +48,8 @@ This module builds the medium's registry entry (``MEDIUM``), which names the med
 from __future__ import annotations
 
 from kvtier.core.config import TransferConfig
-from kvtier.core.media import Capabilities, Medium, RankRequest, TierRequest
+from kvtier.core.devices import Capabilities
+from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
 from kvtier.tiers.disk.config import DiskTierConfig

@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.devices import FILE_DEVICE
 from kvtier.core.errors import ClosedError, ConfigError, StateError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import FILE_DEVICE
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.disk.compression import codec

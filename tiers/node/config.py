@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvtier.core.config import ProblemList, SealingSettings, StackConfig, TierConfigBase
 from kvtier.core.config_messages import Problems
-from kvtier.core.media import HOST
+from kvtier.core.devices import HOST
 from kvtier.tiers.keyed import sized_by_owner
 
 

@@ -22,8 +22,8 @@ from kvtier.core.config import (
     env_name_hint,
 )
 from kvtier.core.config_messages import Problems, explain
+from kvtier.core.devices import HOST
 from kvtier.core.errors import shown
-from kvtier.core.media import HOST
 from kvtier.tiers.keyed import sized_by_owner
 from kvtier.tiers.remote.link import Connector
 

@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvtier.core.devices import KEYED_DEVICE
 from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.misses import MissReason
 from kvtier.core.namespaces import ENTRY_BYTES, MAX_NAMESPACES, KnownNamespace, decode_entry, encode_entry
 from kvtier.core.storage import BlockStorage
