@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.core.config import StackConfig, TierConfigBase, TransferConfig, use_tier_configs
+from kvtier.core.config import StackConfig, TransferConfig, use_tier_configs
 from kvtier.core.devices import Capabilities
 from kvtier.core.layout import BlockLayout
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import TierConfigBase
 from kvtier.core.transfer import TransferBackend
 from kvtier.policies import EvictionPolicy, Watermark
 

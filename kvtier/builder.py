@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
+from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import TierRequest, medium
+from kvtier.core.sizes import format_size
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend

@@ -45,9 +45,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvtier.builder import build_stack
-from kvtier.core.config import StackConfig, TenantSharesConfig, capacity_in_blocks, load_config, parse_size
+from kvtier.core.config import StackConfig, capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.core.keys import key_secret
+from kvtier.core.sizes import parse_size
+from kvtier.core.tier_config import TenantSharesConfig
 from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, eviction_policy_class
 from kvtier.policies.shares import TenantShares
 from kvtier.replay.cache import belady, replay

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvtier.core.config import TierConfigBase, TransferConfig
+from kvtier.core.config import TransferConfig
 from kvtier.core.devices import CUDA_DEVICE, KEYED_DEVICE
 from kvtier.core.media import medium
+from kvtier.core.tier_config import TierConfigBase
 from kvtier.core.transfer import TransferBackend
 from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector

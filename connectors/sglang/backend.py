@@ -43,9 +43,10 @@ from kvtier.connectors.sglang.metrics import StorageCounters
 from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
 from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
 from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
-from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
+from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.keys import KeyFolder, key_secret
+from kvtier.core.sizes import format_size
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import BlockStorage, buffer_storage
 from kvtier.tiers.disk.config import DiskTierConfig

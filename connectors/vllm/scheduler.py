@@ -49,13 +49,14 @@ from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.connectors.vllm.step import StepMetadata
 from kvtier.connectors.vllm.stores import StorePicker
 from kvtier.connectors.vllm.tiers import SchedulerTiers
-from kvtier.core.config import StackConfig, tenant_labels
+from kvtier.core.config import StackConfig
 from kvtier.core.devices import BASIC, GPU, Capabilities
 from kvtier.core.jobs import Job, WorkerReport
 from kvtier.core.keys import tenant_of
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import Outcome, Plan, Room
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import tenant_labels
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

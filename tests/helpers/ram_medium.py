@@ -11,11 +11,11 @@ from typing import Literal
 
 import numpy as np
 
-from kvtier.core.config import SizedTierConfig
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import Medium, RankRequest, TierRequest, register_medium, unregister_medium
 from kvtier.core.storage import BlockStorage, buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import SizedTierConfig
 
 
 class RamTierConfig(SizedTierConfig):
