@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvtier.core.checks import Check, DoctorRequest
 from kvtier.core.config import StackConfig, TransferConfig, use_tier_configs
 from kvtier.core.devices import Capabilities
 from kvtier.core.layout import BlockLayout
@@ -106,6 +108,15 @@ class Medium:
     backend: Callable[[TransferConfig], TransferBackend] | None = None
     # for a medium addressed by key (its index is its owner's): its tier on an engine's scheduler side
     engine_tier: Callable[[EngineTierRequest], Tier] | None = None
+    # ``kvtier doctor``'s checks of its tier: what the tier's start would refuse or meet (its directories,
+    # its secrets, its store or daemon asked), reported in the tier's place among the checks
+    doctor: Callable[[DoctorRequest], list[Check]] | None = None
+    # the doctor's checks of its tier's size against the room the machine has (a filesystem's free
+    # space), reported after the host memory check, which every stack gets
+    doctor_space: Callable[[DoctorRequest], list[Check]] | None = None
+    # what decides, besides the keys, whether two engines share its blocks (a store's address, its
+    # records' prefix, their keys' fingerprints): the doctor's sharing fields
+    sharing: Callable[[TierConfigBase], dict[str, Any]] | None = None
 
 
 _MEDIA: dict[str, Medium] = {}

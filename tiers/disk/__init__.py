@@ -40,7 +40,8 @@ after a crash there is none, and the scan above recovers everything. A snapshot 
 - ``namespaces``: the namespaces that used the directory (``namespaces.json``);
 - ``compression``: the block codecs (byte planes, then lz4 or zstd);
 - ``inspect``: reading a slab another process may own, without its lock (``kvtier inspect``, recovery);
-- ``ranks``: an engine's ranks' slabs, one directory each, and the identity an index of them names.
+- ``ranks``: an engine's ranks' slabs, one directory each, and the identity an index of them names;
+- ``doctor``: what ``kvtier doctor`` checks of the tier (its directories, its secrets, its free space).
 
 This module builds the medium's registry entry (``MEDIUM``), which names the medium's transfer backend.
 """
@@ -52,6 +53,7 @@ from kvtier.core.devices import Capabilities
 from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
+from kvtier.tiers.disk import doctor
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.ranks import rank_directory
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
@@ -113,6 +115,8 @@ MEDIUM = Medium(
     hit_source="DISK",
     survives_restart=True,
     backend=_backend,
+    doctor=doctor.checks,
+    doctor_space=doctor.space,
 )
 
 

@@ -12,7 +12,6 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from kvtier.core.config import StackConfig
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.devices import HOST
 from kvtier.core.errors import shown
@@ -207,9 +206,3 @@ class RemoteTierConfig(SealingSettings, TierConfigBase):
                 )
             )
         return problems
-
-
-def remote_config(stack: StackConfig) -> RemoteTierConfig | None:
-    """The remote tier's settings, if the stack has one (it is the last tier)."""
-    last = stack.tiers[-1]
-    return last if isinstance(last, RemoteTierConfig) else None
