@@ -7,7 +7,7 @@ which media it copies to without staging, its labels), so a new medium is its ti
 ``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
 medium every route passes through (and ``gpu``, an engine's own blocks: ``kvtier.core.devices``). A
 medium whose copies no backend of ``kvtier.transfers`` runs (the ``disk`` and ``node`` media's) names
-its own (``Medium.backend``).
+its own (``Medium.backend``), as the ``remote`` medium does for its store's records.
 
 The names of devices and of those two media are ``kvtier.core.devices``', which imports nothing of
 kvtier: the entries here name the schema, storage and tier types, and those modules use the names.
@@ -104,8 +104,9 @@ class Medium:
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
-    # the transfer backend that copies to and from its storage, where kvtier.transfers has none for it
-    backend: Callable[[TransferConfig], TransferBackend] | None = None
+    # the transfer backend that copies to and from its storage, built for a tier of it (configured by the
+    # stack's ``transfer``), where kvtier.transfers has none for it
+    backend: Callable[[TransferConfig, TierConfigBase], TransferBackend] | None = None
     # for a medium addressed by key (its index is its owner's): its tier on an engine's scheduler side
     engine_tier: Callable[[EngineTierRequest], Tier] | None = None
     # ``kvtier doctor``'s checks of its tier: what the tier's start would refuse or meet (its directories,

@@ -53,6 +53,7 @@ from kvtier.core.devices import Capabilities
 from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import TierConfigBase
 from kvtier.tiers.disk import doctor
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.ranks import rank_directory
@@ -101,7 +102,7 @@ def _direct(other: str, caps: Capabilities) -> bool:
     return other == "gpu" and caps.gpu_direct_storage
 
 
-def _backend(transfer: TransferConfig) -> DiskBackend:
+def _backend(transfer: TransferConfig, config: TierConfigBase) -> DiskBackend:
     return DiskBackend(transfer.io_threads)
 
 

@@ -23,6 +23,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
 from kvtier.core.sealing import SEAL_BYTES, SealingKeys
+from kvtier.core.tier_config import TierConfigBase
 from kvtier.tiers.node import doctor
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
@@ -94,7 +95,7 @@ def _engine_tier(request: EngineTierRequest) -> NodeTier:
     return NodeTier(request.name, storage, rank_namespaces=spaces)
 
 
-def _backend(transfer: TransferConfig) -> NodeBackend:
+def _backend(transfer: TransferConfig, config: TierConfigBase) -> NodeBackend:
     return NodeBackend(transfer.threads)
 
 

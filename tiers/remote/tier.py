@@ -7,7 +7,7 @@ and asks the store which records it holds in one batched existence query over ev
 
 ``RemoteStorage`` is what transfers see: the store's records for one stack, or for one rank of one
 (``RecordFormat``: names, headers, MAC), and which of them failed to load here. Bytes move through
-``kvtier.transfers.remote``, whose stores skip a record the store already holds (another engine stored
+``kvtier.tiers.remote.transfer``, whose stores skip a record the store already holds (another engine stored
 the block) unless it failed to load here: a record that merely exists under our name may be a foreign
 one, and skipping its rewrite would pin a miss on that block.
 """

@@ -37,7 +37,7 @@ from helpers.stack_helpers import assert_clean
 from helpers.stores import bounded
 from kvtier import KVTier, LoadResult
 from kvtier.tiers.remote.mooncake_client import MooncakeClient
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 BLOCK = 1 << 20
 COUNT = 32

@@ -23,7 +23,7 @@ from kvtier import KVTier
 from kvtier.core.errors import ConfigError
 from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 BLOCK = 64 * 1024
 TIMEOUT = 1.0
