@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from kvtier.core.checks import Check, DoctorRequest
 from kvtier.core.config import StackConfig, TransferConfig, use_tier_configs
@@ -89,6 +91,40 @@ class EngineTierRequest:
 
 
 @dataclass(frozen=True)
+class RestartRequest:
+    """What an engine's scheduler side gives a medium whose blocks outlive the engine, to find those a
+    previous engine left in a tier: its ``config``, the ``ranks`` holding a copy of their own of each
+    block (one where they share it), the tier's ``slots`` (the same on every rank), and the ``layout``
+    and ``namespace`` the workers write blocks with."""
+
+    config: TierConfigBase
+    ranks: int
+    slots: int
+    layout: BlockLayout
+    namespace: str
+
+
+class KeptBlocks(Protocol):
+    """A tier's blocks kept across an engine's restart (``Medium.kept_blocks``): taken back at the
+    engine's start, left for the next start at its clean shutdown."""
+
+    @property
+    def where(self) -> str:
+        """What log lines name the tier's storage by (a disk tier's path)."""
+        ...
+
+    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int] | np.ndarray], object]) -> str:
+        """Hand the blocks kept, as keys and slots oldest first, to ``restore`` (``ChunkedRestore.start``);
+        returns where they were found, in words."""
+        ...
+
+    def save(self, keys: list[bytes], slots: list[int]) -> None:
+        """Leave the READY blocks ``keys`` at ``slots`` (oldest first) for the next start, once the
+        workers closed their storages; logged, never raised, when that fails."""
+        ...
+
+
+@dataclass(frozen=True)
 class Medium:
     """One medium's registry entry: everything kvtier needs to configure, build, route to and count it."""
 
@@ -104,6 +140,13 @@ class Medium:
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
+    # under an engine, the blocks its tier keeps across the engine's restart, which the scheduler side
+    # (holding the index of every rank's copies) takes back at start and leaves for the next at shutdown
+    kept_blocks: Callable[[RestartRequest], KeptBlocks] | None = None
+    # the key of its config naming the directory its storage lives in, one process's alone (disk:
+    # ``path``): where several processes open one config (SGLang's ranks) each gets a directory of its
+    # own inside it, and each run of ``kvtier replay`` a fresh one, so that none finds another's blocks
+    directory_key: str | None = None
     # the transfer backend that copies to and from its storage, built for a tier of it (configured by the
     # stack's ``transfer``), where kvtier.transfers has none for it
     backend: Callable[[TransferConfig, TierConfigBase], TransferBackend] | None = None
