@@ -140,6 +140,10 @@ class Medium:
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
+    # a copy to or from it can outlive its job (a store's call past its deadline keeps running): memory at
+    # its other end must stay out of use until the call returned, as a host tier of kvtier's keeps its
+    # slots (quarantined); memory an engine hands on as soon as the job failed never may be
+    copies_outlive_jobs: bool = False
     # under an engine, the blocks its tier keeps across the engine's restart, which the scheduler side
     # (holding the index of every rank's copies) takes back at start and leaves for the next at shutdown
     kept_blocks: Callable[[RestartRequest], KeptBlocks] | None = None

@@ -92,7 +92,7 @@ class KVTierTierInfo(ConfigInfo):
 class KVTierTier(SecondaryTierManager):
     """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
 
-    kvtier_medium: ClassVar[Literal["disk", "remote", "node"]]
+    kvtier_medium: ClassVar[str]  # the registered medium of its tier (settings.py reads the rest from its entry)
     kvtier_locality: ClassVar[Locality]  # what the tier's events and vLLM's per-request tier filters see
     medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 

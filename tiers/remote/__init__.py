@@ -70,6 +70,7 @@ MEDIUM = Medium(
     RemoteTierConfig,
     _tier,
     _rank_storage,
+    copies_outlive_jobs=True,
     backend=_backend,
     engine_tier=_engine_tier,
     doctor=doctor.checks,
