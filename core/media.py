@@ -1,13 +1,13 @@
 """The media kvtier keeps blocks in, each one registry entry.
 
 A medium is what configuration, routes, eviction and an engine's counters speak of: ``gpu``, ``host``,
-``disk``, ``remote``, and any medium a program registers. Everything the rest of kvtier asks of a
-medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an engine,
-which media it copies to without staging, its labels), so a new medium is its tier module and one
-``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
-medium every route passes through (and ``gpu``, an engine's own blocks: ``kvtier.core.devices``). A
-medium whose copies no backend of ``kvtier.transfers`` runs (the ``disk`` and ``node`` media's) names
-its own (``Medium.backend``), as the ``remote`` medium does for its store's records.
+``disk``, ``remote``, ``node``, and any medium a program registers. Everything the rest of kvtier asks
+of a medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an
+engine, which media it copies to without staging, its labels, its transfer backend where
+``kvtier.transfers`` has none for it, what ``kvtier doctor`` checks of it, what it keeps across an
+engine's restart), so a new medium is its tier module and one ``register_medium`` call: no module of
+kvtier branches on a medium's name, except on ``host``, the medium every route passes through (and
+``gpu``, an engine's own blocks: ``kvtier.core.devices``).
 
 The names of devices and of those two media are ``kvtier.core.devices``', which imports nothing of
 kvtier: the entries here name the schema, storage and tier types, and those modules use the names.
