@@ -67,8 +67,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier.builder import build_stack, config_layout
 from kvtier.core.config import load_config
+from kvtier.core.devices import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.keys import chain_hashes
-from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import StridedStorage
 from kvtier.tiers.disk.files import SLAB_NAME

@@ -107,13 +107,13 @@ from pathlib import Path
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.layout import BlockLayout
 from kvtier.core.planner import SlotCount
+from kvtier.core.restore import ChunkedRestore
 from kvtier.core.sizes import format_size, parse_size
 from kvtier.core.tier import Tier
 from kvtier.policies import eviction_policy_class
 from kvtier.tiers.disk.compression import CODEC_IDS
 from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
 from kvtier.tiers.disk.format import pack_slot_header
-from kvtier.tiers.disk.restore import ChunkedRestore
 from kvtier.tiers.disk.slab import DiskSlab
 from kvtier.tiers.disk.slots import PAGE, slot_stride
 

@@ -5,7 +5,7 @@ What is measured
     ports (``tests/helpers``: a mooncake_master with a standalone segment owner, a redis-server), for
     blocks of 2 MiB and 256 KiB, ``--blocks`` blocks per batch:
 
-    - kvtier: the remote transfer backend (``kvtier.transfers.remote.RemoteBackend``) running one
+    - kvtier: the remote transfer backend (``kvtier.tiers.remote.transfer.RemoteBackend``) running one
       ``Transfer`` per batch between a host slab (``kvtier.tiers.host.HostSlab``, with the page of
       header room before each slot that a host tier above a remote one keeps) and the store's
       records (``RemoteStorage``), from ``submit`` until ``on_complete``: a store is each record's
@@ -78,7 +78,7 @@ from kvtier.tiers.remote.config import HEADER_ROOM, RemoteTierConfig
 from kvtier.tiers.remote.factory import connector, record_format, remote_tier
 from kvtier.tiers.remote.link import StoreLink
 from kvtier.tiers.remote.tier import RemoteStorage
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the servers of the tests' helpers
 

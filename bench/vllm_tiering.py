@@ -96,7 +96,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, Schedu
 from helpers.vllm_harness import MODEL_JSON  # noqa: E402
 from helpers.vllm_helpers import BLOCK  # noqa: E402
 from helpers.vllm_tiering import DEFERRED, MODULE, POLL_S, TieringEngine, maximal_prefix  # noqa: E402
-from kvtier.core.config import format_size, parse_size  # noqa: E402
+from kvtier.core.sizes import format_size, parse_size  # noqa: E402
 from kvtier.tiers.disk.files import SLAB_NAME  # noqa: E402
 
 logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM's CPU platform warns about this test model's settings

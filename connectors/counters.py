@@ -79,7 +79,7 @@ TENANT_METRICS = ("tenant_hit_blocks", "tenant_stored_blocks")
 
 
 def tenant_counter(metric: str, label: str) -> str:
-    """The name of a ``TENANT_METRICS`` count of one tenant label (``core.config.tenant_labels``)."""
+    """The name of a ``TENANT_METRICS`` count of one tenant label (``core.tier_config.tenant_labels``)."""
     return f"{metric}:{label}"
 
 

@@ -8,122 +8,33 @@ ignored or coerced, because a silently ignored typo in a cache config shows up l
 does not do what its author thinks.
 
 Each tier is validated by its medium's model, picked by ``medium`` among the media registered
-(``kvtier.core.media``): the gpu and host models are here, the disk one in its package
-(``kvtier.tiers.disk.config``), the remote one beside the stores it can use
-(``kvtier.tiers.remote.config``), a program's own wherever it registers it.
+(``kvtier.core.media``): each medium's model lives beside its tier (``kvtier.tiers.host``,
+``kvtier.tiers.disk.config``, ...; a program's own wherever it registers it), and builds on the keys
+every tier has (``kvtier.core.tier_config``). So this module knows no medium's keys.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    GetCoreSchemaHandler,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, GetCoreSchemaHandler, ValidationError, model_validator
 from pydantic_core import CoreSchema, core_schema
 
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
-from kvtier.core.keys import key_secret, tenant_of, tenant_tag
-from kvtier.core.media import media, watch_media
-from kvtier.core.sealing import SealingKeys
-from kvtier.core.sizes import Size, SizeOrZero, format_size, parse_size
+from kvtier.core.keys import key_secret, tenant_of
+from kvtier.core.sizes import Size, format_size
 from kvtier.core.strict_yaml import read_yaml
-from kvtier.policies import EvictionPolicy, PolicyError, Watermark, check_policy_name, eviction_policy_class
-from kvtier.policies.shares import TenantShares
+from kvtier.core.tier_config import ConfigModel, EnvName, ProblemList, TierConfigBase, env_name_hint
+from kvtier.policies import EvictionPolicy, PolicyError, Watermark, eviction_policy_class
 
-EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-"""The name of an environment variable: secrets enter kvtier only that way, never as values in a config."""
 RESERVED_TIER_NAMES = {
     "misses": "is the key of the miss counts in KVTier.stats(), beside the tiers'",
     "all": "is the tier label of the miss counts' totals",
 }
-
-
-def env_name_hint(example: str) -> str:
-    """What a field naming an environment variable expects, for the message when it gets something else."""
-    return f"the name of an environment variable, e.g. {example}"
-
-
-# --- models -----------------------------------------------------------------------------------
-
-
-class ConfigModel(BaseModel):
-    """Strict and closed: unknown keys and type coercions are errors, so typos never pass silently."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class WatermarkConfig(ConfigModel):
-    """High and low marks as fractions of a tier's capacity (see kvtier.policies.watermark)."""
-
-    high: float = 0.95
-    low: float = 0.85
-
-    @model_validator(mode="after")
-    def _ordered(self) -> WatermarkConfig:
-        if not 0.0 < self.low < self.high <= 1.0:
-            raise ValueError(f"needs 0 < low < high <= 1, got high={self.high!r} low={self.low!r}")
-        return self
-
-
-OTHER_TENANTS, NO_TENANT = "other", "none"
-"""The labels per-tenant counts use besides the tenants shares name (``tenant_labels``)."""
-
-
-class TenantSharesConfig(ConfigModel):
-    """A tier's shares among tenants (``policies/shares.py``), as fractions of its capacity: ``shares``
-    names tenants (their ids, as the engine gives them: vLLM's ``cache_salt``, the API's ``tenant=``),
-    ``default_share`` is every other tenant's (blocks of no tenant too). The default 0 guarantees an
-    unnamed tenant nothing, and the tenant holding most gives first: the tenants present even out."""
-
-    default_share: float = Field(0.0, ge=0.0, le=1.0)
-    shares: dict[Annotated[str, Field(min_length=1, max_length=255)], Annotated[float, Field(gt=0.0, le=1.0)]] = {}
-
-    @model_validator(mode="after")
-    def _at_most_the_whole(self) -> TenantSharesConfig:
-        taken = sorted({OTHER_TENANTS, NO_TENANT} & set(self.shares))
-        if taken:
-            raise ValueError(
-                f"{taken[0]!r} is the label of the tenants the shares do not name (other) or of blocks of no "
-                f"tenant (none); a tenant of that id cannot be named here"
-            )
-        if sum(self.shares.values()) > 1.0 + 1e-9:
-            raise ValueError(
-                f"the named shares add up to {sum(self.shares.values()):.3g}, more than the whole tier (1): "
-                f"a share is a guarantee, and no tier can guarantee more than it holds"
-            )
-        return self
-
-    def policy(
-        self,
-        make: Callable[[], EvictionPolicy],
-        key_secret: bytes | None,
-        tag_of: Callable[[bytes], bytes] = tenant_of,
-    ) -> TenantShares:
-        """``make``'s policy shared out: each named tenant known by its tag under ``key_secret``, and
-        counted under its label (``tenant_labels``); a block's tenant is ``tag_of(key)`` (by default the
-        tag its key begins with)."""
-        shares = {tenant_tag(name, key_secret): share for name, share in self.shares.items()}
-        label_of = tenant_labels(self.shares, key_secret)
-        return TenantShares(make, tag_of, shares, self.default_share, label_of=label_of)
-
-
-def tenant_labels(names: Iterable[str], key_secret: bytes | None) -> Callable[[bytes], str]:
-    """The label a tenant's counts go under, from its tag: its name where ``names`` (a config's named
-    tenants) hold it, ``other`` for every other tenant, ``none`` for blocks of no tenant: as few labels
-    as the config names tenants, however many come."""
-    by_tag = {tenant_tag(name, key_secret): name for name in names}
-    return lambda tag: by_tag.get(tag) or (OTHER_TENANTS if tag else NO_TENANT)
 
 
 class TransferConfig(ConfigModel):
@@ -134,133 +45,22 @@ class TransferConfig(ConfigModel):
     cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (transfers/cuda.py)
 
 
-class TierConfigBase(ConfigModel):
-    """Fields every tier shares, and the rules a medium's schema may add: each medium's model (its
-    registry entry's ``config``, ``kvtier.core.media``) fixes ``medium`` and its capacity rule."""
-
-    keyed: ClassVar[bool] = False
-    """A store addressed by key that manages its own memory: no capacity, slots or policy of kvtier's."""
-    header_room_above: ClassVar[int] = 0
-    """Bytes each host slot of a stack with this tier keeps before its block (``StackConfig.header_room``)."""
-
-    @property
-    def fetches(self) -> bool:
-        """A keyed store whose reads land in memory of their own first, so that a read past its deadline
-        writes nowhere: a load from it may go straight into memory nothing keeps out of use afterwards."""
-        return False
-
-    medium: str
-    name: str | None = Field(None, min_length=1)
-    capacity: Size | None = None
-    capacity_blocks: int | None = Field(None, gt=0)
-    eviction: str | None = None  # None: the measured default for the tier's place (StackConfig)
-    watermark: WatermarkConfig | None = None
-    tenants: TenantSharesConfig | None = None  # shares of its capacity among tenants (None: one pool)
-
-    @field_validator("eviction")
-    @classmethod
-    def _known_policy(cls, value: str | None) -> str | None:
-        """A registered name or the shape of a dotted path; nothing is imported until the whole config
-        validated (``load_config``), so a config that is refused never runs the code it names."""
-        if value is None:
-            return value
-        check_policy_name(value)  # its PolicyError is a ValueError: pydantic names the key
-        return value
-
-    def _both_capacities(self) -> None:
-        if self.capacity is not None and self.capacity_blocks is not None:
-            raise ValueError(
-                f"give capacity or capacity_blocks, not both (capacity={format_size(self.capacity)}, "
-                f"capacity_blocks={self.capacity_blocks})"
-            )
-
-    @classmethod
-    def yaml_keys(cls) -> list[str]:
-        """The keys a tier of this medium takes in YAML."""
-        return list(cls.model_fields)
-
-    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
-        """Bytes of the tier's ``capacity`` one block takes (with the stack's ``header_room`` for host slots)."""
-        return block_bytes
-
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
-        """What is wrong with this tier being ``stack.tiers[i]`` (its place, its size against the block)."""
-        return []
+_TIER_CONFIGS: dict[str, type[TierConfigBase]] = {}
 
 
-ProblemList = list[tuple[tuple[str | int, ...], str]]
-"""Problems at key paths below the validated model (``Problems``' items)."""
-
-
-class GpuTierConfig(TierConfigBase):
-    """GPU memory. Capacity may be left out where the engine owns GPU memory (under vLLM)."""
-
-    medium: Literal["gpu"]
-
-    @model_validator(mode="after")
-    def _capacity(self) -> GpuTierConfig:
-        self._both_capacities()
-        return self
-
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
-        if i == 0:
-            return []
-        return [
-            (("medium",), "a gpu tier may only be the first tier (tiers[0]), since the engine reads KV from GPU memory")
-        ]
-
-
-class SizedTierConfig(TierConfigBase):
-    """A tier kvtier allocates itself, so its size must be given (bytes or blocks)."""
-
-    @model_validator(mode="after")
-    def _capacity(self) -> SizedTierConfig:
-        self._both_capacities()
-        if self.capacity is None and self.capacity_blocks is None:
-            raise ValueError("missing key 'capacity' or 'capacity_blocks'")
-        return self
-
-
-class HostTierConfig(SizedTierConfig):
-    """Pinned host memory."""
-
-    medium: Literal["host"]
-
-    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
-        return block_bytes + header_room
-
-
-class SealingSettings(ConfigModel):
-    """Blocks sealed at rest (``kvtier.core.sealing``): ``encryption: aes-gcm`` seals every block the tier
-    writes under a key derived from the secret in ``encryption_key_env``; during a rotation, blocks
-    sealed under the secret in ``encryption_previous_key_env`` still open (new ones never use it)."""
-
-    encryption: Literal["none", "aes-gcm"] = "none"
-    encryption_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY"))
-    encryption_previous_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY_OLD"))
-
-    def sealing_problems(self) -> ProblemList:
-        """A secret named without ``encryption``, or ``encryption`` without its secret."""
-        if self.encryption == "none":
-            named = [key for key in ("encryption_key_env", "encryption_previous_key_env") if getattr(self, key)]
-            return [((key,), f"{key} is set but encryption is none; set encryption: aes-gcm") for key in named]
-        if self.encryption_key_env is None:
-            return [(("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")]
-        return []
-
-    def sealing(self) -> SealingKeys | None:
-        """The keys the tier's blocks are sealed with (each tenant's sealer derived from them), or None
-        where it does not seal; ConfigError for a secret that is unset or short, or a missing
-        ``cryptography`` package."""
-        if self.encryption == "none":
-            return None
-        assert self.encryption_key_env is not None  # (sealing_problems)
-        return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env)
+def use_tier_configs(schemas: dict[str, type[TierConfigBase]]) -> None:
+    """The registered media's schemas, by medium, as the registry (``kvtier.core.media``) has them now:
+    the tier union is rebuilt with them. The registry calls this, so that the schema needs no import of
+    the registry, whose entries name the schema's types."""
+    _TIER_CONFIGS.clear()
+    _TIER_CONFIGS.update(schemas)
+    if schemas:
+        StackConfig.model_rebuild(force=True)
 
 
 def tier_configs() -> dict[str, type[TierConfigBase]]:
     """Every registered medium's schema, by medium (``kvtier.core.media``)."""
-    return {m.name: m.config for m in media()}
+    return dict(_TIER_CONFIGS)
 
 
 class _RegisteredMedia:
@@ -408,15 +208,6 @@ class StackConfig(ConfigModel):
         return self
 
 
-def _rebuild() -> None:
-    """A medium registered or left: the tier union changes with it."""
-    if media():
-        StackConfig.model_rebuild(force=True)
-
-
-watch_media(_rebuild)
-
-
 def capacity_in_blocks(tier_cfg: TierConfigBase, block_bytes: int | None, header_room: int = 0) -> int | None:
     """How many blocks a tier holds: ``capacity_blocks``, else ``capacity`` divided by what one block
     takes there (``TierConfigBase.footprint``); None if unsized."""
@@ -498,27 +289,3 @@ def _import_policies(config: StackConfig, name: str) -> None:
             lines.append(f"{name}: tiers[{i}].eviction: {exc}")
     if lines:
         raise ConfigError("\n".join(lines))
-
-
-__all__ = [
-    "ConfigModel",
-    "EnvName",
-    "GpuTierConfig",
-    "HostTierConfig",
-    "ProblemList",
-    "Size",
-    "SizeOrZero",
-    "SizedTierConfig",
-    "StackConfig",
-    "TierConfig",
-    "TierConfigBase",
-    "TransferConfig",
-    "WatermarkConfig",
-    "capacity_in_blocks",
-    "default_config_path",
-    "env_name_hint",
-    "format_size",
-    "load_config",
-    "parse_size",
-    "tier_configs",
-]

@@ -1,54 +1,36 @@
-"""The media kvtier keeps blocks in, each one registry entry, and the devices copies run between.
+"""The media kvtier keeps blocks in, each one registry entry.
 
 A medium is what configuration, routes, eviction and an engine's counters speak of: ``gpu``, ``host``,
-``disk``, ``remote``, and any medium a program registers. Everything the rest of kvtier asks of a
-medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an engine,
-which media it copies to without staging, its labels), so a new medium is its tier module and one
-``register_medium`` call: no module of kvtier branches on a medium's name, except on ``host``, the
-medium every route passes through. A medium whose copies no backend of ``kvtier.transfers`` runs (the
-``disk`` and ``node`` media's) names its own (``Medium.backend``).
+``disk``, ``remote``, ``node``, and any medium a program registers. Everything the rest of kvtier asks
+of a medium is in its ``Medium`` entry (its YAML schema, how to build its tier alone and under an
+engine, which media it copies to without staging, its labels, its transfer backend where
+``kvtier.transfers`` has none for it, what ``kvtier doctor`` checks of it, what it keeps across an
+engine's restart), so a new medium is its tier module and one ``register_medium`` call: no module of
+kvtier branches on a medium's name, except on ``host``, the medium every route passes through (and
+``gpu``, an engine's own blocks: ``kvtier.core.devices``).
 
-A device is a storage's own, what a transfer backend serves: ``cuda`` memory, ``cpu`` memory, a
-``file``, or a store whose records are named by key (``remote``). They differ where it matters: a GPU
-tier on CPU tensors (a machine without CUDA) is a ``gpu`` medium on a ``cpu`` device, and its copies
-are memmoves; an engine's own blocks have a device but no tier, and count as the medium
-``caller_medium`` says when a route is planned to them.
+The names of devices and of those two media are ``kvtier.core.devices``', which imports nothing of
+kvtier: the entries here name the schema, storage and tier types, and those modules use the names.
+The schema learns the registered media from here (``use_tier_configs``), not the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # (config.py imports this module: the registry is what its tier union is built from)
-    from kvtier.core.config import StackConfig, TierConfigBase, TransferConfig
-    from kvtier.core.layout import BlockLayout
-    from kvtier.core.storage import BlockStorage
-    from kvtier.core.tier import Tier
-    from kvtier.core.transfer import TransferBackend
-    from kvtier.policies import EvictionPolicy, Watermark
+import numpy as np
 
-HOST = "host"
-"""The medium every other reaches directly: routes stage through it, and engines' loads land via it."""
-
-CUDA_DEVICE = "cuda"
-HOST_DEVICE = "cpu"
-FILE_DEVICE = "file"
-KEYED_DEVICE = "remote"
-"""The device of a store addressed by key: its storage has no addresses, a copy names keys."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What the machine can do beyond the basics."""
-
-    gpu_direct_storage: bool = False  # disk <-> GPU without a host bounce (NVIDIA GDS)
-    gpu_in_host_memory: bool = False  # the engine's own KV blocks ("gpu") are host memory: an engine built for CPU
-
-
-BASIC = Capabilities()
-"""A machine with none of them."""
+from kvtier.core.checks import Check, DoctorRequest
+from kvtier.core.config import StackConfig, TransferConfig, use_tier_configs
+from kvtier.core.devices import Capabilities
+from kvtier.core.layout import BlockLayout
+from kvtier.core.storage import BlockStorage
+from kvtier.core.tier import Tier
+from kvtier.core.tier_config import TierConfigBase
+from kvtier.core.transfer import TransferBackend
+from kvtier.policies import EvictionPolicy, Watermark
 
 
 @dataclass(frozen=True)
@@ -109,6 +91,40 @@ class EngineTierRequest:
 
 
 @dataclass(frozen=True)
+class RestartRequest:
+    """What an engine's scheduler side gives a medium whose blocks outlive the engine, to find those a
+    previous engine left in a tier: its ``config``, the ``ranks`` holding a copy of their own of each
+    block (one where they share it), the tier's ``slots`` (the same on every rank), and the ``layout``
+    and ``namespace`` the workers write blocks with."""
+
+    config: TierConfigBase
+    ranks: int
+    slots: int
+    layout: BlockLayout
+    namespace: str
+
+
+class KeptBlocks(Protocol):
+    """A tier's blocks kept across an engine's restart (``Medium.kept_blocks``): taken back at the
+    engine's start, left for the next start at its clean shutdown."""
+
+    @property
+    def where(self) -> str:
+        """What log lines name the tier's storage by (a disk tier's path)."""
+        ...
+
+    def recover(self, restore: Callable[[Sequence[bytes], Sequence[int] | np.ndarray], object]) -> str:
+        """Hand the blocks kept, as keys and slots oldest first, to ``restore`` (``ChunkedRestore.start``);
+        returns where they were found, in words."""
+        ...
+
+    def save(self, keys: list[bytes], slots: list[int]) -> None:
+        """Leave the READY blocks ``keys`` at ``slots`` (oldest first) for the next start, once the
+        workers closed their storages; logged, never raised, when that fails."""
+        ...
+
+
+@dataclass(frozen=True)
 class Medium:
     """One medium's registry entry: everything kvtier needs to configure, build, route to and count it."""
 
@@ -124,10 +140,31 @@ class Medium:
     counts_hits: bool = True  # the adapters count the blocks loaded from it (``hit_blocks_<name>``)
     one_copy_for_ranks: bool = False  # under an engine, ranks with the same KV share one copy (shared memory)
     survives_restart: bool = False  # its blocks outlive the process: a closing stack copies everything down to it
-    # the transfer backend that copies to and from its storage, where kvtier.transfers has none for it
-    backend: Callable[[TransferConfig], TransferBackend] | None = None
+    # a copy to or from it can outlive its job (a store's call past its deadline keeps running): memory at
+    # its other end must stay out of use until the call returned, as a host tier of kvtier's keeps its
+    # slots (quarantined); memory an engine hands on as soon as the job failed never may be
+    copies_outlive_jobs: bool = False
+    # under an engine, the blocks its tier keeps across the engine's restart, which the scheduler side
+    # (holding the index of every rank's copies) takes back at start and leaves for the next at shutdown
+    kept_blocks: Callable[[RestartRequest], KeptBlocks] | None = None
+    # the key of its config naming the directory its storage lives in, one process's alone (disk:
+    # ``path``): where several processes open one config (SGLang's ranks) each gets a directory of its
+    # own inside it, and each run of ``kvtier replay`` a fresh one, so that none finds another's blocks
+    directory_key: str | None = None
+    # the transfer backend that copies to and from its storage, built for a tier of it (configured by the
+    # stack's ``transfer``), where kvtier.transfers has none for it
+    backend: Callable[[TransferConfig, TierConfigBase], TransferBackend] | None = None
     # for a medium addressed by key (its index is its owner's): its tier on an engine's scheduler side
     engine_tier: Callable[[EngineTierRequest], Tier] | None = None
+    # ``kvtier doctor``'s checks of its tier: what the tier's start would refuse or meet (its directories,
+    # its secrets, its store or daemon asked), reported in the tier's place among the checks
+    doctor: Callable[[DoctorRequest], list[Check]] | None = None
+    # the doctor's checks of its tier's size against the room the machine has (a filesystem's free
+    # space), reported after the host memory check, which every stack gets
+    doctor_space: Callable[[DoctorRequest], list[Check]] | None = None
+    # what decides, besides the keys, whether two engines share its blocks (a store's address, its
+    # records' prefix, their keys' fingerprints): the doctor's sharing fields
+    sharing: Callable[[TierConfigBase], dict[str, Any]] | None = None
 
 
 _MEDIA: dict[str, Medium] = {}
@@ -151,7 +188,8 @@ def unregister_medium(name: str) -> None:
 
 
 def watch_media(callback: Callable[[], None]) -> None:
-    """Call ``callback`` whenever the registry changes (the config schema rebuilds its tier union)."""
+    """Call ``callback`` now and whenever the registry changes (the config schema rebuilds its tier union,
+    the adapters' counters name every medium)."""
     _watchers.append(callback)
     callback()
 
@@ -174,6 +212,5 @@ def medium(name: str) -> Medium:
     return found
 
 
-def caller_medium(device: str) -> str:
-    """The medium a caller's blocks on ``device`` count as: GPU memory on CUDA, host memory otherwise."""
-    return "gpu" if device == CUDA_DEVICE else HOST
+# The schema's tier union is built from the registry: rebuilt whenever it changes.
+watch_media(lambda: use_tier_configs({m.name: m.config for m in media()}))

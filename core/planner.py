@@ -52,10 +52,10 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvtier.core.devices import HOST, Capabilities
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import Fence, Job, JobState
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST, Capabilities
 from kvtier.core.misses import GhostIndex, MissReason
 from kvtier.core.routes import plan_route
 from kvtier.core.storage import BlockStorage

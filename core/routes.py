@@ -8,7 +8,8 @@ Storage); every other route stages through host memory.
 
 from __future__ import annotations
 
-from kvtier.core.media import BASIC, HOST, Capabilities, medium
+from kvtier.core.devices import BASIC, HOST, Capabilities
+from kvtier.core.media import medium
 
 
 def plan_route(src: str, dst: str, caps: Capabilities = BASIC) -> tuple[str, ...]:

@@ -23,9 +23,13 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import TENANT_TAG_BYTES, key_secret, tenant_of
+from kvtier.core.tier_config import ConfigModel, EnvName, ProblemList, env_name_hint
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -186,3 +190,31 @@ def _pairs(sources: Sequence[Buffer], targets: Sequence[Buffer]) -> list[tuple[m
     if any(len(s) != len(t) for s, t in views):
         raise ValueError("sealing copies piece for piece: each target must be as long as its source")
     return views
+
+
+class SealingSettings(ConfigModel):
+    """Blocks sealed at rest, as a tier's config asks: ``encryption: aes-gcm`` seals every block the tier
+    writes under a key derived from the secret in ``encryption_key_env``; during a rotation, blocks
+    sealed under the secret in ``encryption_previous_key_env`` still open (new ones never use it)."""
+
+    encryption: Literal["none", "aes-gcm"] = "none"
+    encryption_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY"))
+    encryption_previous_key_env: EnvName | None = Field(None, description=env_name_hint("KVTIER_SEAL_KEY_OLD"))
+
+    def sealing_problems(self) -> ProblemList:
+        """A secret named without ``encryption``, or ``encryption`` without its secret."""
+        if self.encryption == "none":
+            named = [key for key in ("encryption_key_env", "encryption_previous_key_env") if getattr(self, key)]
+            return [((key,), f"{key} is set but encryption is none; set encryption: aes-gcm") for key in named]
+        if self.encryption_key_env is None:
+            return [(("encryption_key_env",), "encryption: aes-gcm needs encryption_key_env, its secret's variable")]
+        return []
+
+    def sealing(self) -> SealingKeys | None:
+        """The keys the tier's blocks are sealed with (each tenant's sealer derived from them), or None
+        where it does not seal; ConfigError for a secret that is unset or short, or a missing
+        ``cryptography`` package."""
+        if self.encryption == "none":
+            return None
+        assert self.encryption_key_env is not None  # (sealing_problems)
+        return SealingKeys.from_env(self.encryption_key_env, self.encryption_previous_key_env)

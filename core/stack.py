@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.caller_runs import CallerRunsFuture, offering, wait_here
+from kvtier.core.devices import HOST, Capabilities, caller_medium
 from kvtier.core.errors import ArgumentError, CapacityError, ClosedError, StateError
 from kvtier.core.jobs import Job, JobManager, WorkerReport, mark_kvtier_thread, on_kvtier_thread
 from kvtier.core.keys import check_key
-from kvtier.core.media import HOST, Capabilities, caller_medium, medium
+from kvtier.core.media import medium
 from kvtier.core.misses import GhostIndex, Misses
 from kvtier.core.planner import ENGINE, Lookup, Outcome, Plan, Planner, Room
 from kvtier.core.routes import plan_route

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE
 
 NO_BREAKS = np.empty(0, dtype=np.int64)
 

@@ -446,7 +446,7 @@ class Tier:
     def restore(self, keys: Sequence[bytes], slots: Sequence[int] | np.ndarray) -> int:
         """Put back READY blocks that persistent storage already holds: ``keys[i]`` in ``slots[i]``, oldest
         use first, in one step: ``claim`` then ``restore_claimed`` (a disk tier reopening does it chunk
-        by chunk while it serves, ``tiers/disk/restore.py``). Raises StateError, and restores none,
+        by chunk while it serves, ``core/restore.py``). Raises StateError, and restores none,
         for a slot out of range, taken or given twice; a key already here or given twice keeps the
         block that came first. Returns how many blocks went back."""
         if len(keys) != len(slots):

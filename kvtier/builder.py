@@ -3,20 +3,23 @@ by its medium's registry entry, ``kvtier.core.media``), transfer backends and a 
 
 Why it lives in kvtier/, above everything it builds: it builds the tiers and the transfer backends
 (``kvtier.transfers``) that move bytes between them. In core/ it made the block interface import what
-is built on it; in tiers/ it would make the tiers import the transfers, whose disk backend imports the
-disk tier. Here it sits beside the public API that exports it (``kvtier.build_stack``) and serves that
-API's callers: ``kvtier/api.py`` and ``kvtier replay``.
+is built on it; in tiers/ it would make the tiers import the transfers. Here it sits beside the public
+API that exports it (``kvtier.build_stack``) and serves that API's callers: ``kvtier/api.py`` and
+``kvtier replay``. It imports ``kvtier.tiers``, which registers the built-in media: every import of
+kvtier goes through the package root and so through here, and a config naming them always validates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
+import kvtier.tiers  # noqa: F401  (registers the built-in media)
+from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import TierRequest, medium
+from kvtier.core.sizes import format_size
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.core.transfer import TransferBackend

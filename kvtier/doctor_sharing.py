@@ -4,7 +4,8 @@ the fields behind it, and the comparison of two reports ("these two share" or "t
 Two engines find each other's blocks only when they give equal tokens equal keys, and, through a shared
 store, when they read the same records and accept them. Keys follow from the block size, the namespace
 (under vLLM: the engine's model, weights, dtypes, layout, TP size and the config's ``namespace``) and the
-key secret; records from the store's address, the remote tier's ``prefix`` and its MAC secret. Any
+key secret; records from the store's address, the remote tier's ``prefix`` and its MAC secret (the
+fields a medium's registry entry reports, ``Medium.sharing``: ``kvtier.tiers.remote.doctor``). Any
 difference is silent: every lookup of one engine misses the other's blocks. So the report names each
 field, and its digest is the key kvtier itself gives one block of token id 0 under them
 (``chain_hashes``, with the namespace an engine's request without LoRA or cache salt hashes under):
@@ -26,16 +27,13 @@ from kvtier.connectors.vllm.namespace import request_namespace, settings_namespa
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import chain_hashes, key_secret
+from kvtier.core.media import medium
 from kvtier.core.namespaces import (
     differences as differences,  # (kvtier doctor --compare's, kept in core)
-    fingerprint,
     secret_fingerprint,
     stack_fields,
 )
 from kvtier.core.strict_yaml import read_yaml
-from kvtier.tiers.remote.config import remote_config
-from kvtier.tiers.remote.factory import connector
-from kvtier.tiers.remote.record import mac_key
 
 _VLLM_DTYPES = {
     "half": "float16",
@@ -108,36 +106,11 @@ def sharing(config: StackConfig, engine: VllmEngine | None = None) -> dict[str, 
     else:
         fields["key_secret"] = secret_fingerprint(secret)
         digest = chain_hashes([0] * fields["block_size"], fields["block_size"], chain_namespace, secret=secret)[0].hex()
-    fields.update(_store_fields(config))
+    for tier in config.tiers:
+        fields_of = medium(tier.medium).sharing
+        if fields_of is not None:
+            fields.update(fields_of(tier))
     return {"digest": digest, "fields": fields}
-
-
-def _store_fields(config: StackConfig) -> dict[str, Any]:
-    """Which records a stack reads on its remote tier's store: where the store is, the names' prefix and
-    the fingerprints of the MAC key and of the sealing key (none without a remote tier)."""
-    remote = remote_config(config)
-    if remote is None:
-        return {}
-    try:
-        where = connector(remote, lends_memory=False).where
-    except ConfigError:  # a missing password or client package: the secrets check names it
-        where = f"{remote.backend} (its client cannot be set up)"
-    try:
-        mac = mac_key(remote.auth_key_env)
-        mac_fingerprint = None if mac is None else fingerprint(mac)
-    except ConfigError:
-        mac_fingerprint = "unreadable"
-    try:
-        sealing = remote.sealing()
-        sealing_fingerprint = None if sealing is None else sealing.key_id.hex()
-    except ConfigError:
-        sealing_fingerprint = "unreadable"
-    return {
-        "store": where,
-        "store_prefix": remote.prefix,
-        "store_mac_key": mac_fingerprint,
-        "store_sealing_key": sealing_fingerprint,
-    }
 
 
 def recorded_report(path: str) -> dict[str, Any] | None:

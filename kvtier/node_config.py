@@ -41,11 +41,12 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from kvtier.core.config import ConfigModel, StackConfig, load_config
+from kvtier.core.config import StackConfig, load_config
 from kvtier.core.config_messages import explain
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError, shown
-from kvtier.core.media import HOST
 from kvtier.core.strict_yaml import read_yaml
+from kvtier.core.tier_config import ConfigModel
 
 ENGINE_KEYS = ("namespace", "fragments", "block_tokens")
 """Stack keys that describe an engine's blocks, not a daemon's: the daemon stores every engine's blocks

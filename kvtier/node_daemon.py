@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.builder import build_stack
+from kvtier.core.devices import HOST, HOST_DEVICE
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST, HOST_DEVICE
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import contiguous_storage
 from kvtier.core.tier import BlockState, Tier

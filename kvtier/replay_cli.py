@@ -45,9 +45,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvtier.builder import build_stack
-from kvtier.core.config import StackConfig, TenantSharesConfig, capacity_in_blocks, load_config, parse_size
+from kvtier.core.config import StackConfig, capacity_in_blocks, load_config
 from kvtier.core.errors import ConfigError, TransferError
 from kvtier.core.keys import key_secret
+from kvtier.core.media import medium
+from kvtier.core.sizes import parse_size
+from kvtier.core.tier_config import TenantSharesConfig
 from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, eviction_policy_class
 from kvtier.policies.shares import TenantShares
 from kvtier.replay.cache import belady, replay
@@ -227,9 +230,9 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
                 total = capacity if capacity is not None else sum(_blocks(config, i) for i in range(len(names)))
                 shares = config.tiers[names.index(governed)].tenants
                 return _metadata_run(requests, total, policy, shares, args.block_tokens, advance)
-            with ExitStack() as disk_dirs:
-                cfg = _fresh_disk_dirs(
-                    _override(config, names.index(governed), policy, capacity, block_bytes), disk_dirs
+            with ExitStack() as directories:
+                cfg = _fresh_directories(
+                    _override(config, names.index(governed), policy, capacity, block_bytes), directories
                 )
                 run, occupancy = _stack_run(requests, cfg, args, timed, advance)
                 if args.node and args.engines > 1:
@@ -286,15 +289,17 @@ def _config(args: argparse.Namespace) -> StackConfig:
     return load_config(args.config if args.config is not None else EMBEDDED_CONFIG)
 
 
-def _fresh_disk_dirs(config: StackConfig, cleanup: ExitStack) -> StackConfig:
-    """The configuration with each disk tier in a new directory inside its ``path``, removed by ``cleanup``:
-    every run starts empty on the same filesystem, and blocks already stored there are never touched."""
+def _fresh_directories(config: StackConfig, cleanup: ExitStack) -> StackConfig:
+    """The configuration with each tier that lives in a directory (a disk tier: ``Medium.directory_key``)
+    in a new directory inside its own, removed by ``cleanup``: every run starts empty on the same
+    filesystem, and blocks already stored there are never touched."""
     data = config.model_dump(exclude_none=True)
     for tier in data["tiers"]:
-        if tier["medium"] == "disk":
-            base = Path(tier["path"]).expanduser()
+        key = medium(tier["medium"]).directory_key
+        if key is not None:
+            base = Path(tier[key]).expanduser()
             base.mkdir(parents=True, exist_ok=True)
-            tier["path"] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=base))
+            tier[key] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=base))
     return load_config(data)
 
 

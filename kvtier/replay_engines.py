@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvtier.core.config import StackConfig, capacity_in_blocks, load_config
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError
-from kvtier.core.media import HOST
 from kvtier.node_config import load_node_config
 from kvtier.node_daemon import NodeDaemon
 from kvtier.replay.stack import StackReplayResult

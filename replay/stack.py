@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.devices import CUDA_DEVICE, GPU, HOST
 from kvtier.core.keys import tenant_tag
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import CUDA_DEVICE
 from kvtier.core.misses import MissCounter
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
@@ -179,7 +179,7 @@ class _Replayer:
         self.engine = EngineBuffers(max(longest, 1), self.block_bytes, on_cuda)
         self.loaded_into = buffer_storage(self.engine.loaded, layout, writable=True)
         self.computed_from = buffer_storage(self.engine.computed, layout)
-        self.dst_medium = "gpu" if any(t.medium == "gpu" for t in stack.tiers) else "host"
+        self.dst_medium = GPU if any(t.medium == GPU for t in stack.tiers) else HOST
         top = stack.tiers[0]
         self.top_capacity = None if top.by_key else top.capacity  # (a tier by key: its owner makes room)
         self.result = StackReplayResult()

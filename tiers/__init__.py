@@ -7,10 +7,9 @@ through ``kvtier.transfers``, and a disk or node slab's through its medium's own
 (``kvtier.tiers.disk.transfer``, ``kvtier.tiers.node.transfer``)."""
 
 from kvtier.core.media import register_medium
-from kvtier.tiers import disk, gpu, host, node
-from kvtier.tiers.remote import factory
+from kvtier.tiers import disk, gpu, host, node, remote
 
 # Every import of kvtier registers the built-in media (the package root builds stacks), so a config that
 # names them always validates; fastest first, the order error messages list them in.
-for _medium in (gpu.MEDIUM, host.MEDIUM, node.MEDIUM, disk.MEDIUM, factory.MEDIUM):
+for _medium in (gpu.MEDIUM, host.MEDIUM, node.MEDIUM, disk.MEDIUM, remote.MEDIUM):
     register_medium(_medium)

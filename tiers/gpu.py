@@ -3,21 +3,25 @@
 Under vLLM the tensors belong to the engine and only ``device_storage`` is used, to address them.
 Standalone, the tier allocates its own tensors. Without CUDA it runs on CPU memory, so everything
 above it works and is tested on any machine, and it says so in its description.
+
+The medium's YAML schema (``GpuTierConfig``) and registry entry (``MEDIUM``) are here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import model_validator
 
-from kvtier.core.config import GpuTierConfig
+from kvtier.core.devices import CUDA_DEVICE, HOST_DEVICE, Capabilities
 from kvtier.core.errors import TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE, Capabilities, Medium, TierRequest
+from kvtier.core.media import Medium, TierRequest
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import ProblemList, StackShape, TierConfigBase
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.host import refuse_more_than_memory
@@ -94,6 +98,24 @@ def gpu_tier(
     else:
         note = "CPU tensors standing in for a GPU (no CUDA)"
     return Tier(name, "gpu", device_storage(tensors, layout), policy, watermark, is_fenced, note)
+
+
+class GpuTierConfig(TierConfigBase):
+    """GPU memory. Capacity may be left out where the engine owns GPU memory (under vLLM)."""
+
+    medium: Literal["gpu"]
+
+    @model_validator(mode="after")
+    def _capacity(self) -> GpuTierConfig:
+        self._both_capacities()
+        return self
+
+    def stack_problems(self, stack: StackShape, i: int) -> ProblemList:
+        if i == 0:
+            return []
+        return [
+            (("medium",), "a gpu tier may only be the first tier (tiers[0]), since the engine reads KV from GPU memory")
+        ]
 
 
 def _tier(request: TierRequest) -> Tier:

@@ -9,6 +9,8 @@ The first rank creates a file in /dev/shm (exclusively, mode 0600), the others o
 its size and check it is the running user's and private; each counts itself in the file's first page
 (under a lock) and the last to arrive removes the name, so the memory goes with the last process to
 exit. Until every rank has arrived the name stays; any rank's close removes it (a rank that never came).
+
+The medium's YAML schema (``HostTierConfig``) and registry entry (``MEDIUM``) are here too.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import os
 import stat
 import struct
 import time
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from kvtier.core.config import HostTierConfig
+from kvtier.core.devices import HOST, HOST_DEVICE
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST, HOST_DEVICE, Medium, RankRequest, TierRequest
+from kvtier.core.media import Medium, RankRequest, TierRequest
 from kvtier.core.storage import BlockStorage, contiguous_storage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import SizedTierConfig
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.host_pinning import pin, unpin
@@ -198,6 +201,15 @@ def host_tier(
     slab = HostSlab(num_slots, layout, header_room)
     note = "pinned host memory" if slab.pinned else "pageable host memory (no CUDA)"
     return Tier(name, "host", slab.storage, policy, watermark, is_fenced, note)
+
+
+class HostTierConfig(SizedTierConfig):
+    """Pinned host memory."""
+
+    medium: Literal["host"]
+
+    def footprint(self, block_bytes: int, header_room: int = 0) -> int:
+        return block_bytes + header_room
 
 
 def _tier(request: TierRequest) -> Tier:

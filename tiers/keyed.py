@@ -20,13 +20,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.core.config import ProblemList, TierConfigBase
 from kvtier.core.errors import StateError
 from kvtier.core.keys import check_key
 from kvtier.core.metrics import TierStats
 from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import BlockState, Tier, Usage
+from kvtier.core.tier_config import ProblemList, TierConfigBase
 from kvtier.policies import LRUPolicy
 
 

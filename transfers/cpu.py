@@ -20,9 +20,9 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
-from kvtier.core.media import HOST_DEVICE
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 
 GIL_HELD_BELOW_BYTES = 256 * 1024

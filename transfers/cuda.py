@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.devices import CUDA_DEVICE, HOST_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
-from kvtier.core.media import CUDA_DEVICE, HOST_DEVICE
 from kvtier.core.storage import BlockStorage
 from kvtier.core.transfer import CopyList, OnComplete, Transfer, TransferBackend
 from kvtier.transfers.cuda_driver import BatchCopy, chunk_copies, copy_kernel

@@ -43,12 +43,13 @@ from kvtier.connectors.sglang.metrics import StorageCounters
 from kvtier.connectors.sglang.namespace import check_parallelism, server_model_path, storage_namespace
 from kvtier.connectors.sglang.pages import PageGeometry, page_geometry, page_slots
 from kvtier.connectors.sglang.settings import backend_settings, check_page_tokens, stack_config
-from kvtier.core.config import StackConfig, capacity_in_blocks, format_size
+from kvtier.core.config import StackConfig, capacity_in_blocks
 from kvtier.core.errors import ConfigError, StateError
 from kvtier.core.keys import KeyFolder, key_secret
+from kvtier.core.media import medium
+from kvtier.core.sizes import format_size
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import BlockStorage, buffer_storage
-from kvtier.tiers.disk.config import DiskTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -259,26 +260,27 @@ def _check_room_for_a_batch(config: StackConfig, page_bytes: int) -> None:
 
 
 def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> StackConfig:
-    """The configuration this rank opens: a disk tier's slab in a directory of the rank's own (every
-    rank holds its own shard of every page). MLA keeps one copy for the TP group, which only a store
-    shared by the ranks can hold (SGLang lets one rank write it): a disk tier under MLA with TP > 1 is
-    refused."""
+    """The configuration this rank opens: a tier whose storage lives in a directory (a disk tier's slab:
+    ``Medium.directory_key``) in a directory of the rank's own (every rank holds its own shard of every
+    page). MLA keeps one copy for the TP group, which only a store shared by the ranks can hold (SGLang
+    lets one rank write it): such a tier under MLA with TP > 1 is refused."""
     tiers = list(config.tiers)
     for i, tier in enumerate(tiers):
-        if not isinstance(tier, DiskTierConfig):
+        key = medium(tier.medium).directory_key
+        if key is None:
             continue
         if storage_config.is_mla_model and storage_config.tp_size > 1:
             raise ConfigError(
-                f"tiers[{i}].medium: disk: an MLA model keeps one copy of its KV for all "
-                f"{storage_config.tp_size} TP ranks, which SGLang lets one rank write; a disk tier of "
+                f"tiers[{i}].medium: {tier.medium}: an MLA model keeps one copy of its KV for all "
+                f"{storage_config.tp_size} TP ranks, which SGLang lets one rank write; a {tier.medium} tier of "
                 f"each rank would stay empty on the others: use a remote tier"
             )
-        tiers[i] = tier.model_copy(update={"path": str(Path(tier.path) / _rank_directory(storage_config))})
+        tiers[i] = tier.model_copy(update={key: str(Path(getattr(tier, key)) / _rank_directory(storage_config))})
     return config.model_copy(update={"tiers": tiers})
 
 
 def _rank_directory(storage_config: HiCacheStorageConfig) -> str:
-    """The directory of one scheduler's disk slab: its TP rank, pipeline stage and data-parallel rank."""
+    """The directory of one scheduler's storage (a disk slab): its TP rank, pipeline stage and data-parallel rank."""
     name = f"rank{storage_config.tp_rank}"
     if storage_config.pp_size > 1:
         name += f"-pp{storage_config.pp_rank}"

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 
 

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict
 
 from kvtier.connectors.extra_config import engine_settings
 from kvtier.core.config import StackConfig, load_config
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError
-from kvtier.core.media import HOST, medium
+from kvtier.core.media import medium
 
 
 class BackendSettings(BaseModel):

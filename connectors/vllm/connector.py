@@ -44,10 +44,11 @@ from kvtier.connectors.vllm.scheduler import SchedulerSide
 from kvtier.connectors.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.core.config import StackConfig, load_config
+from kvtier.core.devices import Capabilities
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import WorkerReport
 from kvtier.core.keys import key_secret
-from kvtier.core.media import Capabilities, medium
+from kvtier.core.media import medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -31,9 +31,10 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtier.core.config import StackConfig, capacity_in_blocks
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST, medium
+from kvtier.core.media import medium
 from kvtier.core.storage import BlockStorage, GroupedStorage, StridedStorage
 from kvtier.tiers.gpu import device_storage
 

@@ -19,15 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.connectors.vllm.geometry import GroupKeys
 from kvtier.connectors.vllm.request_state import RequestState, StoreQuery
+from kvtier.core.devices import GPU
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.misses import Misses
 from kvtier.core.planner import Lookup, Planner
 from kvtier.tiers.keyed import KeyedTier
 
 log = logging.getLogger(__name__)
-
-LOAD_MEDIUM = "gpu"
-"""What loads copy into: vLLM's KV blocks (routes from disk stage through host memory)."""
 
 
 class HitLookup:
@@ -78,7 +76,7 @@ class HitLookup:
         groups need every block from ``start``, a sliding-window group those within its window."""
         geometry = self.geometry
         if geometry.full_groups:
-            found = self.planner.lookup(geometry.group_keys(keys, start, limit, geometry.full_groups), LOAD_MEDIUM)
+            found = self.planner.lookup(geometry.group_keys(keys, start, limit, geometry.full_groups), GPU)
             if found.hits is None:
                 return None, found
             if geometry.uniform:
@@ -95,7 +93,7 @@ class HitLookup:
         if not geometry.windowed and geometry.uniform:
             return end, found
         end = self._window_end(keys, start, end)
-        found = self.planner.lookup(geometry.needed(keys, start, end), LOAD_MEDIUM)
+        found = self.planner.lookup(geometry.needed(keys, start, end), GPU)
         return (end if found.hits is not None else None), found
 
     def _window_end(self, keys: list[bytes], start: int, end: int) -> int:

@@ -42,20 +42,21 @@ from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from kvtier.connectors.counters import miss_counts
 from kvtier.connectors.vllm.events import KVEvents
 from kvtier.connectors.vllm.geometry import GroupKeys, ServedGroup
-from kvtier.connectors.vllm.lookup import LOAD_MEDIUM, HitLookup
+from kvtier.connectors.vllm.lookup import HitLookup
 from kvtier.connectors.vllm.metadata import StepJobs, TransferJob
 from kvtier.connectors.vllm.request_state import BlockRef, Requests, RequestState
 from kvtier.connectors.vllm.stats import KVTierConnectorStats
 from kvtier.connectors.vllm.step import StepMetadata
 from kvtier.connectors.vllm.stores import StorePicker
 from kvtier.connectors.vllm.tiers import SchedulerTiers
-from kvtier.core.config import StackConfig, tenant_labels
+from kvtier.core.config import StackConfig
+from kvtier.core.devices import BASIC, GPU, Capabilities
 from kvtier.core.jobs import Job, WorkerReport
 from kvtier.core.keys import tenant_of
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import BASIC, Capabilities
 from kvtier.core.planner import Outcome, Plan, Room
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import tenant_labels
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -201,7 +202,7 @@ class SchedulerSide:
         end = start + num_external_tokens // self.block_tokens
         keys, gpu_slots, positions = self.requests.load_blocks(state, tables, start, end)
         count = len(keys)
-        planned = self.planner.load(keys, gpu_slots, LOAD_MEDIUM)
+        planned = self.planner.load(keys, gpu_slots, GPU)
         self._ship(planned.room)
         plan = planned.plan
         loading = gpu_slots[: plan.num_blocks]

@@ -25,7 +25,7 @@ from kvtier.connectors.counters import (
     tenant_counter,
     tenant_counters,
 )
-from kvtier.core.config import NO_TENANT, OTHER_TENANTS
+from kvtier.core.tier_config import NO_TENANT, OTHER_TENANTS
 
 STORAGE_COUNTERS = ("skipped_existing",)
 """Counted by the workers' storages (``RankRequest.count``), summed over ranks: ``skipped_existing``,

@@ -1,5 +1,5 @@
 """The scheduler side's tiers, built from the configuration: an index per tier, the job manager whose
-fences they honour, the planner over them, and the disk blocks a previous engine left.
+fences they honour, the planner over them, and the blocks a previous engine left.
 
 Why not ``kvtier.builder``: the builder builds tiers with their storage and the transfer backends
 between them, a ``TierStack`` that runs its own copies. Under vLLM the workers hold every byte and run
@@ -9,9 +9,10 @@ watermark, is ``StackConfig.tier_policy`` already. A last tier addressed by key 
 other engines, ``tiers/remote``, or the machine's node daemon, ``tiers/node``) opens here as a client
 of this side's own (``Medium.engine_tier``), never through the workers.
 
-At start, each disk tier takes back the blocks every rank's slab still holds, from the index its last
-clean shutdown left or else from every rank's slot headers (``recovery.py``), putting them back into
-its index on a thread while the scheduler side already serves; ``shutdown`` leaves the index again.
+At start, each tier whose medium keeps blocks across a restart (``Medium.kept_blocks``: a disk tier's
+slabs, from the index its last clean shutdown left or else from every rank's slot headers) takes them
+back, putting them back into its index on a thread while the scheduler side already serves
+(``recovery.py``); ``shutdown`` leaves the index again.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.connectors.vllm.geometry import tier_slots
-from kvtier.connectors.vllm.recovery import ChunksBack, RankSlabs
+from kvtier.connectors.vllm.recovery import ChunksBack
 from kvtier.core.config import StackConfig
+from kvtier.core.devices import Capabilities
 from kvtier.core.errors import ConfigError
 from kvtier.core.jobs import JobManager
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import Capabilities, EngineTierRequest, medium
+from kvtier.core.media import EngineTierRequest, KeptBlocks, RestartRequest, medium
 from kvtier.core.planner import Planner, SlotCount
 from kvtier.core.tier import Tier
-from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.keyed import KeyedTier
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,16 @@ class SchedulerTiers:
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Write-through: a store's job also copies on into every tier below, stage after stage.
         self.store_hops = len(self.tiers) - 1 if config.placement == "write_through" else 0
-        self.restores: list[ChunksBack] = []  # the disk tiers' restores of the blocks kept from before
-        self._disk_indexes: list[tuple[RankSlabs, ChunksBack]] = []  # disk tiers whose index shutdown leaves
+        self.restores: list[ChunksBack] = []  # the restores of the blocks kept from before (disk tiers')
+        self._kept: list[tuple[KeptBlocks, ChunksBack]] = []  # the tiers whose index shutdown leaves
         copy_ranks = 1 if replicated else num_workers  # ranks holding a copy of their own in the tiers
         for tier in self.tiers:
             tier_cfg = config.tiers[position[tier.name]]
-            if isinstance(tier_cfg, DiskTierConfig):
-                self._recover(tier, tier_cfg, layout, copy_ranks, namespace)
+            kept_blocks = medium(tier_cfg.medium).kept_blocks
+            if kept_blocks is not None:
+                self._recover(
+                    tier, kept_blocks(RestartRequest(tier_cfg, copy_ranks, tier.capacity, layout, namespace.hex()))
+                )
 
     def tier(self, name: str) -> Tier:
         return self.planner.tier(name)
@@ -87,36 +91,34 @@ class SchedulerTiers:
             out[medium] = out.get(medium, 0) + n
         return out
 
-    def _recover(
-        self, tier: Tier, tier_cfg: DiskTierConfig, layout: BlockLayout, copy_ranks: int, namespace: bytes
-    ) -> None:
-        """Take back the blocks a previous engine left on every rank's disk slab (``recovery.py``): their
-        slots at once, the blocks into the tier's index on a thread while this side already serves
-        (each a miss until it is back), their KV events as they come (``events.KVEvents``). The
+    def _recover(self, tier: Tier, kept: KeptBlocks) -> None:
+        """Take back the blocks a previous engine left in the tier (a disk tier: on every rank's slab):
+        their slots at once, the blocks into the tier's index on a thread while this side already
+        serves (each a miss until it is back), their KV events as they come (``events.KVEvents``). The
         tier's index is left for the next start at ``shutdown``."""
-        slabs = RankSlabs(tier_cfg, copy_ranks, tier.capacity, layout, namespace.hex())
-        restore = ChunksBack(tier, tier_cfg.path)
-        source = slabs.recover(restore.start)
+        restore = ChunksBack(tier, kept.where)
+        source = kept.recover(restore.start)
         log.info(
-            "kvtier disk tier %s: %d blocks kept from before the restart (from the %s), going back into its index",
-            tier_cfg.path,
+            "kvtier %s tier %s: %d blocks kept from before the restart (from the %s), going back into its index",
+            tier.medium,
+            kept.where,
             tier.usage().used,
             source,
         )
-        self._disk_indexes.append((slabs, restore))
+        self._kept.append((kept, restore))
         self.restores.append(restore)
 
     def shutdown(self) -> None:
-        """Stop asking the keyed tier's owner, and leave each disk tier's index for the next start
-        (``RankSlabs.save``; vLLM has stopped the workers by now): its READY blocks, then those its
-        restore had not put back yet (stopped here), so a quick restart loses none. Once: a second
-        call leaves nothing, as this index may be out of date by then (a new engine may have started
-        on the same directories)."""
+        """Stop asking the keyed tier's owner, and leave the index of each tier that keeps blocks for the
+        next start (``KeptBlocks.save``; vLLM has stopped the workers by now): its READY blocks, then
+        those its restore had not put back yet (stopped here), so a quick restart loses none. Once: a
+        second call leaves nothing, as this index may be out of date by then (a new engine may have
+        started on the same directories)."""
         if self.keyed is not None:
             self.keyed.disconnect()
-        indexes, self._disk_indexes = self._disk_indexes, []
-        for slabs, restore in indexes:
-            slabs.save(*restore.held_blocks())
+        kept, self._kept = self._kept, []
+        for blocks, restore in kept:
+            blocks.save(*restore.held_blocks())
 
 
 def _keyed_tier(config: StackConfig, layout: BlockLayout, namespace: bytes, ranks: Sequence[int | None]) -> KeyedTier:

@@ -43,11 +43,13 @@ from kvtier.connectors.vllm.geometry import (
 )
 from kvtier.connectors.vllm.metadata import GPU, Copy, StepJobs, TransferJob
 from kvtier.core.config import StackConfig
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import TransferError
 from kvtier.core.jobs import WorkerReport
-from kvtier.core.media import HOST_DEVICE, RankRequest, medium
+from kvtier.core.media import RankRequest, medium
 from kvtier.core.stages import StagedRun
 from kvtier.core.storage import BlockStorage
+from kvtier.core.tier_config import TierConfigBase
 from kvtier.core.transfer import CopiesHere, TransferRegistry
 from kvtier.transfers import backends_for
 
@@ -102,7 +104,7 @@ class WorkerSide:
         slab where their KV is the same: MLA)."""
         self.kv_cache_config = kv_cache_config
         self.transfer = config.transfer
-        self.tier_configs = config.tiers
+        self.held_tiers: list[TierConfigBase] = []  # the tiers this rank holds a storage of: their backends
         self.layout = block_layout(kv_cache_config)
         # With several KV cache groups a failed load fails its request (vLLM takes no block ids then).
         self.per_request_errors = len(served_groups(kv_cache_config)) > 1
@@ -144,6 +146,7 @@ class WorkerSide:
                     self._count_storage,
                 )
                 self.storages[name] = entry.rank_storage(request)
+                self.held_tiers.append(tier_cfg)
         except BaseException:
             self.shutdown()
             raise
@@ -154,7 +157,7 @@ class WorkerSide:
         transfer backend reaches from host memory."""
         gpu = kv_cache_storage(kv_caches, self.kv_cache_config)
         devices = {gpu.device, *(storage.device for storage in self.storages.values())}
-        self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.tier_configs))
+        self.transfers = TransferRegistry(backends_for(self.transfer, devices, self.held_tiers))
         for src, dst in ((gpu.device, HOST_DEVICE), (HOST_DEVICE, gpu.device)):
             self.transfers.backend(src, dst, "between vLLM's KV cache and host memory")
         self.storages[GPU] = gpu

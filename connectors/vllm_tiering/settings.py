@@ -15,17 +15,20 @@ they end. A remote tier runs as kvtier runs one everywhere: below a small host t
 are copied into vLLM's CPU tier, and a store call that outlives its deadline can only ever touch
 kvtier's slots, which kvtier keeps out of use until that call has returned; a chunk of vLLM's CPU tier
 is handed to another block as soon as a promotion fails, so it must never be a remote read's target.
+Which media need that staging their registry entries say (``Medium.copies_outlive_jobs``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.core.config import StackConfig, load_config, tier_configs
+from kvtier.core.devices import HOST
 from kvtier.core.errors import ConfigError
+from kvtier.core.media import medium
 
 STACK_KEYS = ("namespace", "key_secret_env", "transfer")
 """Settings of the stack around the tier, given in the entry beside the tier's own."""
@@ -52,38 +55,34 @@ class TierSettings:
     options: AdapterOptions
 
 
-def tier_settings(
-    medium: Literal["disk", "remote", "node"], tier_type: str, entry: dict[str, Any], chunk_bytes: int
-) -> TierSettings:
+def tier_settings(medium_name: str, tier_type: str, entry: dict[str, Any], chunk_bytes: int) -> TierSettings:
     """The stack a ``secondary_tiers`` entry of type ``tier_type`` describes for chunks of ``chunk_bytes``:
-    the tier alone (disk, node), or a host staging tier above it (remote). Raises one ConfigError naming
-    the entry and every key that is unknown, missing or wrong."""
+    the tier of ``medium_name`` alone (disk, node), or a host staging tier above it where its copies can
+    outlive their jobs (remote: ``Medium.copies_outlive_jobs``). Raises one ConfigError naming the entry
+    and every key that is unknown, missing or wrong."""
     where = f"secondary_tiers entry {tier_type!r}"
     entry = dict(entry)
-    option_keys = [key for key in AdapterOptions.model_fields if medium == "remote" or key != "staging_blocks"]
-    tier_keys = [key for key in tier_configs()[medium].yaml_keys() if key != "medium"]
+    staged = medium(medium_name).copies_outlive_jobs
+    option_keys = [key for key in AdapterOptions.model_fields if staged or key != "staging_blocks"]
+    tier_keys = [key for key in tier_configs()[medium_name].yaml_keys() if key != "medium"]
     if "medium" in entry:
         raise ConfigError(
             f"{where}: medium: {entry['medium']!r}: the type sets the medium ({tier_type} is kvtier's "
-            f"{medium} tier; KVTierDisk, KVTierRemote and KVTierNode are the kvtier tiers vLLM can cascade "
+            f"{medium_name} tier; KVTierDisk, KVTierRemote and KVTierNode are the kvtier tiers vLLM can cascade "
             f"to, vLLM's CPU tier being the memory tier); remove medium"
         )
     unknown = sorted(set(entry) - set(option_keys) - set(tier_keys) - set(STACK_KEYS))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key {unknown[0]!r} ({tier_type} is kvtier's {medium} tier); allowed: "
+            f"{where}: unknown key {unknown[0]!r} ({tier_type} is kvtier's {medium_name} tier); allowed: "
             f"{', '.join([*tier_keys, *STACK_KEYS, *option_keys])}"
         )
     options = _validated(
         lambda: AdapterOptions.model_validate({k: entry.pop(k) for k in option_keys if k in entry}), where
     )
     stack = {key: entry.pop(key) for key in STACK_KEYS if key in entry}
-    tier = {"medium": medium, **entry}
-    tiers = (
-        [{"medium": "host", "name": "staging", "capacity_blocks": options.staging_blocks}, tier]
-        if medium == "remote"
-        else [tier]
-    )
+    tier = {"medium": medium_name, **entry}
+    tiers = [{"medium": HOST, "name": "staging", "capacity_blocks": options.staging_blocks}, tier] if staged else [tier]
     config = _validated(lambda: load_config({**stack, "block_bytes": chunk_bytes, "tiers": tiers}), where)
     return TierSettings(config, options)
 

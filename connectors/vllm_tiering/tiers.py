@@ -56,9 +56,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.builder import build_stack
 from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
 from kvtier.connectors.vllm_tiering.settings import tier_settings
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.keys import KeyFolder, key_secret
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import HOST_DEVICE
 from kvtier.core.storage import StridedStorage
 from kvtier.core.tier import BlockState
 
@@ -92,7 +92,7 @@ class KVTierTierInfo(ConfigInfo):
 class KVTierTier(SecondaryTierManager):
     """A kvtier tier stack behind vLLM's CPU tier; the subclasses name its medium."""
 
-    kvtier_medium: ClassVar[Literal["disk", "remote", "node"]]
+    kvtier_medium: ClassVar[str]  # the registered medium of its tier (settings.py reads the rest from its entry)
     kvtier_locality: ClassVar[Locality]  # what the tier's events and vLLM's per-request tier filters see
     medium: ClassVar[Medium] = Medium.STORAGE  # vLLM knows CPU and STORAGE; both of kvtier's are storage
 

@@ -29,7 +29,7 @@ import pytest
 
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import CUDA_DEVICE, FILE_DEVICE, HOST_DEVICE, KEYED_DEVICE
+from kvtier.core.devices import CUDA_DEVICE, FILE_DEVICE, HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.testing.common import ContractTests

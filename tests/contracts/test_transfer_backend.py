@@ -37,9 +37,9 @@ from kvtier.tiers.node.transfer import NodeBackend
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import RemoteStorage
+from kvtier.tiers.remote.transfer import RemoteBackend
 from kvtier.transfers.cpu import CPUBackend
 from kvtier.transfers.cuda import CUDABackend
-from kvtier.transfers.remote import RemoteBackend
 
 
 class _PoisonedCPU(CPUBackend):
@@ -182,6 +182,14 @@ class TestTransferBackends(TransferBackendTests):
         made.close()
 
 
+# A tier of each medium that names its own backend, for that backend to be built for (nothing connects).
+BACKEND_TIERS = {
+    "disk": {"medium": "disk", "path": "/nonexistent", "capacity_blocks": 1},
+    "node": {"medium": "node", "socket": "/nonexistent"},
+    "remote": {"medium": "remote", "backend": "redis", "redis": {"url": "redis://127.0.0.1:1"}},
+}
+
+
 def test_every_backend_but_cudas_has_a_rig():
     """A backend added to kvtier.transfers, or named by a medium of the registry, without a rig here would
     go untested by this suite (CUDA's are in tests/gpu)."""
@@ -192,7 +200,7 @@ def test_every_backend_but_cudas_has_a_rig():
     }
     for medium in media():
         if medium.backend is not None:
-            backend = medium.backend(TransferConfig())
+            backend = medium.backend(TransferConfig(), medium.config.model_validate(BACKEND_TIERS[medium.name]))
             backends.add(type(backend))
             backend.close()
     assert backends == {rig.BACKEND for rig in RIGS.values()} | {CUDABackend}

@@ -13,17 +13,11 @@ from pathlib import Path
 import pytest
 
 from helpers.config_helpers import error_of
-from kvtier.core.config import (
-    GpuTierConfig,
-    HostTierConfig,
-    StackConfig,
-    capacity_in_blocks,
-    default_config_path,
-    eviction_policy,
-    load_config,
-    parse_size,
-)
+from kvtier.core.config import StackConfig, capacity_in_blocks, default_config_path, eviction_policy, load_config
 from kvtier.core.errors import ConfigError
+from kvtier.core.sizes import parse_size
+from kvtier.tiers.gpu import GpuTierConfig
+from kvtier.tiers.host import HostTierConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

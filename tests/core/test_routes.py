@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from kvtier.core.media import Capabilities, media
+from kvtier.core.devices import Capabilities
+from kvtier.core.media import media
 from kvtier.core.routes import plan_route
 
 MEDIA = [m.name for m in media()]

@@ -1,8 +1,9 @@
 """A medium kvtier does not ship, registered by the tests: ``ram``, blocks in a plain numpy array of this
 process (neither pinned nor shared). It is what a new medium takes: a config model, a standalone tier
-factory, a per-rank storage factory and one ``Medium`` entry; ``registered`` adds it for a test and
-removes it afterwards. Nothing in kvtier names it. The worked example of docs/extending.md: its tiers
-pass kvtier's tier contract (``TestRamMedium`` in tests/contracts/test_tier.py)."""
+factory, a per-rank storage factory and one ``Medium`` entry, here with a ``kvtier doctor`` check of its
+own; ``registered`` adds it for a test and removes it afterwards. Nothing in kvtier names it. The worked
+example of docs/extending.md: its tiers pass kvtier's tier contract (``TestRamMedium`` in
+tests/contracts/test_tier.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from typing import Literal
 
 import numpy as np
 
-from kvtier.core.config import SizedTierConfig
+from kvtier.core.checks import Check, DoctorRequest
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import Medium, RankRequest, TierRequest, register_medium, unregister_medium
 from kvtier.core.storage import BlockStorage, buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import SizedTierConfig
 from kvtier.policies import EvictionPolicy, Watermark
 
 
@@ -54,7 +56,16 @@ def _rank_storage(request: RankRequest) -> BlockStorage:
     return ram_storage(request.slots, request.layout)
 
 
-RAM = Medium("ram", RamTierConfig, _tier, _rank_storage, event_medium="RAM")
+def _doctor(request: DoctorRequest) -> list[Check]:
+    """What the arrays take: one per rank under an engine."""
+    name, size = f"{request.label} arrays", request.tier_bytes()
+    if size is None:
+        return [Check(name, True, "not checked: capacity_blocks without block_bytes")]
+    need = size * (request.engine_ranks or 1)
+    return [Check(name, True, f"numpy arrays of {need} bytes in all", {"need_bytes": need})]
+
+
+RAM = Medium("ram", RamTierConfig, _tier, _rank_storage, event_medium="RAM", doctor=_doctor)
 
 
 @contextlib.contextmanager

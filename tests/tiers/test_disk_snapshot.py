@@ -23,7 +23,7 @@ Invariants checked:
   restore's to drop: ``test_disk_restore.py``);
 - a forged snapshot that passes every check but points keys at each other's slots only causes misses:
   those loads fail and their bytes are never returned, every other block loads bit-exact;
-- restoring while serving (``tiers/disk/restore.py``, chunks of two blocks held by a gate): every slot is taken
+- restoring while serving (``core/restore.py``, chunks of two blocks held by a gate): every slot is taken
   at open and a block not back yet is a miss, never an error; blocks load bit-exact once their chunk
   is in, oldest first; a store of a block still to come back wins (its bytes stay, the old slot is
   freed: free slots counted); a close mid-restore lists what is back, what was stored meanwhile and
@@ -55,12 +55,12 @@ import xxhash
 
 from helpers.disk_helpers import KEYS, LAYOUT, assert_exact, data, get, open_stack, put, umask
 from helpers.stack_helpers import ready
+from kvtier.core.restore import ChunkedRestore
 from kvtier.core.tier import BlockState, Tier
 from kvtier.tiers.disk.compression import CODEC_IDS
 from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
 from kvtier.tiers.disk.format import VERSION, namespace_digest
 from kvtier.tiers.disk.inspect import read_block_headers
-from kvtier.tiers.disk.restore import ChunkedRestore
 from kvtier.tiers.disk.slots import slot_stride
 from kvtier.tiers.disk.snapshot import SlabIdentity, write_snapshot
 
@@ -439,7 +439,7 @@ def test_a_directory_under_the_snapshots_name_costs_the_snapshot_not_the_tier(tm
     stack.close()
 
 
-# --- restoring while the tier serves (``tiers/disk/restore.py``) -------------------------------------
+# --- restoring while the tier serves (``core/restore.py``) -------------------------------------
 
 
 class Gate:

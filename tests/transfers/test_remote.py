@@ -31,7 +31,7 @@ from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, namespace_digest
 from kvtier.tiers.remote.redis_client import RedisClient
 from kvtier.tiers.remote.tier import RemoteStorage
-from kvtier.transfers.remote import RemoteBackend, _Job
+from kvtier.tiers.remote.transfer import RemoteBackend, _Job
 
 LAYOUT = BlockLayout((16 * 1024, 16 * 1024))
 TIMEOUT = 1.0

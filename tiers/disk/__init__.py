@@ -21,7 +21,7 @@ Restart in seconds: a scan reads one header page per slot, minutes for a slab of
 So a clean close leaves an index snapshot of the tier's blocks beside the slab (``snapshot``), and
 the next open restores from it instead, after checking that it describes the slab exactly as that
 close left it; the tier serves as soon as the blocks' slots are claimed, the blocks going back into
-its index in chunks meanwhile (``restore``). The open removes it before anything writes to the slab:
+its index in chunks meanwhile (``kvtier.core.restore``). The open removes it before anything writes to the slab:
 after a crash there is none, and the scan above recovers everything. A snapshot can only cause misses
 (every load checks its slot's header), never wrong data.
 
@@ -36,11 +36,11 @@ after a crash there is none, and the scan above recovers everything. A snapshot 
 - ``transfer``: the transfer backend between host memory and a slab (``DiskBackend``), running ``io``;
 - ``tier``: the tier over a slab (``DiskTier``, built by ``disk_tier``);
 - ``snapshot``: the index snapshot a clean close leaves, and its checks at the next open;
-- ``restore``: putting a reopened slab's blocks back into the index while the tier serves;
 - ``namespaces``: the namespaces that used the directory (``namespaces.json``);
 - ``compression``: the block codecs (byte planes, then lz4 or zstd);
 - ``inspect``: reading a slab another process may own, without its lock (``kvtier inspect``, recovery);
-- ``ranks``: an engine's ranks' slabs, one directory each, and the identity an index of them names.
+- ``ranks``: an engine's ranks' slabs, one directory each, and the identity an index of them names;
+- ``doctor``: what ``kvtier doctor`` checks of the tier (its directories, its secrets, its free space).
 
 This module builds the medium's registry entry (``MEDIUM``), which names the medium's transfer backend.
 """
@@ -48,11 +48,14 @@ This module builds the medium's registry entry (``MEDIUM``), which names the med
 from __future__ import annotations
 
 from kvtier.core.config import TransferConfig
-from kvtier.core.media import Capabilities, Medium, RankRequest, TierRequest
+from kvtier.core.devices import Capabilities
+from kvtier.core.media import Medium, RankRequest, RestartRequest, TierRequest
 from kvtier.core.storage import BlockStorage
 from kvtier.core.tier import Tier
+from kvtier.core.tier_config import TierConfigBase
+from kvtier.tiers.disk import doctor
 from kvtier.tiers.disk.config import DiskTierConfig
-from kvtier.tiers.disk.ranks import rank_directory
+from kvtier.tiers.disk.ranks import RankSlabs, rank_directory
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 from kvtier.tiers.disk.tier import disk_tier
 from kvtier.tiers.disk.transfer import DiskBackend
@@ -75,7 +78,7 @@ def _tier(request: TierRequest) -> Tier:
 
 def _rank_storage(request: RankRequest) -> BlockStorage:
     """One rank's slab. Recovering takes up the newest sequence number and leaves every old header
-    as it is: the blocks an engine's scheduler side took back (``connectors/vllm/recovery.py``) stay
+    as it is: the blocks an engine's scheduler side took back (``RankSlabs``, ``_kept_blocks``) stay
     readable, and any slot is cleared before new bytes land in it. A worker holds no index (the
     scheduler side does), so its clean close leaves a snapshot of no blocks (``_no_blocks``): it
     carries the sequence number, and the next open takes it from there instead of reading every
@@ -98,7 +101,13 @@ def _direct(other: str, caps: Capabilities) -> bool:
     return other == "gpu" and caps.gpu_direct_storage
 
 
-def _backend(transfer: TransferConfig) -> DiskBackend:
+def _kept_blocks(request: RestartRequest) -> RankSlabs:
+    """The blocks every rank's slab kept, as the engine's scheduler side takes them back (``RankSlabs``)."""
+    assert isinstance(request.config, DiskTierConfig)
+    return RankSlabs(request.config, request.ranks, request.slots, request.layout, request.namespace)
+
+
+def _backend(transfer: TransferConfig, config: TierConfigBase) -> DiskBackend:
     return DiskBackend(transfer.io_threads)
 
 
@@ -111,7 +120,11 @@ MEDIUM = Medium(
     event_medium="STORAGE",
     hit_source="DISK",
     survives_restart=True,
+    kept_blocks=_kept_blocks,
+    directory_key="path",
     backend=_backend,
+    doctor=doctor.checks,
+    doctor_space=doctor.space,
 )
 
 

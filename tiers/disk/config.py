@@ -8,9 +8,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.core.config import ProblemList, SealingSettings, SizedTierConfig, StackConfig
 from kvtier.core.config_messages import Problems
+from kvtier.core.sealing import SealingSettings
 from kvtier.core.sizes import Size, format_size
+from kvtier.core.tier_config import ProblemList, SizedTierConfig, StackShape
 from kvtier.tiers.disk.slots import slot_problem, slot_stride
 
 
@@ -53,7 +54,7 @@ class DiskTierConfig(SealingSettings, SizedTierConfig):
             raise Problems(problems)
         return self
 
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+    def stack_problems(self, stack: StackShape, i: int) -> ProblemList:
         if stack.block_bytes is None:
             return []
         problem = slot_problem(stack.block_bytes, self.compression, self.slot_bytes)

@@ -27,9 +27,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.devices import FILE_DEVICE
 from kvtier.core.errors import ClosedError, ConfigError, StateError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import FILE_DEVICE
+from kvtier.core.restore import ChunkedRestore
 from kvtier.core.sealing import SealingKeys
 from kvtier.core.storage import BlockStorage
 from kvtier.tiers.disk.compression import codec
@@ -49,7 +50,6 @@ from kvtier.tiers.disk.format import (
     slots_in_file,
     unpack_file_header,
 )
-from kvtier.tiers.disk.restore import ChunkedRestore
 from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.snapshot import SlabIdentity, Snapshot, take_snapshot, write_snapshot
 

@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.layout import BlockLayout
 from kvtier.core.namespaces import KnownNamespace
+from kvtier.core.restore import ChunkedRestore
 from kvtier.core.tier import BlockState, Tier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.watermark import Watermark
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.namespaces import record
-from kvtier.tiers.disk.restore import ChunkedRestore
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage
 
 

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvtier.core.devices import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
-from kvtier.core.media import FILE_DEVICE, HOST_DEVICE
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.disk.io import BlockIO, SlabIO
 from kvtier.tiers.disk.slab import DiskSlab, FileStorage

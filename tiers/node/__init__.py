@@ -8,7 +8,8 @@ the daemon's socket.
 - ``client``: an engine's connection to the daemon (timeouts, reconnection, the daemon's user checked);
 - ``config``: the tier's YAML schema (``medium: node``);
 - ``tier``: the tier an engine's stack plans with (``NodeTier``) over the slab (``NodeStorage``);
-- ``transfer``: the copies in and out, checked against the slot headers (``NodeBackend``).
+- ``transfer``: the copies in and out, checked against the slot headers (``NodeBackend``);
+- ``doctor``: what ``kvtier doctor`` checks of the tier (its daemon, its secrets).
 
 This module builds the medium's registry entry (``MEDIUM``); the daemon itself is ``kvtier.node_daemon``.
 """
@@ -22,6 +23,8 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.layout import BlockLayout
 from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
 from kvtier.core.sealing import SEAL_BYTES, SealingKeys
+from kvtier.core.tier_config import TierConfigBase
+from kvtier.tiers.node import doctor
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.config import NodeTierConfig
 from kvtier.tiers.node.tier import NodeStorage, NodeTier
@@ -92,7 +95,7 @@ def _engine_tier(request: EngineTierRequest) -> NodeTier:
     return NodeTier(request.name, storage, rank_namespaces=spaces)
 
 
-def _backend(transfer: TransferConfig) -> NodeBackend:
+def _backend(transfer: TransferConfig, config: TierConfigBase) -> NodeBackend:
     return NodeBackend(transfer.threads)
 
 
@@ -107,4 +110,5 @@ MEDIUM = Medium(
     one_copy_for_ranks=True,  # ranks with the same KV (MLA) share one copy: one node key for all of them
     backend=_backend,
     engine_tier=_engine_tier,
+    doctor=doctor.checks,
 )

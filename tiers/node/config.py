@@ -8,9 +8,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.core.config import ProblemList, SealingSettings, StackConfig, TierConfigBase
 from kvtier.core.config_messages import Problems
-from kvtier.core.media import HOST
+from kvtier.core.devices import HOST
+from kvtier.core.sealing import SealingSettings
+from kvtier.core.tier_config import ProblemList, StackShape, TierConfigBase
 from kvtier.tiers.keyed import sized_by_owner
 
 
@@ -58,7 +59,7 @@ class NodeTierConfig(SealingSettings, TierConfigBase):
             raise Problems(problems)
         return self
 
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+    def stack_problems(self, stack: StackShape, i: int) -> ProblemList:
         """Where a node tier may sit: last (the daemon evicts by itself, so nothing of kvtier's can sit
         below it), under a host tier where there is a gpu tier, and in a stack with no other tier
         addressed by key (``TierStack`` asks one)."""

@@ -41,10 +41,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.core.caller_runs import caller_runs_here, offer
+from kvtier.core.devices import HOST_DEVICE
 from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import tenant_of
-from kvtier.core.media import HOST_DEVICE
 from kvtier.core.misses import MissReason
 from kvtier.core.sealing import SEAL_BYTES, Sealer
 from kvtier.core.storage import Piece, block_pieces

@@ -12,18 +12,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from kvtier.core.config import (
-    ConfigModel,
-    EnvName,
-    ProblemList,
-    SealingSettings,
-    StackConfig,
-    TierConfigBase,
-    env_name_hint,
-)
 from kvtier.core.config_messages import Problems, explain
+from kvtier.core.devices import HOST
 from kvtier.core.errors import shown
-from kvtier.core.media import HOST
+from kvtier.core.sealing import SealingSettings
+from kvtier.core.tier_config import ConfigModel, EnvName, ProblemList, StackShape, TierConfigBase, env_name_hint
 from kvtier.tiers.keyed import sized_by_owner
 from kvtier.tiers.remote.link import Connector
 
@@ -181,7 +174,7 @@ class RemoteTierConfig(SealingSettings, TierConfigBase):
             )
         return problems
 
-    def stack_problems(self, stack: StackConfig, i: int) -> ProblemList:
+    def stack_problems(self, stack: StackShape, i: int) -> ProblemList:
         """Where a remote tier may sit: last (nothing of ours lies below a store others evict from), with
         a host tier above it (blocks reach the store from host memory and come back through it), and
         with ``write_back`` directly below the host tier (a disk tier's victims would need a copy
@@ -213,9 +206,3 @@ class RemoteTierConfig(SealingSettings, TierConfigBase):
                 )
             )
         return problems
-
-
-def remote_config(stack: StackConfig) -> RemoteTierConfig | None:
-    """The remote tier's settings, if the stack has one (it is the last tier)."""
-    last = stack.tiers[-1]
-    return last if isinstance(last, RemoteTierConfig) else None

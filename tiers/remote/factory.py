@@ -1,5 +1,5 @@
-"""A remote tier, its clients and its record format, from a stack's configuration; the ``remote``
-medium's registry entry (``MEDIUM``).
+"""A remote tier, its clients and its record format, from a stack's configuration: what the ``remote``
+medium's registry entry (``kvtier.tiers.remote.MEDIUM``) builds them with.
 
 Everything that can be checked without the store is checked here, when the stack is built: the
 backend's client package, the secrets the configuration names (a MAC key, a password). Connections
@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import EngineTierRequest, Medium, RankRequest, TierRequest
-from kvtier.core.storage import BlockStorage
 from kvtier.tiers.remote.config import RemoteTierConfig, store_backend
 from kvtier.tiers.remote.link import Connector, StoreLink
 from kvtier.tiers.remote.record import RecordFormat, mac_key, namespace_digest
-from kvtier.tiers.remote.tier import RemoteStorage, RemoteTier
+from kvtier.tiers.remote.tier import RemoteTier
 
 LOOKUP_CLIENTS = 1
 """The vLLM scheduler side's lookups are one batched query each, asked by one executor thread at a time."""
@@ -70,28 +68,3 @@ def remote_tier(
     return RemoteTier(
         name, layout, records, link, config.placement, registry=backend.reads_anywhere, loads_direct=direct
     )
-
-
-def _tier(request: TierRequest) -> RemoteTier:
-    assert isinstance(request.config, RemoteTierConfig)
-    return remote_tier(request.name, request.config, request.layout, request.stack.namespace, in_stack=True)
-
-
-def _rank_storage(request: RankRequest) -> BlockStorage:
-    """One rank's records (one record per block for every rank, where their KV is the same). The stores
-    it skips because the store held the record already (another engine stored the block) are counted
-    where the engine's worker says (``RankRequest.count``: ``skipped_existing``), as a tier counts them."""
-    assert isinstance(request.config, RemoteTierConfig)
-    rank = None if request.replicated else request.rank
-    records = record_format(request.config, request.layout, request.namespace, rank)
-    return RemoteStorage(request.layout, records, lambda n: request.count(skipped_existing=n))
-
-
-def _engine_tier(request: EngineTierRequest) -> RemoteTier:
-    """The tier of an engine's scheduler side: every rank's records (the workers' namespace), one client."""
-    assert isinstance(request.config, RemoteTierConfig)
-    return remote_tier(request.name, request.config, request.layout, request.namespace, request.ranks)
-
-
-# A store others write to and evict from: what this engine stores there is not announced as its own.
-MEDIUM = Medium("remote", RemoteTierConfig, _tier, _rank_storage, engine_tier=_engine_tier)

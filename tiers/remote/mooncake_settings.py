@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvtier.core.config import ConfigModel, SizeOrZero
+from kvtier.core.sizes import SizeOrZero
+from kvtier.core.tier_config import ConfigModel
 from kvtier.tiers.remote.config import StoreBackend
 from kvtier.tiers.remote.link import Connector
 

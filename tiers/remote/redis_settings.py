@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.core.config import ConfigModel, EnvName, ProblemList, env_name_hint
 from kvtier.core.config_messages import Problems
 from kvtier.core.errors import ConfigError, shown
+from kvtier.core.tier_config import ConfigModel, EnvName, ProblemList, env_name_hint
 from kvtier.tiers.remote.config import INSTALL, StoreBackend
 from kvtier.tiers.remote.link import Connector
 

@@ -7,7 +7,7 @@ and asks the store which records it holds in one batched existence query over ev
 
 ``RemoteStorage`` is what transfers see: the store's records for one stack, or for one rank of one
 (``RecordFormat``: names, headers, MAC), and which of them failed to load here. Bytes move through
-``kvtier.transfers.remote``, whose stores skip a record the store already holds (another engine stored
+``kvtier.tiers.remote.transfer``, whose stores skip a record the store already holds (another engine stored
 the block) unless it failed to load here: a record that merely exists under our name may be a foreign
 one, and skipping its rewrite would pin a miss on that block.
 """
@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvtier.core.devices import KEYED_DEVICE
 from kvtier.core.errors import StoreError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.media import KEYED_DEVICE
 from kvtier.core.misses import MissReason
 from kvtier.core.namespaces import ENTRY_BYTES, MAX_NAMESPACES, KnownNamespace, decode_entry, encode_entry
 from kvtier.core.storage import BlockStorage

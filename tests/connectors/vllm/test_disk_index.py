@@ -33,10 +33,11 @@ from helpers.vllm_helpers import (
 )
 from kvtier.connectors.vllm import recovery
 from kvtier.core.keys import chain_hashes
+from kvtier.core.restore import ChunkedRestore
+from kvtier.tiers.disk import ranks
 from kvtier.tiers.disk.files import SLAB_NAME, SNAPSHOT_NAME
 from kvtier.tiers.disk.inspect import read_block_headers
-from kvtier.tiers.disk.ranks import rank_directory, rank_slabs_identity
-from kvtier.tiers.disk.restore import ChunkedRestore
+from kvtier.tiers.disk.ranks import RankSlabs, rank_directory, rank_slabs_identity
 from kvtier.tiers.disk.slab import DiskSlab
 from kvtier.tiers.disk.slots import PAGE
 from kvtier.tiers.disk.snapshot import write_snapshot
@@ -72,7 +73,7 @@ class Calls:
 @pytest.fixture
 def header_reads(monkeypatch):
     """How often the scheduler side reads a rank's slot headers (``read_block_headers``)."""
-    return Calls(monkeypatch, recovery, "read_block_headers")
+    return Calls(monkeypatch, ranks, "read_block_headers")
 
 
 @pytest.fixture
@@ -256,14 +257,14 @@ def test_workers_closing_after_the_scheduler_side_make_its_index_stale(make_engi
     assert_all_back(after)
 
 
-def engine_disk(engine) -> recovery.RankSlabs:
+def engine_disk(engine) -> RankSlabs:
     """The engine's disk tier as its scheduler side restores it: its config, ranks, slots, layout, namespace."""
     side = engine.kvtier
     disk_cfg = next(t for t in side.config.tiers if t.medium == "disk")
-    return recovery.RankSlabs(disk_cfg, TP, 16, engine.workers[0].connector.worker_side.layout, side.namespace.hex())
+    return RankSlabs(disk_cfg, TP, 16, engine.workers[0].connector.worker_side.layout, side.namespace.hex())
 
 
-def forge_index(slabs: recovery.RankSlabs, keys: list[bytes], slots: list[int]) -> None:
+def forge_index(slabs: RankSlabs, keys: list[bytes], slots: list[int]) -> None:
     """Replace the index by one naming ``keys`` at ``slots``, valid in every other way (identity,
     checksum): what someone who can write the directory could leave."""
     identity = rank_slabs_identity(slabs.config, slabs.ranks, slabs.slots, slabs.layout, slabs.namespace)

@@ -82,7 +82,7 @@ def stuck_disk(tmp_path, monkeypatch):
     until the event yielded is set (each then runs as usual, late): promotions give up after 0.3 s;
     ``reads`` holds the reads asked for."""
     import kvtier.node_daemon as node_daemon_module
-    from kvtier.core.media import FILE_DEVICE
+    from kvtier.core.devices import FILE_DEVICE
     from kvtier.tiers.disk.transfer import DiskBackend
 
     monkeypatch.setattr(node_daemon_module, "PROMOTE_TIMEOUT_S", 0.3)

@@ -32,7 +32,7 @@ from kvtier.core.layout import BlockLayout
 from kvtier.testing.store import StoreUnderTest
 from kvtier.tiers.remote.record import HEADER_BYTES, RecordFormat, namespace_digest
 from kvtier.tiers.remote.tier import UNREADABLE_KEPT, RemoteStorage
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 BLOCK = 64 * 1024
 TOKENS = 16

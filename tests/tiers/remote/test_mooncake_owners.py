@@ -37,7 +37,7 @@ from kvtier import KVTier, LoadResult
 from kvtier.testing.common import assert_clean
 from kvtier.testing.store import bounded
 from kvtier.tiers.remote.mooncake_client import MooncakeClient
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 BLOCK = 1 << 20
 COUNT = 32

@@ -23,7 +23,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.testing.common import assert_clean
 from kvtier.tiers.remote.config import RemoteTierConfig
 from kvtier.tiers.remote.factory import connector
-from kvtier.transfers.remote import RemoteBackend
+from kvtier.tiers.remote.transfer import RemoteBackend
 
 BLOCK = 64 * 1024
 TIMEOUT = 1.0

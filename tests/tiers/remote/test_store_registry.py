@@ -12,7 +12,8 @@ import pytest
 from pydantic import Field
 
 from helpers.config_helpers import error_of
-from kvtier.core.config import ConfigModel, load_config
+from kvtier.core.config import load_config
+from kvtier.core.tier_config import ConfigModel
 from kvtier.tiers.remote.config import (
     StoreBackend,
     register_store_backend,

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.caller_runs import caller_runs_here, offer
+from kvtier.core.devices import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
-from kvtier.core.media import HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import block_pieces
 from kvtier.core.transfer import OnComplete, Quarantine, Transfer, TransferBackend
 from kvtier.tiers.remote.client import Piece, StoreClient, scatter

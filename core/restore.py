@@ -1,4 +1,6 @@
-"""Putting a reopened disk tier's blocks back into its index while the tier already serves.
+"""Putting a tier's kept blocks back into its index while the tier already serves: a reopened disk slab's
+(``kvtier.tiers.disk``), or those an engine's scheduler side finds after a restart
+(``Medium.kept_blocks``, ``connectors/vllm/recovery.py``).
 
 Why: the index is a Python dict, and 15.8 M inserts (a 1 TiB slab of 64 KiB blocks) take seconds
 that no engine should wait for. So ``start`` claims the slots of every block at once (``Tier.claim``:
