@@ -27,9 +27,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pytest
 
+from kvtier.core.devices import CUDA_DEVICE, FILE_DEVICE, HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.errors import ClosedError, TransferError
 from kvtier.core.layout import BlockLayout
-from kvtier.core.devices import CUDA_DEVICE, FILE_DEVICE, HOST_DEVICE, KEYED_DEVICE
 from kvtier.core.storage import BlockStorage, StridedStorage, buffer_storage
 from kvtier.core.transfer import Transfer, TransferBackend
 from kvtier.testing.common import ContractTests
