@@ -189,13 +189,6 @@ def block_tokens(kv_cache_config: KVCacheConfig) -> int | None:
     return math.gcd(*sizes) if sizes else None
 
 
-def hit_tokens(kv_cache_config: KVCacheConfig) -> int | None:
-    """What a hit's length must be a multiple of: a block of every attention group (kvtier loads whole
-    blocks); None when unstated."""
-    sizes = _attention_block_sizes(kv_cache_config)
-    return math.lcm(*sizes) if sizes else None
-
-
 def replicated(kv_cache_config: KVCacheConfig) -> bool:
     """Whether every tensor-parallel rank holds the same KV (MLA: one latent vector per token, not split
     across ranks; vLLM says how many ranks hold each copy in ``kv_tp_replicas``)."""
