@@ -90,7 +90,6 @@ class NodeStorage(BlockStorage):
     ) -> None:
         super().__init__(layout, 0, NODE_DEVICE, on_close=client.close)
         self.client = client
-        self.namespace = namespace
         self.namespaces = [namespace, *older]  # where its blocks may be found, the one they are stored under first
         self.sealing = sealing  # seals the blocks it writes into the slab (``encryption: aes-gcm``), or None
         self.stored_bytes = layout.block_bytes + (0 if sealing is None else SEAL_BYTES)  # a block's bytes in a slot
@@ -98,6 +97,11 @@ class NodeStorage(BlockStorage):
         self.failures = RecentFailures(FAILURES_KEPT)
         self._locations: OrderedDict[bytes, Location] = OrderedDict()  # node key -> where it was last seen
         self._lock = threading.Lock()
+
+    @property
+    def namespace(self) -> bytes:
+        """The digest its blocks are stored under (and looked up under first)."""
+        return self.namespaces[0]
 
     def _addresses(self, slots):
         raise TransferError("a node slab's blocks are named by key: the daemon gives their slots per copy")
@@ -190,10 +194,11 @@ class NodeTier(KeyedTier):
             raise TransferError(f"the node daemon answered a lookup of {len(names)} keys with {found!r:.80}")
         n, present, at = len(keys), [True] * len(keys), 0
         for spaces in ranks:
-            chosen = []  # per key, where its answer is in ``found``: under the first digest that holds it
-            for i in range(n):
-                held = [at + s * n + i for s in range(len(spaces)) if isinstance(found[at + s * n + i], list)]
-                chosen.append(held[0] if held else at + i)
+            chosen = list(range(at, at + n))  # per key, where its answer is in ``found``: the first digest's
+            for s in range(1, len(spaces)):  # (a rotation's previous digest, for keys the ones before lack)
+                for i, j in enumerate(chosen):
+                    if not isinstance(found[j], list):
+                        chosen[i] = at + s * n + i
             if not self._rank_namespaces:
                 storage.located(keys, [names[j] for j in chosen], [found[j] for j in chosen], view, epoch)
             present = [p and isinstance(found[j], list) for p, j in zip(present, chosen, strict=True)]
