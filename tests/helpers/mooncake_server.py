@@ -45,6 +45,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.ports import free_port
+
 REQUIRED = os.environ.get("KVTIER_REQUIRE_REMOTE") == "1"
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT = 30.0
@@ -79,13 +81,6 @@ def require_mooncake() -> None:
         pytest.fail(f"KVTIER_REQUIRE_REMOTE=1 but {problem}", pytrace=False)
     if problem is not None:
         pytest.skip(problem)
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now (outside Mooncake's client range 12300-14300)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def _binary(name: str) -> str:

@@ -28,7 +28,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from helpers.redis_server import INSTALL_SERVER, RedisServer, free_port, require_redis, skip_unless_present
+from helpers.ports import free_port
+from helpers.redis_server import INSTALL_SERVER, RedisServer, require_redis, skip_unless_present
 
 CLI = "redis-cli"
 NODE_TIMEOUT_MS = 1000

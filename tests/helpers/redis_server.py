@@ -25,7 +25,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers.ports import free_port
 
 SERVER = "redis-server"
 INSTALL_SERVER = "apt-get install -y redis-server"
@@ -172,12 +173,6 @@ def server_certificate(ca: CertificateAuthority, directory: Path, san: str = "IP
         cwd=directory,
     )
     return TlsFiles(cert, key, ca.cert)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

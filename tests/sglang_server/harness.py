@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -30,6 +29,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / "build" / "venv-sglang"
@@ -114,13 +115,6 @@ def _corpus(seed: int, sentences: int = 2000) -> list[str]:
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(300)]
     return [" ".join(rng.choices(words, k=rng.randint(5, 15))) + "." for _ in range(sentences)]
-
-
-def free_port() -> int:
-    """A loopback port that nothing listens on now (SGLang binds it a few seconds later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers.mooncake_server import MooncakeMaster, SegmentOwner, free_port, require_mooncake
+from helpers.mooncake_server import MooncakeMaster, SegmentOwner, require_mooncake
+from helpers.ports import free_port
 from kvtier.core.errors import ConfigError
 from kvtier.testing.store import bounded
 from kvtier.tiers.remote import mooncake_client

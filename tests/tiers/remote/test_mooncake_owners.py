@@ -8,15 +8,17 @@ it: nothing is copied elsewhere, nothing else is lost. The master's admin API na
 
 How long the master takes to notice a dead owner, measured on loopback: it drops the owner's segment,
 and with it the owner's records, ``--client_ttl`` after the owner's last heartbeat: 10.6 s after a
-SIGKILL with the default 10 s, 3 s with ``--client_ttl=2``. The tests that need not wait that long use
-``--client_ttl=4``: a live owner stopped for 3.5 s was dropped with 2 (its records lost; it mounts its
-segment again once it runs), which a loaded machine may do to an owner now and then. Until then ``batch_is_exist`` says "present" for every dead record, and a store the master places
-on the dead segment fails (a counted drop). A read of a dead record fails in about 10 ms (nobody
-listens); a read in flight when its owner dies returns when it dies, or up to a second later (the
-transfer engine's reconnect attempts). A load that failed any block ends about a second after its read
-returned all the same: the link drops a Mooncake client whose read failed (it may still write into the
-buffers), and Mooncake's ``close()`` holds the GIL for 0.8 to 1 s. All of it stays within the tier's
-timeout here (2 s).
+SIGKILL with the default 10 s, 3 s with ``--client_ttl=2``. Until then ``batch_is_exist`` says "present"
+for every dead record, and a store the master places on the dead segment fails (a counted drop). The
+tests that need not wait that long use ``--client_ttl=4``: with 2, a live owner stopped for 3.5 s was
+dropped too (its records lost; it mounts its segment again once it runs), as a loaded machine may
+stop one.
+
+A read of a dead record fails in about 10 ms (nobody listens); a read in flight when its owner dies
+returns when it dies, or up to a second later (the transfer engine's reconnect attempts). A load that
+failed any block ends about a second after its read returned all the same: the link drops a Mooncake
+client whose read failed (it may still write into the buffers), and Mooncake's ``close()`` holds the
+GIL for 0.8 to 1 s. All of it stays within the tier's timeout here (2 s).
 
 kvtier turns every one of these into a miss: the load reports exactly the dead owner's blocks failed
 (``read_errors``), the remote tier then calls them absent for ``KNOWN_FOR_S`` (5 s) and asks the store
