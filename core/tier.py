@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -147,6 +147,15 @@ class Usage(NamedTuple):
         return self.used / self.capacity if self.capacity else 0.0
 
 
+class TierWatcher(Protocol):
+    """Told of the blocks that became readable in a tier and those that stopped being (``Tier.watcher``,
+    ``core/events.py``), under the tier's lock: it only notes them down."""
+
+    def stored(self, tier: Tier, keys: list[bytes]) -> None: ...
+
+    def removed(self, tier: Tier, keys: list[bytes]) -> None: ...
+
+
 class Tier:
     """One level of the stack: ``name`` and ``medium`` ("gpu", "host", ...) over a ``storage`` of slots."""
 
@@ -178,6 +187,7 @@ class Tier:
         self.watermark = watermark
         self.note = note  # what the medium really is here, e.g. "pageable host memory (no CUDA)"
         self.stats = TierStats()
+        self.watcher: TierWatcher | None = None
         self._is_fenced = is_fenced
         self._allocator = SlotAllocator(storage.num_slots)
         # The index, compact because a disk tier may hold tens of millions of blocks: key -> slot, one
@@ -209,6 +219,11 @@ class Tier:
         )
 
     # --- reading -------------------------------------------------------------------------------
+
+    def location(self) -> tuple[str, str | None]:
+        """Where its blocks live for routers (``core/events.py``): locality ("LOCAL": this machine,
+        "REMOTE") and who else may load them (None: this engine alone)."""
+        return "LOCAL", None
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are READY here. Touches nothing. In C loops (the slots by ``map``, their
@@ -380,6 +395,8 @@ class Tier:
                     pins[key] = pins.get(key, 0) + 1
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
+            if self.watcher is not None:
+                self.watcher.stored(self, keys)
 
     def abort(self, keys: Iterable[bytes]) -> list[bytes]:
         """Release reserved slots whose write failed or was cancelled: WRITING -> FREE.
@@ -499,6 +516,8 @@ class Tier:
             self.policy.restore(kept_keys, kept)
             if then is not None:
                 then(new)
+            if self.watcher is not None:
+                self.watcher.stored(self, kept_keys)
             return len(kept_keys)
 
     def release(self, slots: np.ndarray) -> None:
@@ -530,6 +549,8 @@ class Tier:
                 self._free_block(key)
                 dropped.append(key)
             self.stats.read_errors += len(dropped)
+            if self.watcher is not None:
+                self.watcher.removed(self, dropped)
             return dropped
 
     def why_absent(self, key: bytes) -> MissReason | None:
@@ -587,6 +608,8 @@ class Tier:
                     self.policy.insert(key)
             self._evicting -= len(keys)
             self.stats.evicted += len(dropped)
+            if self.watcher is not None:
+                self.watcher.removed(self, dropped)
             return dropped
 
     def end_demotion(self, ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> list[bytes]:

@@ -37,6 +37,7 @@ from kvtier.core.misses import Miss, MissReason, in_other_namespace
 from kvtier.core.namespaces import KnownNamespace, OtherNamespaces, secret_fingerprint, stack_fields
 from kvtier.core.stack import LoadResult, StackLookup, StoreResult, TierStack
 from kvtier.core.storage import BlockStorage, buffer_storage
+from kvtier.event_publisher import EventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,11 @@ class KVTier:
         self.stack: TierStack = build_stack(config, self.layout)
         self._fold = KeyFolder(config.namespace, self.key_secret)
         ours = _namespace(config, self.key_secret)
+        self.publisher: EventPublisher | None = None
         try:
             self.namespaces = None if ours is None else OtherNamespaces(ours, self.stack.tiers, self.key_secret)
+            if config.events is not None:
+                self.publisher = EventPublisher(config.events, self.stack.tiers, config.block_tokens)
         except BaseException:
             self.stack.close()
             raise
@@ -189,7 +193,8 @@ class KVTier:
     def stats(self) -> dict[str, dict]:
         """Per tier its counters and usage (``TierStack.stats``), and ``"misses"``: lookups that ended
         early by reason, ``{"total": {reason: n}, "by_tier": {tier: {reason: n}}}``."""
-        return {**self.stack.stats(), "misses": self.stack.misses.stats()}
+        events = {} if self.publisher is None else {"events": self.publisher.stats()}
+        return {**self.stack.stats(), "misses": self.stack.misses.stats(), **events}
 
     def wait_idle(self, timeout: float | None = 60.0) -> None:
         self.stack.wait_idle(timeout)
@@ -204,6 +209,8 @@ class KVTier:
         without the copy to disk.
         """
         self.stack.close()
+        if self.publisher is not None:
+            self.publisher.close()  # (after the stack: what its close moved goes out too)
 
     def __enter__(self) -> KVTier:
         return self

@@ -166,6 +166,7 @@ class KeyedTier(Tier):
         finally:
             with self._lock:
                 now = time.monotonic()
+                gone = []
                 for i, key in enumerate(keys):
                     del self._asking[key]
                     here = found is not None and found[i]
@@ -173,10 +174,13 @@ class KeyedTier(Tier):
                         self._remember(key, True, now)
                     elif found is not None and not here and self._answer(key, now):
                         del self._answers[key]  # the owner's "absent" is newer than what we knew
+                        gone.append(key)
                     if found is None:
                         self._fail(key, MissReason.REMOTE_ERROR, now)
                     elif self._failed.get(key, (0.0, None))[1] is MissReason.REMOTE_ERROR:
                         del self._failed[key]  # answered now
+                if gone and self.watcher is not None:
+                    self.watcher.removed(self, gone)
             asked.set()
         return found is not None
 
@@ -229,6 +233,8 @@ class KeyedTier(Tier):
                 self._remember(key, True, now)
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
+            if self.watcher is not None:
+                self.watcher.stored(self, keys)
 
     def abort(self, keys: Iterable[bytes]) -> list[bytes]:
         """Not stored (a counted drop); the owner can hold any block, so none is refused for good."""
@@ -239,7 +245,8 @@ class KeyedTier(Tier):
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """A load of these failed: a miss for a while, whatever the owner says (see the module doc).
-        Returns no keys: nothing of kvtier's left any tier."""
+        Returns no keys (nothing of kvtier's left the tier); the watcher hears they are gone, as far as
+        this engine can tell."""
         with self._lock:
             keys = list(keys)
             now = time.monotonic()
@@ -247,6 +254,8 @@ class KeyedTier(Tier):
                 self._remember(key, False, now)
                 self._fail(key, self._failure(key) or MissReason.REMOTE_ERROR, now)
             self.stats.read_errors += len(keys)
+            if self.watcher is not None:
+                self.watcher.removed(self, keys)
             return []
 
     def why_absent(self, key: bytes) -> MissReason | None:

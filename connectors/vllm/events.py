@@ -4,7 +4,8 @@ and the disk blocks a restart took back, announced as their restore puts them ba
 A part of its own because the events are gathered from everywhere a block comes or goes (a plan
 finished, room made, a cache reset, a restore's chunk) and handed to vLLM once per step
 (``take``), under rules that hold for all of them: only tiers whose medium names a KV-event medium
-have events (a keyed store's contents change without this engine, so its events could only mislead);
+have events, which say where the blocks live (``core/events.py``: a node tier's and a shared store's
+are LOCAL or REMOTE and owned by the machine or the store, which other engines load from too);
 a block's size is its group's (``geometry.GroupKeys.tokens_of``); every restored block still in its
 tier is announced once, and none that was dropped before its announcement.
 """
@@ -19,7 +20,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.connectors.vllm.geometry import GroupKeys
 from kvtier.connectors.vllm.recovery import ChunksBack
-from kvtier.core.media import medium
+from kvtier.core.events import Where, where
 from kvtier.core.tier import Tier
 
 RESTORED_PER_EVENT = 65536
@@ -42,34 +43,26 @@ class KVEvents:
         self._restoring = list(restores)  # restores whose blocks are not all announced yet
 
     def stored(self, keys: list[bytes], tier: Tier, tokens: dict[bytes, Any] | None = None) -> None:
-        """BlockStored per key, for a tier whose medium names a KV-event medium; none for a keyed store:
-        what it holds changes without this engine (other engines add, the store evicts), so this engine's
-        events could only mislead about it."""
-        label = medium(tier.medium).event_medium
-        if label is None:
+        """BlockStored per key, for a tier whose medium names a KV-event medium."""
+        place = where(tier)
+        if place is None:
             return
         for key in keys:
             block = list(tokens[key]) if tokens else []
-            self._events.append(
-                BlockStored(
-                    block_hashes=[key],
-                    parent_block_hash=None,
-                    token_ids=block,
-                    block_size=self.geometry.tokens_of(key),
-                    lora_id=None,
-                    medium=label,
-                    lora_name=None,
-                )
-            )
+            self._events.append(_stored([key], block, self.geometry.tokens_of(key), place))
 
     def removed(self, keys: list[bytes], tier: Tier) -> None:
         """BlockRemoved for keys the tier dropped (a restore still putting blocks back there is told)."""
         for restore in self._restoring:  # (a block dropped after it went back is not announced as back)
             if restore.tier is tier:
                 restore.dropped(keys)
-        label = medium(tier.medium).event_medium
-        if keys and label is not None:
-            self._events.append(BlockRemoved(block_hashes=list(keys), medium=label))
+        place = where(tier)
+        if keys and place is not None:
+            self._events.append(
+                BlockRemoved(
+                    block_hashes=list(keys), medium=place.medium, locality=place.locality, ownership=place.owner
+                )
+            )
 
     def dropped(self, by_tier: Mapping[str, list[bytes]]) -> None:
         """BlockRemoved for what a plan or the room it made dropped, per tier name."""
@@ -105,8 +98,8 @@ class KVEvents:
         """BlockStored for blocks taken back at start, whose tokens are unknown: many keys per event
         (one event per key costs 3 us, 47 s for the 15.8 M blocks of a 1 TiB disk tier of 64 KiB
         blocks), one block size per event."""
-        label = medium(tier.medium).event_medium
-        if label is None or not keys:
+        place = where(tier)
+        if place is None or not keys:
             return
         by_size: Mapping[int, Sequence[bytes]] = {self.geometry.block_tokens: keys}
         if not self.geometry.uniform:
@@ -116,14 +109,18 @@ class KVEvents:
             by_size = grouped
         for size, same in by_size.items():
             for start in range(0, len(same), RESTORED_PER_EVENT):
-                self._events.append(
-                    BlockStored(
-                        block_hashes=list(same[start : start + RESTORED_PER_EVENT]),
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=size,
-                        lora_id=None,
-                        medium=label,
-                        lora_name=None,
-                    )
-                )
+                self._events.append(_stored(same[start : start + RESTORED_PER_EVENT], [], size, place))
+
+
+def _stored(keys: Sequence[bytes], tokens: list[int], size: int, place: Where) -> BlockStored:
+    return BlockStored(
+        block_hashes=list[bytes | int](keys),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=size,
+        lora_id=None,
+        medium=place.medium,
+        lora_name=None,
+        locality=place.locality,
+        ownership=place.owner,
+    )

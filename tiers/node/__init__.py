@@ -107,6 +107,7 @@ MEDIUM = Medium(
     # host memory directly (an engine's own blocks too, where they are host memory); GPU memory through a
     # host tier until the slab is registered with CUDA
     direct=lambda other, caps: other != "gpu" or caps.gpu_in_host_memory,
+    event_medium="CPU",  # (the machine's: ``NodeTier.location``)
     one_copy_for_ranks=True,  # ranks with the same KV (MLA) share one copy: one node key for all of them
     backend=_backend,
     engine_tier=_engine_tier,

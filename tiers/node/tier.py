@@ -183,6 +183,11 @@ class NodeTier(KeyedTier):
     def timeout(self) -> float:
         return self._node_storage.client.timeout
 
+    def location(self) -> tuple[str, str | None]:
+        """This machine's shared memory: every engine of its node daemon may load its blocks."""
+        client = self._node_storage.client
+        return "LOCAL", f"node:{client.node_id or client.path}"
+
     def _present(self, keys: list[bytes]) -> list[bool]:
         """One LOOKUP (of every rank's copy, under each of its digests); the locations it gives are
         remembered for the loads that follow (of this storage's own blocks)."""

@@ -64,12 +64,13 @@ def _backend(transfer: TransferConfig, config: TierConfigBase) -> RemoteBackend:
     return RemoteBackend(StoreLink(connector(config), config.timeout, "loads and stores"), config.fetches)
 
 
-# A store others write to and evict from: what this engine stores there is not announced as its own.
+# A store others write to and evict from: its blocks are announced as the store's (``RemoteTier.location``).
 MEDIUM = Medium(
     "remote",
     RemoteTierConfig,
     _tier,
     _rank_storage,
+    event_medium="STORAGE",
     copies_outlive_jobs=True,
     backend=_backend,
     engine_tier=_engine_tier,

@@ -134,6 +134,10 @@ class RemoteTier(KeyedTier):
     def timeout(self) -> float:
         return self.link.timeout
 
+    def location(self) -> tuple[str, str | None]:
+        """A store elsewhere, named by its address: every engine on it may load its blocks."""
+        return "REMOTE", self.link.connector.where
+
     def _present(self, keys: list[bytes]) -> list[bool]:
         """One batched existence query of every rank's record of each key: present when all are."""
         names = [fmt.name(key) for key in keys for fmt in self.records]
