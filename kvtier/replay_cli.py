@@ -12,7 +12,9 @@ no trace is given, on any machine.
   every run starts empty and blocks already stored there are left alone.
 * ``--metadata-only``: the same policies on an index alone (``kvtier.replay.cache``), one cache.
 * ``--engines N`` with ``--split`` and ``--node``: several engines on one machine, with private tiers
-  or a node daemon's shared slab (``kvtier.replay_engines``).
+  or a node daemon's shared slab (``kvtier.replay_engines``), requests sent to them by a routing
+  (``kvtier.replay.routing``: by the requests alone, or by the engines' KV events); ``--routing``
+  replays once per routing and compares them.
 * ``--policy`` and ``--capacity`` set the eviction policy and size (in blocks) of one tier, the last
   one unless ``--tier`` names another; with ``--metadata-only`` they set the one cache.
 * ``--belady`` adds the offline optimum for the same number of blocks (with a stack: all its tiers'
@@ -24,9 +26,10 @@ no trace is given, on any machine.
   all the command's runs (or ``--load-gbps``) against recomputing at ``--prefill-tokens-per-s`` (an
   assumption).
 
-Output: a rich progress bar, the stack, a table per tier, the sizing, the totals; with ``--json`` the
-last line is one JSON object with the same figures. Hit rule (see ``kvtier.replay.cache``): the
-longest present prefix of a request's blocks is its hit, then every block of the request is referenced.
+Output: a rich progress bar, the stack, a table per tier, the sizing, the totals, with ``--routing`` a
+row per routing; with ``--json`` the last line is one JSON object with the same figures. Hit rule (see
+``kvtier.replay.cache``): the longest present prefix of a request's blocks is its hit, then every block
+of the request is referenced.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from kvtier.core.tier_config import TenantSharesConfig
 from kvtier.policies import EVICTION_POLICIES, EvictionPolicy, eviction_policy_class
 from kvtier.policies.shares import TenantShares
 from kvtier.replay.cache import belady, replay
-from kvtier.replay.routing import SPLITS, route
+from kvtier.replay.routing import PREFIX_ROUTINGS, ROUTINGS, FixedRouter, PrefixRouter, Router, route
 from kvtier.replay.sizing import DEFAULT_PREFILL_TOKENS_PER_S, Assumptions, LoadTimes, sizing, trace_seconds
 from kvtier.replay.stack import prefill_tokens_saved, replay_through_engines
 from kvtier.replay.tenants import count, keep_tenants_apart, tenant_summary, with_flood
@@ -130,7 +133,17 @@ def add_replay_parser(commands) -> None:
         "cut to 1/N of its capacity (default 1)",
     )
     p.add_argument(
-        "--split", choices=SPLITS, default="round_robin", help="how requests go to engines (default round_robin)"
+        "--split",
+        choices=ROUTINGS,
+        default="round_robin",
+        help="how requests go to engines (default round_robin; prefix_gpu and prefix_tiered route by the "
+        "engines' KV events: kvtier.replay.routing)",
+    )
+    p.add_argument(
+        "--routing",
+        action="store_true",
+        help="with --engines > 1: replay once per routing (round_robin, random, session, prefix_gpu, "
+        "prefix_tiered) and compare their hits and prefill time saved",
     )
     p.add_argument(
         "--node",
@@ -195,6 +208,8 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
         raise ReplayError(f"--engines must be at least 1, not {args.engines}")
     if args.metadata_only and (args.node or args.engines > 1):
         raise ReplayError("--engines and --node replay real stacks: leave out --metadata-only")
+    if args.routing and (args.engines < 2 or args.sweep):
+        raise ReplayError("--routing compares how requests go to several engines: give --engines N > 1, no --sweep")
     if not (math.isfinite(args.prefill_tokens_per_s) and args.prefill_tokens_per_s > 0):
         raise ReplayError(f"--prefill-tokens-per-s must be a positive number, not {args.prefill_tokens_per_s}")
     block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
@@ -222,7 +237,7 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
         disable=args.json,
     )
 
-    def one_run(policy: str, capacity: int | None, label: str) -> tuple[dict, list]:
+    def one_run(policy: str, capacity: int | None, label: str, routing: str = args.split) -> tuple[dict, list]:
         task = progress.add_task(label, total=len(requests))
         advance = lambda: progress.advance(task)  # noqa: E731
         try:
@@ -234,9 +249,9 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
                 cfg = _fresh_directories(
                     _override(config, names.index(governed), policy, capacity, block_bytes), directories
                 )
-                run, occupancy = _stack_run(requests, cfg, args, timed, advance)
-                if args.node and args.engines > 1:
-                    private, _ = _stack_run(requests, cfg, args, timed, advance, node=False)
+                run, occupancy = _stack_run(requests, cfg, args, timed, advance, routing=routing)
+                if args.node and args.engines > 1 and not args.routing:
+                    private, _ = _stack_run(requests, cfg, args, timed, advance, node=False, routing=routing)
                     run["private"] = {k: private[k] for k in ("hit_ratio", "hits", "prefill_saved_ratio", "engines")}
                     run["hit_gain"] = run["hit_ratio"] / private["hit_ratio"] if private["hit_ratio"] else None
                 return run, occupancy
@@ -269,7 +284,13 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[dict, list]:
             summary["sizing_sweep"] = {p: {c: size(run) for c, run in by_c.items()} for p, by_c in runs.items()}
             if belady_sweep:
                 summary["belady_sweep"] = belady_sweep
+        if args.routing:
+            routed = {r: one_run(policies[0], args.capacity, f"routing {r}", r)[0] for r in ROUTINGS}
     summary["sizing"] = size(summary)  # after every run: each one's loads are timed
+    if args.routing:
+        summary["routing"] = {
+            r: _routing_figures(run, size(run), args.prefill_tokens_per_s) for r, run in routed.items()
+        }
     return summary, occupancy
 
 
@@ -445,11 +466,13 @@ def _stack_run(
     timed: LoadTimes,
     advance: Callable[[], None],
     node: bool | None = None,
+    routing: str | None = None,
 ) -> tuple[dict, list]:
     """One replay through real stacks built from ``config``: ``args.engines`` of them, through a node
-    daemon with ``node`` (``args.node`` by default); its timed loads are added to ``timed``."""
+    daemon with ``node`` (``args.node`` by default), requests sent to them by ``routing`` (``args.split``
+    by default); its timed loads are added to ``timed``."""
     node = args.node if node is None else node
-    engine_of = route(requests, args.engines, args.split)
+    routing = args.split if routing is None else routing
     with ExitStack() as cleanup:
         daemon = None
         if node:
@@ -457,14 +480,14 @@ def _stack_run(
         config = divided(config, args.engines, keep_last=node) if args.engines > 1 else config
         stacks = []
         try:
-            for _ in range(args.engines):
-                stacks.append(build_stack(config))
+            for _ in range(args.engines):  # (each in directories of its own: a disk tier's slab is one process's)
+                stacks.append(build_stack(_fresh_directories(config, cleanup) if args.engines > 1 else config))
             description = stacks[0].describe()
             media = {t.name: t.medium for t in stacks[0].tiers}
             results = replay_through_engines(
                 requests,
                 stacks,
-                engine_of,
+                _router(routing, requests, stacks, args),
                 args.block_tokens,
                 on_request=lambda _: advance(),
                 key_secret=key_secret(config.key_secret_env),
@@ -521,5 +544,26 @@ def _stack_run(
             {"hit_ratio": r.hit_ratio, "hits": r.hits, "references": r.references, "requests": r.requests}
             for r in results
         ]
-        summary.update(split=args.split, node=node)
+        summary.update(split=routing, node=node)
     return summary, result.occupancy
+
+
+def _router(routing: str, requests: Sequence[Request], stacks: list, args: argparse.Namespace) -> Router:
+    if routing in PREFIX_ROUTINGS:
+        sees = "gpu" if routing == "prefix_gpu" else "every tier"
+        return PrefixRouter(stacks, sees, args.block_tokens / args.prefill_tokens_per_s)
+    return FixedRouter(route(requests, args.engines, routing, args.seed))
+
+
+def _routing_figures(run: dict, sizing: dict, prefill_tokens_per_s: float) -> dict:
+    """What one routing gave (``--routing``): hits, per tier too, prefill saved (tokens, and seconds at the
+    assumed rate: gross, and net of the loads' time where every tier's load time is known), each engine's hit ratio."""
+    net = sizing["total"]["net_s_saved_per_s"]
+    return {
+        "hit_ratio": run["hit_ratio"],
+        "tier_hit_ratio": {name: tier["hit_ratio"] for name, tier in run["tiers"].items()},
+        "prefill_saved_ratio": run["prefill_saved_ratio"],
+        "prefill_s_saved": run["prefill_tokens_saved"] / prefill_tokens_per_s,
+        "net_prefill_s_saved": None if net is None else net * sizing["trace_seconds"],
+        "engines": [engine["hit_ratio"] for engine in run["engines"]],
+    }

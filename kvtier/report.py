@@ -174,6 +174,21 @@ def sweep_table(summary: dict) -> Table:
     return table
 
 
+def routing_table(summary: dict) -> Table:
+    """One row per routing (``--routing``): hit ratio in all and per tier, prefill seconds saved, engines' spread."""
+    routing = summary["routing"]
+    tiers = list(next(iter(routing.values()))["tier_hit_ratio"])
+    table = Table(title=f"routing across {len(summary['engines'])} engines", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ["routing", "hit ratio", *(f"{t} hits" for t in tiers), "prefill s saved", "net s", "engines"]:
+        table.add_column(column, justify="left" if column == "routing" else "right")
+    for name, r in routing.items():
+        spread = f"{min(r['engines']):.2f}-{max(r['engines']):.2f}"
+        net = "?" if r["net_prefill_s_saved"] is None else f"{r['net_prefill_s_saved']:.1f}"
+        per_tier = (f"{r['tier_hit_ratio'][t]:.3f}" for t in tiers)
+        table.add_row(name, f"{r['hit_ratio']:.3f}", *per_tier, f"{r['prefill_s_saved']:.1f}", net, spread)
+    return table
+
+
 SIZING_COLUMNS = ["tier", "hits", "tokens/s", "GB/s", "ms/block", "net s/s", "pays?"]
 
 
@@ -273,5 +288,7 @@ def print_summary(summary: dict, console: Console) -> None:
     if "sweep" in summary:
         console.print(sweep_table(summary))
         console.print(sizing_sweep_table(summary))
+    if "routing" in summary:
+        console.print(routing_table(summary))
     for line in totals_lines(summary):
         console.print(line, highlight=False, soft_wrap=True)

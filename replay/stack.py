@@ -55,6 +55,7 @@ from kvtier.core.misses import MissCounter
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import buffer_storage
 from kvtier.core.tier import Tier
+from kvtier.replay.routing import FixedRouter, Router
 from kvtier.replay.sizing import LoadTimes
 from kvtier.replay.tenants import count
 from kvtier.replay.trace import Request
@@ -66,6 +67,12 @@ def block_key(block_id: int, tag: bytes = b"") -> bytes:
     """The stack key of a trace block id (ids are 64-bit; load_trace checks the range); a tenant's
     (``tag``: its ``keys.tenant_tag``) is a tenant's key, the tag then the id in 16 bytes."""
     return tag + block_id.to_bytes(16 if tag else 8, "little", signed=False)
+
+
+def request_keys(request: Request, tags: dict[str, bytes]) -> list[bytes]:
+    """The keys of a request's blocks: its tenant's (``tags``: each tenant's tag, by name), if it has one."""
+    tag = tags[request.tenant] if request.tenant else b""
+    return [block_key(h, tag) for h in request.hash_ids]
 
 
 def block_content(block_id: int, nbytes: int) -> np.ndarray:
@@ -124,31 +131,33 @@ def replay_through_stack(
 
     Raises ValueError when a tier already holds blocks (hits would come from an earlier run).
     """
-    engines = [0] * len(requests)
-    return replay_through_engines(requests, [stack], engines, block_tokens, on_request, samples, timeout, key_secret)[0]
+    router = FixedRouter([0] * len(requests))
+    return replay_through_engines(requests, [stack], router, block_tokens, on_request, samples, timeout, key_secret)[0]
 
 
 def replay_through_engines(
     requests: Sequence[Request],
     stacks: Sequence[TierStack],
-    engine_of: Sequence[int],
+    router: Router,
     block_tokens: int = 512,
     on_request: Callable[[int], None] | None = None,
     samples: int = 400,
     timeout: float = 120.0,
     key_secret: bytes | None = None,
 ) -> list[StackReplayResult]:
-    """Run ``requests`` in trace order, request ``i`` through ``stacks[engine_of[i]]`` (engines that may
-    share a tier: a node daemon's slab); each engine's result. Every stack must be empty (ValueError).
-    A request of a tenant has its tenant's keys (tagged under the stacks' ``key_secret``)."""
+    """Run ``requests`` in trace order, each through the stack ``router`` chooses for it (engines that may
+    share a tier: a node daemon's slab), the router told of every load a single tier served; each
+    engine's result. Every stack must be empty (ValueError). A request of a tenant has its tenant's keys
+    (tagged under the stacks' ``key_secret``)."""
     longest = max((len(r.hash_ids) for r in requests), default=0)
     every = max(1, -(-len(requests) // max(samples, 1)))
     tags = {tenant: tenant_tag(tenant, key_secret) for tenant in {r.tenant for r in requests if r.tenant}}
-    replayers = [_Replayer(stack, longest, block_tokens, timeout, tags) for stack in stacks]
+    replayers = [_Replayer(stack, longest, block_tokens, timeout, router.loaded) for stack in stacks]
     started = time.perf_counter()
-    for index, (request, engine) in enumerate(zip(requests, engine_of, strict=True)):
-        replayer = replayers[engine]
-        replayer.step(request)
+    for index, request in enumerate(requests):
+        keys = request_keys(request, tags)
+        replayer = replayers[router.choose(index, request, keys)]
+        replayer.step(request, keys)
         if index % every == 0 or index == len(requests) - 1:
             replayer.sample(index)
         if on_request is not None:
@@ -161,7 +170,12 @@ class _Replayer:
     """One engine of a replay: its stack, its memory, what it counted so far."""
 
     def __init__(
-        self, stack: TierStack, longest: int, block_tokens: int, timeout: float, tags: dict[str, bytes]
+        self,
+        stack: TierStack,
+        longest: int,
+        block_tokens: int,
+        timeout: float,
+        on_load: Callable[[str, int, float], None],
     ) -> None:
         busy = {t.name: t.usage().used for t in stack.tiers if t.usage().used}
         if busy:
@@ -170,7 +184,7 @@ class _Replayer:
                 f"(a disk tier keeps its blocks across runs: give it an empty directory)"
             )
         self.stack = stack
-        self.tags = tags  # each tenant's tag, by name
+        self.on_load = on_load  # (tier, blocks, seconds) of each load one tier served alone
         self.block_tokens = block_tokens
         self.timeout = timeout
         layout: BlockLayout = stack.tiers[0].storage.layout
@@ -185,17 +199,16 @@ class _Replayer:
         self.result = StackReplayResult()
         self.misses = MissCounter([t.name for t in stack.tiers])  # this run's alone
 
-    def step(self, request: Request) -> None:
+    def step(self, request: Request, keys: list[bytes]) -> None:
         """Load the request's present prefix (checked bit-exact), reference the rest, store what is missing."""
         stack, result, bb, timeout = self.stack, self.result, self.block_bytes, self.timeout
         ids = request.hash_ids
-        tag = self.tags[request.tenant] if request.tenant else b""
-        keys = [block_key(h, tag) for h in ids]
         load_started = time.perf_counter()
         loaded = stack.load(keys, self.loaded_into, range(len(keys)), self.dst_medium).result(timeout)
         load_seconds = time.perf_counter() - load_started
         if len(set(loaded.sources)) == 1 and not loaded.failed:
             result.loads.add(loaded.sources[0], loaded.loaded * bb, load_seconds)
+            self.on_load(loaded.sources[0], loaded.loaded, load_seconds)
         good = loaded.failed[0] if loaded.failed else loaded.hits
         result.failed_blocks += len(loaded.failed)
         arrived = self.engine.loaded_bytes(good)

@@ -128,4 +128,4 @@ def _direct(other: str, caps: Capabilities) -> bool:
 
 
 # Under an engine the GPU is the engine's own memory: no storage of kvtier's, no hits counted from it.
-MEDIUM = Medium("gpu", GpuTierConfig, _tier, None, direct=_direct, counts_hits=False)
+MEDIUM = Medium("gpu", GpuTierConfig, _tier, None, direct=_direct, event_medium="GPU", counts_hits=False)

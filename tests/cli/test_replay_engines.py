@@ -46,8 +46,11 @@ def test_round_robin_and_sessions_route_as_said():
     engine_of = route(chat, 4, "session")
     for conversation in {r.session for r in chat}:
         assert len({e for r, e in zip(chat, engine_of, strict=True) if r.session == conversation}) == 1
-    with pytest.raises(ValueError, match="unknown split"):
-        route(chat, 2, "random")
+    drawn = route(chat, 3, "random", seed=5)
+    assert drawn == route(chat, 3, "random", seed=5) != route(chat, 3, "random", seed=6)
+    assert set(drawn) == {0, 1, 2}
+    with pytest.raises(ValueError, match="unknown routing"):
+        route(chat, 2, "prefix_gpu")  # (it needs the engines' events)
 
 
 def test_private_engines_split_the_capacity_and_add_up(tmp_path, capsys):
