@@ -39,6 +39,27 @@ HIGH_WATER_MARK = 100_000
 """Batches a PUB socket queues for a subscriber before it drops (ZMQ's high-water mark)."""
 
 
+def for_rank(config: EventsConfig, offset: int) -> EventsConfig:
+    """``config`` for the ``offset``-th of several processes that publish from one config (SGLang's
+    ranks): a TCP endpoint's port plus ``offset``, an IPC path with ``-offset`` appended; unchanged for 0."""
+    if offset == 0:
+        return config
+
+    def moved(endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        if endpoint.startswith("ipc://"):
+            return f"{endpoint}-{offset}"
+        address, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ConfigError(f"events: {endpoint!r}: several ranks publish, so give a port (they use port + rank)")
+        return f"{address}:{int(port) + offset}"
+
+    return config.model_copy(
+        update={"endpoint": moved(config.endpoint), "replay_endpoint": moved(config.replay_endpoint)}
+    )
+
+
 def import_zmq() -> Any:
     """pyzmq, which only a stack with ``events`` needs."""
     try:

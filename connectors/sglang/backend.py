@@ -50,6 +50,7 @@ from kvtier.core.media import medium
 from kvtier.core.sizes import format_size
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import BlockStorage, buffer_storage
+from kvtier.event_publisher import EventPublisher, for_rank
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class KVTierStorage(HiCacheStorage):
         self.namespace = b""
         self._fold = KeyFolder(self.namespace, self.key_secret)  # the rank's own once the pool is registered
         self.counters: StorageCounters | None = None
+        self.publisher: EventPublisher | None = None
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -90,6 +92,13 @@ class KVTierStorage(HiCacheStorage):
         self._fold = KeyFolder(self.namespace, self.key_secret)
         config = self.config.model_copy(update={"namespace": self.namespace.decode("ascii")})
         self.stack = build_stack(config, pages.layout)
+        if config.events is not None:
+            try:
+                events = for_rank(config.events, _rank_offset(self.storage_config))
+                self.publisher = EventPublisher(events, self.stack.tiers, pages.page_tokens)
+            except BaseException:
+                self.stack.close()
+                raise
         self.pages = pages
         self.counters = StorageCounters(self.storage_config.tp_rank, pages.layout.block_bytes)
         log.info(
@@ -197,6 +206,8 @@ class KVTierStorage(HiCacheStorage):
         """Wait for copies in flight, copy what only a memory tier holds to a disk tier, release everything."""
         if self.stack is not None:
             self.stack.close()
+        if self.publisher is not None:
+            self.publisher.close()  # (after the stack: what its close moved goes out too)
 
     # --- the calls, once checked ---------------------------------------------------------------
 
@@ -277,6 +288,13 @@ def _rank_config(config: StackConfig, storage_config: HiCacheStorageConfig) -> S
             )
         tiers[i] = tier.model_copy(update={key: str(Path(getattr(tier, key)) / _rank_directory(storage_config))})
     return config.model_copy(update={"tiers": tiers})
+
+
+def _rank_offset(storage_config: HiCacheStorageConfig) -> int:
+    """This scheduler's number among all of them (TP rank first, then pipeline stage, then data-parallel
+    rank): where it publishes KV events (``event_publisher.for_rank``)."""
+    tp, pp = storage_config.tp_size, storage_config.pp_size
+    return storage_config.tp_rank + tp * (storage_config.pp_rank + pp * (storage_config.dp_rank or 0))
 
 
 def _rank_directory(storage_config: HiCacheStorageConfig) -> str:
