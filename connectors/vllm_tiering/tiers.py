@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.builder import build_stack
+from kvtier.connectors.vllm_tiering.events import ChunkEvents
 from kvtier.connectors.vllm_tiering.namespace import chunk_namespace
 from kvtier.connectors.vllm_tiering.settings import tier_settings
 from kvtier.core.devices import HOST_DEVICE
@@ -112,17 +113,17 @@ class KVTierTier(SecondaryTierManager):
         namespace = chunk_namespace(offloading_spec.config, self.block_size_bytes, settings.config.namespace)
         self.config = settings.config.model_copy(update={"namespace": namespace})
         self._fold = KeyFolder(namespace, key_secret(self.config.key_secret_env))
-        self._events: list[OffloadingEvent] | None = None
+        self.stack = build_stack(self.config, BlockLayout((self.block_size_bytes,)))
+        self._events: ChunkEvents | None = None
         if settings.options.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self._events = []
+                self._events = ChunkEvents(self.stack, self.medium, self.locality)
             else:
                 log.warning(
                     "%s: enable_kv_events is set but vLLM publishes no KV cache events (kv_events_config); "
                     "this tier announces nothing",
                     tier_type,
                 )
-        self.stack = build_stack(self.config, BlockLayout((self.block_size_bytes,)))
         self._chunks = _chunk_storage(primary_kv_view)
         self._info = KVTierTierInfo(
             hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest(),
@@ -157,15 +158,11 @@ class KVTierTier(SecondaryTierManager):
         self._jobs.submit("load", job_metadata.job_id, lambda: self._load(job_metadata.job_id, keys, chunks), keys)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """The jobs that ended since the last call; a store's chunks now held here become a BlockStored
-        event (when asked for), a promotion's chunks that did not arrive a miss (``_load_failed``)."""
+        """The jobs that ended since the last call; a promotion's chunks that did not arrive are a miss
+        (``_load_failed``)."""
         results = []
         for kind, result, keys in self._jobs.finished():
-            if kind == "store" and keys and self._events is not None:
-                self._events.append(
-                    OffloadingEvent(keys=keys, medium=self.medium, removed=False, locality=self.locality)
-                )
-            elif kind == "load" and keys:
+            if kind == "load" and keys:
                 self._load_failed(keys)
             results.append(result)
         return results
@@ -188,9 +185,8 @@ class KVTierTier(SecondaryTierManager):
                 tier.unpin([key for key in kv_keys if tier.try_pin(key)])
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events:
-            events, self._events = self._events, []
-            yield from events
+        """Chunks that entered the stack and left it since the last call (``events.py``), when asked for."""
+        return [] if self._events is None else self._events.take()
 
     def shutdown(self) -> None:
         """Wait for the jobs in flight, close the stack (a disk tier's slab keeps its chunks for the next
@@ -231,10 +227,12 @@ class KVTierTier(SecondaryTierManager):
     def _store(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
         """Store the chunks, in batches the stack's first tier can hold; success unless a copy failed
         (a chunk with no room is a drop, counted: a full tier stores less). Also returns the chunks
-        the stack holds now."""
+        the stack does not hold afterwards."""
         started = time.perf_counter()
         stored = dropped = failed = 0
         kv_keys = self._keys(keys)
+        if self._events is not None:
+            self._events.storing(kv_keys, keys)
         step = self._batch(len(kv_keys))
         for i in range(0, len(kv_keys), step):
             result = self.stack.store(kv_keys[i : i + step], self._chunks, chunks[i : i + step]).result()
@@ -242,13 +240,15 @@ class KVTierTier(SecondaryTierManager):
             dropped += result.dropped
             failed += len(result.failed)
         self._count(**{"vllm:kvtier_tier_stored_chunks": stored, "vllm:kvtier_tier_dropped_chunks": dropped + failed})
-        held = [key for key, kv_key in zip(keys, kv_keys, strict=True) if not self.stack.planner.is_new(kv_key)]
+        absent = [i for i, kv_key in enumerate(kv_keys) if self.stack.planner.is_new(kv_key)]
+        if self._events is not None:
+            self._events.not_stored([kv_keys[i] for i in absent])
         return JobResult(
             job_id,
             success=not failed,
             transfer_time=time.perf_counter() - started,
             transfer_bytes=stored * self.block_size_bytes,
-        ), held
+        ), [keys[i] for i in absent]
 
     def _load(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> tuple[JobResult, list[OffloadKey]]:
         """Promote the chunks, in batches the stack can stage; the result names those that arrived intact
@@ -395,8 +395,8 @@ Run = Callable[[], tuple[JobResult, list[OffloadKey]]]
 
 class _JobRunner:
     """Runs a tier's jobs off the scheduler thread and hands back what each returned: its ``JobResult``
-    and the keys it names. A job that raises is reported failed (a promotion: all its chunks), never
-    lost. ``threads`` jobs per direction run at once (the tier's ``transfer.io_threads``): vLLM submits
+    and the chunks it did not store or promote. A job that raises is reported failed (with all its
+    chunks), never lost. ``threads`` jobs per direction run at once (the tier's ``transfer.io_threads``): vLLM submits
     a job per request and step, often of a few chunks, and one at a time would leave the disk one read
     deep; a pool per direction keeps a burst of stores from delaying promotions."""
 
@@ -438,7 +438,7 @@ class _JobRunner:
             done = (kind, *run())
         except Exception:
             log.exception("kvtier secondary tier: %s job %d failed", kind, job_id)
-            done = (kind, JobResult(job_id, success=False), keys if kind == "load" else [])
+            done = (kind, JobResult(job_id, success=False), keys)
         with self._cond:
             self._done.append(done)
             self._in_flight -= 1

@@ -215,6 +215,23 @@ def test_stored_chunks_are_announced_with_the_tiers_medium_and_locality(engines,
     assert all(not e.removed and e.locality is Locality.LOCAL for e in events)
 
 
+def test_a_chunk_evicted_from_the_tier_is_announced_removed_and_the_view_ends_as_the_tier(engines, tmp_path):
+    """A disk tier of 2 chunks (LRU) given 4: the first two leave it, each announced removed after its
+    store; replayed in order, the events leave exactly the chunks the tier holds."""
+    engine = engines([disk_tier(tmp_path / "disk", capacity_blocks=2, enable_kv_events=True)], kv_events=True)
+    keys = [chunk_key(i) for i in range(4)]
+    for key in keys:
+        engine.store([key])
+    with engine.manager.lock:
+        events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    view: set = set()
+    for event in events:
+        (view.difference_update if event.removed else view.update)(event.keys)
+    assert view == set(keys[2:]) and [tier_holds(engine, key) for key in keys] == [False, False, True, True]
+    assert [k for e in events if e.removed for k in e.keys] == keys[:2]
+    assert all(e.locality is Locality.LOCAL for e in events)
+
+
 def test_a_cache_reset_waits_for_the_tiers_jobs_and_keeps_the_disk(engines, tmp_path):
     """vLLM's reset_cache (sleep, weight update) drains every tier's jobs before it frees the CPU tier's
     chunks: no copy may still read one. kvtier's disk keeps what it stored."""
