@@ -15,6 +15,9 @@ it also holds kvtier's own counts (``hits`` per tier, ``leaks``), what the
 connector told vLLM about each load's hit sources (``sources``: tokens per ``CacheHitSource`` name,
 from ``get_external_cache_hit_sources``), and its connector stats summed over the run (``stats``: the
 scheduler side's and the worker's counters, as vLLM collects them each step).
+
+With ``KVTIER_TEST_EVENTS`` set to a ZMQ endpoint the engine publishes its KV events there (vLLM's own
+publisher, topic ``kv``), kvtier's tiers' among them.
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"config": kvtier},
         }
+    events = os.environ.get("KVTIER_TEST_EVENTS")
+    if events is not None:
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events, topic="kv"
+        )
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
