@@ -4,7 +4,8 @@ damaged blocks happened; a watcher nobody empties forgets and says how much."""
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+from collections.abc import Iterator
 
 from helpers.disk_helpers import get, open_stack, put
 from helpers.stack_helpers import key
@@ -30,15 +31,24 @@ def truth(stack: TierStack) -> dict[str, set[bytes]]:
     return {tier.name: set(tier.ready_keys()) for tier in stack.tiers}
 
 
+@contextlib.contextmanager
+def watched(tmp_path, max_keys: int = 1 << 20, **tiers: int) -> Iterator[tuple[TierStack, BlockEvents]]:
+    """A host tier of 4 blocks over a disk tier of 16 (LRU both; ``tiers`` sizes others) and a watcher of them."""
+    stack = open_stack(tmp_path / "disk", **{"host": 4, "disk": 16, **tiers})
+    events = BlockEvents(max_keys)
+    events.watch(stack.tiers)
+    try:
+        yield stack, events
+    finally:
+        stack.close()
+
+
 def test_replayed_runs_say_exactly_what_each_tier_holds(tmp_path, rng):
     """Random stores and loads over a host tier of 4 blocks and a disk tier of 16 (LRU both): blocks
     demoted, promoted back on loads, evicted for good from the disk; after each step the view built
     from the runs equals what each tier holds."""
-    stack = open_stack(tmp_path / "disk", host=4, disk=16)
-    events = BlockEvents()
-    events.watch(stack.tiers)
     view: dict[str, set[bytes]] = {}
-    try:
+    with watched(tmp_path) as (stack, events):
         for _ in range(60):
             keys = [key(int(i)) for i in rng.choice(40, size=int(rng.integers(1, 4)), replace=False)]
             if rng.random() < 0.5:
@@ -49,15 +59,10 @@ def test_replayed_runs_say_exactly_what_each_tier_holds(tmp_path, rng):
             replay([events.take()], view)
             assert {name: view.get(name, set()) for name in truth(stack)} == truth(stack)
         assert view["host"] and view["disk"], "both tiers held blocks at the end"
-    finally:
-        stack.close()
 
 
 def test_runs_name_the_medium_and_where_blocks_live_and_a_burst_is_one_run(tmp_path):
-    stack = open_stack(tmp_path / "disk", host=4, disk=16)
-    events = BlockEvents()
-    events.watch(stack.tiers)
-    try:
+    with watched(tmp_path) as (stack, events):
         put(stack, [key(i) for i in range(4)])
         stack.wait_idle()
         events.take()
@@ -68,15 +73,10 @@ def test_runs_name_the_medium_and_where_blocks_live_and_a_burst_is_one_run(tmp_p
             (False, "host", Where("CPU", "LOCAL", None), dropped)
         ]
         assert sorted(dropped) == sorted(key(i) for i in range(4))
-    finally:
-        stack.close()
 
 
 def test_an_unreadable_block_dropped_from_a_tier_is_removed(tmp_path):
-    stack = open_stack(tmp_path / "disk", host=4, disk=16)
-    events = BlockEvents()
-    events.watch(stack.tiers)
-    try:
+    with watched(tmp_path) as (stack, events):
         put(stack, [key(i) for i in range(8)])  # the first four are demoted to the disk
         stack.wait_idle()
         disk = stack.tiers[1]
@@ -85,15 +85,10 @@ def test_an_unreadable_block_dropped_from_a_tier_is_removed(tmp_path):
         assert disk.discard(held[:2]) == held[:2]
         (run,) = events.take().runs
         assert (run.stored, run.tier, run.where.medium, sorted(run.keys)) == (False, "disk", "STORAGE", held[:2])
-    finally:
-        stack.close()
 
 
 def test_a_watcher_nobody_empties_forgets_what_waits_and_counts_it(tmp_path):
-    stack = open_stack(tmp_path / "disk", host=4, disk=16)
-    events = BlockEvents(max_keys=6)
-    events.watch(stack.tiers)
-    try:
+    with watched(tmp_path, max_keys=6) as (stack, events):
         put(stack, [key(i) for i in range(4)])
         stack.wait_idle()
         put(stack, [key(i) for i in range(4, 8)])  # 4 demoted + 4 evicted + 4 stored: more than 6 waiting
@@ -105,19 +100,12 @@ def test_a_watcher_nobody_empties_forgets_what_waits_and_counts_it(tmp_path):
         host.evict(1)
         batch = events.take()
         assert batch.lost == 0 and [len(run.keys) for run in batch.runs] == [1]
-    finally:
-        stack.close()
 
 
-def test_tiers_without_kv_events_get_no_watcher(tmp_path):
-    stack = open_stack(tmp_path / "disk", gpu=2, host=4, disk=16)
-    events = BlockEvents()
-    events.watch(stack.tiers)
-    try:
-        assert [tier.watcher is events for tier in stack.tiers] == [False, True, True]
-        put(stack, [key(i) for i in range(2)], batch=2)
+def test_every_tier_of_a_standalone_stack_is_watched_and_named_by_its_medium(tmp_path):
+    with watched(tmp_path, gpu=2) as (stack, events):
+        assert [tier.watcher is events for tier in stack.tiers] == [True, True, True]
+        put(stack, [key(i) for i in range(4)], batch=2)  # (the GPU tier of 2 demotes to host)
         stack.wait_idle()
-        assert {run.tier for run in events.take().runs} <= {"host", "disk"}
-        assert np.array_equal(sorted(stack.tiers[0].ready_keys()), sorted([key(0), key(1)]))
-    finally:
-        stack.close()
+        media = {(run.tier, run.where) for run in events.take().runs}
+        assert media == {("gpu", Where("GPU", "LOCAL", None)), ("host", Where("CPU", "LOCAL", None))}
