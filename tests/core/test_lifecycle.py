@@ -6,17 +6,21 @@ neither hangs nor crashes the exit. Real stacks (host over disk), real bytes, re
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvtier import ClosedError, KVTier, StateError
+from kvtier.tiers.disk.transfer import DiskBackend
+from kvtier.transfers.cpu import CPUBackend
 
 BLOCK = 1 << 20  # 1 MiB: a copy lasts long enough for the test to attach its done-callback before it lands
 TOKENS = list(range(16))  # four blocks of four tokens
@@ -39,14 +43,26 @@ def blocks(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (4, BLOCK), dtype=np.uint8)
 
 
-def start_copy_threads(kv: KVTier, source: str = "host") -> None:
-    """One small copy first (a store, or a load from disk), so the thread pool that serves the test's
-    copy has its threads: a pool starting a thread inside submit() lets the caller's thread wait, and
-    then the whole copy may finish before the test attaches its done-callback."""
-    if source == "disk":
-        kv.load(TOKENS[:4], np.zeros((1, BLOCK), np.uint8)).result(10)
-    else:
-        kv.store([1000, 1001, 1002, 1003], blocks(99)[:1]).result(10)
+@contextlib.contextmanager
+def copies_held(kv: KVTier) -> Iterator[None]:
+    """Every thread that runs the stack's copies (the CPU backend's, the disk backend's jobs) kept busy
+    until the block ends: a copy submitted inside waits for them, so a done-callback attached right after
+    the call runs on a kvtier thread, however loaded the machine (else the copy may be over before the
+    callback is attached, which then runs on the caller's thread)."""
+    gate = threading.Event()
+    pools = []
+    for backend in kv.stack.transfers.backends:
+        if isinstance(backend, CPUBackend):
+            pools.append(backend._pool)
+        elif isinstance(backend, DiskBackend):
+            pools.append(backend._jobs)
+    busy = [pool.submit(gate.wait, 10) for pool in pools for _ in range(pool._max_workers)]
+    try:
+        yield
+    finally:
+        gate.set()
+        for waiting in busy:
+            waiting.result()
 
 
 def new_threads(before: set[threading.Thread]) -> list[str]:
@@ -120,11 +136,11 @@ def test_close_in_a_load_callback_returns_at_once_and_releases_right_after(tmp_p
     kv = KVTier.open(config(tmp_path))
     if source == "host":
         kv.store(TOKENS, data).result(10)
-    start_copy_threads(kv, source)
     assert kv.locate(TOKENS).tiers == (source,) * 4
     out = np.zeros_like(data)
     callback = CloseInCallback(kv)
-    kv.load(TOKENS, out).add_done_callback(callback)
+    with copies_held(kv):
+        kv.load(TOKENS, out).add_done_callback(callback)
     callback.assert_closed_at_once()
     assert np.array_equal(out, data), "the load itself completed"
     assert_refuses_new_calls(kv, data)
@@ -136,9 +152,9 @@ def test_close_in_a_store_callback_releases_after_copying_the_blocks_to_disk(tmp
     before = set(threading.enumerate())
     kv = KVTier.open(config(tmp_path))  # write_back: the stored blocks are in the host tier only
     data = blocks(1)
-    start_copy_threads(kv)
     callback = CloseInCallback(kv)
-    kv.store(TOKENS, data).add_done_callback(callback)
+    with copies_held(kv):
+        kv.store(TOKENS, data).add_done_callback(callback)
     callback.assert_closed_at_once()
     assert_refuses_new_calls(kv, data)
     assert wait_for_threads_to_end(before) == []
@@ -151,7 +167,8 @@ def test_a_second_close_waits_for_the_release_a_callback_began(tmp_path):
     data = blocks(2)
     kv.store(TOKENS, data).result(10)
     callback = CloseInCallback(kv, linger=0.3)  # the release cannot begin before the callback returns
-    kv.load(TOKENS, np.zeros_like(data)).add_done_callback(callback)
+    with copies_held(kv):
+        kv.load(TOKENS, np.zeros_like(data)).add_done_callback(callback)
     assert callback.closed.wait(5)
     kv.close()  # still inside the callback's linger: must wait for the release, not return at once
     assert callback.returned.is_set()
@@ -173,23 +190,16 @@ def wait_idle_in_a_done_callback(directory) -> tuple[threading.Thread, list[Base
             raised.append(exc)
 
     with KVTier.open(config(directory)) as kv:
-        start_copy_threads(kv)
-        kv.store(TOKENS, blocks(4)).add_done_callback(wait_here)
+        with copies_held(kv):
+            kv.store(TOKENS, blocks(4)).add_done_callback(wait_here)
         kv.wait_idle(5)  # on the old code the callback waits for its own job: TimeoutError here after 5 s
     (thread,) = threads
     return thread, raised
 
 
 def test_wait_idle_in_a_done_callback_raises_instead_of_waiting_for_itself(tmp_path):
-    """A callback attached while its store is in flight runs on kvtier's thread, where wait_idle raises.
-    On a loaded machine the store may end before the callback is attached (it then runs on the caller's
-    thread, where waiting is fine): the store is tried again, a few times at most."""
-    for attempt in range(5):
-        thread, raised = wait_idle_in_a_done_callback(tmp_path / str(attempt))
-        if thread is not threading.main_thread():
-            break
-        assert raised == []  # (on the caller's thread: the store was over, nothing to wait for)
-    assert thread is not threading.main_thread(), "the store ended before its callback was attached, 5 times"
+    thread, raised = wait_idle_in_a_done_callback(tmp_path)
+    assert thread is not threading.main_thread()
     assert len(raised) == 1 and "callback" in str(raised[0])
 
 
@@ -211,10 +221,10 @@ def test_a_dropped_kvtier_releases_its_threads_and_lock_with_a_warning(tmp_path)
 def test_a_kvtier_whose_last_reference_a_callback_held_is_released_on_a_thread_of_its_own(tmp_path):
     before = set(threading.enumerate())
     kv = KVTier.open(config(tmp_path, "write_through"))
-    start_copy_threads(kv)
     data = blocks(5)
     landed = threading.Event()
-    kv.store(TOKENS, data).add_done_callback(lambda _future, kv=kv: landed.set())
+    with copies_held(kv):
+        kv.store(TOKENS, data).add_done_callback(lambda _future, kv=kv: landed.set())
     with pytest.warns(ResourceWarning, match="dropped without close"):
         del kv  # now only kvtier's jobs hold it: it is collected on one of kvtier's threads, which cannot wait
         assert landed.wait(5)
