@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.connectors.vllm.geometry import GroupKeys
 from kvtier.connectors.vllm.recovery import ChunksBack
+from kvtier.connectors.vllm.request_state import BlockRef
 from kvtier.core.events import Where, where
 from kvtier.core.tier import Tier
 
@@ -42,14 +42,17 @@ class KVEvents:
         self._events: list[KVCacheEvent] = []
         self._restoring = list(restores)  # restores whose blocks are not all announced yet
 
-    def stored(self, keys: list[bytes], tier: Tier, tokens: dict[bytes, Any] | None = None) -> None:
-        """BlockStored per key, for a tier whose medium names a KV-event medium."""
+    def stored(self, keys: list[bytes], tier: Tier, blocks: Mapping[bytes, BlockRef] | None = None) -> None:
+        """BlockStored per key, for a tier whose medium names a KV-event medium, with the block's tokens and
+        its parent's key where the request's blocks are known (a store; a copy between tiers names the
+        keys alone)."""
         place = where(tier)
         if place is None:
             return
         for key in keys:
-            block = list(tokens[key]) if tokens else []
-            self._events.append(_stored([key], block, self.geometry.tokens_of(key), place))
+            block = blocks.get(key) if blocks else None
+            tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
+            self._events.append(_stored([key], tokens, self.geometry.tokens_of(key), place, parent))
 
     def removed(self, keys: list[bytes], tier: Tier) -> None:
         """BlockRemoved for keys the tier dropped (a restore still putting blocks back there is told)."""
@@ -112,10 +115,12 @@ class KVEvents:
                 self._events.append(_stored(same[start : start + RESTORED_PER_EVENT], [], size, place))
 
 
-def _stored(keys: Sequence[bytes], tokens: list[int], size: int, place: Where) -> BlockStored:
+def _stored(
+    keys: Sequence[bytes], tokens: list[int], size: int, place: Where, parent: bytes | None = None
+) -> BlockStored:
     return BlockStored(
         block_hashes=list[bytes | int](keys),
-        parent_block_hash=None,
+        parent_block_hash=parent,
         token_ids=tokens,
         block_size=size,
         lora_id=None,

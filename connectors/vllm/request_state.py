@@ -38,11 +38,13 @@ class StoreQuery(NamedTuple):
 
 class BlockRef(NamedTuple):
     """A full block of a request in one KV cache group: its key, the GPU slot holding its KV (the group's
-    vLLM block), and its tokens (events name them)."""
+    vLLM block), its tokens and the key of the group's block before it (None for the first): events name
+    both, so that a router hashing tokens itself can chain each block to its parent."""
 
     key: bytes
     gpu_block: int
     tokens: tuple[int, ...]
+    parent: bytes | None
 
 
 @dataclass
@@ -206,7 +208,8 @@ class Requests:
         first = i + 1 - self.geometry.keys_per_block[group]
         tokens = state.request.all_token_ids[first * block_tokens : (i + 1) * block_tokens]
         gpu_slot = self.geometry.gpu_slot(group, self.block_id_at(state, i, group))
-        return BlockRef(self.geometry.group_key(state.keys[i], group), gpu_slot, tuple(tokens))
+        parent = self.geometry.group_key(state.keys[first - 1], group) if first > 0 else None
+        return BlockRef(self.geometry.group_key(state.keys[i], group), gpu_slot, tuple(tokens), parent)
 
     def block_id_at(self, state: RequestState, i: int, group: int) -> int:
         """vLLM's block id of the request's block of ``group`` that ends at key ``i``."""

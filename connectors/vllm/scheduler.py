@@ -244,10 +244,10 @@ class SchedulerSide:
         picked = picked[: plan.num_blocks]
         gpu_blocks = [b.gpu_block for b in picked]
         req_id = state.request.request_id if state is not None else None
-        tokens = {b.key: b.tokens for b in picked}
+        blocks = {b.key: b for b in picked}
 
         def done(job: Job) -> None:
-            outcome = self._finish(plan, job, tokens)
+            outcome = self._finish(plan, job, blocks)
             stored = outcome.stored.get(self.tiers[0].name, [])
             self.stats.record_store(len(stored))
             if self.tenant_label is not None:
@@ -282,7 +282,7 @@ class SchedulerSide:
         job = self._start(plan, lambda job: self._finish(plan, job))
         self.step.add_copy(TransferJob.of(job.id, plan))
 
-    def _finish(self, plan: Plan, job: Job, tokens: dict[bytes, tuple[int, ...]] | None = None) -> Outcome:
+    def _finish(self, plan: Plan, job: Job, blocks: dict[bytes, BlockRef] | None = None) -> Outcome:
         """Let the planner finish a plan whose job every rank reported; events for what changed. Blocks
         now in host memory are copied on to a keyed store placed write-through; host slots a store
         call may still write stay out of use until the workers report that call over."""
@@ -290,7 +290,7 @@ class SchedulerSide:
         if outcome.holds:
             self.jobs.when_lifted(job, lambda job: self.planner.lift(outcome))
         for name, keys in outcome.stored.items():
-            self.events.stored(keys, self.tier(name), tokens)
+            self.events.stored(keys, self.tier(name), blocks)
             index = self.stack.index(name)
             for target in self.planner.copy_targets(index, write_through=False):  # write-through hops: in the plan
                 copied = self.planner.copy_down(index, keys, target)

@@ -182,7 +182,13 @@ def test_events_name_blocks_stored_and_removed_per_tier(make_engine):
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
     stored = [e for e in engine.events if type(e).__name__ == "BlockStored"]
     assert [h for e in stored for h in e.block_hashes] == keys and {e.medium for e in stored} == {"CPU"}
-    assert stored[0].token_ids == prompt(4, 0, seed=0, prefix=1)[:BLOCK]
+    tokens = prompt(4, 0, seed=0, prefix=1)
+    # each block with its own tokens and its parent's key: a router that hashes tokens itself (llm-d's
+    # indexer) chains every block to the one before it
+    assert [(e.token_ids, e.parent_block_hash) for e in stored] == [
+        (tokens[i * BLOCK : (i + 1) * BLOCK], keys[i - 1] if i else None) for i in range(4)
+    ]
+    assert {e.locality for e in stored} == {"LOCAL"}
     engine.run([engine.add(prompt(4, 5, seed=2, prefix=2), max_tokens=2)])  # evicts the first prefix
     removed = [h for e in engine.events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
     assert sorted(removed) == sorted(keys)
