@@ -10,7 +10,6 @@ engine generates the tokens of a run without kvtier:
 
 from __future__ import annotations
 
-import msgspec
 import zmq
 
 from helpers.redis_server import redis_server
@@ -27,6 +26,7 @@ DRAIN_S = 2.0
 def run_with_events(model_dir: str, config: dict, tmp_path, monkeypatch) -> tuple[dict, list]:
     """An engine run with ``config``, publishing its KV events to a subscriber connected beforehand; the
     run's result and every event, decoded by vLLM's own ``KVEventBatch`` decoder."""
+    import msgspec  # (vLLM's dependency: the engine's venv has it, make test's does not)
     from vllm.distributed.kv_events import KVEventBatch
 
     endpoint = f"ipc://{tmp_path}/events"
