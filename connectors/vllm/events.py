@@ -13,6 +13,7 @@ tier is announced once, and none that was dropped before its announcement.
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -32,6 +33,29 @@ vLLM's thread each (12 ms at worst; 2-core VM, 15.8 M blocks), for a chunk the r
 in 80 ms or more (``ChunkedRestore.chunk``)."""
 
 
+class _GoneFromStores:
+    """The watcher of the tiers by key (a remote store, a node daemon): blocks found gone as far as this
+    engine can tell (a load of them failed, the store said absent what it had said present), noted from
+    whichever thread found it, until taken. Their stores are announced by the plans that made them, with
+    tokens and parents, as every tier's are."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gone: list[tuple[Tier, list[bytes]]] = []
+
+    def stored(self, tier: Tier, keys: list[bytes]) -> None:
+        """(Announced by the plan that stored them.)"""
+
+    def removed(self, tier: Tier, keys: list[bytes]) -> None:
+        with self._lock:
+            self._gone.append((tier, list(keys)))
+
+    def take(self) -> list[tuple[Tier, list[bytes]]]:
+        with self._lock:
+            gone, self._gone = self._gone, []
+            return gone
+
+
 class KVEvents:
     """The events since vLLM last took them. ``tier_of`` names a tier by its name; ``restores`` are the
     disk tiers' restores of blocks kept from before the restart (``tiers.SchedulerTiers.restores``)."""
@@ -41,6 +65,14 @@ class KVEvents:
         self._tier_of = tier_of
         self._events: list[KVCacheEvent] = []
         self._restoring = list(restores)  # restores whose blocks are not all announced yet
+        self._gone = _GoneFromStores()
+
+    def watch_keyed(self, tiers: Iterable[Tier]) -> None:
+        """Hear from each tier by key with KV events when a block of it is found gone (BlockRemoved at the
+        next ``take``)."""
+        for tier in tiers:
+            if tier.by_key and where(tier) is not None:
+                tier.watcher = self._gone
 
     def stored(self, keys: list[bytes], tier: Tier, blocks: Mapping[bytes, BlockRef] | None = None) -> None:
         """BlockStored per key, for a tier whose medium names a KV-event medium, with the block's tokens and
@@ -73,6 +105,8 @@ class KVEvents:
             self.removed(keys, self._tier_of(name))
 
     def take(self) -> list[KVCacheEvent]:
+        for tier, keys in self._gone.take():
+            self.removed(keys, tier)
         if self._restoring:
             self._announce_restored()
         events, self._events = self._events, []

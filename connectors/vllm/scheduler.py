@@ -116,6 +116,7 @@ class SchedulerSide:
         self.lookup = HitLookup(self.planner, self.geometry, self.keyed)
         self.step = StepMetadata(self.geometry, self.jobs, num_workers)
         self.events = KVEvents(self.geometry, self.planner.tier, self.stack.restores)
+        self.events.watch_keyed(self.stack.tiers)
         self.stores = StorePicker(self.requests, self.planner, self.step, lazy_ahead, self._store)
         self.stats = KVTierConnectorStats()
         named = config.tenant_names()  # counted by tenant where some tier's shares name tenants

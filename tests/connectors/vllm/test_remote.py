@@ -22,6 +22,7 @@ from helpers.redis_server import redis_server
 from helpers.vllm_harness import MODEL_JSON, Engine
 from helpers.vllm_helpers import BLOCK, forget_gpu, prompt, step_until_scheduled
 from helpers.vllm_keyed import WAIT, answer, assert_second_engine_hit, publish
+from kvtier.core.keys import chain_hashes
 from kvtier.tiers.remote.redis_client import RedisClient
 
 TIMEOUT = 1.0
@@ -173,6 +174,11 @@ def test_store_killed_after_the_lookup_the_load_fails_and_vllm_recomputes(make_e
     assert sum(s.get("failed_load_blocks", 0) for s in reader.stats) == 4
     assert reader.kvtier.tier("host").usage().used == 4  # its own blocks, computed and stored again
     reader.assert_no_leaks()
+    # the store's blocks this engine found gone are announced removed, as the store's
+    gone = [e for e in reader.events if type(e).__name__ == "BlockRemoved" and e.locality == "REMOTE"]
+    keys = chain_hashes(prompt(4, 0, seed=2), BLOCK, reader.kvtier.request_namespace())
+    assert [h for e in gone for h in e.block_hashes] == keys
+    assert {(e.medium, e.ownership) for e in gone} == {("STORAGE", f"redis at {redis.url}")}
 
 
 def test_a_hung_load_fails_at_its_deadline_and_its_late_reply_writes_nowhere(make_engine, redis):
