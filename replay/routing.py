@@ -102,7 +102,7 @@ class PrefixRouter(Router):
             events.watch([tier for tier in stack.tiers if sees != "gpu" or _is_gpu(tier)])
             self.events.append(events)
             self.views.append({})
-        self.shared: dict[str, set[bytes]] = {}  # "tier@owner": blocks every engine may load
+        self.shared: dict[tuple[str, str], set[bytes]] = {}  # (tier, owner): blocks every engine may load
         self.routed = [0] * len(stacks)
         self._timed: dict[str, tuple[int, float]] = {}  # tier -> (blocks, seconds) of timed loads
 
@@ -122,8 +122,9 @@ class PrefixRouter(Router):
         scores = []
         for events, view in zip(self.events, self.views, strict=True):
             _apply(events, view, self.shared)
+        shared = [(tier, held) for (tier, _), held in self.shared.items()]
         for view in self.views:
-            scores.append(_prefix_value(keys, {**view, **self.shared}, weights))
+            scores.append(_prefix_value(keys, [*view.items(), *shared], weights))
         best = max(scores)
         engine = min((i for i, score in enumerate(scores) if score == best), key=lambda i: self.routed[i])
         self.routed[engine] += 1
@@ -134,26 +135,27 @@ def _is_gpu(tier: Tier) -> bool:
     return tier.medium == "gpu"
 
 
-def _apply(events: BlockEvents, view: dict[str, set[bytes]], shared: dict[str, set[bytes]]) -> None:
+def _apply(events: BlockEvents, view: dict[str, set[bytes]], shared: dict[tuple[str, str], set[bytes]]) -> None:
     """What the engine's tiers said since the last request, into its view (a tier with an owner: into
-    the view shared by every engine, as ``tier@owner``)."""
+    the view shared by every engine, by tier and owner)."""
     batch = events.take()
     if batch.lost:  # (never in a replay: it takes after each request)
         view.clear()
     for run in batch.runs:
         owner = run.where.owner
-        held = view.setdefault(run.tier, set()) if owner is None else shared.setdefault(f"{run.tier}@{owner}", set())
+        held = view.setdefault(run.tier, set()) if owner is None else shared.setdefault((run.tier, owner), set())
         if run.stored:
             held.update(run.keys)
         else:
             held.difference_update(run.keys)
 
 
-def _prefix_value(keys: list[bytes], view: dict[str, set[bytes]], weights: dict[str, float]) -> float:
-    """The worth of the leading blocks some tier of the view holds, each by the best tier holding it."""
+def _prefix_value(keys: list[bytes], view: list[tuple[str, set[bytes]]], weights: dict[str, float]) -> float:
+    """The worth of the leading blocks some tier of the view (tier, blocks it holds) holds, each by the
+    best tier holding it."""
     value = 0.0
     for key in keys:
-        best = max((weights.get(tier.split("@")[0], 1.0) for tier, held in view.items() if key in held), default=None)
+        best = max((weights.get(tier, 1.0) for tier, held in view if key in held), default=None)
         if best is None:
             break
         value += best
