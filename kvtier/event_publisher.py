@@ -35,6 +35,9 @@ from kvtier.core.tier import Tier
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REQUEST_BYTES = 64
+"""The most a replay request's frame may hold (8 bytes are asked for): ZMQ drops a peer that sends more,
+before anything of it is kept."""
 HIGH_WATER_MARK = 100_000
 """Batches a PUB socket queues for a subscriber before it drops (ZMQ's high-water mark)."""
 
@@ -126,6 +129,7 @@ class EventPublisher:
                 router = context.socket(zmq.ROUTER)
                 sockets.append(router)
                 router.setsockopt(zmq.SNDHWM, 2 * (self.config.replay_batches + 1))  # a whole replay fits
+                router.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)  # (a peer sending more is disconnected)
                 router.bind(self.config.replay_endpoint)
         except Exception as exc:
             self._error = exc

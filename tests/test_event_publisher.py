@@ -110,6 +110,19 @@ def test_a_malformed_replay_request_gets_the_end_marker_and_publishing_goes_on(t
             assert len(sub.replay(0)) >= 1
 
 
+def test_an_oversized_replay_request_drops_only_its_sender(tmp_path):
+    with KVTier.open(config(tmp_path)) as kv:
+        store(kv, [1])
+        with Subscriber(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay") as sub:
+            hostile = sub.context.socket(zmq.DEALER)
+            hostile.connect(f"ipc://{tmp_path}/replay")
+            hostile.send_multipart([b"", b"x" * (8 << 20)])  # 8 MiB where 8 bytes are asked for
+            assert not hostile.poll(500), "no answer to an oversized request"
+            hostile.close(linger=0)
+            assert len(sub.replay(0)) >= 1  # (others are still answered)
+            sub.connected(lambda: store(kv, [2, 3]))  # (and publishing goes on)
+
+
 def test_a_subscriber_that_never_reads_does_not_hold_up_stores_or_close(tmp_path):
     with Subscriber(f"ipc://{tmp_path}/events"):  # (connected, never reading)
         kv = KVTier.open(config(tmp_path, max_pending_blocks=1 << 20))
