@@ -194,6 +194,30 @@ def test_events_name_blocks_stored_and_removed_per_tier(make_engine):
     assert sorted(removed) == sorted(keys)
 
 
+def test_a_demoted_block_is_announced_with_the_tokens_and_parent_of_its_store(make_engine, tmp_path):
+    """The disk tier's BlockStored for a block the host tier pushed down names the tokens and parent its
+    store named (llm-d's indexer hashes tokens itself): kept while a tier holds the block, let go when
+    none does."""
+    tiers = [{"medium": "host", "capacity_blocks": 4}, {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path)}]
+    engine = make_engine({"tiers": tiers})
+    for p in (1, 2):  # the second prefix pushes the first down to disk
+        engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
+    keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
+    tokens = prompt(4, 0, seed=0, prefix=1)
+    expected = [(tokens[i * BLOCK : (i + 1) * BLOCK], keys[i - 1] if i else None) for i in range(4)]
+    stored = {
+        m: [e for e in engine.events if type(e).__name__ == "BlockStored" and e.medium == m] for m in ("CPU", "STORAGE")
+    }
+    for medium in ("CPU", "STORAGE"):
+        first = [e for e in stored[medium] if e.block_hashes[0] in keys]
+        assert [h for e in first for h in e.block_hashes] == keys, medium
+        assert [(e.token_ids, e.parent_block_hash) for e in first] == expected, medium
+    events = engine.kvtier.events
+    assert len(events._held) == 8  # two prefixes, each held by one tier or two
+    engine.connector.reset_cache()
+    assert events._held == {}  # every tier let every block go
+
+
 def test_preemption_flushes_in_flight_stores_and_keeps_kv_exact(make_engine):
     """Two requests outgrow 12 GPU blocks, so vLLM preempts one. Reports are held back every other
     step, so stores are still in flight on the scheduler side when their blocks are reused: the
