@@ -17,7 +17,9 @@ from ``get_external_cache_hit_sources``), and its connector stats summed over th
 scheduler side's and the worker's counters, as vLLM collects them each step).
 
 With ``KVTIER_TEST_EVENTS`` set to a ZMQ endpoint the engine publishes its KV events there (vLLM's own
-publisher, topic ``kv``), kvtier's tiers' among them.
+publisher, topic ``kv``), kvtier's tiers' among them, and serves replays on ``KVTIER_TEST_EVENTS_REPLAY``;
+once the prompts are done it creates ``published`` in the folder ``KVTIER_TEST_EVENTS_HOLD`` names and
+waits (at most ``HOLD_S``) for ``replayed`` there before it ends, so a subscriber can ask it for a replay.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 BLOCK = 128
+HOLD_S = 120.0
 
 
 def prompts() -> list[list[int]]:
@@ -76,7 +81,11 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
         from vllm.config.kv_events import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=events, topic="kv"
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=events,
+            replay_endpoint=os.environ.get("KVTIER_TEST_EVENTS_REPLAY"),
+            topic="kv",
         )
     llm = LLM(
         model=model_dir,
@@ -105,6 +114,9 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
 
             worker = get_kv_transfer_group().worker_side
             _scramble(worker.storages["host"])
+    hold = os.environ.get("KVTIER_TEST_EVENTS_HOLD")
+    if hold is not None:
+        _hold_for_replay(Path(hold))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     result: dict = {
         "tokens": tokens,
@@ -120,6 +132,17 @@ def main(model_dir: str, mode: str, kvtier: dict | None) -> dict:
         result["sources"] = dict(sources)
         result["stats"] = {k: round(v, 6) for k, v in stats.items() if v}
     return result
+
+
+def _hold_for_replay(folder: Path) -> None:
+    """Say the prompts are done, then keep the engine (and its event publisher) up until the test has
+    asked for its replay."""
+    (folder / "published").touch()
+    deadline = time.monotonic() + HOLD_S
+    while not (folder / "replayed").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replay asked within {HOLD_S} s")
+        time.sleep(0.05)
 
 
 def _watch_connector(llm) -> tuple[dict[str, int], dict[str, float]]:
