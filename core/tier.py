@@ -225,6 +225,12 @@ class Tier:
         "REMOTE") and who else may load them (None: this engine alone)."""
         return "LOCAL", None
 
+    def _tell_watcher(self, stored: bool, keys: list[bytes]) -> None:
+        """Tell the watcher, if any, that ``keys`` became readable here (``stored``) or stopped being; a
+        change of no keys is not one."""
+        if self.watcher is not None and keys:
+            (self.watcher.stored if stored else self.watcher.removed)(self, keys)
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are READY here. Touches nothing. In C loops (the slots by ``map``, their
         flags read and tested by ``bytes.translate``): 1.5x the keys per second of a Python loop."""
@@ -395,8 +401,7 @@ class Tier:
                     pins[key] = pins.get(key, 0) + 1
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
-            if self.watcher is not None:
-                self.watcher.stored(self, keys)
+            self._tell_watcher(True, keys)
 
     def abort(self, keys: Iterable[bytes]) -> list[bytes]:
         """Release reserved slots whose write failed or was cancelled: WRITING -> FREE.
@@ -516,8 +521,7 @@ class Tier:
             self.policy.restore(kept_keys, kept)
             if then is not None:
                 then(new)
-            if self.watcher is not None:
-                self.watcher.stored(self, kept_keys)
+            self._tell_watcher(True, kept_keys)
             return len(kept_keys)
 
     def release(self, slots: np.ndarray) -> None:
@@ -549,8 +553,7 @@ class Tier:
                 self._free_block(key)
                 dropped.append(key)
             self.stats.read_errors += len(dropped)
-            if self.watcher is not None:
-                self.watcher.removed(self, dropped)
+            self._tell_watcher(False, dropped)
             return dropped
 
     def why_absent(self, key: bytes) -> MissReason | None:
@@ -608,8 +611,7 @@ class Tier:
                     self.policy.insert(key)
             self._evicting -= len(keys)
             self.stats.evicted += len(dropped)
-            if self.watcher is not None:
-                self.watcher.removed(self, dropped)
+            self._tell_watcher(False, dropped)
             return dropped
 
     def end_demotion(self, ok: list[bytes], failed: list[bytes], refused: list[bytes]) -> list[bytes]:

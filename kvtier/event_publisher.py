@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -89,11 +90,15 @@ class EventPublisher:
         self._started = self._taken = 0  # takes from ``events`` begun, and ended (sent, or nothing to send)
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._wake_read, self._wake_write = os.pipe()  # a byte written wakes the thread (flush, close)
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         zmq = import_zmq()
         self._thread = threading.Thread(target=self._run, args=(zmq,), name="kvtier-events", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
+            self._close_wake()
             raise ConfigError(f"events: cannot publish: {self._error}") from self._error
         self.events.watch(tiers)
 
@@ -107,12 +112,25 @@ class EventPublisher:
         with self._rounds:
             target = self._started + 1  # (one under way may have begun before the call)
             self._hurry.set()
+            self._wake()
             return self._rounds.wait_for(lambda: self._taken >= target or not self._thread.is_alive(), timeout)
 
     def close(self) -> None:
         """Send what is noted still, then stop (and unbind)."""
         self._stop.set()
+        self._wake()
         self._thread.join()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"!")
+        except BlockingIOError:  # (the pipe is full of wake-ups: the thread wakes anyway)
+            pass
 
     # --- the publisher's thread -------------------------------------------------------------------
 
@@ -140,7 +158,7 @@ class EventPublisher:
             return
         self._ready.set()
         try:
-            self._serve(pub, router)
+            self._serve(zmq, pub, router)
         except Exception:  # (the stack goes on without events; flush() returns)
             log.exception("kvtier events: the publisher stopped; no more events are sent")
         finally:
@@ -148,13 +166,22 @@ class EventPublisher:
                 sock.close(linger=0)
             context.term()
 
-    def _serve(self, pub: Any, router: Any) -> None:
+    def _serve(self, zmq: Any, pub: Any, router: Any) -> None:
+        """Sleeps until a replay request, a wake-up (flush, close) or the next interval, whichever comes
+        first."""
         topic = self.config.topic.encode()
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
         seq = 0
         next_at = time.monotonic()
         while True:
+            ready = dict(poller.poll(max(0.0, next_at - time.monotonic()) * 1000))
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
             stopping = self._stop.is_set()
-            if router is not None and router.poll(0):
+            if router in ready:
                 self._answer_replay(router, topic)
             if time.monotonic() >= next_at or stopping or self._hurry.is_set():
                 with self._rounds:
@@ -171,7 +198,6 @@ class EventPublisher:
                     self._rounds.notify_all()
             if stopping:
                 return
-            self._stop.wait(min(0.01, max(0.0, next_at - time.monotonic())))
 
     def _answer_replay(self, router: Any, topic: bytes) -> None:
         """Every batch kept from the requested sequence number on, then the end marker; a malformed

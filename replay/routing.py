@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvtier.core.events import BlockEvents
+from kvtier.core.events import BlockEvents, where
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.replay.trace import Request
@@ -132,7 +132,10 @@ class PrefixRouter(Router):
 
 
 def _is_gpu(tier: Tier) -> bool:
-    return tier.medium == "gpu"
+    """Whether the tier's events are GPU memory's (the only ones a router hearing vLLM's own events gets),
+    as its medium's registry entry names them."""
+    place = where(tier)
+    return place is not None and place.medium == "GPU"
 
 
 def _apply(events: BlockEvents, view: dict[str, set[bytes]], shared: dict[tuple[str, str], set[bytes]]) -> None:

@@ -5,6 +5,7 @@ never reads, an endpoint taken and a backlog nobody sends are each met without h
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -158,10 +159,13 @@ def test_an_endpoint_taken_is_a_config_error_and_nothing_stays_open(tmp_path):
     taken = zmq.Context().socket(zmq.PUB)
     taken.bind(f"tcp://127.0.0.1:{port}")
     try:
+        fds = len(os.listdir("/proc/self/fd"))
         with pytest.raises(ConfigError, match="events: cannot publish"):
             KVTier.open(config(tmp_path, endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=None))
+        assert len(os.listdir("/proc/self/fd")) == fds
         with KVTier.open(config(tmp_path)) as kv:  # (the disk tier's directory was let go)
             store(kv, [1])
+        assert len(os.listdir("/proc/self/fd")) == fds  # (nor a publisher closed after use)
     finally:
         taken.close(linger=0)
 

@@ -179,8 +179,7 @@ class KeyedTier(Tier):
                         self._fail(key, MissReason.REMOTE_ERROR, now)
                     elif self._failed.get(key, (0.0, None))[1] is MissReason.REMOTE_ERROR:
                         del self._failed[key]  # answered now
-                if gone and self.watcher is not None:
-                    self.watcher.removed(self, gone)
+                self._tell_watcher(False, gone)
             asked.set()
         return found is not None
 
@@ -233,8 +232,7 @@ class KeyedTier(Tier):
                 self._remember(key, True, now)
             self.stats.committed += len(keys)
             self.stats.bytes_in += len(keys) * self.block_bytes
-            if self.watcher is not None:
-                self.watcher.stored(self, keys)
+            self._tell_watcher(True, keys)
 
     def abort(self, keys: Iterable[bytes]) -> list[bytes]:
         """Not stored (a counted drop); the owner can hold any block, so none is refused for good."""
@@ -254,8 +252,7 @@ class KeyedTier(Tier):
                 self._remember(key, False, now)
                 self._fail(key, self._failure(key) or MissReason.REMOTE_ERROR, now)
             self.stats.read_errors += len(keys)
-            if self.watcher is not None:
-                self.watcher.removed(self, keys)
+            self._tell_watcher(False, keys)
             return []
 
     def why_absent(self, key: bytes) -> MissReason | None:
