@@ -107,3 +107,57 @@ class BlockEvents:
                 self._runs.append(last)
             last.keys.extend(keys)
             self._waiting += len(keys)
+
+
+class BlockTokens(NamedTuple):
+    """A block's token ids and its parent's key (None for a prompt's first block), which a router that
+    hashes tokens itself (llm-d's indexer) chains blocks by."""
+
+    tokens: tuple[int, ...]
+    parent: bytes | None
+
+
+class HeldTokens:
+    """The tokens of each block while one of this engine's own tiers holds it (a tier whose blocks no one
+    else loads: ``Where.owner`` None), so that a block copied down, or on to a shared store, is announced
+    with the tokens of its first store, as vLLM's offloading events announce theirs. What it keeps is
+    bounded by those tiers' capacity, plus ``max_noted`` blocks noted for a store not yet taken (the
+    oldest forgotten first: a store refused or failed never says so here). Thread-safe."""
+
+    def __init__(self, max_noted: int = MAX_KEYS) -> None:
+        self.max_noted = max_noted
+        self._lock = threading.Lock()
+        self._noted: dict[bytes, BlockTokens] = {}  # before a tier took them, oldest first
+        self._held: dict[bytes, tuple[BlockTokens, set[str]]] = {}  # key -> tokens, the tiers holding it
+
+    def note(self, key: bytes, block: BlockTokens) -> None:
+        """``key``'s block is about to be stored."""
+        with self._lock:
+            self._noted.pop(key, None)
+            self._noted[key] = block
+            if len(self._noted) > self.max_noted:
+                del self._noted[next(iter(self._noted))]
+
+    def stored(self, tier: str, place: Where, key: bytes, block: BlockTokens | None = None) -> BlockTokens | None:
+        """``tier`` took ``key``'s block: its tokens (``block``, else as noted or kept), None when unknown."""
+        with self._lock:
+            noted = self._noted.pop(key, None)
+            held = self._held.get(key)
+            block = block or noted or (held[0] if held is not None else None)
+            if block is not None and place.owner is None:
+                self._held.setdefault(key, (block, set()))[1].add(tier)
+            return block
+
+    def removed(self, tier: str, key: bytes) -> None:
+        """``tier`` let ``key``'s block go: its tokens too, once no tier holds it."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held[1].discard(tier)
+                if not held[1]:
+                    del self._held[key]
+
+    def __len__(self) -> int:
+        """Blocks whose tokens are kept (noted or held)."""
+        with self._lock:
+            return len(self._noted) + len(self._held)

@@ -142,10 +142,13 @@ class KVTier:
         return self.stack.store_now(keys, storage, range(len(keys)), timeout=timeout)
 
     def _source(self, tokens_or_keys: TokensOrKeys, blocks: Blocks, tenant: Tenant) -> tuple[list[bytes], BlockStorage]:
+        """The keys and blocks of a store; the blocks' tokens told to the publisher (their events carry them)."""
         keys = self.keys(tokens_or_keys, tenant)
         storage = buffer_storage(blocks, self.layout)
         if storage.num_slots < len(keys):
             raise ArgumentError(f"{len(keys)} keys but only {storage.num_slots} blocks given")
+        if self.publisher is not None and _are_token_ids(tokens_or_keys):
+            self.publisher.note(keys, list(tokens_or_keys))
         return keys, storage
 
     def load(self, tokens_or_keys: TokensOrKeys, out: Blocks, tenant: Tenant = None):

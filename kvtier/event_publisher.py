@@ -30,7 +30,7 @@ import msgpack
 
 from kvtier.core.config import EventsConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Batch, BlockEvents, Run
+from kvtier.core.events import Batch, BlockEvents, BlockTokens, HeldTokens, Run
 from kvtier.core.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class EventPublisher:
         self.config = config
         self.block_tokens = block_tokens
         self.events = BlockEvents(config.max_pending_blocks)
+        self.tokens = HeldTokens(config.max_pending_blocks)  # what a store by token ids said (``note``)
         self.counts = {"batches": 0, "stored": 0, "removed": 0, "lost": 0}
         self._replay: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.replay_batches)
         self._stop = threading.Event()
@@ -101,6 +102,13 @@ class EventPublisher:
             self._close_wake()
             raise ConfigError(f"events: cannot publish: {self._error}") from self._error
         self.events.watch(tiers)
+
+    def note(self, keys: list[bytes], tokens: list[int]) -> None:
+        """The blocks of ``keys`` hold ``tokens`` (``block_tokens`` each, in order) and are about to be
+        stored: their BlockStored events carry them, chained each to the one before."""
+        n = self.block_tokens
+        for i, key in enumerate(keys):
+            self.tokens.note(key, BlockTokens(tuple(tokens[i * n : (i + 1) * n]), keys[i - 1] if i else None))
 
     def stats(self) -> dict[str, int]:
         """Batches sent, blocks announced stored and removed, and changes forgotten (never sent)."""
@@ -216,28 +224,56 @@ class EventPublisher:
         if batch.lost:
             events.append({"type": "AllBlocksCleared"})
             self.counts["lost"] += batch.lost
-        events.extend(self._event(run) for run in batch.runs)
+        for run in batch.runs:
+            events.extend(self._stored(run) if run.stored else [self._removed(run)])
         if not events:
             return None
         self.counts["batches"] += 1
         return msgpack.packb([time.time(), events, None], use_bin_type=True)
 
-    def _event(self, run: Run) -> dict[str, Any]:
-        where = run.where
-        placed = {"medium": where.medium, "locality": where.locality}
-        if where.owner is not None:
-            placed["ownership"] = where.owner
-        if not run.stored:
-            self.counts["removed"] += len(run.keys)
-            return {"type": "BlockRemoved", "block_hashes": run.keys, **placed}
+    def _removed(self, run: Run) -> dict[str, Any]:
+        for key in run.keys:
+            self.tokens.removed(run.tier, key)
+        self.counts["removed"] += len(run.keys)
+        return {"type": "BlockRemoved", "block_hashes": run.keys, **_placed(run)}
+
+    def _stored(self, run: Run) -> list[dict[str, Any]]:
+        """BlockStored events for a run: one per chain of blocks whose tokens are known (each block's
+        parent the one before it; the tokens of all, in order), one for each stretch of blocks whose
+        tokens are not (stored by key)."""
         self.counts["stored"] += len(run.keys)
+        events: list[dict[str, Any]] = []
+        last: bytes | None = None
+        for key in run.keys:
+            block = self.tokens.stored(run.tier, run.where, key)
+            event = events[-1] if events else None
+            if block is None and event is not None and not event["token_ids"]:
+                event["block_hashes"].append(key)
+            elif block is not None and event is not None and event["token_ids"] and block.parent == last:
+                event["block_hashes"].append(key)
+                event["token_ids"].extend(block.tokens)
+            else:
+                tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
+                events.append(self._stored_event([key], tokens, parent, run))
+            last = key
+        return events
+
+    def _stored_event(self, keys: list[bytes], tokens: list[int], parent: bytes | None, run: Run) -> dict[str, Any]:
         return {
             "type": "BlockStored",
-            "block_hashes": run.keys,
-            "parent_block_hash": None,
-            "token_ids": [],
+            "block_hashes": keys,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
             "block_size": self.block_tokens,
             "lora_id": None,
             "lora_name": None,
-            **placed,
+            **_placed(run),
         }
+
+
+def _placed(run: Run) -> dict[str, Any]:
+    """Where the run's blocks live, as vLLM's events say it (no ``ownership`` for this engine's own)."""
+    placed = {"medium": run.where.medium, "locality": run.where.locality}
+    if run.where.owner is not None:
+        placed["ownership"] = run.where.owner
+    return placed

@@ -73,6 +73,39 @@ def test_a_subscriber_sees_numbered_batches_that_say_what_each_tier_holds(tmp_pa
         assert stats["lost"] == 0
 
 
+def test_blocks_stored_by_token_ids_are_announced_with_their_tokens_chained_to_their_parents(tmp_path, rng):
+    """On every tier: the host tier that took them, the disk tier they were pushed down to (the tokens
+    kept while a tier holds the block, let go once none does); blocks stored by key carry none."""
+    prompts = [[int(t) for t in rng.integers(0, 50_000, 12)] for _ in range(4)]  # 3 blocks each
+    with KVTier.open(config(tmp_path)) as kv, Subscriber(f"ipc://{tmp_path}/events") as sub:
+        sub.connected(lambda: store(kv, [1000]))
+        sub.drain()
+        expected = {}
+        for prompt in prompts:  # 12 blocks over a host tier of 4 and a disk tier of 8
+            chain = kv.keys(prompt)
+            expected.update(
+                {key: (prompt[i * 4 : (i + 1) * 4], chain[i - 1] if i else None) for i, key in enumerate(chain)}
+            )
+            kv.store(prompt, np.zeros((3, BLOCK), np.uint8)).result(10)
+            kv.wait_idle()
+        store(kv, [7])  # by key
+        stored = [e for _, _, payload in sub.drain() for e in decode(payload) if e["type"] == "BlockStored"]
+        announced = {m: set() for m in ("CPU", "STORAGE")}
+        by_key = set(keys(1000, 7))
+        for event in stored:
+            block_keys = event["block_hashes"]
+            if block_keys[0] in by_key:
+                assert set(block_keys) <= by_key and (event["token_ids"], event["parent_block_hash"]) == ([], None)
+                continue
+            tokens = [t for key in block_keys for t in expected[key][0]]
+            assert (event["token_ids"], event["parent_block_hash"]) == (tokens, expected[block_keys[0]][1])
+            assert all(expected[key][1] == before for before, key in zip(block_keys, block_keys[1:], strict=False))
+            announced[event["medium"]].update(block_keys)
+        assert announced["CPU"] == set(expected) and len(announced["STORAGE"]) >= 8  # (demoted, with their tokens)
+        kept = {key for tier in kv.stack.tiers for key in tier.ready_keys()} - by_key
+        assert len(kv.publisher.tokens) == len(kept)  # (those of blocks no tier holds let go)
+
+
 def test_a_late_subscriber_gets_what_it_missed_from_the_replay_endpoint(tmp_path):
     with KVTier.open(config(tmp_path)) as kv:
         for i in range(5):

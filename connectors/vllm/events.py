@@ -21,7 +21,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvtier.connectors.vllm.geometry import GroupKeys
 from kvtier.connectors.vllm.recovery import ChunksBack
 from kvtier.connectors.vllm.request_state import BlockRef
-from kvtier.core.events import Where, where
+from kvtier.core.events import BlockTokens, HeldTokens, Where, where
 from kvtier.core.tier import Tier
 
 RESTORED_PER_EVENT = 65536
@@ -66,7 +66,7 @@ class KVEvents:
         self._events: list[KVCacheEvent] = []
         self._restoring = list(restores)  # restores whose blocks are not all announced yet
         self._gone = _GoneFromStores()
-        self._held: dict[bytes, tuple[BlockRef, set[str]]] = {}  # a block's tokens, while local tiers hold it
+        self.tokens = HeldTokens()  # (nothing is noted: a store's blocks come with it)
 
     def watch_keyed(self, tiers: Iterable[Tier]) -> None:
         """Hear from each tier by key with KV events when a block of it is found gone (BlockRemoved at the
@@ -77,20 +77,15 @@ class KVEvents:
 
     def stored(self, keys: list[bytes], tier: Tier, blocks: Mapping[bytes, BlockRef] | None = None) -> None:
         """BlockStored per key, for a tier whose medium names a KV-event medium, with the block's tokens and
-        its parent's key: from the request's blocks (a store), else as they were stored, for as long as
-        a local tier has held the block since (a demotion, a copy to a keyed store), as vLLM's own
-        offloading events do. Tokens are kept per block only while this engine's own tiers hold it,
-        so they cost at most those tiers' capacity; a block known by a keyed store alone is not kept."""
+        its parent's key: from the request's blocks (a store), else as they were stored, while one of
+        this engine's own tiers has held the block since (a demotion, a copy to a keyed store:
+        ``HeldTokens``)."""
         place = where(tier)
         if place is None:
             return
         for key in keys:
-            block = blocks.get(key) if blocks else None
-            held = self._held.get(key)
-            if block is None and held is not None:
-                block = held[0]
-            if block is not None and not tier.by_key:
-                self._held.setdefault(key, (block, set()))[1].add(tier.name)
+            ref = blocks.get(key) if blocks else None
+            block = self.tokens.stored(tier.name, place, key, BlockTokens(ref.tokens, ref.parent) if ref else None)
             tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
             self._events.append(_stored([key], tokens, self.geometry.tokens_of(key), place, parent))
 
@@ -100,11 +95,7 @@ class KVEvents:
             if restore.tier is tier:
                 restore.dropped(keys)
         for key in keys:
-            held = self._held.get(key)
-            if held is not None:
-                held[1].discard(tier.name)
-                if not held[1]:
-                    del self._held[key]
+            self.tokens.removed(tier.name, key)
         place = where(tier)
         if keys and place is not None:
             self._events.append(

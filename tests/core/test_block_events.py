@@ -1,6 +1,7 @@
 """What a stack's tiers tell their watcher (``core/events.py``): replayed in order, the runs of a
 ``BlockEvents`` say exactly which blocks each tier holds, whatever stores, loads, evictions, demotions and
-damaged blocks happened; a watcher nobody empties forgets and says how much."""
+damaged blocks happened; a watcher nobody empties forgets and says how much. A block's tokens are kept
+while this engine's own tiers hold it, and no longer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 from helpers.disk_helpers import get, open_stack, put
 from helpers.stack_helpers import key
-from kvtier.core.events import Batch, BlockEvents, Where
+from kvtier.core.events import Batch, BlockEvents, BlockTokens, HeldTokens, Where
 from kvtier.core.stack import TierStack
 
 
@@ -109,3 +110,20 @@ def test_every_tier_of_a_standalone_stack_is_watched_and_named_by_its_medium(tmp
         stack.wait_idle()
         media = {(run.tier, run.where) for run in events.take().runs}
         assert media == {("gpu", Where("GPU", "LOCAL", None)), ("host", Where("CPU", "LOCAL", None))}
+
+
+def test_a_blocks_tokens_are_kept_while_an_own_tier_holds_it_and_noted_ones_are_bounded():
+    own, shared = Where("CPU", "LOCAL", None), Where("STORAGE", "REMOTE", "redis at x")
+    tokens = HeldTokens(max_noted=2)
+    a, b = BlockTokens((1, 2), None), BlockTokens((3, 4), b"a")
+    tokens.note(b"a", a)
+    assert tokens.stored("host", own, b"a") == a  # as noted
+    assert tokens.stored("disk", own, b"a") == a and tokens.stored("store", shared, b"a") == a  # copies
+    tokens.removed("host", b"a")
+    assert tokens.stored("store", shared, b"a") == a  # the disk tier holds it still
+    tokens.removed("disk", b"a")
+    assert len(tokens) == 0 and tokens.stored("store", shared, b"a") is None  # no own tier: let go
+    assert tokens.stored("store", shared, b"b", b) == b and len(tokens) == 0  # a shared store's: not kept
+    for n in range(3):  # stores noted but never taken: the oldest forgotten past the bound
+        tokens.note(bytes([n]), b)
+    assert len(tokens) == 2 and tokens.stored("host", own, bytes([0])) is None

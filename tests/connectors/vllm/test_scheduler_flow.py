@@ -213,9 +213,9 @@ def test_a_demoted_block_is_announced_with_the_tokens_and_parent_of_its_store(ma
         assert [h for e in first for h in e.block_hashes] == keys, medium
         assert [(e.token_ids, e.parent_block_hash) for e in first] == expected, medium
     events = engine.kvtier.events
-    assert len(events._held) == 8  # two prefixes, each held by one tier or two
+    assert len(events.tokens) == 8  # two prefixes, each held by one tier or two
     engine.connector.reset_cache()
-    assert events._held == {}  # every tier let every block go
+    assert len(events.tokens) == 0  # every tier let every block go
 
 
 def test_preemption_flushes_in_flight_stores_and_keeps_kv_exact(make_engine):
