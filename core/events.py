@@ -16,6 +16,7 @@ knew of this engine, since some removals never reach it. It never blocks and nev
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -130,32 +131,45 @@ class HeldTokens:
         self._noted: dict[bytes, BlockTokens] = {}  # before a tier took them, oldest first
         self._held: dict[bytes, tuple[BlockTokens, set[str]]] = {}  # key -> tokens, the tiers holding it
 
-    def note(self, key: bytes, block: BlockTokens) -> None:
-        """``key``'s block is about to be stored."""
+    def note(self, keys: Sequence[bytes], blocks: Sequence[BlockTokens]) -> None:
+        """These blocks are about to be stored."""
         with self._lock:
-            self._noted.pop(key, None)
-            self._noted[key] = block
-            if len(self._noted) > self.max_noted:
-                del self._noted[next(iter(self._noted))]
+            noted = self._noted
+            noted.update(zip(keys, blocks, strict=True))
+            while len(noted) > self.max_noted:
+                del noted[next(iter(noted))]
 
-    def stored(self, tier: str, place: Where, key: bytes, block: BlockTokens | None = None) -> BlockTokens | None:
-        """``tier`` took ``key``'s block: its tokens (``block``, else as noted or kept), None when unknown."""
+    def stored(
+        self, tier: str, place: Where, keys: Sequence[bytes], given: Sequence[BlockTokens | None] | None = None
+    ) -> list[BlockTokens | None]:
+        """``tier`` took these blocks: the tokens of each (``given``, else as noted or kept; None when
+        unknown). One call per run of keys: the lock is taken once."""
+        own = place.owner is None
+        out: list[BlockTokens | None] = []
         with self._lock:
-            noted = self._noted.pop(key, None)
-            held = self._held.get(key)
-            block = block or noted or (held[0] if held is not None else None)
-            if block is not None and place.owner is None:
-                self._held.setdefault(key, (block, set()))[1].add(tier)
-            return block
+            noted, held = self._noted, self._held
+            for i, key in enumerate(keys):
+                block = given[i] if given is not None else None
+                was = noted.pop(key, None)
+                kept = held.get(key)
+                block = block or was or (kept[0] if kept is not None else None)
+                if block is not None and own:
+                    if kept is None:
+                        held[key] = kept = (block, set())
+                    kept[1].add(tier)
+                out.append(block)
+        return out
 
-    def removed(self, tier: str, key: bytes) -> None:
-        """``tier`` let ``key``'s block go: its tokens too, once no tier holds it."""
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        """``tier`` let these blocks go: their tokens too, once no tier holds them."""
         with self._lock:
-            held = self._held.get(key)
-            if held is not None:
-                held[1].discard(tier)
-                if not held[1]:
-                    del self._held[key]
+            held = self._held
+            for key in keys:
+                kept = held.get(key)
+                if kept is not None:
+                    kept[1].discard(tier)
+                    if not kept[1]:
+                        del held[key]
 
     def __len__(self) -> int:
         """Blocks whose tokens are kept (noted or held)."""

@@ -106,9 +106,9 @@ class EventPublisher:
     def note(self, keys: list[bytes], tokens: list[int]) -> None:
         """The blocks of ``keys`` hold ``tokens`` (``block_tokens`` each, in order) and are about to be
         stored: their BlockStored events carry them, chained each to the one before."""
-        n = self.block_tokens
-        for i, key in enumerate(keys):
-            self.tokens.note(key, BlockTokens(tuple(tokens[i * n : (i + 1) * n]), keys[i - 1] if i else None))
+        n, whole = self.block_tokens, tuple(tokens)
+        parents = [None, *keys[:-1]]
+        self.tokens.note(keys, [BlockTokens(whole[i * n : i * n + n], parents[i]) for i in range(len(keys))])
 
     def stats(self) -> dict[str, int]:
         """Batches sent, blocks announced stored and removed, and changes forgotten (never sent)."""
@@ -232,8 +232,7 @@ class EventPublisher:
         return msgpack.packb([time.time(), events, None], use_bin_type=True)
 
     def _removed(self, run: Run) -> dict[str, Any]:
-        for key in run.keys:
-            self.tokens.removed(run.tier, key)
+        self.tokens.removed(run.tier, run.keys)
         self.counts["removed"] += len(run.keys)
         return {"type": "BlockRemoved", "block_hashes": run.keys, **_placed(run)}
 
@@ -243,18 +242,18 @@ class EventPublisher:
         tokens are not (stored by key)."""
         self.counts["stored"] += len(run.keys)
         events: list[dict[str, Any]] = []
+        keys: list[bytes] = []  # the last event's, and its tokens (empty: not known)
+        tokens: list[int] = []
         last: bytes | None = None
-        for key in run.keys:
-            block = self.tokens.stored(run.tier, run.where, key)
-            event = events[-1] if events else None
-            if block is None and event is not None and not event["token_ids"]:
-                event["block_hashes"].append(key)
-            elif block is not None and event is not None and event["token_ids"] and block.parent == last:
-                event["block_hashes"].append(key)
-                event["token_ids"].extend(block.tokens)
+        for key, block in zip(run.keys, self.tokens.stored(run.tier, run.where, run.keys), strict=True):
+            if block is None and keys and not tokens:  # (a stretch of blocks whose tokens are not known goes on)
+                keys.append(key)
+            elif block is not None and tokens and block.parent == last:  # (a chain goes on)
+                keys.append(key)
+                tokens.extend(block.tokens)
             else:
-                tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
-                events.append(self._stored_event([key], tokens, parent, run))
+                keys, tokens = [key], list(block.tokens) if block is not None else []
+                events.append(self._stored_event(keys, tokens, block.parent if block is not None else None, run))
             last = key
         return events
 

@@ -83,9 +83,9 @@ class KVEvents:
         place = where(tier)
         if place is None:
             return
-        for key in keys:
-            ref = blocks.get(key) if blocks else None
-            block = self.tokens.stored(tier.name, place, key, BlockTokens(ref.tokens, ref.parent) if ref else None)
+        refs = [blocks.get(key) for key in keys] if blocks else [None] * len(keys)
+        given = [BlockTokens(ref.tokens, ref.parent) if ref else None for ref in refs]
+        for key, block in zip(keys, self.tokens.stored(tier.name, place, keys, given), strict=True):
             tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
             self._events.append(_stored([key], tokens, self.geometry.tokens_of(key), place, parent))
 
@@ -94,8 +94,7 @@ class KVEvents:
         for restore in self._restoring:  # (a block dropped after it went back is not announced as back)
             if restore.tier is tier:
                 restore.dropped(keys)
-        for key in keys:
-            self.tokens.removed(tier.name, key)
+        self.tokens.removed(tier.name, keys)
         place = where(tier)
         if keys and place is not None:
             self._events.append(

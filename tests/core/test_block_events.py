@@ -116,14 +116,13 @@ def test_a_blocks_tokens_are_kept_while_an_own_tier_holds_it_and_noted_ones_are_
     own, shared = Where("CPU", "LOCAL", None), Where("STORAGE", "REMOTE", "redis at x")
     tokens = HeldTokens(max_noted=2)
     a, b = BlockTokens((1, 2), None), BlockTokens((3, 4), b"a")
-    tokens.note(b"a", a)
-    assert tokens.stored("host", own, b"a") == a  # as noted
-    assert tokens.stored("disk", own, b"a") == a and tokens.stored("store", shared, b"a") == a  # copies
-    tokens.removed("host", b"a")
-    assert tokens.stored("store", shared, b"a") == a  # the disk tier holds it still
-    tokens.removed("disk", b"a")
-    assert len(tokens) == 0 and tokens.stored("store", shared, b"a") is None  # no own tier: let go
-    assert tokens.stored("store", shared, b"b", b) == b and len(tokens) == 0  # a shared store's: not kept
-    for n in range(3):  # stores noted but never taken: the oldest forgotten past the bound
-        tokens.note(bytes([n]), b)
-    assert len(tokens) == 2 and tokens.stored("host", own, bytes([0])) is None
+    tokens.note([b"a"], [a])
+    assert tokens.stored("host", own, [b"a"]) == [a]  # as noted
+    assert tokens.stored("disk", own, [b"a"]) == [a] and tokens.stored("store", shared, [b"a"]) == [a]  # copies
+    tokens.removed("host", [b"a"])
+    assert tokens.stored("store", shared, [b"a"]) == [a]  # the disk tier holds it still
+    tokens.removed("disk", [b"a"])
+    assert len(tokens) == 0 and tokens.stored("store", shared, [b"a"]) == [None]  # no own tier: let go
+    assert tokens.stored("store", shared, [b"b"], [b]) == [b] and len(tokens) == 0  # a shared store's: not kept
+    tokens.note([bytes([n]) for n in range(3)], [b] * 3)  # stores noted, never taken: the oldest forgotten
+    assert len(tokens) == 2 and tokens.stored("host", own, [bytes([0])]) == [None]
