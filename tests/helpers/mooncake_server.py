@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import processes
 from helpers.ports import free_port
 
 REQUIRED = os.environ.get("KVTIER_REQUIRE_REMOTE") == "1"
@@ -166,8 +167,8 @@ class _Server:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        """SIGSTOP: the process keeps its sockets open and answers nothing, like a hung server."""
-        os.kill(self.pid, signal.SIGSTOP)
+        """SIGSTOP, taken effect: the process keeps its sockets open and answers nothing, like a hung server."""
+        processes.stop(self.pid)
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from helpers import processes
 from kvtier.tiers.node.client import NodeClient
 from kvtier.tiers.node.protocol import Op
 
@@ -122,14 +123,9 @@ class NodeDaemonProcess:
         self.process.send_signal(signum)
 
     def pause(self) -> None:
-        """SIGSTOP, once the process is stopped (a signal lands when the target is next scheduled)."""
-        self.signal(signal.SIGSTOP)
+        """SIGSTOP, once every thread of the process is stopped."""
         assert self.process is not None
-        stat = Path(f"/proc/{self.process.pid}/stat")
-        deadline = time.monotonic() + READY_WITHIN_S
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-            assert time.monotonic() < deadline, "the node daemon did not stop"
-            time.sleep(0.005)
+        processes.stop(self.process.pid)
 
     def resume(self) -> None:
         self.signal(signal.SIGCONT)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import processes
 from helpers.ports import free_port
 
 SERVER = "redis-server"
@@ -271,8 +272,9 @@ class RedisServer:
         os.kill(self.proc.pid, sig)
 
     def stop(self) -> None:
-        """SIGSTOP: the server keeps its sockets open and answers nothing (a hung server)."""
-        self._signal(signal.SIGSTOP)
+        """SIGSTOP, taken effect: the server keeps its sockets open and answers nothing (a hung server)."""
+        assert self.proc is not None and self.proc.poll() is None, "the server is not running"
+        processes.stop(self.proc.pid)
         self.stopped = True
 
     def cont(self) -> None:
