@@ -20,11 +20,10 @@ demo: $(VENV)/.installed
 # The remote tier's tests run real servers: the test extra brings the Python clients, and as root make test
 # installs the system packages they need when missing (libibverbs1, redis-server: scripts/install-remote-test-deps.sh);
 # elsewhere those tests skip, naming the install line (KVTIER_REQUIRE_REMOTE=1, as .ci/run sets it, fails them).
-# The suite mostly waits (servers starting, deadlines running out, a Mooncake client's one-second close): with
-# TEST_PARALLEL="-n 6 --dist worksteal" it runs in 6 processes (pytest-xdist) in a third of the time (each process's
-# servers on ports of its own), but a test against a stopped Mooncake master got an answer in 1 of the last 5 such
-# runs, so CI runs it in one.
-TEST_PARALLEL :=
+# The suite mostly waits (servers starting, deadlines running out, a Mooncake client's one-second close), so it
+# runs in 6 processes (pytest-xdist; each process's servers on ports of its own), in a third of the time it takes
+# in one; TEST_PARALLEL= runs it in one process.
+TEST_PARALLEL := -n 6 --dist worksteal
 test: $(VENV)/.installed
 	bash scripts/install-remote-test-deps.sh
 	$(VENV)/bin/pytest -q $(TEST_PARALLEL) --durations=10
