@@ -25,6 +25,7 @@ from pydantic_core import CoreSchema, core_schema
 
 from kvtier.core.config_messages import Problems, explain
 from kvtier.core.errors import ConfigError, shown
+from kvtier.core.events_config import EventsConfig
 from kvtier.core.keys import key_secret, tenant_of
 from kvtier.core.sizes import Size, format_size
 from kvtier.core.strict_yaml import read_yaml
@@ -44,22 +45,6 @@ class TransferConfig(ConfigModel):
     threads: int = Field(2, ge=1)
     io_threads: int = Field(8, ge=1)  # positioned reads and writes in flight at once, for disk tiers
     cuda_copy: Literal["auto", "batch", "kernel", "loop"] = "auto"  # how GPU <-> host jobs move (transfers/cuda.py)
-
-
-class EventsConfig(ConfigModel):
-    """KV events of the stack's tiers on a ZMQ endpoint of its own (``kvtier/event_publisher.py``), in
-    vLLM's format: where a router subscribes (``endpoint``, bound: ``tcp://host:port`` or ``ipc://path``)
-    and asks for what it missed (``replay_endpoint``, optional), ``topic`` (the first frame), how often
-    the tiers' changes go out (``interval`` seconds: one batch each), how many batches are kept for replay,
-    and how many blocks' changes may wait before they are forgotten (a subscriber is then told to
-    forget this engine's blocks)."""
-
-    endpoint: str = Field(pattern=r"^(tcp|ipc)://.+")
-    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://.+")
-    topic: str = ""
-    interval: float = Field(0.05, gt=0, le=10)
-    replay_batches: int = Field(10_000, ge=0)
-    max_pending_blocks: int = Field(1 << 20, ge=1)
 
 
 _TIER_CONFIGS: dict[str, type[TierConfigBase]] = {}

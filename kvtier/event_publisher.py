@@ -28,9 +28,9 @@ from typing import Any
 
 import msgpack
 
-from kvtier.core.config import EventsConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.events import Batch, BlockEvents, BlockTokens, HeldTokens, Run
+from kvtier.core.events_config import EventsConfig
 from kvtier.core.tier import Tier
 
 log = logging.getLogger(__name__)
