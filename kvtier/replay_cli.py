@@ -557,7 +557,8 @@ def _router(routing: str, requests: Sequence[Request], stacks: list, args: argpa
 
 def _routing_figures(run: dict, sizing: dict, prefill_tokens_per_s: float) -> dict:
     """What one routing gave (``--routing``): hits, per tier too, prefill saved (tokens, and seconds at the
-    assumed rate: gross, and net of the loads' time where every tier's load time is known), each engine's hit ratio."""
+    assumed rate: gross, and net of the loads' time where every tier's load time is known), each engine's hit ratio
+    and requests (a router that keeps families together may load one engine more than the others)."""
     net = sizing["total"]["net_s_saved_per_s"]
     return {
         "hit_ratio": run["hit_ratio"],
@@ -566,4 +567,5 @@ def _routing_figures(run: dict, sizing: dict, prefill_tokens_per_s: float) -> di
         "prefill_s_saved": run["prefill_tokens_saved"] / prefill_tokens_per_s,
         "net_prefill_s_saved": None if net is None else net * sizing["trace_seconds"],
         "engines": [engine["hit_ratio"] for engine in run["engines"]],
+        "requests": [engine["requests"] for engine in run["engines"]],
     }

@@ -175,17 +175,20 @@ def sweep_table(summary: dict) -> Table:
 
 
 def routing_table(summary: dict) -> Table:
-    """One row per routing (``--routing``): hit ratio in all and per tier, prefill seconds saved, engines' spread."""
+    """One row per routing (``--routing``): hit ratio in all and per tier, prefill seconds saved, the engines'
+    hit ratios (lowest to highest), and the busiest engine's requests over the mean (1.00: evenly spread)."""
     routing = summary["routing"]
     tiers = list(next(iter(routing.values()))["tier_hit_ratio"])
     table = Table(title=f"routing across {len(summary['engines'])} engines", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ["routing", "hit ratio", *(f"{t} hits" for t in tiers), "prefill s saved", "net s", "engines"]:
+    columns = ["routing", "hit ratio", *(f"{t} hits" for t in tiers), "prefill s saved", "net s", "engines", "busiest"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "routing" else "right")
     for name, r in routing.items():
         spread = f"{min(r['engines']):.2f}-{max(r['engines']):.2f}"
         net = "?" if r["net_prefill_s_saved"] is None else f"{r['net_prefill_s_saved']:.1f}"
         per_tier = (f"{r['tier_hit_ratio'][t]:.3f}" for t in tiers)
-        table.add_row(name, f"{r['hit_ratio']:.3f}", *per_tier, f"{r['prefill_s_saved']:.1f}", net, spread)
+        busiest = f"{max(r['requests']) * len(r['requests']) / max(1, sum(r['requests'])):.2f}"
+        table.add_row(name, f"{r['hit_ratio']:.3f}", *per_tier, f"{r['prefill_s_saved']:.1f}", net, spread, busiest)
     return table
 
 

@@ -16,9 +16,12 @@ blocks are from the engines' KV events, as llm-d's or Dynamo's routers do.
   (``tier_weight``: load times measured as the replay goes, against recomputing at the assumed rate).
 
 A block of a tier other engines load from too (a node daemon's, a shared store's: its events name an
-owner) counts for every engine. Prefix routers break ties (no engine holds any of the prefix, or
-several hold as much) by sending the request to the engine that got the fewest requests so far:
-without it every cold request would go to engine 0. They see exactly what the events say
+owner) counts for every engine. Prefix routers choose among the engines that have taken at most
+``LOAD_SLACK`` (a quarter) above the mean count of requests, as real routers weigh load beside
+prefixes: one that followed prefixes alone sent 57% of the chat workload's requests to one of four
+engines. They break ties (no engine holds any of the prefix, or several hold as much) by sending the
+request to the engine that took the fewest requests so far: without it every cold request would go to
+engine 0. They see exactly what the events say
 (``core/events.py``): a block demoted, evicted or loaded back is known to them when its tier says so,
 not before.
 """
@@ -32,6 +35,10 @@ from kvtier.core.events import BlockEvents, where
 from kvtier.core.stack import TierStack
 from kvtier.core.tier import Tier
 from kvtier.replay.trace import Request
+
+LOAD_SLACK = 0.25
+"""How far above the engines' mean count of requests (the new one counted) an engine may have taken and
+still be chosen by a prefix router: a bound on load, as real routers weigh load beside prefixes."""
 
 ROUTINGS = ("round_robin", "random", "session", "prefix_gpu", "prefix_tiered")
 PREFIX_ROUTINGS = ("prefix_gpu", "prefix_tiered")
@@ -89,7 +96,8 @@ def tier_weight(seconds_per_block: float | None, recompute_s_per_block: float) -
 
 class PrefixRouter(Router):
     """A prefix-aware router over ``stacks`` (one per engine) that hears the KV events of the tiers
-    ``sees`` admits, and weighs a block held by a tier with ``tier_weight``."""
+    ``sees`` admits, and weighs a block held by a tier with ``tier_weight``, among the engines within
+    ``LOAD_SLACK`` of the mean load."""
 
     def __init__(self, stacks: Sequence[TierStack], sees: str, recompute_s_per_block: float) -> None:
         if sees not in ("gpu", "every tier"):
@@ -125,8 +133,10 @@ class PrefixRouter(Router):
         shared = [(tier, held) for (tier, _), held in self.shared.items()]
         for view in self.views:
             scores.append(_prefix_value(keys, [*view.items(), *shared], weights))
-        best = max(scores)
-        engine = min((i for i, score in enumerate(scores) if score == best), key=lambda i: self.routed[i])
+        mean = (sum(self.routed) + 1) / len(self.routed)  # (the new request counted)
+        within = [i for i, n in enumerate(self.routed) if n <= mean * (1 + LOAD_SLACK)]  # (never empty)
+        best = max(scores[i] for i in within)
+        engine = min((i for i in within if scores[i] == best), key=lambda i: self.routed[i])
         self.routed[engine] += 1
         return engine
 

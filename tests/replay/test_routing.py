@@ -28,11 +28,11 @@ def stacks(engines: int = 2) -> list:
     return [build_stack(load_config({"block_bytes": 4096, "tiers": tiers})) for _ in range(engines)]
 
 
-def replay(sees: str) -> tuple[list, PrefixRouter]:
+def replay(sees: str, trace=TRACE) -> tuple[list, PrefixRouter]:
     engines = stacks()
     try:
         router = PrefixRouter(engines, sees, recompute_s_per_block=0.05)
-        requests = [Request(0, 0, 0, tuple(ids)) for ids in TRACE]
+        requests = [Request(0, 0, 0, tuple(ids)) for ids in trace]
         return replay_through_engines(requests, engines, router, block_tokens=512), router
     finally:
         for stack in engines:
@@ -52,6 +52,15 @@ def test_a_router_that_sees_only_gpu_memory_misses_it():
     assert [r.requests for r in results] == [2, 2]
     assert sum(r.hits for r in results) == 0
     assert set(router.views[0]) == {"gpu"} and len(router.views[0]["gpu"]) == 2  # (what engine 0's GPU holds)
+
+
+def test_an_engine_past_the_bound_on_load_is_passed_over_whatever_it_holds():
+    """r4 [1, 2, 8] goes to engine 0 too, which holds [1, 2]: it had taken 3 of 4 requests, within 1.25 x
+    the mean counting the new request (a bound of 3.125); for r5 [1, 2, 9] it had taken 4 of 5, past the
+    bound of 3.75: engine 1, a miss."""
+    results, router = replay("every tier", TRACE + [[1, 2, 8], [1, 2, 9]])
+    assert router.routed == [4, 2] and [r.requests for r in results] == [4, 2]
+    assert [r.hits for r in results] == [4, 0]
 
 
 def test_a_tier_is_worth_what_its_load_saves_of_the_recompute():
