@@ -86,6 +86,7 @@ class EventPublisher:
         self.counts = {"batches": 0, "stored": 0, "removed": 0, "lost": 0}
         self._replay: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.replay_batches)
         self._stop = threading.Event()
+        self._closing = threading.Lock()
         self._hurry = threading.Event()
         self._rounds = threading.Condition()
         self._started = self._taken = 0  # takes from ``events`` begun, and ended (sent, or nothing to send)
@@ -124,11 +125,15 @@ class EventPublisher:
             return self._rounds.wait_for(lambda: self._taken >= target or not self._thread.is_alive(), timeout)
 
     def close(self) -> None:
-        """Send what is noted still, then stop (and unbind)."""
-        self._stop.set()
-        self._wake()
-        self._thread.join()
-        self._close_wake()
+        """Send what is noted still, then stop (and unbind); a second call does nothing (its descriptors,
+        closed once, may be another file's by then)."""
+        with self._closing:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            self._wake()
+            self._thread.join()
+            self._close_wake()
 
     def _close_wake(self) -> None:
         for fd in (self._wake_read, self._wake_write):

@@ -6,6 +6,7 @@ never reads, an endpoint taken and a backlog nobody sends are each met without h
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -188,13 +189,14 @@ def test_the_backlog_batch_begins_with_all_blocks_cleared(tmp_path):
 
 
 def test_an_endpoint_taken_is_a_config_error_and_nothing_stays_open(tmp_path, monkeypatch):
-    """The publisher's wake-up pipe is closed whether its open failed or it was closed after use (its own
-    descriptors are followed: other threads of a test process open and close theirs meanwhile)."""
+    """The publisher's wake-up pipe is closed whether its open failed or it was closed after use, and a
+    second close closes nothing (the numbers may be another file's by then). Its own descriptors are
+    followed, closed on this thread: other threads of a test process open and close theirs meanwhile."""
     opened: list[int] = []
-    closed: list[int] = []
-    pipe, close = os.pipe, os.close
+    closed: list[int] = []  # on this thread
+    pipe, close, me = os.pipe, os.close, threading.get_ident()
     monkeypatch.setattr(os, "pipe", lambda: (ends := pipe(), opened.extend(ends))[0])
-    monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), close(fd))[1])
+    monkeypatch.setattr(os, "close", lambda fd: (threading.get_ident() == me and closed.append(fd), close(fd))[1])
     port = free_port()
     taken = zmq.Context().socket(zmq.PUB)
     taken.bind(f"tcp://127.0.0.1:{port}")
@@ -202,10 +204,13 @@ def test_an_endpoint_taken_is_a_config_error_and_nothing_stays_open(tmp_path, mo
         with pytest.raises(ConfigError, match="events: cannot publish"):
             KVTier.open(config(tmp_path, endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=None))
         assert len(opened) == 2 and set(opened) <= set(closed)
-        since = len(closed)  # (a number closed may be handed out again)
+        since = len(closed)
         with KVTier.open(config(tmp_path)) as kv:  # (the disk tier's directory was let go)
             store(kv, [1])
         assert len(opened) == 4 and set(opened[2:]) <= set(closed[since:])  # (nor a publisher closed after use)
+        since = len(closed)
+        kv.close()
+        assert not set(opened) & set(closed[since:])
     finally:
         taken.close(linger=0)
 
