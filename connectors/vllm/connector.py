@@ -167,6 +167,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 replicated=replicated(kv_cache_config),
                 in_step_host_hits=settings.host_hits == "in_step",
                 capabilities=Capabilities(gpu_in_host_memory=vllm_config.device_config.device_type == "cpu"),
+                kv_events=vllm_config.kv_events_config is not None
+                and vllm_config.kv_events_config.enable_kv_cache_events,
             )
         else:
             transfer = vllm_config.kv_transfer_config

@@ -58,15 +58,23 @@ class _GoneFromStores:
 
 class KVEvents:
     """The events since vLLM last took them. ``tier_of`` names a tier by its name; ``restores`` are the
-    disk tiers' restores of blocks kept from before the restart (``tiers.SchedulerTiers.restores``)."""
+    disk tiers' restores of blocks kept from before the restart (``tiers.SchedulerTiers.restores``).
+    ``keep_tokens``: keep each block's tokens while this engine's tiers hold it, for the events of its
+    copies (``HeldTokens``); off where vLLM's KV events are, since nobody reads them then."""
 
-    def __init__(self, geometry: GroupKeys, tier_of: Callable[[str], Tier], restores: Iterable[ChunksBack]) -> None:
+    def __init__(
+        self,
+        geometry: GroupKeys,
+        tier_of: Callable[[str], Tier],
+        restores: Iterable[ChunksBack],
+        keep_tokens: bool = True,
+    ) -> None:
         self.geometry = geometry
         self._tier_of = tier_of
         self._events: list[KVCacheEvent] = []
         self._restoring = list(restores)  # restores whose blocks are not all announced yet
         self._gone = _GoneFromStores()
-        self.tokens = HeldTokens()  # (nothing is noted: a store's blocks come with it)
+        self.tokens = HeldTokens() if keep_tokens else None  # (nothing is noted: a store's blocks come with it)
 
     def watch_keyed(self, tiers: Iterable[Tier]) -> None:
         """Hear from each tier by key with KV events when a block of it is found gone (BlockRemoved at the
@@ -85,7 +93,8 @@ class KVEvents:
             return
         refs = [blocks.get(key) for key in keys] if blocks else [None] * len(keys)
         given = [BlockTokens(ref.tokens, ref.parent) if ref else None for ref in refs]
-        for key, block in zip(keys, self.tokens.stored(tier.name, place, keys, given), strict=True):
+        known = given if self.tokens is None else self.tokens.stored(tier.name, place, keys, given)
+        for key, block in zip(keys, known, strict=True):
             tokens, parent = (list(block.tokens), block.parent) if block is not None else ([], None)
             self._events.append(_stored([key], tokens, self.geometry.tokens_of(key), place, parent))
 
@@ -94,7 +103,8 @@ class KVEvents:
         for restore in self._restoring:  # (a block dropped after it went back is not announced as back)
             if restore.tier is tier:
                 restore.dropped(keys)
-        self.tokens.removed(tier.name, keys)
+        if self.tokens is not None:
+            self.tokens.removed(tier.name, keys)
         place = where(tier)
         if keys and place is not None:
             self._events.append(

@@ -84,6 +84,7 @@ class SchedulerSide:
         replicated: bool = False,
         in_step_host_hits: bool = False,
         capabilities: Capabilities = BASIC,
+        kv_events: bool = True,
     ) -> None:
         """``lazy_ahead`` None stores every block once it is full (eager); a number stores a block only
         once it is among the next ``lazy_ahead`` blocks vLLM's free queue will hand out again (lazy:
@@ -97,7 +98,8 @@ class SchedulerSide:
         rest of the prompt (one KV cache group, as vLLM takes failed blocks of such a load only then,
         and no host slab shared by ranks, whose loads may need two steps). ``capabilities`` decide which
         loads stage through host memory (``core.routes``): none from a node tier where vLLM's own blocks are
-        host memory (vLLM built for CPU)."""
+        host memory (vLLM built for CPU). ``kv_events``: vLLM's KV cache events are on (each block's tokens
+        are then kept for the events of its copies between tiers)."""
         self.config = config
         self.namespace = namespace
         self.geometry = GroupKeys(groups, block_tokens, gpu_blocks)
@@ -115,7 +117,7 @@ class SchedulerSide:
         self.requests = Requests(self.geometry, namespace, key_secret, self.tiers[0])
         self.lookup = HitLookup(self.planner, self.geometry, self.keyed)
         self.step = StepMetadata(self.geometry, self.jobs, num_workers)
-        self.events = KVEvents(self.geometry, self.planner.tier, self.stack.restores)
+        self.events = KVEvents(self.geometry, self.planner.tier, self.stack.restores, keep_tokens=kv_events)
         self.events.watch_keyed(self.stack.tiers)
         self.stores = StorePicker(self.requests, self.planner, self.step, lazy_ahead, self._store)
         self.stats = KVTierConnectorStats()

@@ -392,11 +392,13 @@ class Engine:
         mla: bool = False,
         processes: bool = False,
         window_block: int = BLOCK,
+        kv_events: bool = False,
     ) -> None:
         """``window`` set: a hybrid model, full-attention and sliding-window groups, the window's blocks of
         ``window_block`` tokens; ``mamba``: full
         attention and a Mamba state group (``hybrid_kv_cache_config``); ``mla``: MLA, the same KV on
-        every rank; ``processes``: each worker in a process of its own (``ProcessWorker``)."""
+        every rank; ``processes``: each worker in a process of its own (``ProcessWorker``); ``kv_events``:
+        vLLM's KV cache events on (``make_vllm_config``)."""
         self.vllm_config = make_vllm_config(
             model_dir,
             kvtier,
@@ -405,6 +407,7 @@ class Engine:
             extra=extra,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            kv_events=kv_events,
         )
         self.kv_config = (
             hybrid_kv_cache_config(num_gpu_blocks, window, head_size, window_block)

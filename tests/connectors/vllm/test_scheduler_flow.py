@@ -197,9 +197,10 @@ def test_events_name_blocks_stored_and_removed_per_tier(make_engine):
 def test_a_demoted_block_is_announced_with_the_tokens_and_parent_of_its_store(make_engine, tmp_path):
     """The disk tier's BlockStored for a block the host tier pushed down names the tokens and parent its
     store named (llm-d's indexer hashes tokens itself): kept while a tier holds the block, let go when
-    none does."""
+    none does; kept only where vLLM's KV events are on."""
     tiers = [{"medium": "host", "capacity_blocks": 4}, {"medium": "disk", "capacity_blocks": 16, "path": str(tmp_path)}]
-    engine = make_engine({"tiers": tiers})
+    assert make_engine(HOST_ONLY).kvtier.events.tokens is None  # (events off: nobody reads them)
+    engine = make_engine({"tiers": tiers}, kv_events=True)
     for p in (1, 2):  # the second prefix pushes the first down to disk
         engine.run([engine.add(prompt(4, 5, seed=p, prefix=p), max_tokens=2)])
     keys = chain_hashes(prompt(4, 0, seed=0, prefix=1), BLOCK, engine.kvtier.request_namespace())
