@@ -558,7 +558,7 @@ def _router(routing: str, requests: Sequence[Request], stacks: list, args: argpa
 def _routing_figures(run: dict, sizing: dict, prefill_tokens_per_s: float) -> dict:
     """What one routing gave (``--routing``): hits, per tier too, prefill saved (tokens, and seconds at the
     assumed rate: gross, and net of the loads' time where every tier's load time is known), each engine's hit ratio
-    and requests (a router that keeps families together may load one engine more than the others)."""
+    and requests (a prefix router may give some engines more requests than others)."""
     net = sizing["total"]["net_s_saved_per_s"]
     return {
         "hit_ratio": run["hit_ratio"],

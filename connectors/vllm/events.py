@@ -60,7 +60,7 @@ class KVEvents:
     """The events since vLLM last took them. ``tier_of`` names a tier by its name; ``restores`` are the
     disk tiers' restores of blocks kept from before the restart (``tiers.SchedulerTiers.restores``).
     ``keep_tokens``: keep each block's tokens while this engine's tiers hold it, for the events of its
-    copies (``HeldTokens``); off where vLLM's KV events are, since nobody reads them then."""
+    copies (``HeldTokens``); off where vLLM's KV events are off, since nobody reads them then."""
 
     def __init__(
         self,
