@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import TENANT_TAG_BYTES, chain_hashes, tenant_tag
-from kvtier.core.sealing import SEAL_BYTES, SealingKeys
+from kvtier.core.sealing import SEAL_BYTES, TAG_BYTES, SealingKeys
 
 SECRET = b"a deployment secret of 32 bytes!"
 OTHER_SECRET = b"another deployment's secret, 32b"
@@ -115,12 +115,30 @@ def test_pieces_seal_and_open_as_one_block_wherever_they_are_cut(cuts, in_place)
     assert opens(keys, into, seal3)[0]
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_target_with_room_for_the_tag_seals_alike_and_keeps_the_block_within_its_length(rng, pieces):
+    """One piece with a tag's room after it seals in one call of the cipher, several stream: either way
+    the block opens, and nothing past the block's length and the tag's room is touched."""
+    data = block(rng, 8192)
+    cut = np.array_split(data, pieces)
+    keys = SealingKeys(SECRET)
+    target = np.full(8192 + TAG_BYTES + 100, 0xCD, np.uint8)
+    seal_ = keys.sealer().seal_into(cut, target[: 8192 + TAG_BYTES], IDENTITY)
+    assert (target[8192 + TAG_BYTES :] == 0xCD).all()
+    assert PLANTED not in target.tobytes()
+    ok, out = opens(keys, target[:8192].copy(), seal_)
+    assert ok and np.array_equal(out, data)
+    assert not opens(keys, target[:8192].copy(), seal_, identity=IDENTITY[::-1])[0]
+
+
 def test_pieces_of_unequal_lengths_are_refused(rng):
     data = block(rng, 4096)
     with pytest.raises(ValueError, match="as long as its source"):
         SealingKeys(SECRET).sealer().seal([data], [np.empty(4095, np.uint8)], IDENTITY)
     with pytest.raises(ValueError, match="sealing 4096 bytes into 4097"):
         SealingKeys(SECRET).sealer().seal_into([data[:1000], data[1000:]], np.empty(4097, np.uint8), IDENTITY)
+    with pytest.raises(ValueError, match=f"sealing 4096 bytes into {4096 + TAG_BYTES + 1}"):
+        SealingKeys(SECRET).sealer().seal_into([data], np.empty(4096 + TAG_BYTES + 1, np.uint8), IDENTITY)
 
 
 @pytest.mark.parametrize(("value", "message"), [(None, "unset or empty"), ("short", "fewer than the 16")])

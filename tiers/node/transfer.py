@@ -46,7 +46,7 @@ from kvtier.core.errors import ClosedError, StoreError, TransferError
 from kvtier.core.jobs import mark_kvtier_thread
 from kvtier.core.keys import tenant_of
 from kvtier.core.misses import MissReason
-from kvtier.core.sealing import SEAL_BYTES, Sealer
+from kvtier.core.sealing import SEAL_BYTES, TAG_BYTES, Sealer
 from kvtier.core.storage import Piece, block_pieces
 from kvtier.core.transfer import OnComplete, Transfer, TransferBackend
 from kvtier.tiers.node.protocol import HELD, Op, is_slot_gen
@@ -163,7 +163,8 @@ def _write(view: SlabView, slot: int, gen: int, name: bytes, pieces: list[Piece]
     address = view.address(slot)
     if sealer is not None:
         block = sum(size for _, size in pieces)
-        seal = sealer.seal_into(_views(pieces), memory_view(address, block), name)
+        # (the tag's room after the block, where the seal then goes: one piece seals in one call)
+        seal = sealer.seal_into(_views(pieces), memory_view(address, block + TAG_BYTES), name)
         memory_view(address + block, SEAL_BYTES)[:] = seal
         view.checksum[slot] = 0
         view.writer[slot] = os.getpid()
