@@ -50,9 +50,8 @@ class TenantKey:
 
     def __init__(self, secret: bytes, tenant: bytes) -> None:
         from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
         info = _KEY_INFO + len(tenant).to_bytes(1, "little") + tenant
         self.key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
