@@ -18,12 +18,15 @@ Invariants checked:
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 
+from kvtier.core.keys import tenant_tag
 from kvtier.policies import AdaptivePolicy, LRUPolicy, adaptive as adaptive_module
 from kvtier.replay.cache import replay
 from kvtier.replay.trace import Request
+from kvtier.replay.workload import WORKLOADS, generate
 
 
 def requests(keys: list[int]) -> list[Request]:
@@ -191,3 +194,24 @@ def test_a_history_resized_for_more_keys_does_not_say_it_saw_every_key():
     assert all(history.take(b"seen-%d" % i) for i in range(0, 50_000, 997))
     unseen = sum(history.take(b"never-%d" % i) for i in range(10_000))
     assert unseen < 300, f"{unseen} of 10,000 keys never added look remembered"
+
+
+def test_a_tenants_tag_in_front_of_its_keys_leaves_its_sample_and_its_hits_as_without():
+    """A tenant's keys all begin with its tag: sampled by their first byte, they were all sampled or
+    none (the policy then simulated every key, or learned nothing and lost most of its lead over LRU:
+    0.479 for 0.528 here). Sampled by their last byte, a digest's, each tenant's keys hit as keys of
+    no tenant do (the generated documents workload at 1,000 blocks, where the policy beats LRU by a
+    fifth)."""
+    workload = generate(WORKLOADS["documents"])
+
+    def keyed(tag: bytes) -> list[Request]:
+        digest = {
+            h: hashlib.blake2b(h.to_bytes(8, "little"), digest_size=16).digest() for r in workload for h in r.hash_ids
+        }
+        return [replace(r, hash_ids=tuple(tag + digest[h] for h in r.hash_ids)) for r in workload]
+
+    lru = replay(keyed(b""), 1000, LRUPolicy()).hit_ratio
+    untagged = replay(keyed(b""), 1000, AdaptivePolicy()).hit_ratio
+    assert untagged > lru + 0.05
+    for name in ("tenant-a", "tenant-b", "tenant-c", "tenant-d"):
+        assert abs(replay(keyed(tenant_tag(name)), 1000, AdaptivePolicy()).hit_ratio - untagged) < 0.01, name
