@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import mmap
 import os
 import platform
 import shutil
@@ -72,6 +71,7 @@ from kvtier.core.keys import chain_hashes
 from kvtier.core.stack import TierStack
 from kvtier.core.storage import StridedStorage
 from kvtier.tiers.disk.files import SLAB_NAME
+from kvtier.tiers.disk.io import private_buffer
 from kvtier.tiers.gpu import device_storage
 from kvtier.transfers import backends_for
 
@@ -304,7 +304,7 @@ def raw_read_ms(path: str, nbytes: int, threads: int = 8, piece: int = 32 * MiB)
     nbytes = min(nbytes, os.path.getsize(path))
     piece = max(4096, min(piece, nbytes // threads // 4096 * 4096))
     nbytes = nbytes // piece * piece
-    buffers = [mmap.mmap(-1, piece) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+    buffers = [private_buffer(piece) for _ in range(threads)]  # page-aligned (O_DIRECT), on huge pages as the tier's
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
 

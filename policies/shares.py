@@ -57,18 +57,20 @@ COUNTS = ("stored", "read", "evicted")
 
 
 class _Tenant:
-    """One tenant's policy, the blocks expected since the last ``evict`` (``expect``: not inserted
-    yet), and its ``COUNTS``. The policy's per-block calls are kept bound (``admit`` None where the
-    policy admits everything): they run once per block, where one lookup more shows."""
+    """One tenant's policy, the blocks it ``held`` (as its policy's length says, counted here: a policy's
+    ``len`` is a call or two, asked several times per request), the blocks expected since the last
+    ``evict`` (``expect``: not inserted yet), and its ``COUNTS``. The policy's per-block calls are kept
+    bound (``admit`` None where the policy admits everything): they run once per block, where one
+    lookup more shows."""
 
-    __slots__ = ("admit", "evicted", "incoming", "insert", "policy", "read", "stored", "touch")
+    __slots__ = ("admit", "evicted", "held", "incoming", "insert", "policy", "read", "stored", "touch")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self.admit = None if type(policy).admit is EvictionPolicy.admit else policy.admit
         self.insert = policy.insert
         self.touch = policy.touch
-        self.incoming = self.stored = self.read = self.evicted = 0
+        self.held = self.incoming = self.stored = self.read = self.evicted = 0
 
 
 class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
@@ -105,7 +107,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
 
     def held(self) -> dict[Tenant, int]:
         """Blocks each tenant holds now (tenants holding none left out)."""
-        return {name: len(tenant.policy) for name, tenant in self._tenants.items() if len(tenant.policy)}
+        return {name: tenant.held for name, tenant in self._tenants.items() if tenant.held}
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per label (``label_of``): blocks stored, read and evicted so far, and held now."""
@@ -115,7 +117,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             counts = out.setdefault(self._label_of(name), dict(blank))
             for what in COUNTS:
                 counts[what] += getattr(tenant, what)
-            counts["held"] += len(tenant.policy)
+            counts["held"] += tenant.held
         for label, n in self._caused.items():
             out.setdefault(label, dict(blank))["caused"] += n
         return out
@@ -139,7 +141,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         """A tenant holding no block is forgotten: a tier's tenants are those holding blocks, however
         many came and went."""
         tenant = self._tenants[name]
-        if not len(tenant.policy) and not tenant.incoming:
+        if not tenant.held and not tenant.incoming:
             self._drop(name)
 
     # (admit, insert and touch run once per block stored or read: each looks its tenant up once, inline)
@@ -172,6 +174,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         except KeyError:
             tenant = self._new(name)
         tenant.insert(key)
+        tenant.held += 1
         tenant.stored += 1
         if tenant.incoming:
             tenant.incoming -= 1
@@ -181,15 +184,24 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         for name, own in self._runs(keys):
             tenant = self._tenant(name)
             tenant.policy.insert_many(own)
+            tenant.held += len(own)
             tenant.stored += len(own)
             tenant.incoming = max(0, tenant.incoming - len(own))
 
     def access(self, keys: Sequence[Key], resident: Container[Key]) -> list[Key]:
         """Each run of one tenant's keys (a request's are all one tenant's) handed to its policy at once,
         what it admits counted as coming (``expect``)."""
-        admitted: list[Key] = []
-        declined = False
         runs = self._runs(keys)
+        if len(runs) == 1:  # (the usual request: one tenant's blocks, its policy's answer as it is)
+            ((name, own),) = runs
+            tenant = self._tenant(name)
+            tenant.read += sum(map(resident.__contains__, own))
+            admitted = tenant.policy.access(own, resident)
+            tenant.incoming = max(tenant.incoming, len(admitted))
+            self._forget_if_empty(name)
+            return admitted
+        admitted = []
+        declined = False
         for name, own in runs:
             tenant = self._tenant(name)
             reads = sum(map(resident.__contains__, own))
@@ -198,10 +210,7 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             if not declined:
                 admitted += got
                 declined = len(got) < len(own) - reads
-        if len(runs) == 1:
-            tenant.incoming = max(tenant.incoming, len(admitted))
-        else:
-            self.expect(admitted)
+        self.expect(admitted)
         for name in {name for name, _ in runs}:
             self._forget_if_empty(name)
         return admitted
@@ -218,7 +227,9 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         for key in keys:
             by_tenant.setdefault(self._tenant_of(key), []).append(key)
         for name, own in by_tenant.items():
-            self._tenant(name).policy.restore(own)
+            tenant = self._tenant(name)
+            tenant.policy.restore(own)
+            tenant.held += len(own)
 
     def touch(self, key: Key) -> None:
         tenant = self._tenants[self._tenant_of(key)]
@@ -227,7 +238,9 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
 
     def remove(self, key: Key) -> None:
         name = self._tenant_of(key)
-        self._tenants[name].policy.remove(key)
+        tenant = self._tenants[name]
+        tenant.policy.remove(key)
+        tenant.held -= 1
         self._forget_if_empty(name)
 
     def evict(self, n: int, protected: Container[Key]) -> list[Key]:
@@ -243,9 +256,13 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             if coming and victims:
                 self._blame({name: coming}, len(victims))
             return victims
-        incoming = {name: t.incoming for name, t in tenants.items() if t.incoming}
         shares, default, capacity = self._shares, self._default_share, self._capacity
-        over = {name: len(t.policy) + t.incoming - shares.get(name, default) * capacity for name, t in tenants.items()}
+        over, incoming = {}, {}
+        for name, t in tenants.items():
+            over[name] = t.held + t.incoming - shares.get(name, default) * capacity
+            if t.incoming:  # (counted now; what is admitted but not stored by the end is not coming)
+                incoming[name] = t.incoming
+                t.incoming = 0
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
                 taken = self._take(name, tenants[name], take, protected)
@@ -253,9 +270,8 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
                 over[name] -= len(taken)
                 if len(taken) < take or name not in tenants:  # it gave all it could
                     del over[name]
-        for name, tenant in list(tenants.items()):  # (what is admitted but not stored by now is not coming)
-            tenant.incoming = 0
-            if not len(tenant.policy):
+        for name in incoming:  # (a tenant only coming holds nothing: forgotten, as are those emptied)
+            if name in tenants and not tenants[name].held:
                 self._drop(name)
         self._blame(incoming, len(victims))
         return victims
@@ -283,13 +299,14 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         """Up to ``n`` of one tenant's blocks, by its own policy; a tenant left with none is forgotten."""
         tenant.incoming = 0
         taken = tenant.policy.evict(n, protected)
+        tenant.held -= len(taken)
         tenant.evicted += len(taken)
-        if not len(tenant.policy):
+        if not tenant.held:
             self._drop(name)
         return taken
 
     def __len__(self) -> int:
-        return sum(len(tenant.policy) for tenant in self._tenants.values())
+        return sum(tenant.held for tenant in self._tenants.values())
 
     def __contains__(self, key: object) -> bool:
         tenant = self._tenants.get(self._tenant_of(key))  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from kvtier import KVTier
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.node_config import load_node_config
-from kvtier.policies import LRUPolicy
+from kvtier.policies import AdaptivePolicy, LRUPolicy
 from kvtier.policies.shares import TenantShares, level
 
 
@@ -83,6 +83,50 @@ def test_a_tenant_holding_nothing_is_forgotten():
     assert policy.evict(1, set()) in ([keys[1]], [("stays", 0)])
     policy.remove(keys[1]) if keys[1] in policy else None
     assert "gone" not in policy.held() and len(policy._tenants) == 1
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "insert_many", "remove", "evict", "access", "restore"]), st.integers(0, 5)
+        ),
+        max_size=60,
+    )
+)
+def test_what_each_tenant_holds_follows_every_call_that_adds_or_takes_blocks(calls):
+    """Each tenant's held count (kept beside its policy, not asked of it) against a model of the blocks
+    stored: inserts, stores of several, removals, evictions, restores and requests in any order."""
+    policy = TenantShares(AdaptivePolicy, tenant, {"a": 0.5}, 0.25, capacity=8)
+    model: set[tuple[str, int]] = set()
+    fresh = iter(range(10_000))
+    for call, n in calls:
+        who = "ab c"[n % 4].strip() or "c"
+        if call == "insert":
+            key = (who, next(fresh))
+            policy.insert(key)
+            model.add(key)
+        elif call in ("insert_many", "restore"):
+            keys = [(who, next(fresh)) for _ in range(n)]
+            policy.insert_many(keys) if call == "insert_many" else policy.restore(keys)
+            model.update(keys)
+        elif call == "remove" and model:
+            key = sorted(model)[n % len(model)]
+            policy.remove(key)
+            model.discard(key)
+        elif call == "evict":
+            taken = policy.evict(n, set())
+            assert set(taken) <= model and len(taken) == min(n, len(model))
+            model.difference_update(taken)
+        elif call == "access":
+            keys = sorted(k for k in model if k[0] == who)[:n] + [(who, next(fresh))]
+            admitted = policy.access(keys, model)
+            policy.insert_many(admitted)
+            model.update(admitted)
+        held: dict[str, int] = {}
+        for name, _ in model:
+            held[name] = held.get(name, 0) + 1
+        assert policy.held() == held and len(policy) == len(model)
+        assert all(key in policy for key in model)
 
 
 def test_shares_that_claim_more_than_the_tier_are_refused_naming_the_key():
