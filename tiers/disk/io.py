@@ -128,11 +128,11 @@ class SlabIO:
             pages = self._header_pages(slab, run, [_checksum(v) for v in views], [b.nbytes for b in run])
         else:  # (sealed into this thread's staging memory, written from there; the tag checks the bytes)
             pages = self._header_pages(slab, run, [0] * len(run), [b.nbytes for b in run])
-            staging = self._scratch("sealed", _staged_run(slab) * slab.room + PAGE)
+            staging = self._scratch("sealed", _staged_run(slab) * slab.room)
             sealed, at = [], 0
             for b, v, page in zip(run, views, pages, strict=True):  # (in order: see _seal)
                 sealed.append([staging[at : at + b.nbytes]])
-                self._seal(slab, b.key, page, v, staging[at : at + b.nbytes + TAG_BYTES])
+                self._seal(slab, b.key, page, v, staging, at, b.nbytes)
                 at += round_up_to_page(b.nbytes)
             views = sealed
         if len(run) > 1:
@@ -163,13 +163,13 @@ class SlabIO:
             slab.refuse([b.key])
             return {b.index}
         padded = round_up_to_page(size)
-        bounce = self._scratch("packed", slab.room + PAGE)
+        bounce = self._scratch("packed", slab.room)
         checksum = 0 if slab.sealing is not None else xxhash.xxh3_64_intdigest(raw.data)
         page = self._header_pages(slab, [b], [checksum], [size])[0]
         if slab.sealing is None:
             bounce[:size] = payload
         else:
-            self._seal(slab, b.key, page, [payload], bounce[: size + TAG_BYTES])  # (padding zeroes the tag's)
+            self._seal(slab, b.key, page, [payload], bounce, 0, size)
         bounce[size:padded] = bytes(padded - size)
         try:
             self._write_slots(slab, b.file_offset - PAGE, [(page, [bounce[:padded]])])
@@ -179,13 +179,17 @@ class SlabIO:
             return {b.index}
 
     @staticmethod
-    def _seal(slab: DiskSlab, key: bytes, page: memoryview, pieces: list[memoryview], target: memoryview) -> None:
-        """Seal block ``key``'s ``pieces`` into ``target`` under its tenant's key, binding its header
-        ``page``'s fields, and put the seal into that page. ``target`` is ``TAG_BYTES`` longer than the
-        pieces together (``Sealer.seal_into``: one piece then seals in one call) and those bytes are
-        scratch: the next block of a run, sealed after this one, or the slot's padding overwrites them."""
+    def _seal(
+        slab: DiskSlab, key: bytes, page: memoryview, pieces: list[memoryview], into: memoryview, at: int, size: int
+    ) -> None:
+        """Seal block ``key``'s ``pieces`` (``size`` bytes) into ``into`` from ``at`` under its tenant's
+        key, binding its header ``page``'s fields, and put the seal into that page. Where ``into`` has
+        ``TAG_BYTES`` to spare after them, the target takes them (``Sealer.seal_into``: one piece then
+        seals in one call) and they are scratch: the next block of a run, sealed after this one, or the
+        slot's padding overwrites them."""
         assert slab.sealing is not None
-        seal = slab.sealing.for_key(key).seal_into(pieces, target, header_fields(page))
+        end = at + size + (TAG_BYTES if at + size + TAG_BYTES <= len(into) else 0)
+        seal = slab.sealing.for_key(key).seal_into(pieces, into[at:end], header_fields(page))
         page[SEAL_AT : SEAL_AT + len(seal)] = seal
 
     def _header_pages(
