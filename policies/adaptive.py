@@ -39,10 +39,10 @@ How
       everything, the other admitting on second sight with its own history (Waldspurger et al.,
       "Cache modeling and optimization using miniature simulations", USENIX ATC 2017). They see
       only the keys whose hash is a multiple of ``sample_every`` and hold capacity /
-      ``sample_every`` keys each (the last byte of a ``bytes`` key picks them, so runs repeat),
+      ``sample_every`` keys each (a ``bytes`` key's xxh3 picks them, so runs repeat),
       so they cost O(1) per reference and a fraction of the tier's memory. Above ``SAMPLE_CAP`` keys
       (tiers of more than ~128 K blocks) a miniature sees a further sample of the sampled keys (by
-      the bytes before it), so its size stops growing with the tier: a fixed number of sampled keys models
+      other bits of that hash), so its size stops growing with the tier: a fixed number of sampled keys models
       a cache of any size about as well (Waldspurger et al., "Efficient MRC construction with SHARDS",
       FAST 2015), and a tier of 10 M blocks keeps ~16 K keys per miniature, not 1.25 M. Each run's sampled keys
       score as a request does: its prefix hits (hits before the first sampled miss). A counter
@@ -102,6 +102,10 @@ def _digest(key: Hashable) -> int:
     return xxhash.xxh3_128_intdigest(data)
 
 
+_hash64 = xxhash.xxh3_64_intdigest
+"""A ``bytes`` key's sampling hash (see ``AdaptivePolicy._mask``): the same in every process."""
+
+
 def _thinning(count: int) -> tuple[int, int]:
     """The mask of the further sample (``_thinned``) that keeps ``count`` sampled keys at most ``SAMPLE_CAP``,
     and how many of them it keeps."""
@@ -110,9 +114,9 @@ def _thinning(count: int) -> tuple[int, int]:
 
 
 def _thinned(key: Hashable, mask: int) -> bool:
-    """Whether a sampled key is in the further sample of 1 in ``mask`` + 1: by the three bytes before a
-    key's last (its last picked it for the sample), the same in every process, as the first sample."""
-    bits = int.from_bytes(key[-4:-1], "little") if isinstance(key, bytes) else _digest(key) >> 64
+    """Whether a sampled key is in the further sample of 1 in ``mask`` + 1: by other bits of the hash
+    whose lowest picked it for the sample, the same in every process, as the first sample."""
+    bits = _hash64(key) >> 32 if isinstance(key, bytes) else _digest(key) >> 64
     return not bits & mask
 
 
@@ -251,11 +255,12 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         self._learned = 0
         self._sized = 0  # the capacity the history, the segment and the miniatures are sized for
         self._sample_every = sample_every
-        # A key is sampled when its last byte (a ``bytes`` key: a tier's keys end in a digest, so it is
-        # uniform; a tenant's begin with its tag, the same for all of them: sampled by their first
-        # byte, a tenant's keys were all sampled or none), else its hash, is a multiple of
-        # sample_every. Not ``hash`` of bytes: Python salts it per process, so the same traffic would
-        # get different admission decisions in every run.
+        # A key is sampled when its hash (a ``bytes`` key: its xxh3-64, ``_hash64``) is a multiple of
+        # sample_every. Not one of its bytes: no byte is uniform in every key a tier sees (a tenant's
+        # begin with its tag, vLLM's offload keys and kvtier's keys of hybrid models end in a group
+        # index), and a key sampled by a fixed byte was sampled with all its tenant's or group's, or
+        # none of them were. Not ``hash`` of bytes: Python salts it per process, so the same traffic
+        # would get different admission decisions in every run.
         # The test is inlined in touch and admit, which run once per block.
         self._mask = sample_every - 1
         self._history_factor = history_factor
@@ -297,7 +302,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._inserted or key in run:
             self._end_run()  # a tier asks before it stores: the next request's blocks start a new run
         run[key] = None
-        if not (key[-1] if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
+        if not (_hash64(key) if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
             self._sampled.append(key)
         if not self.filtering:
             return True
@@ -331,7 +336,7 @@ class AdaptivePolicy(EvictionPolicy[Key]):
         if self._segments.queue_of(key) is None:
             raise KeyError(f"key {key!r} is not tracked")
         run[key] = False
-        if not (key[-1] if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
+        if not (_hash64(key) if isinstance(key, bytes) else hash(key)) & self._mask:  # sampled (see _mask)
             self._sampled.append(key)
 
     def remove(self, key: Key) -> None:

@@ -41,7 +41,6 @@ can be checked without remembering what was written.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.devices import CUDA_DEVICE, GPU, HOST
-from kvtier.core.keys import KEY_BYTES, tenant_tag
+from kvtier.core.keys import tenant_tag
 from kvtier.core.layout import BlockLayout
 from kvtier.core.misses import MissCounter
 from kvtier.core.stack import TierStack
@@ -65,11 +64,9 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: distinct ids give d
 
 
 def block_key(block_id: int, tag: bytes = b"") -> bytes:
-    """The stack key of a trace block id (ids are 64-bit; load_trace checks the range): a 16-byte
-    digest of it, after ``tag`` (a tenant's ``keys.tenant_tag``) where it is a tenant's, as a tier's
-    keys are. Digests, not the id's own bytes: what a tier decides by a key's bytes (``adaptive``
-    samples keys by their last byte) must see the uniform bytes it sees in a real stack."""
-    return tag + hashlib.blake2b(block_id.to_bytes(8, "little", signed=False), digest_size=KEY_BYTES).digest()
+    """The stack key of a trace block id (ids are 64-bit; load_trace checks the range); a tenant's
+    (``tag``: its ``keys.tenant_tag``) is a tenant's key, the tag then the id in 16 bytes."""
+    return tag + block_id.to_bytes(16 if tag else 8, "little", signed=False)
 
 
 def request_keys(request: Request, tags: dict[str, bytes]) -> list[bytes]:
