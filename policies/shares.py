@@ -270,9 +270,8 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
                 over[name] -= len(taken)
                 if len(taken) < take or name not in tenants:  # it gave all it could
                     del over[name]
-        for name in incoming:  # (a tenant only coming holds nothing: forgotten, as are those emptied)
-            if name in tenants and not tenants[name].held:
-                self._drop(name)
+        for name in [name for name, t in tenants.items() if not t.held]:  # (only coming or admitted)
+            self._drop(name)
         self._blame(incoming, len(victims))
         return victims
 

@@ -129,6 +129,17 @@ def test_what_each_tenant_holds_follows_every_call_that_adds_or_takes_blocks(cal
         assert all(key in policy for key in model)
 
 
+def test_a_tenant_admitted_but_never_stored_is_forgotten_at_the_next_eviction():
+    """A tier may ask about a block and then not store it: the tenant it made for it holds nothing and
+    is not kept (however many such tenants come)."""
+    policy = cache({})
+    fill(policy, "a", 3)
+    fill(policy, "b", 3)
+    assert policy.admit(("asked", 0)) and "asked" in policy._tenants
+    assert len(policy.evict(1, set())) == 1
+    assert set(policy._tenants) == {"a", "b"}
+
+
 def test_shares_that_claim_more_than_the_tier_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.tenants: the named shares add up to 1.2"):
         load_config(
