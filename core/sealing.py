@@ -21,6 +21,7 @@ A seal is ``SEAL_BYTES``: key id, nonce, tag. The ciphertext is as long as the b
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -77,11 +78,13 @@ class SealingKeys:
         assert current is not None
         previous = key_secret(previous_env, "encryption_previous_key_env")
         try:
-            import cryptography  # noqa: F401
+            aead = importlib.import_module("cryptography.hazmat.primitives.ciphers.aead")
         except ImportError:
+            aead = None
+        if not hasattr(getattr(aead, "AESGCM", None), "encrypt_into"):  # (the one-call seal: cryptography 47)
             raise ConfigError(
-                "encryption: aes-gcm needs the cryptography package: pip install 'kvtier[encryption]'"
-            ) from None
+                "encryption: aes-gcm needs the cryptography package, 47 or later: pip install 'kvtier[encryption]'"
+            )
         return cls(current, previous)
 
     @property

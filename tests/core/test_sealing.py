@@ -6,6 +6,9 @@ rotation and never seals."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -152,6 +155,20 @@ def test_a_missing_or_short_secret_is_one_clear_error(monkeypatch, value, messag
     with pytest.raises(ConfigError, match="encryption_previous_key_env: the environment variable KVTIER_NONE"):
         SealingKeys.from_env("KVTIER_TEST_SEAL", "KVTIER_NONE")
     assert SealingKeys.from_env("KVTIER_TEST_SEAL").current == SECRET
+
+
+@pytest.mark.parametrize("installed", ["none", "before 47"])
+def test_a_cryptography_package_missing_or_too_old_is_one_clear_error(monkeypatch, installed):
+    """The one-call seal needs ``AESGCM.encrypt_into`` (cryptography 47): an older package is refused at
+    start, not found out at the first store."""
+    monkeypatch.setenv("KVTIER_TEST_SEAL", SECRET.decode())
+    old = types.ModuleType("cryptography.hazmat.primitives.ciphers.aead")
+    old.AESGCM = type("AESGCM", (), {"encrypt": lambda self, *a: b""})  # type: ignore[attr-defined]
+    monkeypatch.setitem(
+        sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None if installed == "none" else old
+    )
+    with pytest.raises(ConfigError, match="needs the cryptography package, 47 or later"):
+        SealingKeys.from_env("KVTIER_TEST_SEAL")
 
 
 def test_tenants_get_keys_of_their_own_derived_once_and_named_by_their_block_keys():
