@@ -60,9 +60,10 @@ class EvictionPolicy(ABC, Generic[Key]):
         for key in keys:
             self.insert(key)
 
-    def insert_many(self, keys: Sequence[Key]) -> None:
+    def insert_many(self, keys: Sequence[Key], owner: Hashable | None = None) -> None:
         """``insert`` of each key, in order: blocks that became readable together (one store's). A
-        policy, or a wrapper of policies, may do better at once; the default inserts one by one."""
+        policy, or a wrapper of policies, may do better at once; the default inserts one by one.
+        ``owner``: as for ``access``."""
         for key in keys:
             self.insert(key)
 
@@ -70,12 +71,16 @@ class EvictionPolicy(ABC, Generic[Key]):
     def touch(self, key: Key) -> None:
         """A tracked block was read."""
 
-    def access(self, keys: Sequence[Key], resident: Container[Key]) -> list[Key]:
+    def access(self, keys: Sequence[Key], resident: Container[Key], owner: Hashable | None = None) -> list[Key]:
         """One request's blocks in order, as a cache replay sees them: ``touch`` each one in ``resident``
         and ask ``admit`` of each other one; returns those admitted before the first declined (later
         ones are asked, what a policy learns from, but could not be prefix hits: not stored), which are
         then about to be stored (``expect``ed). A wrapper of policies hands each owner's blocks over at
-        once; the default calls one by one."""
+        once; the default calls one by one.
+
+        ``owner``: the tenant all ``keys`` belong to, where the caller knows it (a replayed request
+        names its tenant), as the policy's own ``tenant_of`` would name it: a policy that shares a tier
+        among tenants (``TenantShares``) then asks no key its tenant. None: not known; others ignore it."""
         admitted: list[Key] = []
         declined = False
         touch, admit = self.touch, self.admit

@@ -21,7 +21,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
@@ -179,26 +179,29 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         if tenant.incoming:
             tenant.incoming -= 1
 
-    def insert_many(self, keys: Sequence[Key]) -> None:
-        """Each run of one tenant's keys (a store's are all one tenant's) inserted at once."""
-        for name, own in self._runs(keys):
+    def insert_many(self, keys: Sequence[Key], owner: Hashable | None = None) -> None:
+        """Each run of one tenant's keys (a store's are all one tenant's, ``owner``'s where named)
+        inserted at once."""
+        for name, own in self._runs(keys, owner):
             tenant = self._tenant(name)
             tenant.policy.insert_many(own)
             tenant.held += len(own)
             tenant.stored += len(own)
             tenant.incoming = max(0, tenant.incoming - len(own))
 
-    def access(self, keys: Sequence[Key], resident: Container[Key]) -> list[Key]:
-        """Each run of one tenant's keys (a request's are all one tenant's) handed to its policy at once,
-        what it admits counted as coming (``expect``)."""
-        runs = self._runs(keys)
+    def access(self, keys: Sequence[Key], resident: Container[Key], owner: Hashable | None = None) -> list[Key]:
+        """Each run of one tenant's keys (a request's are all one tenant's, ``owner``'s where named)
+        handed to its policy at once, what it admits counted as coming (``expect``)."""
+        runs = self._runs(keys, owner)
         if len(runs) == 1:  # (the usual request: one tenant's blocks, its policy's answer as it is)
-            ((name, own),) = runs
+            name = runs[0][0]
             tenant = self._tenant(name)
-            tenant.read += sum(map(resident.__contains__, own))
-            admitted = tenant.policy.access(own, resident)
-            tenant.incoming = max(tenant.incoming, len(admitted))
-            self._forget_if_empty(name)
+            tenant.read += sum(map(resident.__contains__, keys))
+            admitted = tenant.policy.access(keys, resident)
+            if len(admitted) > tenant.incoming:
+                tenant.incoming = len(admitted)
+            elif not tenant.held and not tenant.incoming:
+                self._drop(name)
             return admitted
         admitted = []
         declined = False
@@ -215,8 +218,11 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             self._forget_if_empty(name)
         return admitted
 
-    def _runs(self, keys: Sequence[Key]) -> list[tuple[Tenant, Sequence[Key]]]:
-        """``keys`` in runs of one tenant's, in order: one run, not copied, where all are one tenant's."""
+    def _runs(self, keys: Sequence[Key], owner: Hashable | None = None) -> list[tuple[Tenant, Sequence[Key]]]:
+        """``keys`` in runs of one tenant's, in order: one run, not copied, where all are one tenant's
+        (``owner``'s, asking no key, where the caller named it)."""
+        if owner is not None:
+            return [(cast(Tenant, owner), keys)]  # (a tenant as ``tenant_of`` names it: the caller's word)
         names = set(map(self._tenant_of, keys))
         if len(names) == 1:
             return [(names.pop(), keys)]
@@ -249,6 +255,8 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         policy, again only where one could not give its part (its other blocks in use)."""
         tenants = self._tenants
         victims: list[Key] = []
+        if not tenants:
+            return victims
         if len(tenants) == 1:  # (one tenant: nobody else's share to keep)
             ((name, tenant),) = tenants.items()
             coming = tenant.incoming
@@ -258,11 +266,23 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             return victims
         shares, default, capacity = self._shares, self._default_share, self._capacity
         over, incoming = {}, {}
+        # the tenant furthest over, its excess and the next one's: where it alone can give all ``n`` and
+        # stay the furthest over (``level``'s answer, without sorting), the usual eviction is one call
+        top, first, second = next(iter(tenants)), -math.inf, -math.inf
         for name, t in tenants.items():
-            over[name] = t.held + t.incoming - shares.get(name, default) * capacity
+            excess = over[name] = t.held + t.incoming - shares.get(name, default) * capacity
             if t.incoming:  # (counted now; what is admitted but not stored by the end is not coming)
                 incoming[name] = t.incoming
                 t.incoming = 0
+            if excess > first:
+                top, first, second = name, excess, first
+            elif excess > second:
+                second = excess
+        if first - n >= second:
+            victims = self._take(top, tenants[top], n, protected)
+            over[top] -= len(victims)
+            if len(victims) < n or top not in tenants:
+                del over[top]
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
                 taken = self._take(name, tenants[name], take, protected)

@@ -89,7 +89,8 @@ def replay(
     policy: EvictionPolicy[int],
     on_request: Callable[[Request, int, int], None] | None = None,
 ) -> ReplayResult:
-    """Run ``requests`` through a cache of ``capacity`` blocks ordered by ``policy`` (a fresh instance).
+    """Run ``requests`` through a cache of ``capacity`` blocks ordered by ``policy`` (a fresh instance),
+    each request's tenant named to it (``owner``: shares then ask no block its tenant).
 
     ``on_request(request, hits, resident)`` is called after each request with its prefix hits and
     the number of cached blocks (for progress, saved tokens and occupancy over time).
@@ -104,7 +105,7 @@ def replay(
         references += len(ids)
         request_hits = prefix_hits(ids, resident)
         hits += request_hits
-        missing = policy.access(ids, resident)
+        missing = policy.access(ids, resident, request.tenant)
         need = len(resident) + len(missing) - capacity
         if need > 0:
             protected = set(ids)
@@ -120,7 +121,7 @@ def replay(
             if len(victims) < need:
                 del missing[len(missing) - (need - len(victims)) :]
         resident.update(missing)
-        policy.insert_many(missing)
+        policy.insert_many(missing, request.tenant)
         if on_request is not None:
             on_request(request, request_hits, len(resident))
     return ReplayResult(hits, references, evictions)

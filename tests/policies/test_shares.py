@@ -9,6 +9,7 @@ evicts them without.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ from kvtier.core.errors import ConfigError
 from kvtier.node_config import load_node_config
 from kvtier.policies import AdaptivePolicy, LRUPolicy
 from kvtier.policies.shares import TenantShares, level
+from kvtier.replay.cache import replay
+from kvtier.replay.tenants import keep_tenants_apart
+from kvtier.replay.workload import WORKLOADS, generate
 
 
 def tenant(key: tuple[str, int]) -> str:
@@ -226,6 +230,29 @@ def test_level_takes_n_from_those_furthest_over_and_leaves_them_level(over, n):
     after = {tenant: excess - parts.get(tenant, 0) for tenant, excess in over.items()}
     for giver in parts:  # none gave so much that it ended more than a block below another
         assert all(after[giver] >= other - 1 - 1e-9 for other in after.values())
+
+
+@pytest.mark.parametrize("workload", ["chat", "documents"])
+def test_a_replay_that_names_each_requests_tenant_evicts_and_counts_as_one_that_does_not(workload):
+    """The replay hands each request's tenant to ``access`` and ``insert_many`` (``owner``), and shares
+    then ask no key its tenant: three tenants, shares of their own and the default, leveled evictions."""
+    named = keep_tenants_apart(
+        [
+            replace(r, tenant="abc"[(i if r.session is None else r.session) % 3])
+            for i, r in enumerate(generate(WORKLOADS[workload]))
+        ]
+    )
+    owner = {h: r.tenant for r in named for h in r.hash_ids}
+    unnamed = [replace(r, tenant=None) for r in named]
+
+    def shares() -> TenantShares:
+        return TenantShares(AdaptivePolicy, owner.__getitem__, {"a": 0.5, "b": 0.3}, 0.1, 600, label_of=str)
+
+    told, asked = shares(), shares()
+    result = replay(named, 600, told)
+    assert result == replay(unnamed, 600, asked)
+    assert result.evictions > 1000 and told.counts() == asked.counts()
+    assert {label for label, c in told.counts().items() if c["evicted"]} == {"a", "b", "c"}
 
 
 def test_a_share_cannot_name_a_tenant_after_a_counting_label():
