@@ -21,6 +21,7 @@ class TierStats:
     incompressible: int = 0  # blocks a compressing disk tier did not store: their payload outgrew the slot
     demotion_refused: int = 0  # victims dropped (not kept) because the tier below can never hold them
     declined: int = 0  # blocks not stored here because the eviction policy did not admit them
+    policy_errors: int = 0  # times the eviction policy raised or broke its contract (the tier then ran on LRU)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -230,7 +230,7 @@ class TierStack:
                 future.set_result(result)
 
             with offering(future):  # (store_now's result() runs the copy)
-                self._execute(plan, landed, caller=src)
+                self._execute(plan, landed, caller=src, waiting=future)
 
     def load(
         self, keys: Sequence[bytes], dst: BlockStorage, dst_slots: Sequence[int], dst_medium: str | None = None
@@ -294,7 +294,7 @@ class TierStack:
                 future.set_result(result)
 
             with offering(future):  # its result() runs the store calls no worker has begun
-                self._execute(plan, loaded, caller=dst)
+                self._execute(plan, loaded, caller=dst, waiting=future)
 
     # --- a tier written from outside ----------------------------------------------------------
 
@@ -496,16 +496,27 @@ class TierStack:
         return [self._execute(plan) for plan in room.demotions]
 
     def _execute(
-        self, plan: Plan, then: Callable[[Outcome], None] | None = None, caller: BlockStorage | None = None
+        self,
+        plan: Plan,
+        then: Callable[[Outcome], None] | None = None,
+        caller: BlockStorage | None = None,
+        waiting: Future | None = None,
     ) -> Job:
         """Run ``plan`` in-process: one job holding its fences, its stages on the transfer backends
         (``caller`` is the storage its ``ENGINE`` endpoint names). When the job ends the planner
         finishes the plan, ``then(outcome)`` runs, and every tier that stored blocks gets its
         follow-up work (``_after_write``). Raises (after the job has ended failed and released
-        everything) when the first stage's copies cannot start."""
+        everything) when the first stage's copies cannot start. Where finishing the plan raises (a
+        bug), the caller's future that ``then`` would complete (``waiting``) gets the error: no
+        caller waits forever."""
 
         def finished(job: Job) -> None:
-            outcome = self.planner.finish(plan, job, self._copied_on)
+            try:
+                outcome = self.planner.finish(plan, job, self._copied_on)
+            except Exception as exc:
+                if waiting is not None:
+                    waiting.set_exception(exc)
+                raise
             if outcome.holds:
                 self.jobs.when_lifted(job, lambda job: self.planner.lift(outcome))
             if then is not None:

@@ -9,12 +9,18 @@ of a key that was not reserved.
 
 Thread safety: every public method takes the tier's lock, so a tier may be called from the engine's
 thread and from transfer-completion threads at once. The policy is only called under that lock.
+
+A policy that raises, or evicts what it may not (a pinned, absent or unreadable block), has a bug, maybe
+an out-of-tree one: the tier logs it, counts it (``policy_errors``) and goes on under an LRU order
+rebuilt from its readable blocks (``_replace_policy``), finishing the call it was in. A policy's bug
+then costs hit ratio, never a pin or slot left held, a caller waiting forever or an engine's crash.
 """
 
 from __future__ import annotations
 
 import array
 import enum
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -29,8 +35,11 @@ from kvtier.core.metrics import TierStats
 from kvtier.core.misses import MissReason
 from kvtier.core.storage import BlockStorage
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.shares import TenantShares
 from kvtier.policies.watermark import Watermark
+
+log = logging.getLogger(__name__)
 
 
 class BlockState(enum.Enum):
@@ -267,7 +276,10 @@ class Tier:
             for key, slot in zip(keys, slots, strict=True):
                 pins[key] = pins.get(key, 0) + 1
                 if use and not flags[slot] & _EVICTING:
-                    self.policy.touch(key)
+                    try:
+                        self.policy.touch(key)
+                    except Exception as exc:
+                        self._replace_policy("touch", exc)
             return slots
 
     def try_pin(self, key: bytes) -> bool:
@@ -335,7 +347,11 @@ class Tier:
         counts the declined ones. Reserves nothing, so a declined block leaves no trace in the tier and a
         later store of the same key is simply asked again."""
         with self._lock:
-            verdicts = [self.policy.admit(key) for key in keys]
+            try:
+                verdicts = [self.policy.admit(key) for key in keys]
+            except Exception as exc:
+                self._replace_policy("admit", exc)
+                verdicts = [True] * len(keys)
             self.stats.declined += verdicts.count(False)
             return verdicts
 
@@ -344,7 +360,10 @@ class Tier:
         (``EvictionPolicy.expect``)."""
         if self.policy.expects:
             with self._lock:
-                self.policy.expect(keys)
+                try:
+                    self.policy.expect(keys)
+                except Exception as exc:
+                    self._replace_policy("expect", exc)
 
     def reserve(self, keys: Sequence[bytes], allow_evict: bool = True) -> list[int] | None:
         """Claim one slot per key to write; the blocks stay invisible to readers until ``commit``.
@@ -396,7 +415,11 @@ class Tier:
             flags, insert, pins = self._flags, self.policy.insert, self._pins
             for key, slot in zip(keys, slots, strict=True):
                 flags[slot] = _READY
-                insert(key)
+                try:
+                    insert(key)
+                except Exception as exc:  # (the order rebuilt holds this block: it is READY)
+                    self._replace_policy("insert", exc)
+                    insert = self.policy.insert
                 if pin:
                     pins[key] = pins.get(key, 0) + 1
             self.stats.committed += len(keys)
@@ -518,7 +541,10 @@ class Tier:
                 flags[dropped] = 0
                 self._allocator.free_many(dropped)
             flags[kept] = _READY
-            self.policy.restore(kept_keys, kept)
+            try:
+                self.policy.restore(kept_keys, kept)
+            except Exception as exc:
+                self._replace_policy("restore", exc)
             if then is not None:
                 then(new)
             self._tell_watcher(True, kept_keys)
@@ -549,7 +575,11 @@ class Tier:
                 slot = self._slots.get(key)
                 if slot is None or self._flags[slot] != _READY or key in self._pins or self._fenced(slot):
                     continue
-                self.policy.remove(key)
+                try:
+                    self.policy.remove(key)
+                except Exception as exc:  # (the order rebuilt holds this block still: it is READY)
+                    self._replace_policy("remove", exc)
+                    self.policy.remove(key)
                 self._free_block(key)
                 dropped.append(key)
             self.stats.read_errors += len(dropped)
@@ -575,9 +605,16 @@ class Tier:
         The victims stay READY and readable until ``end_evict``; the policy no longer offers them.
         """
         with self._lock:
-            victims = self.policy.evict(n, self._pins)
-            out = []
             index, flags, pins = self._slots, self._flags, self._pins
+            try:
+                victims = self.policy.evict(n, pins)
+                wrong = [k for k in victims if k in pins or k not in index or flags[index[k]] != _READY]
+                if wrong or len(set(victims)) != len(victims):
+                    raise StateError(f"evict chose blocks it may not: {wrong[:1] or 'one twice'} of {len(victims)}")
+            except Exception as exc:  # (the order rebuilt holds what it chose: those are READY still)
+                self._replace_policy("evict", exc)
+                victims = self.policy.evict(n, pins)
+            out = []
             for key in victims:
                 slot = index[key]
                 flags[slot] |= _EVICTING
@@ -608,7 +645,10 @@ class Tier:
                     self._free_block(key)
                     dropped.append(key)
                 else:
-                    self.policy.insert(key)
+                    try:
+                        self.policy.insert(key)
+                    except Exception as exc:  # (the order rebuilt holds this block: READY again)
+                        self._replace_policy("insert", exc)
             self._evicting -= len(keys)
             self.stats.evicted += len(dropped)
             self._tell_watcher(False, dropped)
@@ -698,6 +738,27 @@ class Tier:
         self.storage.close()
 
     # --- helpers -------------------------------------------------------------------------------
+
+    def _replace_policy(self, call: str, error: Exception) -> None:
+        """The policy raised in ``call`` (or chose blocks it may not evict): log it with its cause, count
+        it, and order the blocks by an LRU from now on, rebuilt from the READY blocks not being evicted
+        (what a policy tracks), oldest stored first. The caller then finishes its own work."""
+        log.error(
+            "tier %r: eviction policy %s failed in %s (%s: %s); the tier goes on with LRU",
+            self.name,
+            type(self.policy).__name__,
+            call,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+        self.stats.policy_errors += 1
+        flags = self._flags
+        ready = [(key, slot) for key, slot in self._slots.items() if flags[slot] == _READY]
+        lru: LRUPolicy[bytes] = LRUPolicy()
+        lru.bind(self._slots, self.capacity)
+        lru.restore([key for key, _ in ready], [slot for _, slot in ready])
+        self.policy = lru
 
     def _ready_slot(self, key: bytes) -> int:
         slot = self._slots.get(key)

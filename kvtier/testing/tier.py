@@ -730,6 +730,7 @@ class TierTests(KeyedTierTests):
             "incompressible": 0,
             "demotion_refused": 0,
             "declined": 0,
+            "policy_errors": 0,
         }
         with pytest.raises(AttributeError):
             tier.count(nonsense=1)
