@@ -35,9 +35,15 @@ def level(over: Mapping[Tenant, float], n: int) -> dict[Tenant, int]:
     """How many blocks each tenant gives so that ``n`` taken from those furthest over (``over``: blocks
     beyond the quota, negative below it) leave them level, none giving more than brings it to the
     level of the next: water-filling. Each part is whole, the remainder taken from those left furthest over."""
+    top, first, second = next(iter(over)), -math.inf, -math.inf  # (the one furthest over, its excess, the next's)
+    for name, excess in over.items():
+        if excess > first:
+            top, first, second = name, excess, first
+        elif excess > second:
+            second = excess
+    if first - n >= second:  # (the usual eviction: the one furthest over gives them all, found without sorting)
+        return {top: n}
     ranked = sorted(over.items(), key=lambda item: -item[1])
-    if len(ranked) == 1 or ranked[0][1] - n >= ranked[1][1]:  # (the one furthest over gives them all)
-        return {ranked[0][0]: n}
     total, waterline, k = 0.0, 0.0, 0
     for k, (_, excess) in enumerate(ranked, 1):
         total += excess
@@ -198,10 +204,8 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             tenant = self._tenant(name)
             tenant.read += sum(map(resident.__contains__, keys))
             admitted = tenant.policy.access(keys, resident)
-            if len(admitted) > tenant.incoming:
-                tenant.incoming = len(admitted)
-            elif not tenant.held and not tenant.incoming:
-                self._drop(name)
+            tenant.incoming = max(tenant.incoming, len(admitted))
+            self._forget_if_empty(name)
             return admitted
         admitted = []
         declined = False
@@ -255,8 +259,6 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
         policy, again only where one could not give its part (its other blocks in use)."""
         tenants = self._tenants
         victims: list[Key] = []
-        if not tenants:
-            return victims
         if len(tenants) == 1:  # (one tenant: nobody else's share to keep)
             ((name, tenant),) = tenants.items()
             coming = tenant.incoming
@@ -266,23 +268,11 @@ class TenantShares(EvictionPolicy[Key], Generic[Key, Tenant]):
             return victims
         shares, default, capacity = self._shares, self._default_share, self._capacity
         over, incoming = {}, {}
-        # the tenant furthest over, its excess and the next one's: where it alone can give all ``n`` and
-        # stay the furthest over (``level``'s answer, without sorting), the usual eviction is one call
-        top, first, second = next(iter(tenants)), -math.inf, -math.inf
         for name, t in tenants.items():
-            excess = over[name] = t.held + t.incoming - shares.get(name, default) * capacity
+            over[name] = t.held + t.incoming - shares.get(name, default) * capacity
             if t.incoming:  # (counted now; what is admitted but not stored by the end is not coming)
                 incoming[name] = t.incoming
                 t.incoming = 0
-            if excess > first:
-                top, first, second = name, excess, first
-            elif excess > second:
-                second = excess
-        if first - n >= second:
-            victims = self._take(top, tenants[top], n, protected)
-            over[top] -= len(victims)
-            if len(victims) < n or top not in tenants:
-                del over[top]
         while len(victims) < n and over:
             for name, take in level(over, n - len(victims)).items():
                 taken = self._take(name, tenants[name], take, protected)
